@@ -1,0 +1,328 @@
+"""Typed, validated configuration.
+
+Library code takes these frozen dataclasses, never an ``ml_collections.ConfigDict``: the CLI converts
+with :func:`from_mapping`, which rejects unknown keys, and every dataclass validates itself in
+``__post_init__`` so a bad value fails before anything is compiled.
+
+Every error is a :class:`ConfigError` whose message names the offending setting(s), the value,
+and a concrete fix.
+
+Symbols of ../DESIGN (global counts over the whole mesh, not per device):
+  B = micro_batch_size, G = num_generations, S = steps_per_generation, mu = num_iterations,
+  K = grad_accum_steps, E = S * mu micro-steps between rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import typing
+from typing import Any, Mapping, Optional
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid. The message names the setting and how to fix it."""
+
+
+def _require(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ConfigError(msg)
+
+
+def _is_int(value: Any) -> bool:
+  """Python or numpy integer, but not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _positive_int(obj: Any, *names: str, prefix: str = '') -> None:
+  for name in names:
+    value = getattr(obj, name)
+    _require(
+        _is_int(value) and value > 0,
+        f'{prefix}{name} must be a positive integer, got {value!r}; '
+        f'set {prefix}{name} to 1 or more.')
+
+
+def _one_of(obj: Any, name: str, choices: tuple[str, ...], prefix: str = '',
+            aliases: Optional[Mapping[str, str]] = None) -> None:
+  """Checks that a name-valued setting is one of ``choices``; ``aliases`` maps other projects'
+  names (e.g. TRL's) to ours, so the message can say which one was meant."""
+  value = getattr(obj, name)
+  if value in choices:
+    return
+  hint = ''
+  if aliases and value in aliases:
+    hint = f' ({value!r} is what TRL calls {aliases[value]!r} here)'
+  elif isinstance(value, str):
+    close = difflib.get_close_matches(value, choices, n=1)
+    if close:
+      hint = f' (did you mean {close[0]!r}?)'
+  raise ConfigError(
+      f'{prefix}{name}={value!r} is not a known value{hint}; '
+      f'set {prefix}{name} to one of {", ".join(repr(c) for c in choices)}.')
+
+
+def nearest_multiples(value: int, step: int) -> list[int]:
+  """The positive multiples of ``step`` nearest to ``value``: ``[value]`` if it is one, else the
+  one below (when positive) and the one above. Used to suggest fixes in error messages."""
+  below = value // step * step
+  if below == value:
+    return [value]
+  return [m for m in (below, below + step) if m > 0]
+
+
+def _or(values: list[int]) -> str:
+  return ' or '.join(str(v) for v in values)
+
+
+UPDATE_MODES = ('accumulate', 'sequential')
+GRPO_AGGREGATIONS = ('token', 'sequence', 'constant', 'microbatch_token')
+# TRL's loss_type names for the same aggregations (DESIGN, "Loss normalization").
+TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'constant',
+                         'bnpo': 'microbatch_token'}
+DPO_AGGREGATIONS = ('pair', 'token')
+DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
+IMPORTANCE_LEVELS = ('token', 'sequence')
+SCALE_REWARDS = ('group', 'batch', 'none')
+OLD_LOGPROB_SOURCES = ('recompute', 'sampler')
+LR_SCHEDULES = ('constant', 'cosine', 'linear')
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """When rollouts happen, which slices they feed, and when the optimizer steps.
+
+  Attributes:
+    micro_batch_size: B, completions per micro-step over the whole mesh.
+    num_generations: G, completions per prompt (a group).
+    steps_per_generation: S, micro-steps that one rollout's slices feed; a rollout holds S*B
+      completions, i.e. S*B/G prompts.
+    num_iterations: mu, passes over each rollout.
+    grad_accum_steps: K, micro-steps per optimizer step.
+    update_mode: 'accumulate' (one optimizer step per K micro-steps) or 'sequential' (one
+      optimizer step per micro-step, learning rate scaled; seed 002).
+    strict_on_policy: reject any configuration in which some slice is consumed off-policy.
+  """
+  micro_batch_size: int = 8
+  num_generations: int = 4
+  steps_per_generation: int = 2
+  num_iterations: int = 1
+  grad_accum_steps: int = 3
+  update_mode: str = 'accumulate'
+  strict_on_policy: bool = False
+
+  def __post_init__(self):
+    _positive_int(self, 'micro_batch_size', 'num_generations', 'steps_per_generation',
+                  'num_iterations', 'grad_accum_steps')
+    for name in ('micro_batch_size', 'num_generations', 'steps_per_generation', 'num_iterations',
+                 'grad_accum_steps'):
+      object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
+    _one_of(self, 'update_mode', UPDATE_MODES)
+    _require(isinstance(self.strict_on_policy, bool),
+             f'strict_on_policy must be True or False, got {self.strict_on_policy!r}.')
+    b, g, s = self.micro_batch_size, self.num_generations, self.steps_per_generation
+    if (s * b) % g:
+      fixes = [f'micro_batch_size to {_or(nearest_multiples(b, g // math.gcd(g, s)))}',
+               f'steps_per_generation to {_or(nearest_multiples(s, g // math.gcd(g, b)))}']
+      divisors = [d for d in range(2, s * b + 1) if (s * b) % d == 0]
+      if divisors:
+        below = [d for d in divisors if d < g][-1:]
+        above = [d for d in divisors if d > g][:1]
+        fixes.append(f'num_generations to {_or(below + above)}')
+      raise ConfigError(
+          f'steps_per_generation*micro_batch_size = {s}*{b} = {s * b} completions per rollout '
+          f'is not divisible by num_generations = {g}: the G completions of one prompt (a group) '
+          f'must lie inside one rollout. Fix: set {", or ".join(fixes)}.')
+
+  @property
+  def micro_steps_per_rollout(self) -> int:
+    """E = S * mu."""
+    return self.steps_per_generation * self.num_iterations
+
+  @property
+  def optimizer_every(self) -> int:
+    """Micro-steps between optimizer steps (K, or 1 in sequential mode)."""
+    return 1 if self.update_mode == 'sequential' else self.grad_accum_steps
+
+  @property
+  def completions_per_rollout(self) -> int:
+    return self.steps_per_generation * self.micro_batch_size
+
+  @property
+  def prompts_per_rollout(self) -> int:
+    return self.completions_per_rollout // self.num_generations
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLossConfig:
+  """The GRPO per-token objective and its aggregation over an optimizer-step window.
+
+  Attributes:
+    aggregation: 'token' (DAPO), 'sequence' (GRPO), 'constant' (Dr. GRPO) or
+      'microbatch_token' (BNPO as often implemented: normalized per micro-batch; depends on K,
+      kept only to demonstrate seed 003's bug).
+    epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high].
+    delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
+    importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
+    beta: weight of the k3 KL estimate to the reference policy (0 disables the reference).
+    entropy_coef: weight of an entropy bonus (0 disables).
+  """
+  aggregation: str = 'token'
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  delta: Optional[float] = None
+  importance_level: str = 'token'
+  beta: float = 0.0
+  entropy_coef: float = 0.0
+
+  def __post_init__(self):
+    p = 'loss.'
+    _one_of(self, 'aggregation', GRPO_AGGREGATIONS, p, aliases=TRL_AGGREGATION_NAMES)
+    _one_of(self, 'importance_level', IMPORTANCE_LEVELS, p)
+    _require(self.epsilon_low >= 0 and self.epsilon_high >= 0,
+             f'{p}epsilon_low/epsilon_high must be >= 0, got {self.epsilon_low}, '
+             f'{self.epsilon_high}.')
+    _require(self.delta is None or self.delta > 1.0,
+             f'{p}delta must be None or > 1 (an upper cap on the ratio), got {self.delta}.')
+    _require(self.beta >= 0, f'{p}beta must be >= 0, got {self.beta}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOLossConfig:
+  """DPO over summed sequence log-probs.
+
+  Attributes:
+    loss_type: 'sigmoid', 'ipo', 'hinge' or 'robust' (label smoothing, Chowdhury et al.).
+    beta: inverse temperature of the implicit reward.
+    label_smoothing: assumed label-noise rate for 'robust' (and conservative 'sigmoid').
+    aggregation: 'pair' (mean over pairs, default) or 'token' (each pair weighted by its
+      chosen+rejected token count, open-instruct's weighting).
+  """
+  loss_type: str = 'sigmoid'
+  beta: float = 0.1
+  label_smoothing: float = 0.0
+  aggregation: str = 'pair'
+
+  def __post_init__(self):
+    p = 'dpo.'
+    _one_of(self, 'loss_type', DPO_LOSS_TYPES, p)
+    _one_of(self, 'aggregation', DPO_AGGREGATIONS, p)
+    _require(self.beta > 0, f'{p}beta must be > 0, got {self.beta}.')
+    _require(0 <= self.label_smoothing < 0.5,
+             f'{p}label_smoothing must be in [0, 0.5), got {self.label_smoothing}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with a schedule and global-norm clipping (optax).
+
+  Attributes:
+    learning_rate: peak learning rate.
+    lr_schedule: 'constant', 'cosine' or 'linear' decay after warmup.
+    warmup_steps: linear warmup, in optimizer steps.
+    total_steps: optimizer steps the decay spans (needed by 'cosine' and 'linear').
+    max_grad_norm: clip the (window-normalized) gradient to this global norm; 0 disables.
+    sequential_lr_scale: learning-rate factor in update_mode='sequential'; None means
+      1/sqrt(grad_accum_steps) as in seed 002.
+  """
+  learning_rate: float = 1e-5
+  lr_schedule: str = 'constant'
+  warmup_steps: int = 0
+  total_steps: int = 0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0
+  sequential_lr_scale: Optional[float] = None
+
+  def __post_init__(self):
+    p = 'optimizer.'
+    _require(self.learning_rate > 0, f'{p}learning_rate must be > 0, got {self.learning_rate}.')
+    _one_of(self, 'lr_schedule', LR_SCHEDULES, p)
+    _require(self.warmup_steps >= 0, f'{p}warmup_steps must be >= 0, got {self.warmup_steps}.')
+    _require(self.lr_schedule == 'constant' or self.total_steps > self.warmup_steps,
+             f'{p}lr_schedule={self.lr_schedule!r} needs {p}total_steps > {p}warmup_steps '
+             f'(got {self.total_steps} and {self.warmup_steps}); set {p}total_steps to the '
+             f'number of optimizer steps of the run.')
+    _require(self.max_grad_norm >= 0, f'{p}max_grad_norm must be >= 0 (0 disables).')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh sizes. One size may be -1: it takes the devices that are left.
+
+  Attributes:
+    data: pure data parallelism (params replicated over it).
+    fsdp: data parallelism with params sharded over it (ZeRO-3 style).
+    tensor: tensor parallelism (heads, mlp and vocab sharded over it).
+  """
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = dataclasses.astuple(self)
+    _require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes),
+             f'mesh sizes must be positive integers or -1, got data={self.data}, '
+             f'fsdp={self.fsdp}, tensor={self.tensor}.')
+    _require(sum(s == -1 for s in sizes) <= 1,
+             f'at most one mesh size may be -1, got data={self.data}, fsdp={self.fsdp}, '
+             f'tensor={self.tensor}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Generation settings of the rollout step.
+
+  Attributes:
+    max_prompt_length: prompts are left-padded (or rejected) to this many tokens.
+    max_completion_length: L, generated tokens per completion (also the 'constant' normalizer).
+    temperature: softmax temperature (> 0).
+    top_k: keep the k most likely tokens (0 disables).
+    top_p: nucleus sampling mass (1.0 disables).
+    rollout_micro_batch_size: completions generated at once, to bound KV-cache memory
+      (0 means the whole rollout at once).
+    old_logprob_source: 'recompute' (a learner forward pass, only for the slices the schedule
+      marks) or 'sampler' (the sampler's own log-probs, free with generation).
+  """
+  max_prompt_length: int = 32
+  max_completion_length: int = 16
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  rollout_micro_batch_size: int = 0
+  old_logprob_source: str = 'recompute'
+
+  def __post_init__(self):
+    p = 'sampling.'
+    _positive_int(self, 'max_prompt_length', 'max_completion_length', prefix=p)
+    _require(self.temperature > 0, f'{p}temperature must be > 0, got {self.temperature}.')
+    _require(self.top_k >= 0, f'{p}top_k must be >= 0 (0 disables), got {self.top_k}.')
+    _require(0 < self.top_p <= 1, f'{p}top_p must be in (0, 1], got {self.top_p}.')
+    _require(self.rollout_micro_batch_size >= 0,
+             f'{p}rollout_micro_batch_size must be >= 0 (0: whole rollout at once).')
+    _one_of(self, 'old_logprob_source', OLD_LOGPROB_SOURCES, p)
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
+  """Builds dataclass ``cls`` from a mapping (e.g. a ConfigDict section), rejecting unknown keys.
+
+  Nested dataclass fields are built recursively from nested mappings.
+  """
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    raise ConfigError(
+        f'unknown setting(s) {", ".join(prefix + u for u in unknown)} for {cls.__name__}; '
+        f'known settings: {", ".join(prefix + f for f in fields)}.')
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for name, value in values.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+      value = from_mapping(hint, value, prefix=f'{prefix}{name}.')
+    kwargs[name] = value
+  return cls(**kwargs)

@@ -1,0 +1,323 @@
+"""A Flax NNX decoder-only transformer covering the Hugging Face Qwen2 and Llama families.
+
+RMSNorm, rotary embeddings (rope_theta; 'linear' and Llama-3 scaling), grouped-query attention,
+SwiGLU MLP, optional q/k/v bias (Qwen2), tied or untied embeddings, float32/bfloat16 params and
+compute. The layers' params are stacked on a leading ``layers`` axis and run with ``lax.scan``, so
+compile time does not grow with depth.
+
+Two paths share one layer function:
+  * ``model(tokens, attention_mask)``: the full forward for training over left- or right-padded
+    batches; positions are derived from the mask (``cumsum(mask) - 1``), as HF does in generate.
+  * ``model.prefill(...)`` then ``model.decode(...)``: a preallocated KV cache in which slot ``i``
+    holds token ``i`` of the (left-padded) sequence; decoding writes one slot per step.
+
+Every param carries ``logical_axes`` metadata (``vocab``, ``embed``, ``q_heads``, ``kv_heads``,
+``mlp``, ``layers``, ``norm``) that ``jaxrl_ga.sharding`` maps to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import flax
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+_ROPE_TYPES = ('default', 'linear', 'llama3')
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Rotary-embedding frequency scaling (HF ``rope_scaling``); ``rope_type`` in _ROPE_TYPES."""
+  rope_type: str = 'default'
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in _ROPE_TYPES:
+      raise ValueError(f'rope_scaling.rope_type={self.rope_type!r} is not supported; '
+                       f'supported: {", ".join(_ROPE_TYPES)}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Qwen2/Llama-family decoder. Field names follow the HF config."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  rms_norm_eps: float = 1e-6
+  attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 2048
+  architecture: str = 'qwen2'  # 'qwen2' or 'llama': which HF class export writes
+  param_dtype: str = 'float32'
+  dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f'num_attention_heads={self.num_attention_heads} must be a multiple of '
+          f'num_key_value_heads={self.num_key_value_heads} (grouped-query attention).')
+    for name in ('param_dtype', 'dtype'):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f'{name}={getattr(self, name)!r}; choose one of {", ".join(_DTYPES)}.')
+    if self.architecture not in ('qwen2', 'llama'):
+      raise ValueError(f'architecture={self.architecture!r}; choose qwen2 or llama.')
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated decoding cache. Slot i holds token i of the left-padded sequence."""
+  k: jax.Array  # [L, B, S, Nkv, H]
+  v: jax.Array  # [L, B, S, Nkv, H]
+  valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
+  index: jax.Array  # [] int32: next slot to write
+  positions: jax.Array  # [B] int32: rotary position of the next token of each row
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+  """[B, T] 0/1 mask -> [B, T] int32 positions: the count of real tokens before each token."""
+  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Inverse rotary frequencies [H/2], with the config's scaling applied (numpy, static)."""
+  h = cfg.head_size
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+  sc = cfg.rope_scaling
+  if sc is None or sc.rope_type == 'default':
+    return inv_freq.astype(np.float32)
+  if sc.rope_type == 'linear':
+    return (inv_freq / sc.factor).astype(np.float32)
+  # llama3: long wavelengths are divided by `factor`, short ones kept, the band between smoothed.
+  old_len = sc.original_max_position_embeddings
+  low_wavelen = old_len / sc.low_freq_factor
+  high_wavelen = old_len / sc.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+  smooth = (old_len / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotary embedding, HF's rotate-half layout. x: [B, T, N, H]; positions: [B, T]."""
+  freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
+  logits = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
+  logits = logits / np.sqrt(h).astype(np.float32)
+  logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
+  return out.reshape(b, t, n, h)
+
+
+class DecoderStack(nnx.Module):
+  """The params of all decoder layers, stacked on a leading ``layers`` axis."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pdt = _DTYPES[cfg.param_dtype]
+    n_layers, d, f = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
+    q_dim = cfg.num_attention_heads * cfg.head_size
+    kv_dim = cfg.num_key_value_heads * cfg.head_size
+    normal = nnx.initializers.normal(0.02)
+
+    def weight(shape, axes):
+      return nnx.Param(normal(rngs.params(), (n_layers, *shape), pdt),
+                       logical_axes=('layers', *axes))
+
+    def const(value, shape, axes):
+      return nnx.Param(jnp.full((n_layers, *shape), value, pdt), logical_axes=('layers', *axes))
+
+    self.attn_norm = const(1.0, (d,), ('norm',))
+    self.q_proj = weight((d, q_dim), ('embed', 'q_heads'))
+    self.k_proj = weight((d, kv_dim), ('embed', 'kv_heads'))
+    self.v_proj = weight((d, kv_dim), ('embed', 'kv_heads'))
+    if cfg.attention_bias:
+      self.q_bias = const(0.0, (q_dim,), ('q_heads',))
+      self.k_bias = const(0.0, (kv_dim,), ('kv_heads',))
+      self.v_bias = const(0.0, (kv_dim,), ('kv_heads',))
+    self.o_proj = weight((q_dim, d), ('q_heads', 'embed'))
+    self.mlp_norm = const(1.0, (d,), ('norm',))
+    self.gate_proj = weight((d, f), ('embed', 'mlp'))
+    self.up_proj = weight((d, f), ('embed', 'mlp'))
+    self.down_proj = weight((f, d), ('mlp', 'embed'))
+
+  def arrays(self) -> dict[str, jax.Array]:
+    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
+           mask: jax.Array, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
+           write_index: Optional[jax.Array]):
+  """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None)."""
+  dt = h.dtype
+  b, t, _ = h.shape
+  hs = cfg.head_size
+
+  def proj(x, name):
+    y = x @ p[name].astype(dt)
+    bias = p.get(name.replace('proj', 'bias'))
+    return y if bias is None else y + bias.astype(dt)
+
+  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps)
+  q = proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs)
+  k = proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs)
+  v = proj(x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs)
+  q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
+  new_kv = None
+  if kv is not None:
+    k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
+    new_kv = (k_cache, v_cache)
+    k, v = k_cache.astype(dt), v_cache.astype(dt)
+  attn = _attention(q, k, v, mask).reshape(b, t, -1)
+  h = h + attn @ p['o_proj'].astype(dt)
+  x = _rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps)
+  gate = x @ p['gate_proj'].astype(dt)
+  up = x @ p['up_proj'].astype(dt)
+  h = h + (jax.nn.silu(gate) * up) @ p['down_proj'].astype(dt)
+  return h, new_kv
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. Params: embed [V, D], layers (stacked), final_norm [D], lm_head [D, V]."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = _DTYPES[cfg.param_dtype]
+    self.embed = nnx.Param(
+        nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt),
+        logical_axes=('vocab', 'embed'))
+    self.layers = DecoderStack(cfg, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), pdt), logical_axes=('norm',))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nnx.Param(
+          nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt),
+          logical_axes=('embed', 'vocab'))
+
+  # -- shared trunk ------------------------------------------------------------------------------
+  def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None):
+    """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache."""
+    cfg = self.cfg
+    dt = _DTYPES[cfg.dtype]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
+    layer_params = self.layers.arrays()
+
+    def body(h, xs):
+      p, kv = xs
+      h, new_kv = _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
+      return h, new_kv
+
+    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv))
+    return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), new_kv
+
+  def _logits(self, h: jax.Array) -> jax.Array:
+    """[..., D] -> [..., V] float32."""
+    w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+    return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+  # -- training path -----------------------------------------------------------------------------
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
+    t = tokens.shape[1]
+    valid = attention_mask.astype(bool)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    mask = causal[None] & valid[:, None, :]  # [B, T, T]
+    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask)
+    return self._logits(h)
+
+  # -- decoding path -----------------------------------------------------------------------------
+  def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
+    cfg = self.cfg
+    shape = (cfg.num_hidden_layers, batch_size, cache_length, cfg.num_key_value_heads,
+             cfg.head_size)
+    dt = _DTYPES[cfg.dtype]
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+                   valid=jnp.zeros((batch_size, cache_length), bool),
+                   index=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch_size,), jnp.int32))
+
+  def prefill(self, tokens: jax.Array, attention_mask: jax.Array,
+              cache_length: int) -> tuple[jax.Array, KVCache]:
+    """Runs left-padded prompts [B, Tp] into a fresh cache of ``cache_length`` slots.
+
+    Returns the logits of the last slot [B, V] (the next-token distribution) and the cache.
+    """
+    b, t = tokens.shape
+    cache = self.init_cache(b, cache_length)
+    valid = cache.valid.at[:, :t].set(attention_mask.astype(bool))
+    slots = jnp.arange(cache_length)
+    mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
+    h, (k, v) = self._trunk(tokens, positions_from_mask(attention_mask), mask,
+                            (cache.k, cache.v), jnp.zeros((), jnp.int32))
+    positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
+    cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
+    return self._logits(h[:, -1]), cache
+
+  def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written."""
+    valid = jax.lax.dynamic_update_slice_in_dim(
+        cache.valid, jnp.ones((tokens.shape[0], 1), bool), cache.index, 1)
+    h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], valid[:, None, :],
+                            (cache.k, cache.v), cache.index)
+    cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
+    return self._logits(h[:, 0]), cache
+
+
+def logical_axes(model_or_state) -> dict:
+  """Nested dict (same structure as the params' pure dict) of each param's logical axes."""
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+  out: dict = {}
+  for path, var in nnx.to_flat_state(state):
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = tuple(var.get_metadata()['logical_axes'])
+  return out
+
+
+def split(model: Transformer) -> tuple[nnx.GraphDef, dict]:
+  """(graphdef, params as a plain nested dict of arrays)."""
+  graphdef, state = nnx.split(model)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def merge(graphdef: nnx.GraphDef, params: dict) -> Transformer:
+  """Rebuilds the module from a graphdef and a params dict (works on tracers inside jit)."""
+  return nnx.merge(graphdef, params)

@@ -1,0 +1,30 @@
+"""jaxrl_ga: exact gradient accumulation for RL post-training of language models in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name='jaxrl_ga',
+    version='0.1.0',
+    description=('RL post-training (GRPO, DPO, SFT) of language models in JAX/Flax NNX with '
+                 'exact gradient accumulation and minimal old-log-prob recomputation.'),
+    python_requires='>=3.10',
+    packages=setuptools.find_packages(include=['jaxrl_ga', 'jaxrl_ga.*']),
+    install_requires=[
+        # CPU jax by default; pick an accelerator with the [tpu] or [cuda] extra.
+        'jax>=0.10.2',
+        'flax>=0.12.8',
+        'optax>=0.2.8',
+        'orbax-checkpoint>=0.12.8',
+        'transformers>=5.0',
+        'tokenizers',
+        'safetensors',
+        'absl-py',
+        'ml_collections',
+        'numpy',
+    ],
+    extras_require={
+        'test': ['pytest', 'hypothesis', 'chex'],
+        'tpu': ['jax[tpu]>=0.10.2'],
+        'cuda': ['jax[cuda12]>=0.10.2'],
+    },
+)
