@@ -54,9 +54,10 @@ def _one_of(obj: Any, name: str, choices: tuple[str, ...], prefix: str = '',
     return
   hint = ''
   if aliases and value in aliases:
-    hint = f' ({value!r} is what TRL calls {aliases[value]!r} here)'
+    hint = f" (TRL's {value!r} is {aliases[value]!r} here)"
   elif isinstance(value, str):
-    close = difflib.get_close_matches(value, choices, n=1)
+    close = ([c for c in choices if value and c.startswith(value)]
+             or difflib.get_close_matches(value, choices, n=1))
     if close:
       hint = f' (did you mean {close[0]!r}?)'
   raise ConfigError(
