@@ -308,6 +308,26 @@ class SamplingConfig:
     _one_of(self, 'old_logprob_source', OLD_LOGPROB_SOURCES, p)
 
 
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+  """From rewards to advantages (GRPO).
+
+  Attributes:
+    scale_rewards: divide the group-centered reward by the std of the 'group' (GRPO), of the
+      'batch' (rollout), or not at all ('none', Dr. GRPO).
+    mask_truncated_completions: exclude completions that hit max_completion_length without EOS
+      from the loss (DAPO).
+    order_by_advantage_sign: reorder each rollout so that positive-advantage completions come
+      first and negative ones last (seed 002's sequential study).
+  """
+  scale_rewards: str = 'group'
+  mask_truncated_completions: bool = False
+  order_by_advantage_sign: bool = False
+
+  def __post_init__(self):
+    _one_of(self, 'scale_rewards', SCALE_REWARDS, 'advantage.')
+
+
 def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
   """Builds dataclass ``cls`` from a mapping (e.g. a ConfigDict section), rejecting unknown keys.
 

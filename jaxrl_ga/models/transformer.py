@@ -254,14 +254,22 @@ class Transformer(nnx.Module):
     return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
   # -- training path -----------------------------------------------------------------------------
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-    """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
+  def hidden(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``."""
     t = tokens.shape[1]
     valid = attention_mask.astype(bool)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :]  # [B, T, T]
     h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask)
+    return h
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """[..., D] hidden states -> [..., V] float32 logits."""
     return self._logits(h)
+
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
+    return self._logits(self.hidden(tokens, attention_mask))
 
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> KVCache:

@@ -1,0 +1,356 @@
+"""The train state and the one jitted learner step (exact accumulation with optax.MultiSteps).
+
+Exactness. Every task loss returns, for its micro-batch, the *un-normalized* numerator of the
+window loss and its contribution to the window normalizer (``losses.LossTerms``). The step
+differentiates the numerator only; ``optax.MultiSteps(use_grad_mean=False)`` sums those gradients
+in float32 while the state sums the normalizers; at the optimizer step the inner optimizer first
+divides the summed gradient by the summed normalizer (passed as the extra argument
+``denominator``), then clips by global norm, then applies AdamW. A window that spans two rollouts,
+or micro-batches of different token counts, or several data-parallel shards and hosts (the sums are
+over global arrays), therefore gets exactly the gradient of its one-pass loss.
+
+Non-finite windows are skipped by ``optax.apply_if_finite``: params and the AdamW state are left
+unchanged and ``total_notfinite`` counts them. Metrics are accumulated in the state the same way
+(sums and weights, mins, maxes) and finalized into exact window means when a step fires.
+
+``optax.MultiSteps`` runs its inner optimizer at every micro-step and discards the result unless it
+is the last; with ``lazy_inner=True`` (default) a ``lax.cond`` runs it only when an optimizer step
+fires, keeping MultiSteps' state and semantics (see benchmarks/multisteps_overhead.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import flax
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_ga import losses
+from jaxrl_ga import sharding
+from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, OptimizerConfig, ScheduleConfig
+from jaxrl_ga.models import transformer as tfm
+
+TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
+
+
+# -- log-probs shared by the learner and the rollout step -----------------------------------------
+def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
+                     completion_mask, with_entropy: bool = False, temperature=1.0):
+  """Per-token log-probs (and entropies) of the completion tokens. -> [B, Tc] float32.
+
+  prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
+  the Tc positions that predict completion tokens. The policy is softmax(logits / temperature),
+  the distribution the sampler draws from (as in TRL), so ratios compare like with like.
+  """
+  tp = prompt_tokens.shape[1]
+  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+  h = model.hidden(tokens, mask)[:, tp - 1:-1]  # [B, Tc, D]
+  logits = model.logits(h) / temperature  # [B, Tc, V]
+  logps = losses.token_logps(logits, completion_tokens)
+  return logps, (losses.token_entropy(logits) if with_entropy else None)
+
+
+def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask):
+  """Summed log-probs of the tokens where loss_mask is 1 ([B, T] inputs). -> ([B], token counts)."""
+  logits = model(tokens, attention_mask)[:, :-1]
+  logps = losses.token_logps(logits, tokens[:, 1:])
+  m = loss_mask[:, 1:].astype(jnp.float32)
+  return jnp.sum(logps * m, axis=-1), jnp.sum(m, axis=-1)
+
+
+# -- task losses --------------------------------------------------------------------------------
+def sft_task_loss() -> TaskLoss:
+  """Batch: tokens, attention_mask, loss_mask [B, T] (loss_mask marks the target tokens)."""
+
+  def task_loss(model, batch):
+    logits = model(batch['tokens'], batch['attention_mask'])[:, :-1]
+    logps = losses.token_logps(logits, batch['tokens'][:, 1:])
+    return losses.sft_loss(logps, batch['loss_mask'][:, 1:].astype(jnp.float32))
+
+  return task_loss
+
+
+def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
+                   temperature: float = 1.0) -> TaskLoss:
+  """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
+  advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
+  their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0."""
+
+  def task_loss(model, batch):
+    logps, entropy = completion_logps(
+        model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
+        batch['completion_mask'], with_entropy=True, temperature=temperature)
+    if cfg.entropy_coef == 0:
+      entropy = jax.lax.stop_gradient(entropy)
+    old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
+    return losses.grpo_loss(
+        logps, old, batch['advantages'], batch['completion_mask'].astype(jnp.float32), cfg,
+        max_completion_length, ref_logps=batch.get('ref_logps'), entropy=entropy)
+
+  return task_loss
+
+
+def dpo_task_loss(cfg: DPOLossConfig) -> TaskLoss:
+  """Batch: {chosen,rejected}_{tokens,attention_mask,loss_mask} [P, T] and
+  ref_{chosen,rejected}_logps [P] (summed over the response, cached once)."""
+
+  def task_loss(model, batch):
+    n = batch['chosen_tokens'].shape[0]
+    cat = lambda k: jnp.concatenate([batch[f'chosen_{k}'], batch[f'rejected_{k}']], axis=0)
+    logps, counts = sequence_logps(model, cat('tokens'), cat('attention_mask'), cat('loss_mask'))
+    return losses.dpo_loss(logps[:n], logps[n:], batch['ref_chosen_logps'],
+                           batch['ref_rejected_logps'], counts[:n], counts[n:], cfg)
+
+  return task_loss
+
+
+# -- optimizer ----------------------------------------------------------------------------------
+def normalize_by_denominator() -> optax.GradientTransformationExtraArgs:
+  """Divides the accumulated gradient by the accumulated window normalizer (extra arg)."""
+
+  def update(updates, state, params=None, *, denominator, **_):
+    del params
+    safe = jnp.where(denominator > 0, denominator, 1.0)
+    return jax.tree.map(lambda g: jnp.where(denominator > 0, g / safe, 0.0), updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.Schedule:
+  peak = cfg.learning_rate
+  if sched.update_mode == 'sequential':
+    scale = cfg.sequential_lr_scale
+    peak *= (1.0 / math.sqrt(sched.grad_accum_steps)) if scale is None else scale
+  if cfg.lr_schedule == 'constant':
+    decay = optax.constant_schedule(peak)
+  elif cfg.lr_schedule == 'cosine':
+    decay = optax.cosine_decay_schedule(peak, cfg.total_steps - cfg.warmup_steps)
+  else:
+    decay = optax.linear_schedule(peak, 0.0, cfg.total_steps - cfg.warmup_steps)
+  if cfg.warmup_steps == 0:
+    return decay
+  warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
+  return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.MultiSteps:
+  inner = [normalize_by_denominator()]
+  if cfg.max_grad_norm > 0:
+    inner.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+  inner.append(optax.adamw(learning_rate_schedule(cfg, sched), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay))
+  # Skip (and count) a window whose gradient is not finite; never give up silently: the trainer
+  # stops the run when too many windows in a row were skipped.
+  robust = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)
+  return optax.MultiSteps(robust, every_k_schedule=sched.optimizer_every, use_grad_mean=False,
+                          accumulator_dtype=jnp.float32)
+
+
+def _multisteps_update(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState,
+                       params, *, lazy: bool, **extra):
+  """MultiSteps.update, with two mends that keep its state and semantics.
+
+  * lazy: the inner optimizer runs only when this micro-step fires a step (MultiSteps runs it at
+    every micro-step and discards the result).
+  * MultiSteps clears its accumulator by multiplying it by 0, which leaves a NaN in place; a
+    skipped non-finite window would then poison every later window. Clear it with a select.
+  """
+  emit = state.mini_step == k - 1
+  if lazy:
+    updates, new_state = _lazy_update(ms, k, grads, state, params, **extra)
+  else:
+    updates, new_state = ms.update(grads, state, params, **extra)
+  acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), new_state.acc_grads)
+  return updates, new_state._replace(acc_grads=acc)
+
+
+def _lazy_update(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
+                 **extra):
+  if k == 1:
+    return ms.update(grads, state, params, **extra)
+
+  def accumulate_only(grads, state, params):
+    del params
+    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
+    zeros = jax.tree.map(jnp.zeros_like, grads)
+    return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
+
+  return jax.lax.cond(state.mini_step == k - 1,
+                      functools.partial(ms.update, **extra), accumulate_only, grads, state,
+                      params)
+
+
+# -- state and step -----------------------------------------------------------------------------
+@flax.struct.dataclass
+class TrainState:
+  micro_step: jax.Array  # [] int32: micro-steps consumed so far
+  params: Any
+  opt_state: optax.MultiStepsState
+  window: losses.LossTerms  # accumulated numerator/denominator/metrics of the open window
+  align: Any  # (g_pos, g_neg) accumulated gradients for the alignment diagnostic, or None
+
+  @property
+  def optimizer_step(self) -> jax.Array:
+    return self.opt_state.gradient_step
+
+  @property
+  def nonfinite_skipped(self) -> jax.Array:
+    return self.opt_state.inner_opt_state.total_notfinite
+
+
+def _identity_like(terms: losses.LossTerms) -> losses.LossTerms:
+  z = lambda x: jnp.zeros(x.shape, jnp.float32)
+  return losses.LossTerms(
+      numerator=z(terms.numerator), denominator=z(terms.denominator),
+      mean_metrics=jax.tree.map(z, terms.mean_metrics),
+      min_metrics=jax.tree.map(lambda x: jnp.full(x.shape, jnp.inf, jnp.float32),
+                               terms.min_metrics),
+      max_metrics=jax.tree.map(lambda x: jnp.full(x.shape, -jnp.inf, jnp.float32),
+                               terms.max_metrics))
+
+
+def _combine(a: losses.LossTerms, b: losses.LossTerms) -> losses.LossTerms:
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return losses.LossTerms(
+      numerator=a.numerator + f32(b.numerator), denominator=a.denominator + f32(b.denominator),
+      mean_metrics=jax.tree.map(lambda x, y: x + f32(y), a.mean_metrics, b.mean_metrics),
+      min_metrics=jax.tree.map(lambda x, y: jnp.minimum(x, f32(y)), a.min_metrics,
+                               b.min_metrics),
+      max_metrics=jax.tree.map(lambda x, y: jnp.maximum(x, f32(y)), a.max_metrics,
+                               b.max_metrics))
+
+
+def _finalize(w: losses.LossTerms) -> dict[str, jax.Array]:
+  div = lambda n, d: jnp.where(d > 0, n / jnp.where(d > 0, d, 1.0), jnp.nan)
+  out = {'loss': div(w.numerator, w.denominator)}
+  for name, (s, wt) in w.mean_metrics.items():
+    out[name] = div(s, wt)
+  out.update(w.min_metrics)
+  out.update(w.max_metrics)
+  return out
+
+
+class Learner:
+  """Owns the optimizer, the state's shardings and the jitted micro-step.
+
+  Usage:
+    learner = Learner(graphdef, task_loss, opt_cfg, sched_cfg, mesh, param_shardings)
+    state = learner.init(params, example_batch)
+    state, out = learner.step(state, batch)   # one micro-batch; out['stepped'] tells if it fired
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, task_loss: TaskLoss, opt_cfg: OptimizerConfig,
+               sched_cfg: ScheduleConfig, mesh, param_shardings, *,
+               align_diagnostic: bool = False, lazy_inner: bool = True):
+    self.graphdef = graphdef
+    self.task_loss = task_loss
+    self.sched_cfg = sched_cfg
+    self.mesh = mesh
+    self.param_shardings = param_shardings
+    self.align_diagnostic = align_diagnostic
+    self.lazy_inner = lazy_inner
+    self.k = sched_cfg.optimizer_every
+    self.optimizer = make_optimizer(opt_cfg, sched_cfg)
+    self.lr_schedule = learning_rate_schedule(opt_cfg, sched_cfg)
+    self._state_shardings = None
+    self._step = None
+
+  # The loss of one micro-batch at `params`, and (optionally) its split by advantage sign.
+  def _terms(self, params, batch):
+    return self.task_loss(tfm.merge(self.graphdef, params), batch)
+
+  def _grads(self, params, batch):
+    def numerator(p, b):
+      terms = self._terms(p, b)
+      return terms.numerator, terms
+    return jax.value_and_grad(numerator, has_aux=True)(params, batch)
+
+  def init(self, params, example_batch) -> TrainState:
+    terms_shape = jax.eval_shape(self._terms, params, example_batch)
+
+    def init_fn(params):
+      f32 = lambda p: jnp.zeros(p.shape, jnp.float32)
+      align = (jax.tree.map(f32, params), jax.tree.map(f32, params)) \
+          if self.align_diagnostic else None
+      return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params,
+                        opt_state=self.optimizer.init(params),
+                        window=_identity_like(terms_shape), align=align)
+
+    abstract = jax.eval_shape(init_fn, params)
+    rep = sharding.replicated(self.mesh)
+    opt_shardings = optax.tree_map_params(
+        self.optimizer, lambda _, s: s, abstract.opt_state, self.param_shardings,
+        transform_non_params=lambda _: rep,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    self._state_shardings = TrainState(
+        micro_step=rep, params=self.param_shardings, opt_state=opt_shardings,
+        window=jax.tree.map(lambda _: rep, abstract.window),
+        align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
+    state = jax.jit(init_fn, out_shardings=self._state_shardings)(params)
+    self._step = jax.jit(self._micro_step, in_shardings=(self._state_shardings, None),
+                         out_shardings=(self._state_shardings, None), donate_argnums=(0,))
+    return state
+
+  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    """Consumes one micro-batch (global arrays, batch-sharded). Returns (state, outputs):
+    outputs['stepped'] is True when an optimizer step fired after this micro-step; then the other
+    entries are the exact window metrics of that step (device scalars; fetch when stepped)."""
+    return self._step(state, batch)
+
+  @property
+  def step_fn(self):
+    """The jitted micro-step (for compile counting and AOT inspection)."""
+    return self._step
+
+  def _micro_step(self, state: TrainState, batch: dict):
+    (_, terms), grads = self._grads(state.params, batch)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    window = _combine(state.window, terms)
+    emit = state.opt_state.mini_step == self.k - 1
+    extra = {'denominator': window.denominator}
+    updates, opt_state = _multisteps_update(self.optimizer, self.k, grads, state.opt_state,
+                                            state.params, lazy=self.lazy_inner, **extra)
+    params = optax.apply_updates(state.params, updates)
+
+    out = _finalize(window)
+    denom = jnp.where(window.denominator > 0, window.denominator, 1.0)
+    summed = jax.tree.map(lambda a, g: a + g, state.opt_state.acc_grads, grads)
+    out['grad_norm'] = optax.tree.norm(summed) / denom  # before clipping
+    out['learning_rate'] = self.lr_schedule(state.opt_state.gradient_step)
+    out['nonfinite_skipped'] = opt_state.inner_opt_state.total_notfinite
+    out['stepped'] = emit
+
+    align = state.align
+    if self.align_diagnostic:
+      align, align_out = self._alignment(state, batch, denom, emit)
+      out.update(align_out)
+
+    reset = lambda x, zero: jnp.where(emit, zero, x)
+    window = jax.tree.map(reset, window, _identity_like(window))
+    new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state,
+                           window=window, align=align)
+    return new_state, out
+
+  def _alignment(self, state: TrainState, batch: dict, denom, emit):
+    """Gradients of the positive- and negative-advantage samples, accumulated over the window;
+    at the optimizer step their dot product and cosine (seed 002's diagnostic)."""
+    adv = batch['advantages']
+    parts = []
+    for keep in (adv > 0, adv < 0):
+      sub = dict(batch, completion_mask=batch['completion_mask'] * keep[:, None])
+      (_, _), g = self._grads(state.params, sub)
+      parts.append(g)
+    g_pos = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.align[0], parts[0])
+    g_neg = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.align[1], parts[1])
+    dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g_pos), jax.tree.leaves(g_neg)))
+    n_pos, n_neg = optax.tree.norm(g_pos), optax.tree.norm(g_neg)
+    out = {'align/dot': dot / (denom * denom),
+           'align/cosine': dot / jnp.maximum(n_pos * n_neg, 1e-30)}
+    zero = lambda t: jax.tree.map(lambda x: jnp.where(emit, jnp.zeros_like(x), x), t)
+    return (zero(g_pos), zero(g_neg)), out

@@ -1,0 +1,180 @@
+"""The jitted rollout step: generation, table-driven old log-probs, reference log-probs.
+
+One call generates one rollout: ``S*B/G`` prompts, each repeated G times, sampled by the current
+policy. Old log-probs are computed only for the slices that the static schedule table marks
+(DESIGN's slice rule): the table is a compile-time constant of the step, indexed by the rollout
+counter that lives in device state, and each slice's forward pass sits in a ``lax.cond`` inside a
+``lax.map`` over slices, so an unmarked slice costs nothing. The device state also counts those
+forward passes (in slice units), which tests and metrics read.
+
+With ``old_logprob_source='sampler'`` the sampler's own log-probs (free with generation) serve as
+old log-probs for the marked slices and no forward pass runs. With 'recompute', the agreement of
+the sampler's log-probs with the learner's on the recomputed slices is reported (mean / max abs
+difference over completion tokens).
+
+The buffer's arrays are laid out ``[S, B, ...]`` with B sharded over the data-parallel axes, so
+``micro_batch(buffer, j, advantages)`` hands the learner slice j without moving rows between
+devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completions of prompt g.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import sampling
+from jaxrl_ga import sharding
+from jaxrl_ga.config import GRPOLossConfig, SamplingConfig, ScheduleConfig
+from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.schedule import ScheduleTable
+
+
+@flax.struct.dataclass
+class RolloutState:
+  counter: jax.Array  # [] int32: rollouts generated so far (indexes the schedule table)
+  forward_passes: jax.Array  # [] int32: old-log-prob forward passes so far, in slice units
+  rng: jax.Array  # PRNG key; rollout r samples with fold_in(rng, r)
+
+
+@flax.struct.dataclass
+class RolloutBuffer:
+  """One rollout. Arrays [S, B, ...]; B is sharded over the data-parallel axes."""
+  prompt_tokens: jax.Array  # [S, B, Tp] left-padded
+  prompt_mask: jax.Array  # [S, B, Tp]
+  completion_tokens: jax.Array  # [S, B, Tc] right-padded
+  completion_mask: jax.Array  # [S, B, Tc]
+  ended_with_eos: jax.Array  # [S, B] bool
+  sampler_logps: jax.Array  # [S, B, Tc]
+  old_logps: jax.Array  # [S, B, Tc]; meaningful where has_old
+  has_old: jax.Array  # [S, B] bool: the slice is consumed off-policy at some iteration
+  ref_logps: Optional[jax.Array]  # [S, B, Tc] when beta > 0
+
+
+class RolloutEngine:
+  """Owns the jitted rollout step and the slice extraction for the learner."""
+
+  def __init__(self, graphdef, sched: ScheduleConfig, sampling_cfg: SamplingConfig,
+               loss_cfg: GRPOLossConfig, table: ScheduleTable, mesh, param_shardings, *,
+               eos_id: int, pad_id: int, mask_truncated_completions: bool = False):
+    if table.config != sched:
+      raise ValueError('the schedule table was built from another ScheduleConfig.')
+    self.graphdef = graphdef
+    self.sched = sched
+    self.sampling_cfg = sampling_cfg
+    self.use_ref = loss_cfg.beta > 0
+    self.table = table
+    self.mesh = mesh
+    self.mask_truncated = mask_truncated_completions
+    self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
+    rep = sharding.replicated(mesh)
+    slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
+    self._buffer_shardings = RolloutBuffer(
+        prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
+        completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
+        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
+    self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
+    self._step = jax.jit(
+        self._rollout,
+        in_shardings=(param_shardings, param_shardings if self.use_ref else None,
+                      self._state_shardings, rep, rep),
+        out_shardings=(self._buffer_shardings, self._state_shardings, rep))
+    self._slice = jax.jit(self._micro_batch)
+
+  def init_state(self, seed: int) -> RolloutState:
+    return jax.device_put(
+        RolloutState(counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
+                     rng=jax.random.key(seed)), self._state_shardings)
+
+  def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
+    """prompts: [S*B/G, Tp] left-padded. -> (buffer, state, metrics)."""
+    return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
+
+  @property
+  def step_fn(self):
+    return self._step
+
+  def micro_batch(self, buffer: RolloutBuffer, slice_index, advantages) -> dict:
+    """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded)."""
+    return self._slice(buffer, jnp.asarray(slice_index, jnp.int32), advantages)
+
+  # -- traced -----------------------------------------------------------------------------------
+  def _rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
+    s, b, g = (self.sched.steps_per_generation, self.sched.micro_batch_size,
+               self.sched.num_generations)
+    cfg = self.sampling_cfg
+    model = tfm.merge(self.graphdef, params)
+
+    # Rollout row j*B + i (slice j, row i; prompt (j*B + i) // G) is generated at position
+    # i*S + j, so that after generation the [S, B] view keeps B sharded without moving rows.
+    def gen_rows(x):  # [S*B/G, ...] prompts -> [B*S, ...] in generation order, batch-sharded
+      x = jnp.repeat(x, g, axis=0).reshape(s, b, *x.shape[1:])
+      x = jnp.swapaxes(x, 0, 1).reshape(b * s, *x.shape[2:])
+      return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.mesh, x.ndim))
+
+    slab = lambda x: jnp.swapaxes(x.reshape(b, s, *x.shape[1:]), 0, 1)  # -> [S, B, ...]
+    p_tok, p_mask = gen_rows(prompt_tokens), gen_rows(prompt_mask)
+    comps = sampling.generate(model, p_tok, p_mask, jax.random.fold_in(state.rng, state.counter),
+                              self.sampler, temperature=cfg.temperature, top_p=cfg.top_p)
+    p_tok, p_mask = slab(p_tok), slab(p_mask)
+    c_tok, c_mask, c_logps = slab(comps.tokens), slab(comps.mask), slab(comps.logps)
+    marks = jnp.asarray(self.table.slice_recompute)[state.counter % self.table.period_rollouts]
+
+    def logps_of(m, xs):
+      pt, pm, ct, cm = xs
+      return learner_lib.completion_logps(m, pt, pm, ct, cm, temperature=cfg.temperature)[0]
+
+    if cfg.old_logprob_source == 'sampler':
+      old = jnp.where(marks[:, None, None], c_logps, 0.0)
+      passes = jnp.zeros((), jnp.int32)
+    else:
+      def one_slice(xs):
+        mark, *rest = xs
+        return jax.lax.cond(mark, lambda: logps_of(model, rest),
+                            lambda: jnp.zeros(rest[2].shape, jnp.float32))
+      old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
+      passes = jnp.sum(marks.astype(jnp.int32))
+
+    ref = None
+    if self.use_ref:
+      ref_model = tfm.merge(self.graphdef, ref_params)
+      ref = jax.lax.map(lambda xs: logps_of(ref_model, xs), (p_tok, p_mask, c_tok, c_mask))
+
+    # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
+    weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
+    diff = jnp.abs(c_logps - old) * weight
+    n = jnp.sum(weight)
+    has_recompute = (n > 0) & (cfg.old_logprob_source == 'recompute')
+    metrics = {
+        'rollout/logp_agreement_mean_abs': jnp.where(has_recompute, jnp.sum(diff) /
+                                                     jnp.maximum(n, 1.0), jnp.nan),
+        'rollout/logp_agreement_max_abs': jnp.where(has_recompute, jnp.max(diff), jnp.nan),
+        'rollout/recomputed_slices': passes,
+        'rollout/completion_length': jnp.mean(jnp.sum(c_mask, -1).astype(jnp.float32)),
+        'rollout/eos_fraction': jnp.mean(comps.ended_with_eos.astype(jnp.float32)),
+        'rollout/decode_steps': comps.num_decode_steps,
+    }
+    buffer = RolloutBuffer(
+        prompt_tokens=p_tok, prompt_mask=p_mask, completion_tokens=c_tok,
+        completion_mask=c_mask, ended_with_eos=slab(comps.ended_with_eos), sampler_logps=c_logps,
+        old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)), ref_logps=ref)
+    new_state = RolloutState(counter=state.counter + 1, forward_passes=state.forward_passes +
+                             passes, rng=state.rng)
+    return buffer, new_state, metrics
+
+  def _micro_batch(self, buffer: RolloutBuffer, j, advantages) -> dict[str, Any]:
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)
+    loss_mask = take(buffer.completion_mask)
+    if self.mask_truncated:  # DAPO: completions cut at max length do not train
+      loss_mask = loss_mask * take(buffer.ended_with_eos)[:, None].astype(loss_mask.dtype)
+    batch = dict(prompt_tokens=take(buffer.prompt_tokens), prompt_mask=take(buffer.prompt_mask),
+                 completion_tokens=take(buffer.completion_tokens),
+                 completion_mask=loss_mask, old_logps=take(buffer.old_logps),
+                 has_old=take(buffer.has_old), advantages=take(advantages))
+    if buffer.ref_logps is not None:
+      batch['ref_logps'] = take(buffer.ref_logps)
+    return batch

@@ -1,0 +1,226 @@
+"""SFT and DPO exactness, seed 003's bug, non-finite skipping, sequential mode, the alignment
+diagnostic. References are one-pass computations written out in the test."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import sharding
+from jaxrl_ga.config import (DPOLossConfig, GRPOLossConfig, MeshConfig, OptimizerConfig,
+                             ScheduleConfig)
+from jaxrl_ga.models import transformer as tfm
+
+from test_learner import MODEL, OPT, TC, TP, _applied_grad, _mesh, _rel_err, _rollout
+
+T = 8  # SFT / DPO sequence length
+
+
+def _logp(graphdef, params, tokens, mask):
+  logits = tfm.merge(graphdef, params)(tokens, mask)[:, :-1]
+  return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+
+
+def _sft_batch(rng, n):
+  length = rng.integers(3, T + 1, size=n)
+  mask = (np.arange(T)[None] < length[:, None]).astype(np.int32)
+  prompt = rng.integers(1, 3, size=n)
+  loss_mask = mask * (np.arange(T)[None] >= prompt[:, None])
+  return dict(tokens=rng.integers(0, MODEL.vocab_size, (n, T)).astype(np.int32) * mask,
+              attention_mask=mask, loss_mask=loss_mask.astype(np.int32))
+
+
+def _ref_sft(graphdef, params, b):
+  m = b['loss_mask'][:, 1:].astype(jnp.float32)
+  return -jnp.sum(m * _logp(graphdef, params, b['tokens'], b['attention_mask'])) / jnp.sum(m)
+
+
+def _dpo_batch(rng, n):
+  out = {}
+  for side in ('chosen', 'rejected'):
+    b = _sft_batch(rng, n)
+    out.update({f'{side}_{k}': v for k, v in b.items()})
+  out['ref_chosen_logps'] = rng.normal(-20, 2, n).astype(np.float32)
+  out['ref_rejected_logps'] = rng.normal(-20, 2, n).astype(np.float32)
+  return out
+
+
+def _ref_dpo(cfg):
+  def ref(graphdef, params, b):
+    def seq(side):
+      m = b[f'{side}_loss_mask'][:, 1:].astype(jnp.float32)
+      lp = _logp(graphdef, params, b[f'{side}_tokens'], b[f'{side}_attention_mask'])
+      return jnp.sum(m * lp, 1), jnp.sum(m, 1)
+    (c, nc), (r, nr) = seq('chosen'), seq('rejected')
+    h = (c - r) - (b['ref_chosen_logps'] - b['ref_rejected_logps'])
+    per_pair = -jax.nn.log_sigmoid(cfg.beta * h)
+    if cfg.aggregation == 'pair':
+      return jnp.mean(per_pair)
+    return jnp.sum((nc + nr) * per_pair) / jnp.sum(nc + nr)
+  return ref
+
+
+def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, opt=OPT,
+         update_mode='accumulate'):
+  """Feeds k*n_steps micro-batches; returns per-window (applied grad error, metrics, outs)."""
+  mesh = _mesh(mesh_shape)
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
+                         grad_accum_steps=k, update_mode=update_mode)
+  lrn = learner_lib.Learner(graphdef, task_loss, opt, sched, mesh, shardings)
+  rng = np.random.default_rng(0)
+  ref_grad = jax.jit(jax.value_and_grad(lambda p, b: ref_loss(graphdef, p, b)))
+  bsh = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))
+  state, errs, outs = None, [], []
+  window_every = sched.optimizer_every
+  for s in range(k * n_steps):
+    mb = make_batch(rng, s)
+    dev = {kk: bsh(v) for kk, v in mb.items()}
+    if state is None:
+      state = lrn.init(params, dev)
+    if s % window_every == 0:
+      theta, window = jax.device_get(state.params), []
+    window.append(mb)
+    state, out = lrn.step(state, dev)
+    if bool(out['stepped']):
+      full = {kk: np.concatenate([w[kk] for w in window]) for kk in window[0]}
+      loss, g = ref_grad(theta, full)
+      clipped, _ = optax.clip_by_global_norm(opt.max_grad_norm).update(g, optax.EmptyState())
+      errs.append(_rel_err(_applied_grad(state), clipped))
+      outs.append(jax.device_get(out) | {'ref_loss': float(loss)})
+  return errs, outs, lrn, state
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_sft_accumulation_is_exact(k):
+  errs, outs, _, _ = _run(learner_lib.sft_task_loss(), _ref_sft,
+                          lambda rng, s: _sft_batch(rng, 4), k)
+  assert max(errs) <= 1e-5
+  for o in outs:
+    np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)
+
+
+@pytest.mark.parametrize('aggregation', ['pair', 'token'])
+def test_dpo_accumulation_is_exact(aggregation):
+  cfg = DPOLossConfig(aggregation=aggregation)
+  errs, outs, _, _ = _run(learner_lib.dpo_task_loss(cfg), _ref_dpo(cfg),
+                          lambda rng, s: _dpo_batch(rng, 4), 3, mesh_shape=(2, 2, 2))
+  assert max(errs) <= 1e-5
+  for o in outs:
+    np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)
+
+
+def _grpo_batch(equal_counts):
+  def make(rng, s):
+    b = _rollout(rng, 4)
+    if equal_counts:
+      b['completion_mask'][:] = 1
+    elif s % 2:  # alternate short and long micro-batches
+      b['completion_mask'][:, 1:] = 0
+    else:
+      b['completion_mask'][:] = 1
+    b['completion_tokens'] *= b['completion_mask']
+    b['old_logps'] = np.zeros((4, TC), np.float32)
+    b['has_old'] = np.zeros(4, bool)
+    return b
+  return make
+
+
+def _ref_token_pg(graphdef, params, b):
+  """On-policy (ratio 1) GRPO with token aggregation is the token-mean policy gradient."""
+  tokens = jnp.concatenate([b['prompt_tokens'], b['completion_tokens']], 1)
+  mask = jnp.concatenate([b['prompt_mask'], b['completion_mask']], 1)
+  lp = _logp(graphdef, params, tokens, mask)[:, TP - 1:]
+  m = b['completion_mask'].astype(jnp.float32)
+  return -jnp.sum(m * lp * b['advantages'][:, None]) / jnp.sum(m)
+
+
+@pytest.mark.parametrize('equal_counts', [False, True])
+def test_microbatch_token_shows_seed_003_bug(equal_counts):
+  """Normalizing per micro-batch differs from the window's token mean unless the micro-batches
+  hold the same number of tokens; `token` matches the on-policy policy gradient either way."""
+  make = _grpo_batch(equal_counts)
+  errs_bug, *_ = _run(learner_lib.grpo_task_loss(
+      GRPOLossConfig(aggregation='microbatch_token'), TC), _ref_token_pg, make, 4, n_steps=1)
+  errs_ok, *_ = _run(learner_lib.grpo_task_loss(GRPOLossConfig(aggregation='token'), TC),
+                     _ref_token_pg, make, 4, n_steps=1)
+  assert errs_ok[0] <= 1e-5
+  if equal_counts:
+    assert errs_bug[0] <= 1e-5
+  else:
+    assert errs_bug[0] > 1e-2
+
+
+def test_nonfinite_window_is_skipped_and_counted():
+  make_ok = _grpo_batch(False)
+
+  def make(rng, s):
+    b = make_ok(rng, s)
+    if s == 4:  # second micro-batch of the second window
+      b['advantages'][0] = np.nan
+    return b
+
+  mesh = _mesh((1, 1, 1))
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
+                         grad_accum_steps=3)
+  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
+                            sched, mesh, shardings)
+  rng = np.random.default_rng(0)
+  state, snapshots = None, []
+  for s in range(9):
+    b = make(rng, s)
+    if state is None:
+      state = lrn.init(params, b)
+    state, out = lrn.step(state, b)
+    if bool(out['stepped']):
+      snapshots.append((jax.device_get(state.params), int(out['nonfinite_skipped'])))
+  (p1, n1), (p2, n2), (p3, n3) = snapshots
+  assert (n1, n2, n3) == (0, 1, 1)
+  jax.tree.map(np.testing.assert_array_equal, p2, p1)  # the NaN window left params unchanged
+  assert _rel_err(p3, p2) > 0  # and training went on
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(p3))
+  # Windows are counted (the schedule's policy versions advance), the skip is counted apart.
+  assert int(state.optimizer_step) == 3 and int(state.nonfinite_skipped) == 1
+
+
+def test_sequential_mode_steps_every_micro_batch_with_scaled_lr():
+  k = 4
+  errs, outs, lrn, state = _run(
+      learner_lib.grpo_task_loss(GRPOLossConfig(), TC), _ref_token_pg, _grpo_batch(False), k,
+      n_steps=1, update_mode='sequential')
+  assert len(outs) == k  # one optimizer step per micro-batch
+  assert max(errs) <= 1e-5  # each step is exact for its own micro-batch
+  np.testing.assert_allclose(outs[0]['learning_rate'], OPT.learning_rate / np.sqrt(k), rtol=1e-6)
+
+
+def test_alignment_diagnostic_matches_direct_computation():
+  mesh = _mesh((1, 1, 1))
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
+                         grad_accum_steps=2)
+  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
+                            sched, mesh, shardings, align_diagnostic=True)
+  make = _grpo_batch(False)
+  rng = np.random.default_rng(3)
+  batches = [make(rng, s) for s in range(2)]
+  state = lrn.init(params, batches[0])
+  for b in batches:
+    state, out = lrn.step(state, b)
+  full = {kk: np.concatenate([b[kk] for b in batches]) for kk in batches[0]}
+  n_tok = full['completion_mask'].sum()
+
+  def part(sign):
+    sub = dict(full, completion_mask=full['completion_mask'] * (np.sign(full['advantages']) ==
+                                                                sign)[:, None])
+    return jax.grad(lambda p: _ref_token_pg(graphdef, p, sub) * sub['completion_mask'].sum()
+                    / n_tok)(params)
+
+  gp, gn = part(1), part(-1)
+  dot = sum(np.vdot(a, b) for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gn)))
+  cos = dot / (np.sqrt(sum(np.vdot(a, a) for a in jax.tree.leaves(gp))) *
+               np.sqrt(sum(np.vdot(b, b) for b in jax.tree.leaves(gn))))
+  np.testing.assert_allclose(float(out['align/dot']), dot, rtol=1e-4)
+  np.testing.assert_allclose(float(out['align/cosine']), cos, rtol=1e-4)
