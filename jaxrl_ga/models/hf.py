@@ -1,0 +1,422 @@
+"""Hugging Face interop for the Qwen2/Llama decoder: config, weights, tokenizer and export.
+
+No torch: configs and tokenizers go through ``transformers`` (which does not need torch for them),
+weights through ``safetensors``' numpy reader (bfloat16 comes back as an ``ml_dtypes`` array).
+Only safetensors checkpoints load: ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``.
+
+HF -> params layout (L layers stacked on axis 0; HF ``nn.Linear`` weights are [out, in], ours
+[in, out]):
+
+  model.embed_tokens.weight [V, D]                 -> embed [V, D]
+  model.layers.{i}.input_layernorm.weight [D]      -> layers/attn_norm [L, D]
+  model.layers.{i}.self_attn.q_proj.weight [Nq*H, D] -> layers/q_proj [L, D, Nq*H] (k, v alike)
+  model.layers.{i}.self_attn.q_proj.bias [Nq*H]    -> layers/q_bias [L, Nq*H] (k, v alike; Qwen2)
+  model.layers.{i}.self_attn.o_proj.weight [D, Nq*H] -> layers/o_proj [L, Nq*H, D]
+  model.layers.{i}.post_attention_layernorm.weight -> layers/mlp_norm [L, D]
+  model.layers.{i}.mlp.{gate,up}_proj.weight [F, D] -> layers/{gate,up}_proj [L, D, F]
+  model.layers.{i}.mlp.down_proj.weight [D, F]     -> layers/down_proj [L, F, D]
+  model.norm.weight [D]                            -> final_norm [D]
+  lm_head.weight [V, D]                            -> lm_head [D, V] (absent when tied)
+
+Typical use::
+
+  cfg, graphdef, params = hf.load_model('Qwen/Qwen2.5-0.5B-Instruct')
+  model = transformer.merge(graphdef, params)
+  ...
+  hf.export(params, cfg, '/tmp/out', tokenizer=hf.load_tokenizer('Qwen/Qwen2.5-0.5B-Instruct'))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Callable, Optional, Union
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
+import numpy as np
+import safetensors
+import safetensors.numpy
+import transformers
+
+from jaxrl_ga.models import transformer
+
+# HF architecture -> our ``ModelConfig.architecture``.
+SUPPORTED_ARCHITECTURES = {'Qwen2ForCausalLM': 'qwen2', 'LlamaForCausalLM': 'llama'}
+_HF_CONFIG_CLASSES = {'qwen2': transformers.Qwen2Config, 'llama': transformers.LlamaConfig}
+
+# Our param name -> (HF tensor name, whether HF stores it transposed).
+_TOP_TENSORS = {
+    'embed': ('model.embed_tokens.weight', False),
+    'final_norm': ('model.norm.weight', False),
+    'lm_head': ('lm_head.weight', True),
+}
+# Our name under ``layers`` -> (HF name after ``model.layers.{i}.``, transposed).
+_LAYER_TENSORS = {
+    'attn_norm': ('input_layernorm.weight', False),
+    'q_proj': ('self_attn.q_proj.weight', True),
+    'q_bias': ('self_attn.q_proj.bias', False),
+    'k_proj': ('self_attn.k_proj.weight', True),
+    'k_bias': ('self_attn.k_proj.bias', False),
+    'v_proj': ('self_attn.v_proj.weight', True),
+    'v_bias': ('self_attn.v_proj.bias', False),
+    'o_proj': ('self_attn.o_proj.weight', True),
+    'mlp_norm': ('post_attention_layernorm.weight', False),
+    'gate_proj': ('mlp.gate_proj.weight', True),
+    'up_proj': ('mlp.up_proj.weight', True),
+    'down_proj': ('mlp.down_proj.weight', True),
+}
+_INDEX_FILE = 'model.safetensors.index.json'
+_SINGLE_FILE = 'model.safetensors'
+# What ``snapshot_download`` fetches for a hub id: configs, weights, tokenizer files.
+_HUB_PATTERNS = ('*.json', '*.safetensors', '*.txt', '*.model', '*.jinja')
+
+
+# -- config ----------------------------------------------------------------------------------------
+def _rope_from_hf(
+    hf: transformers.PretrainedConfig) -> tuple[float, Optional[transformer.RopeScaling]]:
+  """(rope_theta, scaling or None) from whichever the config carries: ``rope_parameters``
+  (transformers 5) or the older top-level ``rope_theta`` and ``rope_scaling``."""
+  params = getattr(hf, 'rope_parameters', None)
+  if params and all(isinstance(v, dict) for v in params.values()):
+    # Nested per layer type; fine as long as every layer type uses the same rotary embedding.
+    distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+    if len(distinct) > 1:
+      raise ValueError(f'Per-layer-type rope_parameters are not supported: {params}.')
+    params = next(iter(params.values()))
+  if not params:
+    params = dict(getattr(hf, 'rope_scaling', None) or {})
+  theta = params.get('rope_theta', getattr(hf, 'rope_theta', None) or 10000.0)
+  rope_type = params.get('rope_type', params.get('type', 'default'))
+  partial = params.get('partial_rotary_factor', getattr(hf, 'partial_rotary_factor', 1.0))
+  if partial not in (None, 1.0):
+    raise ValueError(f'partial_rotary_factor={partial} is not supported (only 1.0).')
+  if rope_type == 'default':
+    return float(theta), None
+  if rope_type == 'linear':
+    return float(theta), transformer.RopeScaling('linear', factor=float(params['factor']))
+  if rope_type == 'llama3':
+    return float(theta), transformer.RopeScaling(
+        'llama3', factor=float(params['factor']),
+        low_freq_factor=float(params['low_freq_factor']),
+        high_freq_factor=float(params['high_freq_factor']),
+        original_max_position_embeddings=int(params.get('original_max_position_embeddings')
+                                              or hf.max_position_embeddings))
+  raise ValueError(f'rope_type={rope_type!r} is not supported; supported: default, linear, llama3 '
+                   f'(rope parameters: {params}).')
+
+
+def _architecture(hf: transformers.PretrainedConfig) -> str:
+  names = list(getattr(hf, 'architectures', None) or [])
+  by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+  if not names and hf.model_type in by_type:
+    names = [by_type[hf.model_type]]
+  if len(names) != 1 or names[0] not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(
+        f'Unsupported architecture {names or None} (model_type {hf.model_type!r}); supported: '
+        f'{", ".join(SUPPORTED_ARCHITECTURES)}.')
+  return SUPPORTED_ARCHITECTURES[names[0]]
+
+
+def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
+                                                 transformers.PretrainedConfig], *,
+                         dtype: str = 'float32',
+                         param_dtype: str = 'float32') -> transformer.ModelConfig:
+  """ModelConfig from an HF config object, a local checkpoint dir or a hub id.
+
+  Args:
+    hf_config_or_dir: a ``transformers.PretrainedConfig``, or anything
+      ``transformers.AutoConfig.from_pretrained`` takes (local dir, hub id).
+    dtype: compute dtype, 'float32' or 'bfloat16'.
+    param_dtype: params dtype, 'float32' or 'bfloat16'.
+
+  Raises:
+    ValueError: naming the offender, for an architecture other than Qwen2ForCausalLM /
+      LlamaForCausalLM, an unsupported rope type, or a feature the model lacks (sliding-window
+      attention, MLP or o_proj biases, an activation other than SiLU).
+  """
+  hf = hf_config_or_dir
+  if not isinstance(hf, transformers.PretrainedConfig):
+    hf = transformers.AutoConfig.from_pretrained(os.fspath(hf))
+  arch = _architecture(hf)
+  act = getattr(hf, 'hidden_act', 'silu')
+  if act != 'silu':
+    raise ValueError(f'hidden_act={act!r} is not supported (only silu).')
+  if arch == 'qwen2' and getattr(hf, 'use_sliding_window', False):
+    raise ValueError('use_sliding_window=True (sliding-window attention) is not supported.')
+  if arch == 'llama':
+    for name in ('attention_bias', 'mlp_bias'):
+      if getattr(hf, name, False):
+        raise ValueError(f'Llama with {name}=True is not supported (the model has q/k/v biases '
+                         'only, and only for Qwen2).')
+  theta, scaling = _rope_from_hf(hf)
+  default_head_dim = hf.hidden_size // hf.num_attention_heads
+  head_dim = getattr(hf, 'head_dim', None) or default_head_dim
+  return transformer.ModelConfig(
+      vocab_size=hf.vocab_size,
+      hidden_size=hf.hidden_size,
+      intermediate_size=hf.intermediate_size,
+      num_hidden_layers=hf.num_hidden_layers,
+      num_attention_heads=hf.num_attention_heads,
+      num_key_value_heads=hf.num_key_value_heads or hf.num_attention_heads,
+      head_dim=None if head_dim == default_head_dim else head_dim,
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_norm_eps=hf.rms_norm_eps,
+      attention_bias=arch == 'qwen2',  # HF Qwen2 always has q/k/v biases.
+      tie_word_embeddings=bool(getattr(hf, 'tie_word_embeddings', False)),
+      max_position_embeddings=hf.max_position_embeddings,
+      architecture=arch,
+      param_dtype=param_dtype,
+      dtype=dtype,
+  )
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
+  """A local checkpoint dir as is; a hub id through ``huggingface_hub.snapshot_download``."""
+  path = os.fspath(path_or_id)
+  if os.path.isdir(path):
+    return path
+  if os.path.isabs(path) or path.startswith(('.', '~')) or os.path.exists(path):
+    raise FileNotFoundError(f'{path!r} is not a checkpoint directory.')
+  import huggingface_hub  # pylint: disable=g-import-not-at-top  (hub ids only)
+  return huggingface_hub.snapshot_download(path, allow_patterns=list(_HUB_PATTERNS))
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file that holds it."""
+  index = os.path.join(model_dir, _INDEX_FILE)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)['weight_map']
+    return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
+  single = os.path.join(model_dir, _SINGLE_FILE)
+  if os.path.exists(single):
+    with safetensors.safe_open(single, framework='numpy') as f:
+      return {name: single for name in f.keys()}
+  raise FileNotFoundError(
+      f'No {_SINGLE_FILE} or {_INDEX_FILE} in {model_dir} (found: '
+      f'{sorted(os.listdir(model_dir))}); only safetensors checkpoints are supported.')
+
+
+def _hf_names(path: tuple[str, ...], num_layers: int) -> tuple[list[str], bool]:
+  """Param path (e.g. ('layers', 'q_proj')) -> its HF tensor names (one per layer) and whether
+  HF stores them transposed."""
+  if path[0] == 'layers':
+    name, transposed = _LAYER_TENSORS[path[1]]
+    return [f'model.layers.{i}.{name}' for i in range(num_layers)], transposed
+  name, transposed = _TOP_TENSORS[path[0]]
+  return [name], transposed
+
+
+def _abstract_model(cfg: transformer.ModelConfig) -> transformer.Transformer:
+  """The model with ShapeDtypeStruct params: structure, shapes and metadata, no memory."""
+  return nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, prefix + (key,)))
+    else:
+      out[prefix + (key,)] = value
+  return out
+
+
+def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
+  out: dict = {}
+  for path, value in flat.items():
+    node = out
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return out
+
+
+def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfig, *,
+                shardings: Optional[dict] = None) -> dict:
+  """Reads a safetensors checkpoint into the params pure dict of ``Transformer(cfg)``.
+
+  One param at a time: its per-layer tensors are read, transposed to [in, out], stacked, cast to
+  ``cfg.param_dtype`` on the host and put straight onto its sharding, so host memory peaks at one
+  stacked param. Tensors the model does not use (e.g. old ``rotary_emb.inv_freq`` buffers) are
+  skipped with an absl warning that names them.
+
+  Args:
+    path_or_id: a local checkpoint dir or a hub id.
+    cfg: the model config (usually ``model_config_from_hf`` of the same checkpoint).
+    shardings: optional pytree of ``jax.sharding.Sharding`` with the params' structure; without
+      it every array goes to the default device.
+
+  Returns:
+    The params as a nested dict of jax arrays (``transformer.split``'s layout).
+
+  Raises:
+    ValueError: listing the missing HF tensors, or naming a tensor whose shape does not fit cfg.
+    FileNotFoundError: when the dir holds no safetensors weights.
+  """
+  model_dir = _local_dir(path_or_id)
+  files = _weight_files(model_dir)
+  expected = _flatten(nnx.to_pure_dict(nnx.state(_abstract_model(cfg))))
+  flat_shardings = _flatten(shardings) if shardings is not None else {}
+  names = {path: _hf_names(path, cfg.num_hidden_layers) for path in expected}
+
+  wanted = {name for hf_names, _ in names.values() for name in hf_names}
+  missing = sorted(wanted - files.keys())
+  if missing:
+    raise ValueError(f'{len(missing)} tensors missing from {model_dir}: {", ".join(missing)}.')
+  extra = sorted(files.keys() - wanted)
+  if extra:
+    logging.warning('Ignoring %d tensors of %s that the model does not use: %s', len(extra),
+                    model_dir, ', '.join(extra))
+
+  out = {}
+  with contextlib.ExitStack() as stack:
+    handles = {file: stack.enter_context(safetensors.safe_open(file, framework='numpy'))
+               for file in sorted(set(files[name] for name in wanted))}
+    for path, spec in expected.items():
+      hf_names, transposed = names[path]
+      layers = []
+      for name in hf_names:
+        x = handles[files[name]].get_tensor(name)
+        layers.append(x.T if transposed else x)
+      host = np.stack(layers) if path[0] == 'layers' else layers[0]
+      if host.shape != spec.shape:
+        raise ValueError(f'{"/".join(path)} (from {hf_names[0]}, ...): shape {host.shape} does not '
+                         f'fit the config, which wants {spec.shape}.')
+      host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
+      sharding = flat_shardings.get(path)
+      out[path] = jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
+      del host, layers
+  return _unflatten(out)
+
+
+def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
+               param_dtype: str = 'float32',
+               shardings_fn: Optional[Callable[[dict, dict], dict]] = None
+               ) -> tuple[transformer.ModelConfig, nnx.GraphDef, dict]:
+  """(cfg, graphdef, params) of an HF checkpoint, without materializing a random init.
+
+  Args:
+    path_or_id: a local checkpoint dir, or a hub id (downloaded: configs, safetensors, tokenizer).
+    dtype: compute dtype.
+    param_dtype: params dtype.
+    shardings_fn: optional; called as ``shardings_fn(abstract_params, logical_axes)``, i.e. the
+      params dict of ShapeDtypeStructs and ``transformer.logical_axes`` (same structure, tuples
+      such as ``('layers', 'embed', 'q_heads')``), it returns the pytree of shardings each param
+      is placed on; e.g. ``functools.partial(sharding.param_shardings, mesh=mesh)``.
+
+  Returns:
+    cfg, the graphdef and the params dict; ``transformer.merge(graphdef, params)`` is the model.
+  """
+  model_dir = _local_dir(path_or_id)
+  cfg = model_config_from_hf(model_dir, dtype=dtype, param_dtype=param_dtype)
+  graphdef, state = nnx.split(_abstract_model(cfg))
+  shardings = None
+  if shardings_fn is not None:
+    shardings = shardings_fn(nnx.to_pure_dict(state), transformer.logical_axes(state))
+  return cfg, graphdef, load_params(model_dir, cfg, shardings=shardings)
+
+
+def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:
+  """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local dir or hub id)."""
+  return transformers.AutoTokenizer.from_pretrained(os.fspath(path_or_id))
+
+
+# -- export ----------------------------------------------------------------------------------------
+def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = None,
+              tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None
+              ) -> transformers.PretrainedConfig:
+  """The ``Qwen2Config`` / ``LlamaConfig`` describing cfg.
+
+  ``weights_dtype`` (default cfg.param_dtype) becomes its ``dtype``; pad/bos/eos token ids come
+  from the tokenizer when one is given.
+  """
+  arch = cfg.architecture
+  if cfg.attention_bias != (arch == 'qwen2'):
+    raise ValueError(f'attention_bias={cfg.attention_bias} has no HF {arch} equivalent (Qwen2 '
+                     'always has q/k/v biases, Llama has none here).')
+  rope = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
+  sc = cfg.rope_scaling
+  if sc is not None and sc.rope_type == 'linear':
+    rope.update(rope_type='linear', factor=sc.factor)
+  elif sc is not None and sc.rope_type == 'llama3':
+    rope.update(rope_type='llama3', factor=sc.factor, low_freq_factor=sc.low_freq_factor,
+                high_freq_factor=sc.high_freq_factor,
+                original_max_position_embeddings=sc.original_max_position_embeddings)
+  kwargs = dict(
+      architectures=[{v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[arch]],
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size,
+      num_hidden_layers=cfg.num_hidden_layers,
+      num_attention_heads=cfg.num_attention_heads,
+      num_key_value_heads=cfg.num_key_value_heads,
+      max_position_embeddings=cfg.max_position_embeddings,
+      rms_norm_eps=cfg.rms_norm_eps,
+      tie_word_embeddings=cfg.tie_word_embeddings,
+      rope_parameters=rope,
+      dtype=weights_dtype or cfg.param_dtype,
+  )
+  if arch == 'llama':
+    kwargs.update(head_dim=cfg.head_size, attention_bias=False, mlp_bias=False)
+  elif cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
+    kwargs.update(head_dim=cfg.head_size)  # Qwen2's attention reads an optional head_dim.
+  if tokenizer is not None:
+    kwargs.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+  return _HF_CONFIG_CLASSES[arch](**kwargs)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
+
+
+def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.PathLike], *,
+           tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None,
+           weights_dtype: Optional[str] = None) -> None:
+  """Writes an HF checkpoint (config.json, model.safetensors, optional tokenizer) to out_dir.
+
+  Tensor names and layouts are HF's (``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` load it; tied
+  embeddings write no ``lm_head.weight``). With several processes every one must call this (the
+  sharded params are gathered); only process 0 writes.
+
+  Args:
+    params: the params pure dict (``transformer.split``'s layout), possibly sharded.
+    cfg: their config.
+    out_dir: created if needed.
+    tokenizer: saved alongside when given; its pad/bos/eos ids go into config.json.
+    weights_dtype: 'float32' or 'bfloat16', the written tensors' dtype; default cfg.param_dtype.
+  """
+  weights_dtype = weights_dtype or cfg.param_dtype
+  if weights_dtype not in ('float32', 'bfloat16'):
+    raise ValueError(f'weights_dtype={weights_dtype!r}; choose float32 or bfloat16.')
+  np_dtype = jnp.dtype(weights_dtype)  # a numpy dtype; bfloat16 is ml_dtypes'
+  config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer)
+  tensors = {}
+  for path, value in _flatten(params).items():
+    hf_names, transposed = _hf_names(path, cfg.num_hidden_layers)
+    host = _to_host(value).astype(np_dtype, copy=False)
+    per_name = list(host) if path[0] == 'layers' else [host]
+    for name, x in zip(hf_names, per_name):
+      tensors[name] = np.ascontiguousarray(x.T if transposed else x)
+  if jax.process_index() != 0:
+    return
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  config.save_pretrained(out_dir)
+  # 'format': 'pt' is what transformers' loader checks for in the safetensors metadata.
+  safetensors.numpy.save_file(tensors, os.path.join(out_dir, _SINGLE_FILE),
+                              metadata={'format': 'pt'})
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)

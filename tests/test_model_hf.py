@@ -1,0 +1,261 @@
+"""HF interop: our forward and KV-cache decoding reproduce HF's logits; load/export round trips.
+
+The checkpoints and HF's reference logits come from tests/fixtures/make_hf_fixtures.py (run with
+torch, once); nothing here imports torch.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
+NAMES = ('qwen2_tiny', 'llama_tiny')
+ATOL = 1e-4
+# Config fields an exported config.json must carry with the fixture's values.
+KEY_FIELDS = ('architectures', 'model_type', 'vocab_size', 'hidden_size', 'intermediate_size',
+              'num_hidden_layers', 'num_attention_heads', 'num_key_value_heads', 'head_dim',
+              'rms_norm_eps', 'tie_word_embeddings', 'max_position_embeddings', 'rope_parameters',
+              'attention_bias', 'mlp_bias', 'pad_token_id', 'bos_token_id', 'eos_token_id',
+              'hidden_act', 'dtype')
+
+
+def _dir(name):
+  return os.path.join(FIXTURES, name)
+
+
+@functools.cache
+def _reference(name):
+  with np.load(os.path.join(_dir(name), 'reference_logits.npz')) as f:
+    return dict(f)
+
+
+@functools.cache
+def _loaded(name, dtype='float32'):
+  """(cfg, graphdef, params), loaded once per fixture and dtype."""
+  return hf.load_model(_dir(name), dtype=dtype, param_dtype=dtype)
+
+
+@functools.cache
+def _forward(graphdef):
+  """Jitted full forward of one model (compiled once per fixture and input shape)."""
+  return jax.jit(lambda params, tokens, mask: transformer.merge(graphdef, params)(tokens, mask))
+
+
+def _tensor_shapes(path):
+  with safetensors.safe_open(path, framework='numpy') as f:
+    return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize('side', ['right', 'left'])
+@pytest.mark.parametrize('name', NAMES)
+def test_logits_match_hf(name, side):
+  _, graphdef, params = _loaded(name)
+  ref = _reference(name)
+  tokens, mask = ref[f'{side}_tokens'], ref[f'{side}_mask']
+  logits = np.asarray(_forward(graphdef)(params, tokens, mask))  # [B, T, V]
+  real = mask.astype(bool)
+  np.testing.assert_allclose(logits[real], ref[f'{side}_logits'][real], rtol=0, atol=ATOL)
+
+
+def test_configs_from_hf():
+  qwen, llama = _loaded('qwen2_tiny')[0], _loaded('llama_tiny')[0]
+  assert (qwen.architecture, qwen.attention_bias, qwen.tie_word_embeddings) == ('qwen2', True, True)
+  assert qwen.rope_scaling is None and qwen.rope_theta == 10000.0
+  assert (llama.architecture, llama.attention_bias, llama.tie_word_embeddings) == (
+      'llama', False, False)
+  assert llama.rope_scaling == transformer.RopeScaling('llama3', 4.0, 1.0, 4.0, 32)
+  # The fixture's scaling moves some frequencies and keeps others: it is really exercised.
+  unscaled = transformer.rope_inv_freq(dataclasses.replace(llama, rope_scaling=None))
+  changed = transformer.rope_inv_freq(llama) != unscaled
+  assert changed.any() and not changed.all()
+
+
+def test_sharded_checkpoint_loads_same_params():
+  cfg, _, params = _loaded('llama_tiny')
+  assert os.path.exists(os.path.join(_dir('llama_tiny_sharded'), 'model.safetensors.index.json'))
+  assert hf.model_config_from_hf(_dir('llama_tiny_sharded')) == cfg
+  _assert_trees_equal(hf.load_params(_dir('llama_tiny_sharded'), cfg), params)
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_kv_cache_decoding_matches_full_forward(name):
+  """Prefill a left-padded prefix, then decode one token at a time: the logits at every
+  position from the prefix's last on (all real tokens) equal the full forward's, and so HF's."""
+  cfg, graphdef, params = _loaded(name)
+  batch, length, prefix = 4, 20, 10
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(4, 81, size=(batch, length)).astype(np.int32)
+  pads = np.array([0, 3, 9, 6])  # left padding, all inside the prefix
+  mask = (np.arange(length)[None] >= pads[:, None]).astype(np.int32)
+  tokens = np.where(mask == 1, tokens, 0)
+  full = np.asarray(_forward(graphdef)(params, tokens, mask))  # [B, T, V]
+
+  model = lambda p: transformer.merge(graphdef, p)
+  prefill = jax.jit(lambda p, t, m: model(p).prefill(t, m, cache_length=length))
+  decode = jax.jit(lambda p, t, c: model(p).decode(t, c))
+  logits, cache = prefill(params, tokens[:, :prefix], mask[:, :prefix])
+  stepwise = [logits]  # position prefix - 1
+  for t in range(prefix, length):
+    logits, cache = decode(params, tokens[:, t], cache)
+    stepwise.append(logits)  # position t
+  stepwise = np.stack([np.asarray(x) for x in stepwise], axis=1)  # [B, T - prefix + 1, V]
+  np.testing.assert_allclose(stepwise, full[:, prefix - 1:], rtol=0, atol=ATOL)
+  assert int(cache.index) == length
+  np.testing.assert_array_equal(cache.positions, mask.sum(-1))
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_export_round_trip(name, tmp_path):
+  cfg, _, params = _loaded(name)
+  tokenizer = hf.load_tokenizer(_dir(name))
+  hf.export(params, cfg, tmp_path, tokenizer=tokenizer)
+
+  assert hf.model_config_from_hf(tmp_path) == cfg
+  _assert_trees_equal(hf.load_params(tmp_path, cfg), params)
+  assert _tensor_shapes(tmp_path / 'model.safetensors') == _tensor_shapes(
+      os.path.join(_dir(name), 'model.safetensors'))
+  with open(tmp_path / 'config.json') as f:
+    exported = json.load(f)
+  with open(os.path.join(_dir(name), 'config.json')) as f:
+    original = json.load(f)
+  for field in KEY_FIELDS:
+    assert exported.get(field) == original.get(field), field
+  text = 'Hi there, 12+34=46\n'
+  assert hf.load_tokenizer(tmp_path)(text)['input_ids'] == tokenizer(text)['input_ids']
+
+
+def test_bfloat16_params_load_and_run(tmp_path):
+  name = 'qwen2_tiny'
+  cfg, graphdef, params = _loaded(name, 'bfloat16')
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+  ref = _reference(name)
+  logits = np.asarray(_forward(graphdef)(params, ref['left_tokens'], ref['left_mask']))
+  real = ref['left_mask'].astype(bool)
+  # bfloat16 params and compute: observed max error ~0.14 on logits up to ~5.
+  np.testing.assert_allclose(logits[real], ref['left_logits'][real], rtol=0, atol=0.25)
+
+  # bfloat16 safetensors (numpy has no bfloat16 of its own) write and read back bit for bit.
+  hf.export(params, cfg, tmp_path)
+  with safetensors.safe_open(tmp_path / 'model.safetensors', framework='numpy') as f:
+    assert {f.get_slice(k).get_dtype() for k in f.keys()} == {'BF16'}
+  assert json.loads((tmp_path / 'config.json').read_text())['dtype'] == 'bfloat16'
+  _assert_trees_equal(hf.load_params(tmp_path, cfg), params)
+
+
+def test_load_onto_shardings():
+  mesh = jax.make_mesh((2, 4), ('data', 'tensor'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = {'vocab': 'tensor', 'q_heads': 'tensor', 'kv_heads': 'tensor', 'mlp': 'tensor',
+           'embed': 'data'}
+
+  def shardings_fn(shapes, axes):
+    assert jax.tree.structure(shapes) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda names: jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*(rules.get(n) for n in names))),
+        axes, is_leaf=lambda x: isinstance(x, tuple))
+
+  name = 'llama_tiny'
+  _, graphdef, params = hf.load_model(_dir(name), shardings_fn=shardings_fn)
+  assert params['layers']['q_proj'].sharding.spec == jax.sharding.PartitionSpec(
+      None, 'data', 'tensor')
+  assert params['lm_head'].sharding.spec == jax.sharding.PartitionSpec('data', 'tensor')
+  _assert_trees_equal(params, _loaded(name)[2])
+  ref = _reference(name)
+  logits = np.asarray(_forward(graphdef)(params, ref['left_tokens'], ref['left_mask']))
+  real = ref['left_mask'].astype(bool)
+  np.testing.assert_allclose(logits[real], ref['left_logits'][real], rtol=0, atol=ATOL)
+
+
+def _copy_config(name, dst, **changes):
+  os.makedirs(dst, exist_ok=True)
+  with open(os.path.join(_dir(name), 'config.json')) as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(os.path.join(dst, 'config.json'), 'w') as f:
+    json.dump(config, f)
+
+
+def test_unknown_architecture_names_it(tmp_path):
+  _copy_config('llama_tiny', tmp_path, architectures=['MistralForCausalLM'], model_type='mistral')
+  with pytest.raises(ValueError, match=r'MistralForCausalLM.*Qwen2ForCausalLM, LlamaForCausalLM'):
+    hf.model_config_from_hf(tmp_path)
+
+
+def test_unsupported_rope_type_names_it(tmp_path):
+  _copy_config('llama_tiny', tmp_path, rope_parameters={
+      'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0,
+      'original_max_position_embeddings': 32})
+  with pytest.raises(ValueError, match="rope_type='yarn'"):
+    hf.model_config_from_hf(tmp_path)
+
+
+def test_missing_tensor_error_and_extra_tensor_warning(tmp_path, caplog):
+  name = 'qwen2_tiny'
+  cfg = _loaded(name)[0]
+  with safetensors.safe_open(os.path.join(_dir(name), 'model.safetensors'), 'numpy') as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  extra = 'model.layers.0.self_attn.rotary_emb.inv_freq'
+  tensors[extra] = np.ones(8, np.float32)
+  safetensors.numpy.save_file(tensors, str(tmp_path / 'model.safetensors'))
+  with caplog.at_level('WARNING'):
+    hf.load_params(tmp_path, cfg)
+  assert extra in caplog.text
+
+  gone = ('model.layers.1.mlp.up_proj.weight', 'model.layers.0.self_attn.k_proj.bias')
+  for k in gone:
+    del tensors[k]
+  safetensors.numpy.save_file(tensors, str(tmp_path / 'model.safetensors'))
+  with pytest.raises(ValueError, match=r'2 tensors missing.*k_proj.bias.*up_proj.weight'):
+    hf.load_params(tmp_path, cfg)
+
+
+def test_shape_mismatch_names_tensor():
+  cfg = dataclasses.replace(_loaded('llama_tiny')[0], intermediate_size=64)
+  with pytest.raises(ValueError, match=r'down_proj.*shape \(2, 96, 64\).*wants \(2, 64, 64\)'):
+    hf.load_params(_dir('llama_tiny'), cfg)
+
+
+def test_works_without_torch(tmp_path):
+  """Config, weights, tokenizer and export, in a process where ``import torch`` fails."""
+  script = textwrap.dedent(f"""
+      import sys
+      sys.modules['torch'] = None  # find_spec('torch') -> None, import torch -> ImportError
+      import numpy as np
+      from jaxrl_ga.models import hf, transformer
+      cfg, graphdef, params = hf.load_model({_dir('qwen2_tiny')!r})
+      ref = np.load({os.path.join(_dir('qwen2_tiny'), 'reference_logits.npz')!r})
+      logits = transformer.merge(graphdef, params)(ref['left_tokens'], ref['left_mask'])
+      real = ref['left_mask'].astype(bool)
+      assert np.abs(np.asarray(logits)[real] - ref['left_logits'][real]).max() < 1e-3
+      hf.export(params, cfg, {str(tmp_path)!r}, tokenizer=hf.load_tokenizer({_dir('qwen2_tiny')!r}))
+      assert hf.model_config_from_hf({str(tmp_path)!r}) == cfg
+      print('ok')
+  """)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '',
+         'PYTHONPATH': os.pathsep.join([root, os.environ.get('PYTHONPATH', '')])}
+  result = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+  assert result.returncode == 0 and 'ok' in result.stdout, result.stderr[-3000:]
