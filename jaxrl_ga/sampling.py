@@ -1,0 +1,290 @@
+"""Autoregressive sampling: one prefill of the prompts, then a ``lax.while_loop`` of decode steps.
+
+``generate`` is a pure, traceable function (the rollout step calls it inside its own jit);
+``make_generate_fn`` jits it on its own, optionally with mesh shardings.
+
+Per row of a left-padded prompt batch [N, Tp]:
+
+  * the prompts run through ``model.prefill`` once; completion token 0 is sampled from its logits;
+  * each loop iteration feeds the previous token to ``model.decode`` and samples the next one; the
+    loop runs while ``step < max_completion_length`` and some row has not finished;
+  * a row finishes when it samples ``eos_id``: the EOS is kept (mask 1), every later position is
+    ``pad_id`` with mask 0. Rows that finished keep being decoded (fed pad) until the whole batch
+    is done, but their outputs are discarded; when every row has finished the loop exits early and
+    the remaining positions stay pad / mask 0.
+
+Sampling distribution (the order HF's logits warpers use): ``logits / temperature``, then top-k
+(keep tokens whose scaled logit is >= the k-th largest; ties at the threshold are kept), then
+top-p on the renormalized result (sort descending, keep a token iff the probability mass strictly
+before it is < top_p, so the most likely token is always kept; top_p >= 1 keeps everything).
+Dropped tokens get logit -inf; ``jax.random.categorical`` samples from what is left.
+
+Log-probs: ``Completions.logps`` is ``log_softmax(warped logits)[token]``, the log-prob of the token
+under the distribution actually sampled from (truncated and renormalized), 0 at masked positions.
+At temperature 1 with no top-k / top-p it equals the learner's ``completion_logps``.
+
+Greedy (``greedy=True``, static): the token is the argmax of the raw logits (temperature, top-k and
+top-p cannot change the argmax); ``logps`` are still the log-probs of those tokens under the
+warped distribution that sampling with the same temperature / top-k / top-p would use (not the
+degenerate 0 of a point mass), so greedy and sampled rollouts report comparable numbers.
+
+RNG: completion position ``s`` uses ``fold_in(rng, s)``; with chunking, chunk ``j`` first derives
+``fold_in(rng, j)``. Chunked and unchunked sampling therefore draw different (equally valid) random
+tokens; greedy tokens are identical.
+
+Chunking (``Sampler.chunk_size``, the rollout micro-batch): rows are generated ``chunk_size`` at a
+time under ``lax.map`` to bound the KV cache. Chunk ``j`` holds rows ``j, j + C, j + 2C, ...``
+(C = N / chunk_size chunks), so a batch sharded over the data-parallel mesh axes gives every
+device an equal share of every chunk; outputs are returned in the original row order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxrl_ga import sharding as shd
+from jaxrl_ga.config import SamplingConfig
+from jaxrl_ga.models import transformer as tfm
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Static sampling settings (hashable: part of the compiled program).
+
+  Attributes:
+    max_completion_length: L, generated positions per row.
+    eos_id: a row stops after sampling this token (an id outside the vocabulary never stops).
+    pad_id: written at every position after a row's EOS (and after an early exit).
+    top_k: keep the k most likely tokens; 0 disables.
+    chunk_size: generate this many rows at a time (must divide the batch); 0 = all at once.
+  """
+  max_completion_length: int
+  eos_id: int
+  pad_id: int
+  top_k: int = 0
+  chunk_size: int = 0
+
+  def __post_init__(self):
+    for name in dataclasses.fields(self):
+      value = getattr(self, name.name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f'Sampler.{name.name} must be an int, got {value!r}.')
+    if self.max_completion_length < 1:
+      raise ValueError(f'Sampler.max_completion_length must be >= 1, got '
+                       f'{self.max_completion_length}.')
+    if self.top_k < 0:
+      raise ValueError(f'Sampler.top_k must be >= 0 (0 disables), got {self.top_k}.')
+    if self.chunk_size < 0:
+      raise ValueError(f'Sampler.chunk_size must be >= 0 (0: all rows at once), got '
+                       f'{self.chunk_size}.')
+
+  @classmethod
+  def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int) -> 'Sampler':
+    """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time."""
+    return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
+               pad_id=int(pad_id), top_k=int(cfg.top_k),
+               chunk_size=int(cfg.rollout_micro_batch_size))
+
+
+@flax.struct.dataclass
+class Completions:
+  """Generated completions, right-padded. N rows, Tc = max_completion_length."""
+  tokens: jax.Array  # [N, Tc] int32: pad_id after EOS (EOS itself kept)
+  mask: jax.Array  # [N, Tc] int32: 1 for generated tokens up to and including EOS
+  ended_with_eos: jax.Array  # [N] bool: False if truncated at max_completion_length
+  logps: jax.Array  # [N, Tc] float32: log-prob under the sampled distribution; 0 where mask 0
+  # [] int32: completion positions the loop generated (the prefill's one plus one per decode
+  # iteration); max_completion_length unless every row stopped early. Max over chunks.
+  num_decode_steps: jax.Array
+
+
+@flax.struct.dataclass
+class SamplingState:
+  """The decode loop's carry."""
+  step: jax.Array  # [] int32: next completion position to fill
+  last_token: jax.Array  # [B] int32: token written at step - 1 (pad for finished rows)
+  done: jax.Array  # [B] bool: row has emitted EOS
+  tokens: jax.Array  # [B, L] int32
+  mask: jax.Array  # [B, L] int32
+  logps: jax.Array  # [B, L] float32
+  cache: tfm.KVCache
+
+
+# -- the sampling distribution -------------------------------------------------------------------
+def warp_logits(logits: jax.Array, temperature, top_p, top_k: int = 0) -> jax.Array:
+  """The (unnormalized) log-weights actually sampled from. logits [B, V] -> [B, V] float32.
+
+  ``logits / temperature`` with tokens outside the top-k and outside the top-p nucleus (of the
+  renormalized top-k distribution) set to -inf. ``temperature`` and ``top_p`` may be traced.
+  """
+  x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)  # [B, V]
+  top_p = jnp.asarray(top_p, jnp.float32)
+  vocab = x.shape[-1]
+  if 0 < top_k < vocab:
+    sorted_desc = jax.lax.top_k(x, top_k)[0]  # [B, k]
+    x = jnp.where(x >= sorted_desc[:, -1:], x, -jnp.inf)
+
+    def nucleus(x):
+      return _top_p(x, sorted_desc, top_p)
+  else:
+
+    def nucleus(x):  # the full sort is only paid for when top-p is on
+      return _top_p(x, jnp.flip(jnp.sort(x, axis=-1), axis=-1), top_p)
+  return jax.lax.cond(top_p < 1.0, nucleus, lambda x: x, x)
+
+
+def _top_p(x: jax.Array, sorted_desc: jax.Array, top_p: jax.Array) -> jax.Array:
+  """x [B, V]; sorted_desc [B, K]: the candidates' logits, descending (K <= V)."""
+  probs = jax.nn.softmax(sorted_desc, axis=-1)  # [B, K]
+  mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, K]
+  keep = mass_before < top_p
+  keep = keep.at[:, 0].set(True)
+  threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
+  return jnp.where(x >= threshold, x, -jnp.inf)
+
+
+def _choose(logits, key, temperature, top_p, top_k: int, greedy: bool):
+  """logits [B, V] -> (token [B] int32, its log-prob under the warped distribution [B])."""
+  warped = warp_logits(logits, temperature, top_p, top_k)  # [B, V]
+  if greedy:
+    token = jnp.argmax(logits, axis=-1)
+  else:
+    token = jax.random.categorical(key, warped, axis=-1)
+  token = token.astype(jnp.int32)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(warped, axis=-1), token[:, None], axis=-1)[:, 0]
+  return token, logp
+
+
+# -- generation ----------------------------------------------------------------------------------
+def _write(state: SamplingState, sampled, logp, sampler: Sampler) -> SamplingState:
+  """Writes position ``state.step`` (pad / mask 0 for rows already done) and advances it."""
+  active = ~state.done  # [B]
+  token = jnp.where(active, sampled, sampler.pad_id).astype(jnp.int32)
+
+  def put(buf, col):  # buf [B, L], col [B]
+    return jax.lax.dynamic_update_slice_in_dim(buf, col[:, None].astype(buf.dtype), state.step, 1)
+
+  return state.replace(
+      step=state.step + 1,
+      last_token=token,
+      done=state.done | (active & (sampled == sampler.eos_id)),
+      tokens=put(state.tokens, token),
+      mask=put(state.mask, active.astype(jnp.int32)),
+      logps=put(state.logps, jnp.where(active, logp, 0.0)))
+
+
+def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                   temperature, top_p, greedy: bool) -> Completions:
+  """All rows at once: prefill, first token, then the while-loop decode."""
+  b, tp = prompt_tokens.shape
+  length = sampler.max_completion_length
+  # Slots for the prompt and every fed-back token (the last sampled token is never decoded).
+  logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1)
+
+  def choose(logits, step):
+    return _choose(logits, jax.random.fold_in(rng, step), temperature, top_p, sampler.top_k,
+                   greedy)
+
+  state = SamplingState(
+      step=jnp.zeros((), jnp.int32),
+      last_token=jnp.full((b,), sampler.pad_id, jnp.int32),
+      done=jnp.zeros((b,), bool),
+      tokens=jnp.full((b, length), sampler.pad_id, jnp.int32),
+      mask=jnp.zeros((b, length), jnp.int32),
+      logps=jnp.zeros((b, length), jnp.float32),
+      cache=cache)
+  state = _write(state, *choose(logits, 0), sampler)
+
+  def cond(state: SamplingState):
+    return (state.step < length) & ~jnp.all(state.done)
+
+  def body(state: SamplingState):
+    logits, cache = model.decode(state.last_token, state.cache)  # [B, V]
+    return _write(state.replace(cache=cache), *choose(logits, state.step), sampler)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.done,
+                     logps=state.logps, num_decode_steps=state.step)
+
+
+def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+             rng: jax.Array, sampler: Sampler, *, temperature: Any = 1.0, top_p: Any = 1.0,
+             greedy: bool = False) -> Completions:
+  """Samples a completion for every left-padded prompt. Traceable (call it inside jit).
+
+  Args:
+    model: the policy (e.g. ``transformer.merge(graphdef, params)`` inside the caller's jit).
+    prompt_tokens: [N, Tp] int, left-padded (every row needs at least one real token).
+    prompt_mask: [N, Tp] 0/1.
+    rng: a PRNG key.
+    sampler: the static settings.
+    temperature: f32 scalar (> 0), may be traced: new values do not recompile.
+    top_p: f32 scalar in (0, 1], may be traced; >= 1 disables.
+    greedy: static; argmax decoding (see the module docstring for its log-probs).
+
+  Returns:
+    Completions with N rows of max_completion_length positions.
+  """
+  temperature = jnp.asarray(temperature, jnp.float32)
+  top_p = jnp.asarray(top_p, jnp.float32)
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+  n = prompt_tokens.shape[0]
+  size = sampler.chunk_size
+  if size == 0 or size >= n:
+    return _generate_rows(model, prompt_tokens, prompt_mask, rng, sampler, temperature, top_p,
+                          greedy)
+  if n % size:
+    raise ValueError(f'Sampler.chunk_size={size} must divide the number of prompts {n}; '
+                     f'choose a divisor of {n} (or 0 for all rows at once).')
+  num_chunks = n // size
+
+  def to_chunks(x):  # [N, ...] -> [C, size, ...]; chunk j holds rows j, j + C, ...
+    return jnp.swapaxes(x.reshape(size, num_chunks, *x.shape[1:]), 0, 1)
+
+  def from_chunks(x):  # [C, size, ...] -> [N, ...]
+    return jnp.swapaxes(x, 0, 1).reshape(n, *x.shape[2:])
+
+  def one_chunk(xs):
+    tokens, mask, index = xs
+    return _generate_rows(model, tokens, mask, jax.random.fold_in(rng, index), sampler,
+                          temperature, top_p, greedy)
+
+  out = jax.lax.map(one_chunk, (to_chunks(prompt_tokens), to_chunks(prompt_mask),
+                                jnp.arange(num_chunks)))
+  return Completions(tokens=from_chunks(out.tokens), mask=from_chunks(out.mask),
+                     ended_with_eos=from_chunks(out.ended_with_eos),
+                     logps=from_chunks(out.logps),
+                     num_decode_steps=jnp.max(out.num_decode_steps))
+
+
+def make_generate_fn(graphdef, sampler: Sampler, *, greedy: bool = False,
+                     mesh: Optional[Mesh] = None, param_shardings: Any = None):
+  """Jitted ``(params, prompt_tokens, prompt_mask, rng, temperature, top_p) -> Completions``.
+
+  With a ``mesh``, prompts and per-row outputs are sharded over the data-parallel axes
+  ``('data', 'fsdp')`` and params take ``param_shardings`` (e.g. from ``sharding.init_params``);
+  without one, jit follows the shardings of its inputs. Temperature and top_p are traced.
+  """
+  def fn(params, prompt_tokens, prompt_mask, rng, temperature, top_p):
+    return generate(tfm.merge(graphdef, params), prompt_tokens, prompt_mask, rng, sampler,
+                    temperature=temperature, top_p=top_p, greedy=greedy)
+
+  if mesh is None:
+    if param_shardings is not None:
+      raise ValueError('param_shardings needs a mesh: pass mesh= as well.')
+    return jax.jit(fn)
+  if param_shardings is None:
+    raise ValueError('with a mesh, pass param_shardings (e.g. from sharding.init_params).')
+  rows2, rows1 = shd.batch_sharding(mesh, 2), shd.batch_sharding(mesh, 1)
+  rep = NamedSharding(mesh, P())
+  out = Completions(tokens=rows2, mask=rows2, ended_with_eos=rows1, logps=rows2,
+                    num_decode_steps=rep)
+  return jax.jit(fn, in_shardings=(param_shardings, rows2, rows2, rep, rep, rep),
+                 out_shardings=out)

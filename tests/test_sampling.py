@@ -1,0 +1,391 @@
+"""The sampler against independent references: the full forward pass and numpy.
+
+* Greedy tokens are the argmax of the full forward's logits at every position (random tiny model
+  unsharded and on a (2, 2, 2) mesh, the HF fixtures), and equal the tokens of a greedy loop of
+  full forwards; EOS / pad / mask / early-exit semantics hold; chunking changes nothing.
+* Sampled one-token completions follow softmax(logits / T) truncated by top-k / top-p (numpy),
+  by a chi-square test; truncated tokens never appear.
+* The sampler's log-probs equal the learner's (at temperature 1, and at T != 1 with the learner's
+  ``temperature``) and numpy's truncated, renormalized log-softmax with top-p.
+* New temperature / top_p values do not recompile.
+
+Each jitted function is compiled once (module-scoped fixtures, ``functools.cache``).
+"""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_ga import learner
+from jaxrl_ga import sampling
+from jaxrl_ga import sharding
+from jaxrl_ga.config import MeshConfig, SamplingConfig
+from jaxrl_ga.models import transformer as tfm
+
+try:
+  from jaxrl_ga.models import hf
+except ImportError:  # the HF loader (or transformers) is not available
+  hf = None
+
+FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
+CFG = tfm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+SHARPEN = 30.0  # lm_head scale: well-separated logits, so argmax never hinges on rounding
+N, TP, L = 8, 6, 10  # prompts, prompt slots, max completion length
+PAD = 0
+TIE_ATOL = 1e-5  # a token within this of the max logit counts as an argmax (HF fixtures)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _prompts(seed, vocab, low=1):
+  """Left-padded [N, TP] prompts of different lengths (1 to TP real tokens)."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(low, vocab, size=(N, TP)).astype(np.int32)
+  lengths = np.array([TP, 1, 3, TP - 1, 2, TP, 4, 3])
+  mask = (np.arange(TP)[None] >= (TP - lengths)[:, None]).astype(np.int32)
+  return np.where(mask == 1, tokens, PAD).astype(np.int32), mask
+
+
+def _random_params(cfg, seed, lm_head_scale=1.0, mesh=None):
+  """(graphdef, numpy params, their shardings on ``mesh`` or None) of a random model.
+
+  Drawn with numpy (much faster to set up than jitting the random init): weights and biases
+  N(0, 0.02), norm scales 1 + N(0, 0.1); ``lm_head`` scaled by ``lm_head_scale``.
+  """
+  graphdef, shapes, axes = sharding.abstract_model(cfg)
+  rng = np.random.default_rng(seed)
+
+  def draw(shape, logical):
+    if logical[-1] == 'norm':
+      return (1.0 + 0.1 * rng.standard_normal(shape.shape)).astype(np.float32)
+    return (0.02 * rng.standard_normal(shape.shape)).astype(np.float32)
+
+  params = jax.tree.map(draw, shapes, axes)
+  params['lm_head'] = params['lm_head'] * np.float32(lm_head_scale)
+  shardings = None if mesh is None else sharding.param_shardings(shapes, axes, mesh)
+  return graphdef, params, shardings
+
+
+@functools.cache
+def _forward(graphdef):
+  return jax.jit(lambda p, t, m: tfm.merge(graphdef, p)(t, m))
+
+
+def _completion_logits(fwd, params, prompt_tokens, prompt_mask, tokens, mask):
+  """Full-forward logits [N, Tc, V] at the positions that predict each completion token."""
+  logits = fwd(params, np.concatenate([prompt_tokens, tokens], 1),
+               np.concatenate([prompt_mask, mask], 1))
+  return np.asarray(logits, np.float64)[:, prompt_tokens.shape[1] - 1:-1]
+
+
+def _greedy_reference(fwd, params, prompt_tokens, prompt_mask):
+  """[N, L] tokens of a greedy loop of full forwards (no cache, no EOS)."""
+  tokens = np.full((N, L), PAD, np.int32)
+  mask = np.zeros((N, L), np.int32)
+  for s in range(L):
+    logits = _completion_logits(fwd, params, prompt_tokens, prompt_mask, tokens, mask)
+    tokens[:, s], mask[:, s] = logits[:, s].argmax(-1), 1
+  return tokens
+
+
+def _first_index(tokens, token):
+  """[N] first position of ``token`` in each row of [N, L] tokens (L if absent)."""
+  hit = tokens == token
+  return np.where(hit.any(1), hit.argmax(1), tokens.shape[1])
+
+
+def _pick_eos(reference):
+  """A token that greedy emits before the last position in some rows (at several distinct
+  positions) but never in others, so a batch has both early stops and truncations."""
+  best, best_key = None, None
+  for t in np.unique(reference):
+    first = _first_index(reference, t)
+    stops = first < L - 1
+    if 2 <= stops.sum() <= N - 2:
+      key = (len(set(first[stops])), stops.sum())
+      if best_key is None or key > best_key:
+        best, best_key = int(t), key
+  assert best is not None, 'no token splits the batch into stopped and truncated rows'
+  return best
+
+
+def _check_semantics(out, eos):
+  """Mask is a prefix; EOS ends it (kept, masked in); pad and logp 0 after; early exit."""
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  ended, logps = np.asarray(out.ended_with_eos), np.asarray(out.logps)
+  lengths = mask.sum(1)
+  np.testing.assert_array_equal(mask, np.arange(L)[None] < lengths[:, None])
+  assert (tokens[mask == 0] == PAD).all() and (logps[mask == 0] == 0).all()
+  assert (logps[mask == 1] <= 0).all()
+  for row, length in enumerate(lengths):
+    real = tokens[row, :length]
+    assert length >= 1 and eos not in real[:-1]
+    assert ended[row] == (real[-1] == eos)
+    assert ended[row] or length == L
+  assert int(out.num_decode_steps) == lengths.max()
+
+
+def _assert_greedy_argmax(fwd, params, prompt_tokens, prompt_mask, out, atol=0.0):
+  """Every completion token is the argmax of the full forward's logits before it."""
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  logits = _completion_logits(fwd, params, prompt_tokens, prompt_mask, tokens, mask)
+  chosen = np.take_along_axis(logits, tokens[..., None], -1)[..., 0]  # [N, L]
+  is_max = (logits.argmax(-1) == tokens) | (chosen >= logits.max(-1) - atol)
+  assert is_max[mask == 1].all(), np.argwhere(~is_max & (mask == 1))
+  return logits
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _expected_probs(logits, temperature, top_k=0, top_p=1.0):
+  """Numpy: softmax(logits / T); keep the top_k; keep the smallest most-likely set of mass >= top_p;
+  renormalize. logits [..., V] -> probs [..., V]."""
+  probs = np.exp(_log_softmax(np.asarray(logits, np.float64) / temperature))
+  order = np.argsort(-probs, axis=-1, kind='stable')
+  ranked = np.take_along_axis(probs, order, -1)
+  if top_k:
+    ranked[..., top_k:] = 0
+    ranked /= ranked.sum(-1, keepdims=True)
+  if top_p < 1:
+    count = (np.cumsum(ranked, -1) < top_p).sum(-1, keepdims=True) + 1  # tokens to keep
+    ranked = np.where(np.arange(ranked.shape[-1]) < count, ranked, 0)
+    ranked /= ranked.sum(-1, keepdims=True)
+  out = np.zeros_like(probs)
+  np.put_along_axis(out, order, ranked, -1)
+  return out
+
+
+def _chi_square_pvalue(counts, probs):
+  """Goodness of fit over the support of ``probs``; bins expecting < 5 draws are lumped."""
+  support = probs > 0
+  expected = counts.sum() * probs
+  big, small = support & (expected >= 5), support & (expected < 5)
+  obs, exp = list(counts[big]), list(expected[big])
+  if small.any():
+    obs.append(counts[small].sum())
+    exp.append(expected[small].sum())
+  obs, exp = np.asarray(obs, np.float64), np.asarray(exp, np.float64)
+  stat = ((obs - exp) ** 2 / exp).sum()
+  df = len(obs) - 1
+  return float(jax.scipy.special.gammaincc(df / 2, stat / 2))
+
+
+# -- a random tiny model: greedy, unsharded, on a mesh, chunked ----------------------------------
+@pytest.fixture(scope='module')
+def tiny():
+  mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
+  graphdef, params, shardings = _random_params(CFG, seed=0, lm_head_scale=SHARPEN, mesh=mesh)
+  mesh_params = jax.device_put(params, shardings)  # the same values, sharded by the rules
+  fwd = _forward(graphdef)
+  prompt_tokens, prompt_mask = _prompts(1, CFG.vocab_size)
+  reference = _greedy_reference(fwd, params, prompt_tokens, prompt_mask)
+  eos = _pick_eos(reference)
+  # A second batch whose rows all stop early: the stopping rows, repeated.
+  stops = np.flatnonzero(_first_index(reference, eos) < L - 1)
+  rows = np.resize(stops, N)
+  return dict(mesh=mesh, graphdef=graphdef, params=params, mesh_params=mesh_params,
+              shardings=shardings, fwd=fwd, prompts=(prompt_tokens, prompt_mask),
+              stop_prompts=(prompt_tokens[rows], prompt_mask[rows]),
+              reference=reference, stop_reference=reference[rows], eos=eos,
+              sampler=sampling.Sampler(L, eos_id=eos, pad_id=PAD))
+
+
+@pytest.fixture(scope='module')
+def greedy(tiny):
+  fn = sampling.make_generate_fn(tiny['graphdef'], tiny['sampler'], greedy=True)
+  key = jax.random.key(0)
+  out = dict(fn=fn, mixed=fn(tiny['params'], *tiny['prompts'], key, 1.0, 1.0),
+             stop=fn(tiny['params'], *tiny['stop_prompts'], key, 1.0, 1.0),
+             cold=fn(tiny['params'], *tiny['prompts'], key, 0.7, 0.9))
+  return out
+
+
+def _assert_matches_reference(out, reference, eos):
+  lengths = np.minimum(_first_index(reference, eos) + 1, L)
+  np.testing.assert_array_equal(np.asarray(out.mask).sum(1), lengths)
+  expected = np.where(np.arange(L)[None] < lengths[:, None], reference, PAD)
+  np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+
+
+def test_greedy_equals_full_forward_argmax(tiny, greedy):
+  out = greedy['mixed']
+  _check_semantics(out, tiny['eos'])
+  ended = np.asarray(out.ended_with_eos)
+  assert ended.any() and not ended.all()  # some rows stop early, some are truncated
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], *tiny['prompts'], out)
+  _assert_matches_reference(out, tiny['reference'], tiny['eos'])
+  assert int(out.num_decode_steps) == L
+
+
+def test_greedy_early_exit_when_all_rows_stop(tiny, greedy):
+  out = greedy['stop']
+  _check_semantics(out, tiny['eos'])
+  assert np.asarray(out.ended_with_eos).all()
+  lengths = np.asarray(out.mask).sum(1)
+  assert len(set(lengths)) > 1  # rows stop at different steps
+  assert int(out.num_decode_steps) == lengths.max() < L  # the loop exited early
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], *tiny['stop_prompts'], out)
+  _assert_matches_reference(out, tiny['stop_reference'], tiny['eos'])
+
+
+def test_greedy_logps_and_temperature_is_traced(tiny, greedy):
+  """Greedy log-probs are those of the warped distribution; new T / top_p do not recompile."""
+  out, cold = greedy['mixed'], greedy['cold']
+  np.testing.assert_array_equal(np.asarray(cold.tokens), np.asarray(out.tokens))
+  mask = np.asarray(out.mask) == 1
+  logits = _completion_logits(tiny['fwd'], tiny['params'], *tiny['prompts'],
+                              np.asarray(out.tokens), np.asarray(out.mask))
+  tokens = np.asarray(out.tokens)[..., None]
+  for o, probs in ((out, _expected_probs(logits, 1.0)),
+                   (cold, _expected_probs(logits, 0.7, top_p=0.9))):
+    want = np.log(np.take_along_axis(probs, tokens, -1)[..., 0][mask])
+    np.testing.assert_allclose(np.asarray(o.logps)[mask], want, atol=1e-5, rtol=0)
+  assert greedy['fn']._cache_size() == 1
+
+
+def test_greedy_on_mesh_equals_unsharded(tiny, greedy):
+  mesh = tiny['mesh']
+  fn = sampling.make_generate_fn(tiny['graphdef'], tiny['sampler'], greedy=True, mesh=mesh,
+                                 param_shardings=tiny['shardings'])
+  rows = sharding.batch_sharding(mesh)
+  prompts = [jax.device_put(x, rows) for x in tiny['prompts']]
+  out = fn(tiny['mesh_params'], *prompts, jax.random.key(0), 1.0, 1.0)
+  assert out.tokens.sharding.spec == rows.spec
+  ref = greedy['mixed']
+  for name in ('tokens', 'mask', 'ended_with_eos', 'num_decode_steps'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], *tiny['prompts'], out)
+
+
+def test_chunked_greedy_equals_unchunked(tiny, greedy):
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, chunk_size=2)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler, greedy=True)
+  out = fn(tiny['params'], *tiny['prompts'], jax.random.key(0), 1.0, 1.0)
+  ref = greedy['mixed']
+  for name in ('tokens', 'mask', 'ended_with_eos', 'num_decode_steps'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-6, rtol=0)
+
+
+# -- sampled log-probs against the learner and numpy ---------------------------------------------
+def test_sampled_logps_equal_learner_logps(tiny):
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, chunk_size=4)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler)
+  params, (prompt_tokens, prompt_mask) = tiny['params'], tiny['prompts']
+
+  @jax.jit
+  def learner_logps(params, tokens, mask, temperature):
+    return learner.completion_logps(tfm.merge(tiny['graphdef'], params), prompt_tokens,
+                                    prompt_mask, tokens, mask, temperature=temperature)[0]
+
+  out = fn(params, prompt_tokens, prompt_mask, jax.random.key(1), 1.0, 1.0)
+  _check_semantics(out, tiny['eos'])
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  logits = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens, mask)
+  assert (logits.argmax(-1) != tokens)[mask == 1].any()  # really sampled, not all argmax
+  want = np.asarray(learner_logps(params, tokens, mask, 1.0))
+  m = mask == 1
+  np.testing.assert_allclose(np.asarray(out.logps)[m], want[m], atol=1e-4, rtol=0)
+
+  for temperature, top_p in ((0.7, 1.0), (1.3, 0.8)):
+    out = fn(params, prompt_tokens, prompt_mask, jax.random.key(2), temperature, top_p)
+    _check_semantics(out, tiny['eos'])
+    tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+    logits = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens, mask)
+    probs = np.take_along_axis(_expected_probs(logits, temperature, top_p=top_p),
+                               tokens[..., None], -1)[..., 0]
+    m = mask == 1
+    assert (probs[m] > 0).all()  # never a token outside the nucleus
+    np.testing.assert_allclose(np.asarray(out.logps)[m], np.log(probs[m]), atol=1e-4, rtol=0)
+    if top_p == 1.0:  # the learner's tempered log-probs are the sampler's
+      want = np.asarray(learner_logps(params, tokens, mask, temperature))
+      np.testing.assert_allclose(np.asarray(out.logps)[m], want[m], atol=1e-4, rtol=0)
+  assert fn._cache_size() == 1
+
+
+# -- sampling follows the distribution (V = 8, one-token completions) ----------------------------
+DIST_CFG = tfm.ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+DRAWS = 4000
+
+
+@pytest.fixture(scope='module')
+def dist_model():
+  # lm_head scaled so that the probabilities range over two orders of magnitude.
+  graphdef, params, _ = _random_params(DIST_CFG, seed=0, lm_head_scale=12.0)
+  prompt_tokens = np.tile(np.array([[0, 3, 5, 1, 6]], np.int32), (DRAWS, 1))
+  prompt_mask = np.tile(np.array([[0, 1, 1, 1, 1]], np.int32), (DRAWS, 1))
+  logits = np.asarray(_forward(graphdef)(params, prompt_tokens[:1], prompt_mask[:1]),
+                      np.float64)[0, -1]  # [V]
+  return graphdef, params, prompt_tokens, prompt_mask, logits
+
+
+@pytest.mark.parametrize('top_k,cases', [
+    (0, ((0.7, 1.0), (1.5, 1.0), (1.0, 0.8))),
+    (3, ((1.0, 1.0), (1.3, 0.7))),
+])
+def test_sampling_follows_distribution(dist_model, top_k, cases):
+  graphdef, params, prompt_tokens, prompt_mask, logits = dist_model
+  sampler = sampling.Sampler(1, eos_id=7, pad_id=PAD, top_k=top_k)
+  fn = sampling.make_generate_fn(graphdef, sampler)
+  for i, (temperature, top_p) in enumerate(cases):
+    out = fn(params, prompt_tokens, prompt_mask, jax.random.key(10 + i), temperature, top_p)
+    tokens = np.asarray(out.tokens)[:, 0]
+    assert (np.asarray(out.mask) == 1).all()
+    probs = _expected_probs(logits, temperature, top_k, top_p)
+    counts = np.bincount(tokens, minlength=DIST_CFG.vocab_size)
+    if top_k or top_p < 1:
+      assert (probs == 0).any()  # the case truncates something ...
+      assert (counts[probs == 0] == 0).all()  # ... and truncated tokens never appear
+    p_value = _chi_square_pvalue(counts, probs)
+    assert p_value > 1e-3, (temperature, top_p, counts, DRAWS * probs)
+    # Power: the same draws reject a distribution at another temperature.
+    wrong = np.where(probs > 0, _expected_probs(logits, 2.0 * temperature, top_k, top_p), 0)
+    assert _chi_square_pvalue(counts, wrong / wrong.sum()) < 1e-3
+    np.testing.assert_allclose(np.asarray(out.logps)[:, 0], np.log(probs[tokens]),
+                               atol=1e-5, rtol=0)
+  assert fn._cache_size() == 1  # new temperature / top_p values reuse the compile
+
+
+# -- HF fixture models ---------------------------------------------------------------------------
+@pytest.mark.parametrize('name', ['qwen2_tiny', 'llama_tiny'])
+def test_greedy_equals_full_forward_argmax_hf(name):
+  path = os.path.join(FIXTURES, name)
+  if hf is None or not os.path.exists(os.path.join(path, 'model.safetensors')):
+    pytest.skip('HF loader or fixture not available')
+  cfg, graphdef, params = hf.load_model(path)
+  fwd = _forward(graphdef)
+  prompt_tokens, prompt_mask = _prompts(2, cfg.vocab_size, low=4)
+  eos = _pick_eos(_greedy_reference(fwd, params, prompt_tokens, prompt_mask))
+  fn = sampling.make_generate_fn(graphdef, sampling.Sampler(L, eos_id=eos, pad_id=PAD),
+                                 greedy=True)
+  out = fn(params, prompt_tokens, prompt_mask, jax.random.key(0), 1.0, 1.0)
+  _check_semantics(out, eos)
+  assert np.asarray(out.ended_with_eos).any()
+  logits = _assert_greedy_argmax(fwd, params, prompt_tokens, prompt_mask, out, atol=TIE_ATOL)
+  mask = np.asarray(out.mask) == 1
+  want = np.take_along_axis(_log_softmax(logits), np.asarray(out.tokens)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logps)[mask], want[mask], atol=1e-4, rtol=0)
+
+
+# -- validation ----------------------------------------------------------------------------------
+def test_sampler_validation():
+  cfg = SamplingConfig(max_completion_length=12, top_k=5, rollout_micro_batch_size=4)
+  assert sampling.Sampler.from_config(cfg, eos_id=2, pad_id=0) == sampling.Sampler(
+      12, eos_id=2, pad_id=0, top_k=5, chunk_size=4)
+  for bad in (dict(max_completion_length=0), dict(top_k=-1), dict(chunk_size=-2),
+              dict(eos_id=1.5)):
+    with pytest.raises(ValueError):
+      sampling.Sampler(**{**dict(max_completion_length=4, eos_id=2, pad_id=0), **bad})
+  graphdef, params, _ = _random_params(DIST_CFG, seed=0)
+  prompts = np.ones((6, 3), np.int32)
+  with pytest.raises(ValueError, match='chunk_size=4 must divide'):
+    sampling.generate(tfm.merge(graphdef, params), prompts, prompts, jax.random.key(0),
+                      sampling.Sampler(4, eos_id=2, pad_id=0, chunk_size=4))
