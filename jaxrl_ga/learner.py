@@ -204,38 +204,6 @@ class TrainState:
     return self.opt_state.inner_opt_state.total_notfinite
 
 
-def _identity_like(terms: losses.LossTerms) -> losses.LossTerms:
-  z = lambda x: jnp.zeros(x.shape, jnp.float32)
-  return losses.LossTerms(
-      numerator=z(terms.numerator), denominator=z(terms.denominator),
-      mean_metrics=jax.tree.map(z, terms.mean_metrics),
-      min_metrics=jax.tree.map(lambda x: jnp.full(x.shape, jnp.inf, jnp.float32),
-                               terms.min_metrics),
-      max_metrics=jax.tree.map(lambda x: jnp.full(x.shape, -jnp.inf, jnp.float32),
-                               terms.max_metrics))
-
-
-def _combine(a: losses.LossTerms, b: losses.LossTerms) -> losses.LossTerms:
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return losses.LossTerms(
-      numerator=a.numerator + f32(b.numerator), denominator=a.denominator + f32(b.denominator),
-      mean_metrics=jax.tree.map(lambda x, y: x + f32(y), a.mean_metrics, b.mean_metrics),
-      min_metrics=jax.tree.map(lambda x, y: jnp.minimum(x, f32(y)), a.min_metrics,
-                               b.min_metrics),
-      max_metrics=jax.tree.map(lambda x, y: jnp.maximum(x, f32(y)), a.max_metrics,
-                               b.max_metrics))
-
-
-def _finalize(w: losses.LossTerms) -> dict[str, jax.Array]:
-  div = lambda n, d: jnp.where(d > 0, n / jnp.where(d > 0, d, 1.0), jnp.nan)
-  out = {'loss': div(w.numerator, w.denominator)}
-  for name, (s, wt) in w.mean_metrics.items():
-    out[name] = div(s, wt)
-  out.update(w.min_metrics)
-  out.update(w.max_metrics)
-  return out
-
-
 class Learner:
   """Owns the optimizer, the state's shardings and the jitted micro-step.
 
@@ -280,7 +248,7 @@ class Learner:
           if self.align_diagnostic else None
       return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=self.optimizer.init(params),
-                        window=_identity_like(terms_shape), align=align)
+                        window=losses.neutral_like(terms_shape), align=align)
 
     abstract = jax.eval_shape(init_fn, params)
     rep = sharding.replicated(self.mesh)
@@ -311,14 +279,15 @@ class Learner:
   def _micro_step(self, state: TrainState, batch: dict):
     (_, terms), grads = self._grads(state.params, batch)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    window = _combine(state.window, terms)
+    window = losses.combine(state.window, terms)
     emit = state.opt_state.mini_step == self.k - 1
     extra = {'denominator': window.denominator}
     updates, opt_state = _multisteps_update(self.optimizer, self.k, grads, state.opt_state,
                                             state.params, lazy=self.lazy_inner, **extra)
     params = optax.apply_updates(state.params, updates)
 
-    out = _finalize(window)
+    loss, out = losses.finalize(window)
+    out['loss'] = loss
     denom = jnp.where(window.denominator > 0, window.denominator, 1.0)
     summed = jax.tree.map(lambda a, g: a + g, state.opt_state.acc_grads, grads)
     out['grad_norm'] = optax.tree.norm(summed) / denom  # before clipping
@@ -332,7 +301,7 @@ class Learner:
       out.update(align_out)
 
     reset = lambda x, zero: jnp.where(emit, zero, x)
-    window = jax.tree.map(reset, window, _identity_like(window))
+    window = jax.tree.map(reset, window, losses.neutral_like(window))
     new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state,
                            window=window, align=align)
     return new_state, out

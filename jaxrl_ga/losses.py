@@ -18,8 +18,8 @@ DESIGN table, whatever K and wherever the micro-batch boundaries fall:
 
 Metrics accumulate the same way: ``mean_metrics[name] = (weighted sum, weight)`` gives the window
 mean sum(sums) / sum(weights); ``min_metrics`` and ``max_metrics`` combine with min and max.
-:func:`combine`, :func:`finalize` and :func:`window_value` do this arithmetic; the learner's
-accumulator should do the same.
+:func:`neutral_like` (the accumulator's start), :func:`combine`, :func:`finalize` and
+:func:`window_value` do this arithmetic; the learner's accumulator should do the same.
 
 Rows whose mask is all zero (padding rows of a static-shape micro-batch, or completions masked
 out) contribute nothing to any numerator, denominator or metric. Values at masked positions may
@@ -83,15 +83,29 @@ def combine(a: LossTerms, b: LossTerms) -> LossTerms:
   )
 
 
-def _safe_div(num: Array, den: Array) -> Array:
-  """num / den, and 0 where den == 0 (an empty window: num is 0 too)."""
-  return num / jnp.where(den == 0, 1.0, den)
+def neutral_like(terms: LossTerms) -> LossTerms:
+  """The identity of :func:`combine` with the structure of ``terms``: zero sums and counts,
+  +inf minima, -inf maxima. The starting value of a window accumulator."""
+  zero = lambda x: jnp.zeros_like(x, jnp.float32)
+  return LossTerms(
+      numerator=zero(terms.numerator),
+      denominator=zero(terms.denominator),
+      mean_metrics={k: (zero(s), zero(w)) for k, (s, w) in terms.mean_metrics.items()},
+      min_metrics={k: jnp.full_like(v, jnp.inf, jnp.float32) for k, v in terms.min_metrics.items()},
+      max_metrics={k: jnp.full_like(v, -jnp.inf, jnp.float32)
+                   for k, v in terms.max_metrics.items()},
+  )
+
+
+def _window_div(num: Array, den: Array) -> Array:
+  """num / den, and nan where den == 0 (a window with nothing to average)."""
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.nan)
 
 
 def finalize(terms: LossTerms) -> tuple[Array, dict[str, Array]]:
-  """Window loss and metrics from accumulated terms (0 for a mean over an empty window)."""
-  loss = _safe_div(terms.numerator, terms.denominator)
-  metrics = {k: _safe_div(s, w) for k, (s, w) in terms.mean_metrics.items()}
+  """Window loss and metrics from accumulated terms (nan for a mean over nothing)."""
+  loss = _window_div(terms.numerator, terms.denominator)
+  metrics = {k: _window_div(s, w) for k, (s, w) in terms.mean_metrics.items()}
   for extra in (terms.min_metrics, terms.max_metrics):
     clash = set(extra) & set(metrics)
     if clash:
