@@ -1,0 +1,284 @@
+"""Checkpoints of the train state (orbax): atomic, asynchronous, last-N, fingerprinted by config.
+
+Usage (every process of a multi-host job runs the same calls):
+  ckpt = Checkpointer(f'{workdir}/checkpoints/grpo', max_to_keep=3, fingerprint={'model': ...})
+  restored = ckpt.restore_latest(abstract_state)  # None, or (state on its shardings, meta dict)
+  with PreemptionGuard() as guard:
+    for ...:
+      ckpt.save(step, state, meta={'data_position': ...})  # returns at once; writes in background
+      if guard.should_stop:  # SIGTERM / SIGINT arrived
+        ckpt.save(step, state, meta=...); ckpt.wait(); break
+  ckpt.wait()  # writes are durable after this (also run at interpreter exit)
+
+A checkpoint is one directory ``<directory>/<step>`` holding ``state`` (the pytree's arrays,
+tensorstore) and ``meta`` (JSON: {'fingerprint': ..., 'meta': ...}). Orbax writes it under
+``<step>.orbax-checkpoint-tmp`` and renames it when complete, so a run killed mid-save leaves only
+a tmp dir that listings ignore (and the next Checkpointer deletes): restore always finds the last
+complete checkpoint. ``state`` may be any pytree of jax.Arrays (sharded or not), numpy arrays,
+flax.struct dataclasses, namedtuples (optax states), ``None`` subtrees and PRNG keys, raw uint32 or
+typed (orbax stores typed keys natively); it is restored bitwise (inf/nan included) onto the
+shardings of ``abstract_state``, whose structure, shapes and dtypes are checked against the
+checkpoint first.
+
+Multi-host: orbax coordinates processes. Each process writes only its addressable shards; the JSON
+``meta`` and the directory renames are done by the primary process alone; nothing here writes
+files itself. ``PreemptionGuard.should_stop`` all-gathers the flag so every process stops (and
+saves) at the same step: read it at the same point of the loop on every process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import signal
+import weakref
+from typing import Any, Iterable, Optional
+
+from absl import logging
+from etils import epath
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_FIX = ('Resume with the configuration that wrote it, or start a new run with a fresh --workdir '
+        '(or delete {directory}).')
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint does not fit this run (another config, or another state structure)."""
+
+
+def _as_path(directory) -> epath.Path:
+  directory = os.fspath(directory)
+  return epath.Path(directory if '://' in directory else os.path.abspath(directory))
+
+
+def all_steps(directory) -> list[int]:
+  """The steps of the complete checkpoints under ``directory``, ascending ([] if none)."""
+  found = ocp.step.standard_name_format().find_all(_as_path(directory))
+  return sorted(m.step for m in found)
+
+
+def latest_step(directory) -> Optional[int]:
+  """The step of the newest complete checkpoint under ``directory``, or None."""
+  steps = all_steps(directory)
+  return steps[-1] if steps else None
+
+
+def _json_default(x):
+  if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+    return np.asarray(x).tolist()
+  raise TypeError(f'{type(x).__name__} is not JSON-serializable: {x!r}')
+
+
+def _to_json(x: Any, what: str) -> Any:
+  """x as it reads back from JSON (tuples -> lists, numpy scalars -> numbers)."""
+  try:
+    return json.loads(json.dumps(x, default=_json_default))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'checkpoint {what} must be JSON-serializable: {e}') from e
+
+
+def _dict_diff(stored: Any, current: Any, prefix: str = '') -> list[str]:
+  """'key: checkpoint X, current Y' for every dotted key whose values differ."""
+  if isinstance(stored, dict) and isinstance(current, dict):
+    return [line for k in sorted(set(stored) | set(current))
+            for line in _dict_diff(stored.get(k, '<absent>'), current.get(k, '<absent>'),
+                                   f'{prefix}{k}.')]
+  if json.dumps(stored, sort_keys=True) == json.dumps(current, sort_keys=True):
+    return []
+  return [f'{prefix[:-1] or "<fingerprint>"}: checkpoint {stored!r}, current {current!r}']
+
+
+def _key_str(k) -> str:
+  for attr in ('key', 'name', 'idx'):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _flat(tree) -> dict[str, Any]:
+  """{'a.b.0': leaf} (None subtrees have no leaves: they are structure, like orbax stores them)."""
+  return {'.'.join(map(_key_str, path)) or '<root>': leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _stored_form(leaf) -> tuple[tuple[int, ...], np.dtype]:
+  """(shape, dtype) as orbax stores a leaf: a typed PRNG key array as its raw key data."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.eval_shape(jax.random.key_data, leaf)
+  return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+def _structure_errors(stored_tree, abstract_state) -> list[str]:
+  stored, current = _flat(stored_tree), _flat(abstract_state)
+  errors = [f'{k}: in the checkpoint, not in the current state' for k in stored
+            if k not in current]
+  errors += [f'{k}: in the current state, not in the checkpoint' for k in current
+             if k not in stored]
+  for k in stored.keys() & current.keys():
+    if not isinstance(current[k], (jax.ShapeDtypeStruct, jax.Array)):
+      errors.append(f'{k}: expected a jax.ShapeDtypeStruct, got {type(current[k]).__name__}')
+      continue
+    if getattr(current[k], 'sharding', None) is None:
+      errors.append(f'{k}: the abstract state leaf has no .sharding to restore onto')
+    want = _stored_form(current[k])
+    have = (tuple(stored[k].shape), np.dtype(stored[k].dtype))
+    if have != want:
+      errors.append(f'{k}: checkpoint {have[1].name}{list(have[0])}, '
+                    f'current {want[1].name}{list(want[0])}')
+  return sorted(errors)
+
+
+class Checkpointer:
+  """Saves and restores (state pytree, JSON meta) under ``directory``; keeps the last N."""
+
+  def __init__(self, directory, *, max_to_keep: int = 3, fingerprint: Optional[dict] = None,
+               async_save: bool = True):
+    """fingerprint: JSON-able dict that must match at restore (e.g. the model config)."""
+    self.directory = _as_path(directory)
+    self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
+    self._async = async_save
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=True,
+        cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+    registry = ocp.DefaultCheckpointHandlerRegistry()  # lets a new process read both items
+    for item, handler, save_args, restore_args in (
+        ('state', ocp.StandardCheckpointHandler(), ocp.args.StandardSave, ocp.args.StandardRestore),
+        ('meta', ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
+      registry.add(item, save_args, handler)
+      registry.add(item, restore_args, handler)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          handler_registry=registry)
+    self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
+    atexit.register(self._wait_at_exit)
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: Optional[dict] = None) -> bool:
+    """Starts writing checkpoint ``step``; False (nothing written) if it is the latest already."""
+    step, latest = int(step), self.latest_step()
+    if latest is not None and step <= latest:
+      if step == latest:
+        logging.info('Checkpoint step %d already saved in %s.', step, self.directory)
+        return False
+      raise ValueError(f'cannot save step {step} in {self.directory}: it holds a newer step '
+                       f'{latest}. Steps must increase within a run directory.')
+    record = _to_json({'fingerprint': self.fingerprint, 'meta': meta or {}}, 'meta')
+    self._manager.save(step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+    logging.info('Saving checkpoint step %d to %s%s.', step, self.directory,
+                 ' (in the background)' if self._async else '')
+    return True
+
+  def wait(self):
+    """Blocks until every started save is complete and durable (raises if one failed)."""
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    """(state on the shardings of ``abstract_state``, meta) of checkpoint ``step``.
+
+    abstract_state: the state's pytree with jax.ShapeDtypeStruct leaves carrying .sharding.
+    Raises CheckpointMismatchError, before reading any array, if the checkpoint was written with
+    another fingerprint or holds another tree structure, shape or dtype.
+    """
+    self.wait()
+    step = int(step)
+    where = f'{self.directory}/{step}'
+    fix = _FIX.format(directory=self.directory)
+    record = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    diffs = _dict_diff(record['meta'].get('fingerprint', {}), self.fingerprint)
+    if diffs:
+      raise CheckpointMismatchError(
+          f'checkpoint {where} was written by a run with another configuration:\n  '
+          + '\n  '.join(diffs) + f'\n{fix}')
+    stored_tree = self._manager.item_metadata(step)['state'].tree
+    errors = _structure_errors(stored_tree, abstract_state)
+    if errors:
+      raise CheckpointMismatchError(
+          f'checkpoint {where} does not match the state to restore:\n  '
+          + '\n  '.join(errors[:20]) + (f'\n  ... {len(errors) - 20} more' if errors[20:] else '')
+          + f'\nThe config fingerprints match: the code builds another state than it saved. {fix}')
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))
+    logging.info('Restored checkpoint step %d from %s.', step, self.directory)
+    return restored['state'], record['meta'].get('meta', {})
+
+  def restore_latest(self, abstract_state: Any) -> Optional[tuple[Any, dict]]:
+    """restore(latest_step()), or None if there is no complete checkpoint yet."""
+    step = self.latest_step()
+    return None if step is None else self.restore(step, abstract_state)
+
+  def close(self):
+    """Waits for pending saves and releases orbax's threads."""
+    atexit.unregister(self._wait_at_exit)
+    self._manager.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
+
+def _wait_if_alive(ref: weakref.ref):
+  ckpt = ref()
+  if ckpt is not None:
+    ckpt.wait()
+
+
+class PreemptionGuard:
+  """Context manager turning SIGTERM / SIGINT into a flag, ``should_stop``, polled by the loop.
+
+  The handler only records the signal; the trainer saves and exits at its next check. A second
+  SIGINT (Ctrl-C twice) raises KeyboardInterrupt at once. The previous handlers come back on exit.
+  Must be entered in the main thread (Python delivers signals there only).
+  """
+
+  def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
+    self._signals = tuple(signals)
+    self._previous: dict[int, Any] = {}
+    self._received: Optional[int] = None
+    self._logged = False
+
+  def __enter__(self) -> PreemptionGuard:
+    for s in self._signals:
+      self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc_info):
+    for s, handler in self._previous.items():
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    self._previous = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    if self._received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    if self._received is None:
+      self._received = signum
+
+  @property
+  def signal_received(self) -> Optional[int]:
+    """The first signal caught by this process, or None."""
+    return self._received
+
+  @property
+  def should_stop(self) -> bool:
+    """True once a signal arrived (on any process: a collective when jax.process_count() > 1)."""
+    stop = self._received is not None
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
+    if stop and not self._logged:
+      self._logged = True
+      name = ('another process' if self._received is None
+              else signal.Signals(self._received).name)
+      logging.warning('Stop requested (%s): saving a checkpoint and exiting.', name)
+    return stop

@@ -1,0 +1,306 @@
+"""Checkpoints: bitwise round trip onto shardings, last-N, fingerprint and structure checks,
+atomicity under a kill mid-save, and a clean save-and-exit on SIGTERM."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_ga import checkpoint
+
+
+@flax.struct.dataclass
+class State:  # shaped like the learner's TrainState, plus what trainers carry beside it
+  micro_step: jax.Array
+  params: dict
+  opt_state: optax.MultiStepsState
+  metrics: dict
+  rng: jax.Array
+  batch: dict
+  ref_logps: object
+
+
+_TX = optax.MultiSteps(
+    optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), 3),
+    every_k_schedule=4, use_grad_mean=False)
+_update = jax.jit(_TX.update)
+
+
+def _grads(params, seed):
+  keys = jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params)))
+  leaves = [jax.random.normal(k, p.shape, jnp.float32).astype(p.dtype)
+            for k, p in zip(keys, jax.tree.leaves(params))]
+  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def _state(mesh):
+  """A state mid-accumulation (2 of 4 micro-steps) with every kind of leaf a trainer holds."""
+  w_sh = NamedSharding(mesh, P('fsdp', 'tensor'))
+  rep = NamedSharding(mesh, P())
+  put = lambda x, sh: jax.device_put(x, sh)
+  params = {'layers': {i: {'w': put(jax.random.normal(jax.random.key(i), (8, 16)), w_sh)}
+                       for i in range(2)},
+            'embed': put(jnp.arange(48, dtype=jnp.bfloat16).reshape(12, 4), rep)}
+  opt_state = _TX.init(params)
+  for seed in range(2):
+    _, opt_state = _update(_grads(params, seed), opt_state, params)
+  batch_sh = NamedSharding(mesh, P(('data', 'fsdp')))
+  return State(
+      micro_step=jnp.int32(2), params=params, opt_state=opt_state,
+      metrics={'min': jnp.full((3,), jnp.inf), 'max': jnp.full((3,), -jnp.inf),
+               'ratio': jnp.array([jnp.nan, 1.5, -0.0]), 'count': jnp.array(7, jnp.int32)},
+      rng=jax.random.PRNGKey(3),  # raw uint32[2]
+      batch={'tokens': put(jnp.arange(32, dtype=jnp.int32).reshape(8, 4), batch_sh),
+             'done': put(jnp.arange(8) % 3 == 0, batch_sh),
+             'typed_key': jax.random.split(jax.random.key(5), 4)},
+      ref_logps=None)
+
+
+def _abstract(state, reshard=None):
+  reshard = reshard or (lambda path, x: x.sharding)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=reshard(p, x)), state)
+
+
+def _bits(x):
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  return np.asarray(x).tobytes()
+
+
+def _assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert _bits(x) == _bits(y)
+
+
+@pytest.fixture
+def mesh():
+  return jax.make_mesh((2, 2, 2), ('data', 'fsdp', 'tensor'))
+
+
+def test_round_trip_is_bitwise_onto_the_requested_shardings(tmp_path, mesh):
+  state = _state(mesh)
+  meta = {'data_position': np.int64(123), 'micro_step': 456, 'shape': (2, 3)}
+  with checkpoint.Checkpointer(tmp_path / 'ck', fingerprint={'model': {'hidden_size': 32}}) as ck:
+    assert ck.restore_latest(_abstract(state)) is None
+    assert ck.save(10, state, meta=meta)
+    ck.wait()
+
+  ck = checkpoint.Checkpointer(tmp_path / 'ck', fingerprint={'model': {'hidden_size': 32}})
+  restored, got_meta = ck.restore_latest(_abstract(state))
+  assert got_meta == {'data_position': 123, 'micro_step': 456, 'shape': [2, 3]}
+  assert isinstance(restored, State) and restored.ref_logps is None
+  assert isinstance(restored.opt_state, optax.MultiStepsState)
+  _assert_bitwise(restored, state)
+  for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
+  assert int(restored.opt_state.mini_step) == 2
+
+  # The accumulation resumes exactly: the optimizer step that fires after two more micro-steps.
+  def finish(s):
+    opt_state, params = s.opt_state, s.params
+    for seed in (2, 3):
+      updates, opt_state = _update(_grads(params, seed), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  _assert_bitwise(finish(restored), finish(state))
+
+  # Other shardings (another parallelism plan) get the same values, placed as asked.
+  replicated = NamedSharding(mesh, P())
+  moved, _ = ck.restore(10, _abstract(state, lambda p, x: replicated))
+  _assert_bitwise(moved, state)
+  assert all(x.sharding.is_equivalent_to(replicated, x.ndim) for x in jax.tree.leaves(moved))
+  ck.close()
+
+
+def test_keeps_the_last_n_and_lists_complete_steps(tmp_path):
+  d = tmp_path / 'ck'
+  assert checkpoint.latest_step(d) is None and checkpoint.all_steps(d) == []
+  state = {'w': jnp.ones(3)}
+  with checkpoint.Checkpointer(d, max_to_keep=2) as ck:
+    for step in (1, 2, 3, 5):
+      assert ck.save(step, jax.tree.map(lambda x: x * step, state), meta={'step': step})
+    ck.wait()
+    assert ck.all_steps() == [3, 5] and ck.latest_step() == 5
+    assert not ck.save(5, state)  # already saved (e.g. a preemption right after a periodic save)
+    with pytest.raises(ValueError, match='newer step 5'):
+      ck.save(4, state)
+  assert sorted(os.listdir(d)) == ['3', '5']
+  assert checkpoint.all_steps(d) == [3, 5] and checkpoint.latest_step(str(d)) == 5
+  restored, meta = checkpoint.Checkpointer(d).restore_latest(_abstract(state))
+  assert meta == {'step': 5} and np.array_equal(restored['w'], 5 * np.ones(3))
+
+
+def test_meta_must_be_json(tmp_path):
+  with checkpoint.Checkpointer(tmp_path) as ck:
+    with pytest.raises(ValueError, match='JSON-serializable'):
+      ck.save(1, {'w': jnp.ones(2)}, meta={'bad': object()})
+    assert ck.all_steps() == []
+
+
+def test_another_config_is_refused_before_reading_arrays(tmp_path):
+  d = tmp_path / 'ck'
+  fp = {'model': {'hidden_size': 64, 'num_layers': 2}, 'seed': 0, 'mesh': (1, 2)}
+  state = {'w': jnp.ones((4, 64))}
+  with checkpoint.Checkpointer(d, fingerprint=fp) as ck:
+    ck.save(7, state)
+  # Tuples and numpy scalars compare as they read back from JSON: the same config matches.
+  same = dict(fp, seed=np.int32(0), mesh=[1, 2])
+  assert checkpoint.Checkpointer(d, fingerprint=same).restore_latest(_abstract(state))[0]
+
+  for f in (d / '7' / 'state').iterdir():  # arrays gone: only the fingerprint can be read
+    if f.is_file():
+      f.unlink()
+  other = {'model': {'hidden_size': 32, 'num_layers': 2}, 'seed': 0, 'lr': 1e-3}
+  with pytest.raises(checkpoint.CheckpointMismatchError) as e:
+    checkpoint.Checkpointer(d, fingerprint=other).restore_latest(
+        _abstract({'w': jnp.ones((4, 32))}))
+  msg = str(e.value)
+  assert isinstance(e.value, ValueError)
+  assert 'model.hidden_size: checkpoint 64, current 32' in msg
+  assert "mesh: checkpoint [1, 2], current '<absent>'" in msg
+  assert "lr: checkpoint '<absent>', current 0.001" in msg
+  assert 'num_layers' not in msg and '--workdir' in msg and str(d) in msg
+
+
+def test_another_state_structure_is_refused(tmp_path):
+  state = {'params': {'w': jnp.ones((4, 8)), 'b': jnp.zeros(8, jnp.bfloat16)},
+           'ref_logps': None, 'step': jnp.int32(0)}
+  with checkpoint.Checkpointer(tmp_path) as ck:
+    ck.save(1, state)
+    ck.wait()
+    cases = {
+        'params.w: checkpoint float32[4, 8], current float32[4, 16]':
+            dict(state, params={'w': jnp.ones((4, 16)), 'b': state['params']['b']}),
+        'params.b: checkpoint bfloat16[8], current float32[8]':
+            dict(state, params={'w': state['params']['w'], 'b': jnp.zeros(8)}),
+        'ref_logps: in the current state, not in the checkpoint':
+            dict(state, ref_logps=jnp.zeros(3)),
+        'step: in the checkpoint, not in the current state':
+            {k: v for k, v in state.items() if k != 'step'},
+    }
+    for expected, other in cases.items():
+      with pytest.raises(checkpoint.CheckpointMismatchError, match='does not match') as e:
+        ck.restore_latest(_abstract(other))
+      assert expected in str(e.value)
+    no_sharding = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match='no .sharding'):
+      ck.restore_latest(no_sharding)
+
+
+def _run_child(tmp_path, body, **popen_kwargs):
+  script = tmp_path / 'child.py'
+  script.write_text(textwrap.dedent('''
+      import os, sys, time
+      import jax, jax.numpy as jnp, numpy as np
+      from jaxrl_ga import checkpoint
+      directory = sys.argv[1]
+  ''') + textwrap.dedent(body))
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  return subprocess.Popen([sys.executable, str(script), str(tmp_path / 'ck')], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **popen_kwargs)
+
+
+def test_a_save_killed_midway_is_ignored(tmp_path):
+  child = _run_child(tmp_path, '''
+      ck = checkpoint.Checkpointer(directory)
+      ck.save(1, {'w': jnp.ones(4)}, meta={'step': 1})
+      ck.wait()
+      big = np.random.default_rng(0).standard_normal((64, 1024, 256), np.float32)  # 64 MiB
+      ck.save(2, {'w': jnp.asarray(big)}, meta={'step': 2})  # written in the background...
+      os.kill(os.getpid(), 9)  # ...and killed meanwhile
+  ''')
+  _, err = child.communicate(timeout=120)
+  assert child.returncode == -9, err[-3000:]
+  d = tmp_path / 'ck'
+  assert (d / '2.orbax-checkpoint-tmp').exists(), sorted(os.listdir(d))
+  assert checkpoint.latest_step(d) == 1
+
+  # A half-written dir left by hand is ignored as well; the next Checkpointer deletes them.
+  (d / '9.orbax-checkpoint-tmp' / 'state').mkdir(parents=True)
+  assert checkpoint.all_steps(d) == [1]
+  with checkpoint.Checkpointer(d) as ck:
+    restored, meta = ck.restore_latest(_abstract({'w': jnp.ones(4)}))
+    assert meta == {'step': 1} and np.array_equal(restored['w'], np.ones(4))
+    ck.save(2, {'w': jnp.zeros(4)})  # the step that was cut short can be written again
+    ck.wait()
+    assert ck.all_steps() == [1, 2] and sorted(os.listdir(d)) == ['1', '2']
+
+
+def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
+  child = _run_child(tmp_path, '''
+      mesh = jax.make_mesh((2,), ('data',))
+      sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+      ck = checkpoint.Checkpointer(directory, max_to_keep=2, fingerprint={'run': 'fake'})
+      with checkpoint.PreemptionGuard() as guard:
+        for step in range(1, 100000):
+          state = {'step': jnp.int32(step), 'w': jax.device_put(jnp.full(4, step, jnp.float32), sh)}
+          time.sleep(0.01)  # "training"
+          if guard.should_stop:
+            ck.save(step, state, meta={'data_position': 10 * step})
+            ck.wait()
+            print('stopped', step, guard.signal_received, flush=True)
+            break
+          if step % 5 == 0:
+            ck.save(step, state, meta={'data_position': 10 * step})
+            print('saved', step, flush=True)
+  ''')
+  periodic = []
+  while len(periodic) < 2:  # let two periodic saves happen, then preempt
+    line = child.stdout.readline()
+    assert line, child.communicate()[1][-3000:]
+    periodic.append(int(line.split()[1]))
+  child.send_signal(signal.SIGTERM)
+  out, err = child.communicate(timeout=60)
+  assert child.returncode == 0, err[-3000:]
+  stopped = [line.split() for line in out.splitlines() if line.startswith('stopped')]
+  assert len(stopped) == 1 and int(stopped[0][2]) == signal.SIGTERM, out
+  stop_step = int(stopped[0][1])
+  assert stop_step >= periodic[-1]
+
+  assert checkpoint.latest_step(tmp_path / 'ck') == stop_step
+  rep = jax.sharding.NamedSharding(jax.make_mesh((2,), ('data',), devices=jax.devices()[:2]),
+                                   P())
+  abstract = {'step': jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+              'w': jax.ShapeDtypeStruct((4,), jnp.float32, sharding=rep)}
+  ck = checkpoint.Checkpointer(tmp_path / 'ck', fingerprint={'run': 'fake'})
+  state, meta = ck.restore_latest(abstract)
+  assert int(state['step']) == stop_step and meta == {'data_position': 10 * stop_step}
+  assert np.array_equal(state['w'], np.full(4, stop_step, np.float32))
+
+
+def test_preemption_guard_sets_a_flag_and_restores_handlers():
+  before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  with checkpoint.PreemptionGuard() as guard:
+    assert not guard.should_stop and guard.signal_received is None
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.time() + 5
+    while not guard.should_stop and time.time() < deadline:
+      time.sleep(0.01)
+    assert guard.should_stop and guard.signal_received == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM changes nothing
+    time.sleep(0.05)
+    assert guard.signal_received == signal.SIGTERM
+  assert {s: signal.getsignal(s) for s in before} == before
+
+  with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: stop at once
+    with checkpoint.PreemptionGuard() as guard:
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.05)
+      assert guard.should_stop and guard.signal_received == signal.SIGINT
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)
+  assert {s: signal.getsignal(s) for s in before} == before
