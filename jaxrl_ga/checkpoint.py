@@ -210,6 +210,19 @@ class Checkpointer:
     logging.info('Restored checkpoint step %d from %s.', step, self.directory)
     return restored['state'], record['meta'].get('meta', {})
 
+  def restore_raw(self, step: int) -> tuple[Any, dict, dict]:
+    """(state as stored: nested dicts of host arrays, meta, fingerprint) of checkpoint ``step``.
+
+    For tools that do not rebuild the training state (e.g. export); loads every array.
+    """
+    self.wait()
+    record = self._manager.restore(int(step), args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))
+    return (restored['state'], record['meta'].get('meta', {}),
+            record['meta'].get('fingerprint', {}))
+
   def restore_latest(self, abstract_state: Any) -> Optional[tuple[Any, dict]]:
     """restore(latest_step()), or None if there is no complete checkpoint yet."""
     step = self.latest_step()

@@ -328,6 +328,192 @@ class AdvantageConfig:
     _one_of(self, 'scale_rewards', SCALE_REWARDS, 'advantage.')
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Where the policy comes from: an HF checkpoint (``hf_path``) or a fresh model of this shape.
+
+  Attributes:
+    hf_path: local HF model directory or hub id; empty builds from scratch (vocabulary size from
+      the task's tokenizer) with the architecture fields below.
+    dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
+    remaining fields: the architecture of a model built from scratch (HF names).
+  """
+  hf_path: str = ''
+  architecture: str = 'qwen2'
+  hidden_size: int = 128
+  intermediate_size: int = 256
+  num_hidden_layers: int = 2
+  num_attention_heads: int = 4
+  num_key_value_heads: int = 2
+  rope_theta: float = 10000.0
+  attention_bias: bool = True
+  tie_word_embeddings: bool = True
+  max_position_embeddings: int = 512
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+
+  def __post_init__(self):
+    p = 'model.'
+    _one_of(self, 'architecture', ('qwen2', 'llama'), p)
+    _one_of(self, 'dtype', ('float32', 'bfloat16'), p)
+    _one_of(self, 'param_dtype', ('float32', 'bfloat16'), p)
+    if not self.hf_path:
+      _positive_int(self, 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+                    'num_attention_heads', 'num_key_value_heads', prefix=p)
+      _require(self.num_attention_heads % self.num_key_value_heads == 0,
+               f'{p}num_attention_heads={self.num_attention_heads} must be a multiple of '
+               f'{p}num_key_value_heads={self.num_key_value_heads}.')
+      _require(self.hidden_size % self.num_attention_heads == 0,
+               f'{p}hidden_size={self.hidden_size} must be a multiple of '
+               f'{p}num_attention_heads={self.num_attention_heads}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  """The task (prompts, answers, rewards): a name from ``jaxrl_ga.tasks`` and its options."""
+  name: str = 'arithmetic'
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out exact-match evaluation with greedy decoding.
+
+  Attributes:
+    num_examples: held-out examples evaluated (0: all the task offers).
+    batch_size: prompts decoded at once.
+    max_completion_length: generated tokens per answer.
+  """
+  num_examples: int = 256
+  batch_size: int = 64
+  max_completion_length: int = 8
+
+  def __post_init__(self):
+    _require(self.num_examples >= 0, f'eval.num_examples must be >= 0, got {self.num_examples}.')
+    _positive_int(self, 'batch_size', 'max_completion_length', prefix='eval.')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints under WORKDIR/checkpoints/<stage>.
+
+  Attributes:
+    every_steps: save every this many optimizer steps (0: only at the end and on SIGTERM).
+    max_to_keep: keep the newest N checkpoints of a stage.
+  """
+  every_steps: int = 50
+  max_to_keep: int = 2
+
+  def __post_init__(self):
+    _require(self.every_steps >= 0, 'checkpoint.every_steps must be >= 0 (0: end of stage only).')
+    _positive_int(self, 'max_to_keep', prefix='checkpoint.')
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Supervised warm start: token cross-entropy on the task's reference completions.
+
+  Attributes:
+    num_steps: optimizer steps.
+    micro_batch_size: sequences per micro-step (global); grad_accum_steps: micro-steps per step.
+    max_length: tokens per sequence (prompt + completion + eos), padded or rejected.
+    log_every: log metrics every this many optimizer steps.
+    eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
+  """
+  num_steps: int = 200
+  micro_batch_size: int = 64
+  grad_accum_steps: int = 1
+  max_length: int = 16
+  log_every: int = 20
+  eval_every: int = 0
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, max_grad_norm=1.0)
+
+  def __post_init__(self):
+    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
+                  'log_every', prefix='sft.')
+    _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """Online RL with group-relative advantages.
+
+  Attributes:
+    num_steps: optimizer steps.
+    schedule: B, G, S, mu, K (see ScheduleConfig and ``python -m jaxrl_ga.explain``).
+    align_diagnostic: log the alignment of positive- and negative-advantage gradients (seed 002;
+      costs two extra backward passes per micro-step).
+    eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
+  """
+  num_steps: int = 60
+  schedule: ScheduleConfig = ScheduleConfig()
+  sampling: SamplingConfig = SamplingConfig()
+  loss: GRPOLossConfig = GRPOLossConfig()
+  advantage: AdvantageConfig = AdvantageConfig()
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+  align_diagnostic: bool = False
+  log_every: int = 5
+  eval_every: int = 0
+
+  def __post_init__(self):
+    _positive_int(self, 'num_steps', 'log_every', prefix='grpo.')
+    _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  """Offline preference optimization on pairs sampled from the current (SFT) policy.
+
+  Pairs: for each prompt, ``samples_per_prompt`` completions are sampled; a correct and an
+  incorrect one make a (chosen, rejected) pair. Reference log-probs are computed once and cached.
+
+  Attributes:
+    num_steps: optimizer steps; micro_batch_size: pairs per micro-step; grad_accum_steps: K.
+    num_prompts: prompts sampled to build pairs.
+  """
+  num_steps: int = 60
+  micro_batch_size: int = 16
+  grad_accum_steps: int = 2
+  num_prompts: int = 512
+  samples_per_prompt: int = 8
+  max_length: int = 16
+  sampling: SamplingConfig = SamplingConfig(temperature=1.0)
+  loss: DPOLossConfig = DPOLossConfig()
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+  log_every: int = 5
+
+  def __post_init__(self):
+    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'num_prompts',
+                  'samples_per_prompt', 'max_length', 'log_every', prefix='dpo.')
+
+
+STAGES = ('sft', 'grpo', 'dpo')
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A whole run: stages chained in order (e.g. ('sft', 'grpo')), each resuming from the last."""
+  seed: int = 0
+  stages: tuple[str, ...] = ('sft', 'grpo')
+  task: TaskSpec = TaskSpec()
+  model: ModelSpec = ModelSpec()
+  mesh: MeshConfig = MeshConfig()
+  sft: SFTConfig = SFTConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  dpo: DPOConfig = DPOConfig()
+  eval: EvalConfig = EvalConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+
+  def __post_init__(self):
+    stages = tuple(self.stages.split(',')) if isinstance(self.stages, str) else tuple(
+        self.stages)
+    object.__setattr__(self, 'stages', stages)
+    bad = [s for s in stages if s not in STAGES]
+    _require(stages and not bad,
+             f'stages={",".join(stages)!r}: unknown stage(s) {bad}; use a comma-separated list '
+             f'of {", ".join(STAGES)} (e.g. "sft,grpo").')
+
+
 def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
   """Builds dataclass ``cls`` from a mapping (e.g. a ConfigDict section), rejecting unknown keys.
 
@@ -346,4 +532,9 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
     if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
       value = from_mapping(hint, value, prefix=f'{prefix}{name}.')
     kwargs[name] = value
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except ConfigError as e:
+    if not prefix or str(e).startswith(prefix):
+      raise
+    raise ConfigError(f'in {prefix.rstrip(".")}: {e}') from None

@@ -134,3 +134,17 @@ def init_params(cfg: tfm.ModelConfig, seed: int, mesh: Mesh,
 
   params = jax.jit(init, out_shardings=shardings)()
   return graphdef, params, shardings
+
+
+def shard_batch(tree: Any, mesh: Mesh) -> Any:
+  """Host numpy arrays (the global batch, identical on every process) -> global jax.Arrays
+  whose leading axis is sharded over the data-parallel axes.
+
+  On several processes each one contributes only the rows its devices hold.
+  """
+  def put(x):
+    sh = batch_sharding(mesh, max(1, getattr(x, 'ndim', 0)))
+    if jax.process_count() == 1:
+      return jax.device_put(x, sh)
+    return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+  return jax.tree.map(put, tree)

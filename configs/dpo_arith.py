@@ -1,0 +1,36 @@
+r"""SFT warm start, then DPO on (correct, incorrect) pairs sampled from the SFT policy.
+
+  python -m jaxrl_ga.main --config=configs/dpo_arith.py --workdir=/tmp/dpo_arith
+
+For each prompt the SFT policy samples 8 completions; a correct and an incorrect one make a pair.
+Reference log-probs (the SFT policy) are computed once and cached in WORKDIR/dpo_pairs.npz.
+Pair-weighted sigmoid loss with exact accumulation over K=2 micro-batches of 32 pairs.
+Task, model, SFT and eval settings are grpo_arith.py's.
+`--config=configs/dpo_arith.py:smoke` shrinks everything for a test run.
+"""
+
+import importlib.util
+import os
+
+
+def _sibling(name):
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f'{name}.py')
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config(arg: str = ''):
+  c = _sibling('grpo_arith').get_config(arg)
+  c.stages = 'sft,dpo'
+  c.dpo = dict(
+      num_steps=100, micro_batch_size=32, grad_accum_steps=2, num_prompts=1024,
+      samples_per_prompt=8, max_length=12, log_every=10,
+      sampling=dict(max_prompt_length=8, max_completion_length=5, temperature=1.0),
+      loss=dict(loss_type='sigmoid', beta=0.1, aggregation='pair'),
+      optimizer=dict(learning_rate=2e-4, max_grad_norm=1.0))
+  if arg == 'smoke':
+    c.dpo.update(num_steps=4, micro_batch_size=8, num_prompts=32, samples_per_prompt=4,
+                 log_every=2)
+  return c

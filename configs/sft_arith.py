@@ -1,0 +1,28 @@
+r"""SFT only, on 2-digit addition with a tiny Qwen2 model trained from scratch.
+
+  python -m jaxrl_ga.main --config=configs/sft_arith.py --workdir=/tmp/sft_arith
+
+Token cross-entropy with exact accumulation: K=2 micro-batches of 64 give the update of one batch
+of 128, whatever the answer lengths. Task, model and eval settings are grpo_arith.py's.
+`--config=configs/sft_arith.py:smoke` shrinks everything for a test run.
+"""
+
+import importlib.util
+import os
+
+
+def _sibling(name):
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f'{name}.py')
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config(arg: str = ''):
+  c = _sibling('grpo_arith').get_config(arg)
+  c.stages = 'sft'
+  c.sft.update(micro_batch_size=64, grad_accum_steps=2)
+  if arg == 'smoke':
+    c.sft.update(micro_batch_size=8)
+  return c

@@ -1,0 +1,81 @@
+r"""Exports a trained policy from a checkpoint to a Hugging Face model directory.
+
+  python -m jaxrl_ga.export --checkpoint=WORKDIR/checkpoints/grpo --out=/tmp/hf_model
+
+--checkpoint is a stage's checkpoint directory (its latest step is used) or one step's directory
+(WORKDIR/checkpoints/grpo/12). The model config comes from the checkpoint; the tokenizer from
+--tokenizer, or WORKDIR/tokenizer when the checkpoint lies in WORKDIR/checkpoints/<stage>.
+The output loads with transformers.AutoModelForCausalLM.from_pretrained(out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A stage checkpoint directory or a step '
+                                  'directory inside one.')
+_OUT = flags.DEFINE_string('out', None, 'Output directory for the HF model.')
+_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'Tokenizer directory or hub id (default: '
+                                 'WORKDIR/tokenizer next to the checkpoints).')
+_DTYPE = flags.DEFINE_enum('weights_dtype', None, ['float32', 'bfloat16'],
+                           'dtype of the written tensors (default: the params dtype).')
+flags.mark_flags_as_required(['checkpoint', 'out'])
+
+
+def model_config_from_dict(d: dict):
+  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  d = dict(d)
+  if d.get('rope_scaling'):
+    d['rope_scaling'] = tfm.RopeScaling(**d['rope_scaling'])
+  fields = {f.name for f in dataclasses.fields(tfm.ModelConfig)}
+  return tfm.ModelConfig(**{k: v for k, v in d.items() if k in fields})
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | None = None,
+                      weights_dtype: str | None = None) -> str:
+  """Writes the HF directory; returns the checkpoint step directory it read."""
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  path = os.path.abspath(checkpoint_dir.rstrip('/'))
+  step = None
+  if os.path.basename(path).isdigit() and not checkpoint.all_steps(path):
+    path, step = os.path.dirname(path), int(os.path.basename(path))
+  steps = checkpoint.all_steps(path)
+  if not steps:
+    raise FileNotFoundError(f'no checkpoint under {checkpoint_dir}; pass a stage checkpoint '
+                            f'directory such as WORKDIR/checkpoints/grpo.')
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise FileNotFoundError(f'no step {step} in {path}; available steps: {steps}.')
+  state, _, fingerprint = checkpoint.Checkpointer(path).restore_raw(step)
+  if 'model' not in fingerprint:
+    raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
+                     f'by jaxrl_ga.main?')
+  cfg = model_config_from_dict(fingerprint['model'])
+  params = state['learner']['params'] if 'learner' in state else state['params']
+  tokenizer = None
+  tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
+  if tokenizer_path or os.path.isdir(tok_path):
+    tokenizer = hf.load_tokenizer(tok_path)
+  hf.export(params, cfg, out_dir, tokenizer=tokenizer, weights_dtype=weights_dtype)
+  return f'{path}/{step}'
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  try:
+    src = export_checkpoint(_CHECKPOINT.value, _OUT.value, _TOKENIZER.value, _DTYPE.value)
+  except (FileNotFoundError, ValueError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(f'exported {src} to {_OUT.value}')
+
+
+if __name__ == '__main__':
+  app.run(main)

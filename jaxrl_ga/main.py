@@ -1,0 +1,118 @@
+r"""Trains a policy: stages (SFT warm start -> GRPO or DPO) from an ml_collections config file.
+
+  python -m jaxrl_ga.main --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith
+
+Any config field can be overridden on the command line, e.g.
+  --config.grpo.schedule.grad_accum_steps=4 --config.stages=sft,grpo --config.seed=1
+
+The config is validated into typed objects (``jaxrl_ga.config.RunConfig``) before anything is
+compiled; an invalid one prints ``error: ...`` naming the setting and exits with status 2.
+Outputs in --workdir: metrics.jsonl, tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
+Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
+Print the schedule of a config with ``python -m jaxrl_ga.explain --config=...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Path to an ml_collections config file (get_config()); fields can be '
+    'overridden with --config.<field>=<value>.', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (created); re-running with the '
+                               'same directory resumes the run.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def load_run_config(config_dict):
+  """ConfigDict -> validated RunConfig (raises ConfigError)."""
+  from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
+  return from_mapping(RunConfig, config_dict.to_dict())
+
+
+def validate_against_mesh(cfg, mesh) -> None:
+  """Checks that need the device count (batch sizes vs data parallelism), before compiling."""
+  from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ScheduleConfig  # pylint: disable=g-import-not-at-top
+  dp = sharding.data_parallel_size(mesh)
+  if 'grpo' in cfg.stages:
+    schedule.validate(cfg.grpo.schedule, dp)
+    schedule.build_table(cfg.grpo.schedule)  # strict_on_policy check
+  for stage in ('sft', 'dpo'):
+    if stage in cfg.stages:
+      sc = getattr(cfg, stage)
+      schedule.validate_for_mesh(ScheduleConfig(micro_batch_size=sc.micro_batch_size,
+                                                num_generations=1, steps_per_generation=1,
+                                                grad_accum_steps=sc.grad_accum_steps), dp)
+
+
+def run(cfg, workdir: str) -> dict:
+  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding, tasks  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common, dpo, grpo, sft  # pylint: disable=g-import-not-at-top
+
+  t0 = time.time()
+  mesh = sharding.make_mesh(cfg.mesh)
+  validate_against_mesh(cfg, mesh)
+  task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
+  tokenizer = hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path else task.tokenizer()
+  if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+    from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
+                      'tokenizer_config.json.')
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    tokenizer.save_pretrained(os.path.join(workdir, 'tokenizer'))
+  model_cfg, graphdef, params, shardings = common.build_model(cfg, len(tokenizer), mesh)
+  writer = common.MetricWriter(workdir)
+  ctx = common.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
+                          model_cfg=model_cfg, graphdef=graphdef, param_shardings=shardings,
+                          writer=writer)
+  summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
+                   'mesh': dict(mesh.shape)}
+  try:
+    for stage in cfg.stages:
+      if stage == 'sft':
+        params, s = sft.run_sft(ctx, cfg.sft, params)
+      elif stage == 'grpo':
+        params, s = grpo.GRPOTrainer(ctx, cfg.grpo).run(params)
+      else:
+        params, s = dpo.run_dpo(ctx, cfg.dpo, params)
+      summary.update(s)
+  finally:
+    writer.close()
+  summary['wall_time_s'] = time.time() - t0
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+      json.dump(summary, f, indent=2, sort_keys=True)
+  return summary
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  try:
+    cfg = load_run_config(_CONFIG.value)
+    summary = run(cfg, _WORKDIR.value)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  logging.info('done: %s', summary)
+  keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']
+  print('summary: ' + ', '.join(f'{k}={summary[k]:.3f}' if isinstance(summary[k], float)
+                                else f'{k}={summary[k]}' for k in keys if k in summary))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Host loops: SFT, GRPO and DPO stages, chained by ``jaxrl_ga.main``."""

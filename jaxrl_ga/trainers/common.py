@@ -1,0 +1,220 @@
+"""What the SFT, GRPO and DPO host loops share: the run context, tokenization into padded
+batches, metrics output, the progress line, held-out evaluation, and stage checkpoints.
+
+Host loops only move batches, call reward functions, log and checkpoint; every per-token
+computation runs inside the jitted rollout and learner steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Optional, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga import sampling
+from jaxrl_ga import sharding
+from jaxrl_ga.config import ConfigError, RunConfig
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+
+
+@dataclasses.dataclass
+class RunContext:
+  """Everything a stage needs besides its own config."""
+  cfg: RunConfig
+  workdir: str
+  mesh: Any
+  task: Any  # jaxrl_ga.tasks.base.Task
+  tokenizer: Any  # transformers tokenizer
+  model_cfg: tfm.ModelConfig
+  graphdef: Any
+  param_shardings: Any
+  writer: 'MetricWriter'
+
+  @property
+  def is_primary(self) -> bool:
+    return jax.process_index() == 0
+
+  @property
+  def eos_id(self) -> int:
+    return int(self.tokenizer.eos_token_id)
+
+  @property
+  def pad_id(self) -> int:
+    return int(self.tokenizer.pad_token_id)
+
+  def checkpointer(self, stage: str) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(
+        os.path.join(self.workdir, 'checkpoints', stage),
+        max_to_keep=self.cfg.checkpoint.max_to_keep,
+        # What must not change across a resume (lengths like num_steps may).
+        fingerprint={'model': _jsonable(dataclasses.asdict(self.model_cfg)),
+                     'task': _jsonable(dataclasses.asdict(self.cfg.task)),
+                     'seed': self.cfg.seed, 'stage': stage})
+
+
+def _jsonable(x):
+  return json.loads(json.dumps(x, default=str))
+
+
+# -- model -----------------------------------------------------------------------------------------
+def build_model(cfg: RunConfig, vocab_size: int, mesh):
+  """(model_cfg, graphdef, params, shardings): from HF weights or freshly initialised."""
+  spec = cfg.model
+  shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
+  if spec.hf_path:
+    model_cfg, graphdef, params = hf.load_model(spec.hf_path, dtype=spec.dtype,
+                                                param_dtype=spec.param_dtype,
+                                                shardings_fn=shardings_fn)
+    _, shapes, axes = sharding.abstract_model(model_cfg)
+    return model_cfg, graphdef, params, shardings_fn(shapes, axes)
+  model_cfg = tfm.ModelConfig(
+      vocab_size=vocab_size, hidden_size=spec.hidden_size,
+      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+      num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+      rope_theta=spec.rope_theta, attention_bias=spec.attention_bias,
+      tie_word_embeddings=spec.tie_word_embeddings,
+      max_position_embeddings=spec.max_position_embeddings, architecture=spec.architecture,
+      dtype=spec.dtype, param_dtype=spec.param_dtype)
+  graphdef, params, shardings = sharding.init_params(model_cfg, cfg.seed, mesh)
+  return model_cfg, graphdef, params, shardings
+
+
+# -- tokenization --------------------------------------------------------------------------------
+def encode(tokenizer, text: str) -> list[int]:
+  return tokenizer(text, add_special_tokens=False)['input_ids']
+
+
+def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, what: str):
+  """-> tokens, mask [N, length] int32, right-aligned. Too long: ConfigError naming ``what``."""
+  out = np.full((len(seqs), length), pad_id, np.int32)
+  mask = np.zeros((len(seqs), length), np.int32)
+  for i, s in enumerate(seqs):
+    if len(s) > length:
+      raise ConfigError(f'a prompt of {len(s)} tokens exceeds {what}={length}; raise {what}.')
+    if not s:
+      raise ConfigError('an empty prompt: every prompt needs at least one token.')
+    out[i, length - len(s):] = s
+    mask[i, length - len(s):] = 1
+  return out, mask
+
+
+# -- metrics and progress ------------------------------------------------------------------------
+class MetricWriter:
+  """metrics.jsonl (one object per logged step: phase, step, metrics) and TensorBoard events.
+  Only process 0 writes."""
+
+  def __init__(self, workdir: str):
+    self._active = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = None
+    if self._active:
+      os.makedirs(workdir, exist_ok=True)
+      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+
+  def write(self, phase: str, step: int, metrics: dict[str, Any]):
+    if not self._active:
+      return
+    clean = {k: _to_float(v) for k, v in metrics.items()}
+    self._jsonl.write(json.dumps({'phase': phase, 'step': int(step), **clean}) + '\n')
+    self._jsonl.flush()
+    for k, v in clean.items():
+      if v is not None:
+        self._tb.add_scalar(f'{phase}/{k}', v, int(step))
+
+  def close(self):
+    if self._active:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def _to_float(v) -> Optional[float]:
+  v = float(np.asarray(v))
+  return v if np.isfinite(v) else None
+
+
+class Progress:
+  """A progress line with rate and ETA, printed by process 0 at most every ``min_interval`` s."""
+
+  def __init__(self, phase: str, total: int, start: int = 0, min_interval: float = 2.0):
+    self.phase, self.total, self.start = phase, total, start
+    self.t0 = time.time()
+    self.min_interval = min_interval
+    self._last = 0.0
+
+  def update(self, done: int, extra: str = '', force: bool = False):
+    now = time.time()
+    if jax.process_index() != 0 or (not force and now - self._last < self.min_interval):
+      return
+    self._last = now
+    rate = (now - self.t0) / max(done - self.start, 1)
+    eta = rate * (self.total - done)
+    print(f'[{self.phase}] {done}/{self.total} ({100 * done / max(self.total, 1):.0f}%) '
+          f'{rate:.2f} s/step, ETA {_fmt_s(eta)}{"  " + extra if extra else ""}', flush=True)
+
+
+def _fmt_s(s: float) -> str:
+  s = int(round(s))
+  return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{s}s'
+
+
+def fmt_metrics(m: dict[str, Any], keys: Sequence[str]) -> str:
+  return '  '.join(f'{k} {float(np.asarray(m[k])):.4g}' for k in keys if k in m)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+class Evaluator:
+  """Greedy held-out exact-match accuracy; one compile for the run (fixed batch shape)."""
+
+  def __init__(self, ctx: RunContext, max_prompt_length: int):
+    self.ctx = ctx
+    ecfg = ctx.cfg.eval
+    examples = ctx.task.eval_examples()
+    self.examples = examples[:ecfg.num_examples] if ecfg.num_examples else examples
+    self.max_prompt_length = max_prompt_length
+    sampler = sampling.Sampler(max_completion_length=ecfg.max_completion_length,
+                               eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+    self._generate = sampling.make_generate_fn(ctx.graphdef, sampler, greedy=True, mesh=ctx.mesh,
+                                               param_shardings=ctx.param_shardings)
+    self.batch_size = _round_up(ecfg.batch_size, sharding.data_parallel_size(ctx.mesh))
+
+  def accuracy(self, params) -> float:
+    ctx = self.ctx
+    prompts = [encode(ctx.tokenizer, e.prompt) for e in self.examples]
+    correct = 0
+    for start in range(0, len(prompts), self.batch_size):
+      chunk = prompts[start:start + self.batch_size]
+      n = len(chunk)
+      chunk = chunk + [chunk[0]] * (self.batch_size - n)  # fixed shape: one compile
+      tokens, mask = left_pad(chunk, self.max_prompt_length, ctx.pad_id, 'max_prompt_length')
+      tokens, mask = sharding.shard_batch((tokens, mask), ctx.mesh)
+      out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
+      texts = decode_completions(ctx.tokenizer, out.tokens, out.mask)
+      for ex, text in zip(self.examples[start:start + n], texts[:n]):
+        correct += bool(ctx.task.is_correct(ex, text))
+    return correct / max(len(self.examples), 1)
+
+
+def decode_completions(tokenizer, tokens, mask) -> list[str]:
+  """Completion texts, without EOS and padding."""
+  tokens, mask = np.asarray(jax.device_get(tokens)), np.asarray(jax.device_get(mask))
+  eos = tokenizer.eos_token_id
+  out = []
+  for row, m in zip(tokens, mask):
+    ids = [int(t) for t, keep in zip(row, m) if keep and t != eos]
+    out.append(tokenizer.decode(ids, skip_special_tokens=True))
+  return out
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m

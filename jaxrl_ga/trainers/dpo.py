@@ -1,0 +1,183 @@
+"""DPO host loop on pairs sampled from the current (SFT) policy.
+
+For each of ``num_prompts`` prompts the policy samples ``samples_per_prompt`` completions; the
+first correct and the first incorrect one make a (chosen, rejected) pair. The pairs and their
+reference log-probs (the policy at the start of the stage) are computed once and cached in
+``WORKDIR/dpo_pairs.npz`` (written atomically), so a resumed run trains on the same data.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from absl import logging
+import jax
+import numpy as np
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import sampling
+from jaxrl_ga import schedule
+from jaxrl_ga import sharding
+from jaxrl_ga.config import ConfigError, DPOConfig, ScheduleConfig
+from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.trainers import common
+
+_GEN_PROMPTS = 32  # prompts per generation call (fixed shape: one compile)
+_LOG_KEYS = ('loss', 'rewards/accuracies', 'rewards/margins', 'grad_norm')
+
+
+def _rows(ctx, prompt_ids, completion_ids, max_length):
+  """Right-padded prompt+completion(+eos) rows with the loss on the completion."""
+  n = len(prompt_ids)
+  tokens = np.full((n, max_length), ctx.pad_id, np.int32)
+  attn = np.zeros((n, max_length), np.int32)
+  loss = np.zeros((n, max_length), np.int32)
+  for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+    if len(p) + len(c) > max_length:
+      raise ConfigError(f'a DPO sequence of {len(p) + len(c)} tokens exceeds '
+                        f'dpo.max_length={max_length}; raise dpo.max_length.')
+    tokens[i, :len(p) + len(c)] = list(p) + list(c)
+    attn[i, :len(p) + len(c)] = 1
+    loss[i, len(p):len(p) + len(c)] = 1
+  return tokens, attn, loss
+
+
+def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
+  """Samples completions, pairs a correct with an incorrect one per prompt, adds ref log-probs."""
+  spp = cfg.samples_per_prompt
+  sampler = sampling.Sampler.from_config(cfg.sampling, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+  generate = sampling.make_generate_fn(ctx.graphdef, sampler, mesh=ctx.mesh,
+                                       param_shardings=ctx.param_shardings)
+  seed = ctx.cfg.seed
+  examples = [ctx.task.train_example(i, seed + 1) for i in range(cfg.num_prompts)]
+  chosen, rejected, prompts = [], [], []
+  for start in range(0, len(examples), _GEN_PROMPTS):
+    chunk = examples[start:start + _GEN_PROMPTS]
+    chunk = chunk + [chunk[0]] * (_GEN_PROMPTS - len(chunk))
+    ids = [common.encode(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
+    tokens, mask = common.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
+                                   'dpo.sampling.max_prompt_length')
+    out = generate(params, *sharding.shard_batch((tokens, mask), ctx.mesh),
+                   jax.random.PRNGKey(seed * 1000 + start), cfg.sampling.temperature,
+                   cfg.sampling.top_p)
+    c_tok, c_mask = np.asarray(jax.device_get(out.tokens)), np.asarray(jax.device_get(out.mask))
+    texts = common.decode_completions(ctx.tokenizer, c_tok, c_mask)
+    for j, ex in enumerate(chunk[:len(examples[start:start + _GEN_PROMPTS])]):
+      good = bad = None
+      for r in range(j * spp, (j + 1) * spp):
+        row = list(c_tok[r][c_mask[r].astype(bool)])
+        if ctx.task.is_correct(ex, texts[r]):
+          good = row if good is None else good
+        else:
+          bad = row if bad is None else bad
+      if good is not None and bad is not None:
+        chosen.append(good)
+        rejected.append(bad)
+        prompts.append(common.encode(ctx.tokenizer, ex.prompt))
+  if len(chosen) < cfg.micro_batch_size:
+    raise RuntimeError(f'only {len(chosen)} (correct, incorrect) pairs from {cfg.num_prompts} '
+                       f'prompts; raise dpo.num_prompts or dpo.samples_per_prompt, or start from '
+                       f'a policy whose accuracy is neither 0 nor 1.')
+  pairs = {}
+  for side, comps in (('chosen', chosen), ('rejected', rejected)):
+    t, a, l = _rows(ctx, prompts, comps, cfg.max_length)
+    pairs.update({f'{side}_tokens': t, f'{side}_attention_mask': a, f'{side}_loss_mask': l})
+  # Reference log-probs, once, with the policy at the start of the stage.
+  ref_fn = jax.jit(lambda p, t, a, l: learner_lib.sequence_logps(tfm.merge(ctx.graphdef, p), t,
+                                                                 a, l)[0])
+  bs = common._round_up(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh))
+  n = len(chosen)
+  for side in ('chosen', 'rejected'):
+    vals = []
+    for start in range(0, n, bs):
+      idx = np.arange(start, start + bs) % n
+      args = [pairs[f'{side}_{k}'][idx] for k in ('tokens', 'attention_mask', 'loss_mask')]
+      vals.append(np.asarray(ref_fn(params, *sharding.shard_batch(args, ctx.mesh))))
+    pairs[f'ref_{side}_logps'] = np.concatenate(vals)[:n].astype(np.float32)
+  return pairs
+
+
+def _load_or_build_pairs(ctx, cfg, params):
+  path = os.path.join(ctx.workdir, 'dpo_pairs.npz')
+  if os.path.exists(path):
+    with np.load(path) as f:
+      return {k: f[k] for k in f.files}
+  pairs = build_pairs(ctx, cfg, params)
+  if ctx.is_primary:
+    tmp = path + '.tmp.npz'
+    np.savez(tmp, **pairs)
+    os.replace(tmp, path)
+  return pairs
+
+
+def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
+  sched = ScheduleConfig(micro_batch_size=cfg.micro_batch_size, num_generations=1,
+                         steps_per_generation=1, grad_accum_steps=cfg.grad_accum_steps)
+  schedule.validate_for_mesh(sched, sharding.data_parallel_size(ctx.mesh))
+  ckpt = ctx.checkpointer('dpo')
+  learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
+                                sched, ctx.mesh, ctx.param_shardings)
+  evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
+  pairs = _load_or_build_pairs(ctx, cfg, params)
+  n_pairs = len(pairs['ref_chosen_logps'])
+  b, k = cfg.micro_batch_size, cfg.grad_accum_steps
+  epochs = {}
+
+  def batch_at(position):
+    idx = []
+    for p in range(position, position + b):
+      epoch, i = divmod(p, n_pairs)
+      if epoch not in epochs:  # a fixed shuffle per epoch: resumable from the position alone
+        epochs[epoch] = np.random.default_rng([ctx.cfg.seed, epoch]).permutation(n_pairs)
+      idx.append(epochs[epoch][i])
+    return sharding.shard_batch({k_: v[np.asarray(idx)] for k_, v in pairs.items()}, ctx.mesh)
+
+  state = learner.init(params, batch_at(0))
+  meta = {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
+  restored = ckpt.restore_latest(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  if restored is not None:
+    state, meta = restored
+    logging.info('dpo: resumed at micro-step %d', meta['micro_step'])
+  if meta['done']:
+    return state.params, meta['summary']
+  summary = dict(meta['summary'])
+  if 'eval/accuracy_before' not in summary:
+    summary['eval/accuracy_before'] = evaluator.accuracy(state.params)
+    print(f'[dpo] {n_pairs} pairs; held-out accuracy before DPO: '
+          f'{summary["eval/accuracy_before"]:.3f}', flush=True)
+  summary['dpo/pairs'] = n_pairs
+
+  total = cfg.num_steps * k
+  progress = common.Progress('dpo', cfg.num_steps, start=meta['micro_step'] // k)
+  s, last_saved = meta['micro_step'], None
+  with checkpoint.PreemptionGuard() as guard:
+    while s < total:
+      state, out = learner.step(state, batch_at(meta['data_position']))
+      s += 1
+      meta.update(micro_step=s, data_position=meta['data_position'] + b)
+      if s % k == 0:
+        step = s // k
+        if step % cfg.log_every == 0 or step == cfg.num_steps:
+          metrics = jax.device_get(out)
+          metrics.pop('stepped', None)
+          ctx.writer.write('dpo', step, metrics)
+          progress.update(step, common.fmt_metrics(metrics, _LOG_KEYS), force=True)
+        every = ctx.cfg.checkpoint.every_steps
+        if every and step % every == 0 and step < cfg.num_steps:
+          ckpt.save(s, state, meta | {'summary': summary})
+          last_saved = s
+      if guard.should_stop:
+        if last_saved != s:
+          ckpt.save(s, state, meta | {'summary': summary})
+        ckpt.wait()
+        raise SystemExit(0)
+  summary['eval/accuracy_after'] = evaluator.accuracy(state.params)
+  ctx.writer.write('dpo_eval', cfg.num_steps, {'accuracy': summary['eval/accuracy_after']})
+  print(f'[dpo] held-out accuracy after DPO: {summary["eval/accuracy_after"]:.3f}', flush=True)
+  meta.update(done=True, summary=summary)
+  ckpt.save(s, state, meta)
+  ckpt.wait()
+  return state.params, summary

@@ -1,0 +1,227 @@
+"""GRPO host loop: prompts in, rewards and advantages computed on the host, everything per-token in
+the jitted rollout and learner steps.
+
+Micro-step s trains slice s % S of rollout s // E (E = S*mu); a rollout is generated when
+s % E == 0 by the current policy; the schedule table decides, inside the rollout step, which
+slices get old log-probs. A checkpoint holds the learner state (MultiSteps mid-accumulation
+included), the rollout state (counter, forward passes, RNG), the current rollout buffer and its
+advantages, the reference params and the data position, so a run stopped anywhere — in the middle
+of a rollout or of an accumulation window — resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import rewards as rewards_lib
+from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import schedule
+from jaxrl_ga import sharding
+from jaxrl_ga.config import GRPOConfig
+from jaxrl_ga.tasks import base as task_base
+from jaxrl_ga.trainers import common
+
+_LOG_KEYS = ('loss', 'reward/mean', 'reward/accuracy', 'kl', 'clip_ratio/region_mean',
+             'grad_norm')
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
+
+
+class GRPOTrainer:
+  """Builds the engines once; ``run(params)`` trains (resuming if a checkpoint exists)."""
+
+  def __init__(self, ctx: common.RunContext, cfg: GRPOConfig):
+    self.ctx, self.cfg = ctx, cfg
+    sched = cfg.schedule
+    schedule.validate(sched, sharding.data_parallel_size(ctx.mesh))
+    self.table = schedule.build_table(sched)
+    self.engine = rollout_lib.RolloutEngine(
+        ctx.graphdef, sched, cfg.sampling, cfg.loss, self.table, ctx.mesh, ctx.param_shardings,
+        eos_id=ctx.eos_id, pad_id=ctx.pad_id,
+        mask_truncated_completions=cfg.advantage.mask_truncated_completions)
+    self.learner = learner_lib.Learner(
+        ctx.graphdef,
+        learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
+                                   cfg.sampling.temperature),
+        cfg.optimizer, sched, ctx.mesh, ctx.param_shardings,
+        align_diagnostic=cfg.align_diagnostic)
+    self.rewards = ctx.task.reward_functions()
+    self.prompts_per_rollout = sched.prompts_per_rollout
+    self._permute = jax.jit(_permute_rows, out_shardings=(self.engine._buffer_shardings,
+                                                          self.engine._buffer_shardings.has_old))
+
+  # -- the state that a checkpoint holds ---------------------------------------------------------
+  def _fresh_state(self, params) -> dict[str, Any]:
+    s, b = self.cfg.schedule.steps_per_generation, self.cfg.schedule.micro_batch_size
+    tp = self.cfg.sampling.max_prompt_length
+    n_prompts = self.prompts_per_rollout
+    rstate = self.engine.init_state(self.ctx.cfg.seed)
+    ref = params if self.cfg.loss.beta > 0 else None
+    prompt_shape = jax.ShapeDtypeStruct((n_prompts, tp), jnp.int32)
+    buf_shape, _, _ = jax.eval_shape(self.engine._rollout, params, ref, rstate, prompt_shape,
+                                     prompt_shape)
+    buffer = _abstract(buf_shape, self.engine._buffer_shardings)
+    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=self.engine._buffer_shardings.has_old)
+    example = jax.eval_shape(self.engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)
+    lstate = self.learner.init(params, example)
+    # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
+    zeros = lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+    return {'learner': lstate, 'rollout': rstate, 'buffer': jax.tree.map(zeros, buffer),
+            'advantages': zeros(adv), 'ref_params': ref}
+
+  def run(self, params, stop_at_micro_step: Optional[int] = None
+          ) -> tuple[Any, dict[str, Any]]:
+    """Trains from ``params`` (or resumes). -> (params, summary).
+
+    ``stop_at_micro_step`` checkpoints and returns early after that micro-step, as a SIGTERM
+    would (summary['stopped_at_micro_step'] says so): the hook the exact-resume test uses.
+    """
+    ctx, cfg = self.ctx, self.cfg
+    sched = cfg.schedule
+    k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
+    total = cfg.num_steps * k
+    ckpt = ctx.checkpointer('grpo')
+    state = self._fresh_state(params)
+    meta = {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
+    restored = ckpt.restore_latest(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    if restored is not None:
+      state, meta = restored
+      logging.info('grpo: resumed at micro-step %d', meta['micro_step'])
+    summary = dict(meta.get('summary', {}))
+    evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
+    if meta['done']:
+      return state['learner'].params, summary
+    if 'eval/accuracy_before' not in summary:
+      summary['eval/accuracy_before'] = evaluator.accuracy(state['learner'].params)
+      ctx.writer.write('grpo_eval', 0, {'accuracy': summary['eval/accuracy_before']})
+      print(f'[grpo] held-out accuracy before GRPO: {summary["eval/accuracy_before"]:.3f}',
+            flush=True)
+
+    progress = common.Progress('grpo', cfg.num_steps, start=meta['micro_step'] // k)
+    host_stats: dict[str, Any] = meta.get('host_stats', {})
+    t_start = time.time()
+    s = meta['micro_step']
+    last_saved = None
+    with checkpoint.PreemptionGuard() as guard:
+      while s < total:
+        if s % e == 0:
+          state, meta, host_stats = self._new_rollout(state, meta)
+        mb = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
+        state['learner'], out = self.learner.step(state['learner'], mb)
+        s += 1
+        meta['micro_step'] = s
+        if s % k == 0:
+          step = s // k
+          if step % cfg.log_every == 0 or step == cfg.num_steps:
+            metrics = jax.device_get(out) | host_stats
+            metrics['rollout/forward_passes_total'] = int(state['rollout'].forward_passes)
+            metrics.pop('stepped', None)
+            ctx.writer.write('grpo', step, metrics)
+            progress.update(step, common.fmt_metrics(metrics, _LOG_KEYS), force=True)
+            if not np.isfinite(metrics['loss']):
+              logging.warning('grpo: non-finite loss at step %d (window skipped)', step)
+          if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
+            acc = evaluator.accuracy(state['learner'].params)
+            ctx.writer.write('grpo_eval', step, {'accuracy': acc})
+          every = ctx.cfg.checkpoint.every_steps
+          if every and step % every == 0 and step < cfg.num_steps:
+            ckpt.save(s, state, meta | {'summary': summary, 'host_stats': host_stats})
+            last_saved = s
+        if guard.should_stop or s == stop_at_micro_step:
+          logging.warning('grpo: stopping; checkpointing micro-step %d', s)
+          if last_saved != s:
+            ckpt.save(s, state, meta | {'summary': summary, 'host_stats': host_stats})
+          ckpt.wait()
+          if guard.should_stop:
+            raise SystemExit(0)
+          return state['learner'].params, summary | {'stopped_at_micro_step': s}
+
+    params = state['learner'].params
+    summary['eval/accuracy_after'] = evaluator.accuracy(params)
+    ctx.writer.write('grpo_eval', cfg.num_steps, {'accuracy': summary['eval/accuracy_after']})
+    print(f'[grpo] held-out accuracy after GRPO: {summary["eval/accuracy_after"]:.3f}',
+          flush=True)
+    rollouts = int(state['rollout'].counter)
+    summary.update({
+        'grpo/optimizer_steps': cfg.num_steps, 'grpo/rollouts': rollouts,
+        'grpo/old_logprob_forward_passes': int(state['rollout'].forward_passes),
+        'grpo/wall_time_s': time.time() - t_start,
+        'schedule/counts_per_period': dict(self.table.counts),
+        'schedule/period_rollouts': self.table.period_rollouts,
+        'schedule/recompute_counts_this_run': _counts_for(self.table, rollouts),
+        'grpo/nonfinite_skipped': int(state['learner'].nonfinite_skipped),
+    })
+    meta.update(done=True, summary=summary)
+    ckpt.save(s, state, meta)  # periodic saves skip the last step, so s is new
+    ckpt.wait()
+    return params, summary
+
+  # -- one rollout: generation on device, rewards and advantages on the host ---------------------
+  def _new_rollout(self, state, meta):
+    ctx, cfg = self.ctx, self.cfg
+    sched = cfg.schedule
+    g = sched.num_generations
+    pos = meta['data_position']
+    examples = [ctx.task.train_example(pos + i, ctx.cfg.seed)
+                for i in range(self.prompts_per_rollout)]
+    meta['data_position'] = pos + len(examples)
+    prompt_ids = [common.encode(ctx.tokenizer, ex.prompt) for ex in examples]
+    tokens, mask = common.left_pad(prompt_ids, cfg.sampling.max_prompt_length, ctx.pad_id,
+                                   'grpo.sampling.max_prompt_length')
+    buffer, state['rollout'], rmetrics = self.engine.rollout(
+        state['learner'].params, state['ref_params'], state['rollout'], tokens, mask)
+    # Rows g*G .. g*G+G-1 (slice-major) are prompt g's completions.
+    flat = lambda x: np.asarray(jax.device_get(x)).reshape(-1, x.shape[-1])
+    texts = common.decode_completions(ctx.tokenizer, flat(buffer.completion_tokens),
+                                      flat(buffer.completion_mask))
+    rows = [ex for ex in examples for _ in range(g)]
+    total, per_fn = rewards_lib.compute_rewards(self.rewards, [ex.prompt for ex in rows], texts,
+                                                task_base.reward_fields(examples, g))
+    adv = rewards_lib.group_advantages(total, g, cfg.advantage.scale_rewards)
+    shape = (sched.steps_per_generation, sched.micro_batch_size)
+    adv_dev = jax.device_put(adv.reshape(shape), self.engine._buffer_shardings.has_old)
+    if cfg.advantage.order_by_advantage_sign:
+      order = np.argsort(-adv, kind='stable')  # positive first, negative last
+      buffer, adv_dev = self._permute(buffer, adv_dev, jnp.asarray(order))
+    state['buffer'], state['advantages'] = buffer, adv_dev
+    correct = np.array([ctx.task.is_correct(ex, t) for ex, t in zip(rows, texts)], np.float32)
+    host_stats = {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
+                  'reward/accuracy': float(correct.mean()),
+                  **{f'reward/{k}': float(v.mean()) for k, v in per_fn.items()},
+                  **{k: float(np.asarray(v)) for k, v in jax.device_get(rmetrics).items()}}
+    return state, meta, host_stats
+
+
+def _permute_rows(buffer, advantages, order):
+  """Reorders the S*B rows of a rollout (slice-major) by ``order``."""
+  s, b = advantages.shape
+
+  def perm(x):
+    flat = x.reshape(s * b, *x.shape[2:])
+    return flat[order].reshape(x.shape)
+
+  return jax.tree.map(perm, buffer), perm(advantages)
+
+
+def _counts_for(table, rollouts: int) -> dict[str, int]:
+  """Old-log-prob forward passes (slice units) over ``rollouts`` rollouts under each rule."""
+  s = table.config.steps_per_generation
+  trl_every = bool(table.counts['trl_static'])
+  rollout_units = np.array([s * int(x) for x in table.rollout_recompute])
+  slice_units = np.array([int(x.sum()) for x in table.slice_recompute])
+  idx = np.arange(rollouts) % table.period_rollouts
+  return {'trl_static': s * rollouts if trl_every else 0,
+          'rollout_rule': int(rollout_units[idx].sum()),
+          'slice_rule': int(slice_units[idx].sum())}
