@@ -21,9 +21,11 @@ setuptools.setup(
         'absl-py',
         'ml_collections',
         'numpy',
+        'tensorboardX',  # TensorBoard event files without TensorFlow
     ],
     extras_require={
         'test': ['pytest', 'hypothesis', 'chex'],
+        'data': ['datasets'],  # GSM8K from the hub (local JSONL files load without it)
         'tpu': ['jax[tpu]>=0.10.2'],
         'cuda': ['jax[cuda12]>=0.10.2'],
     },

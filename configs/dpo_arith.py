@@ -24,13 +24,12 @@ def _sibling(name):
 def get_config(arg: str = ''):
   c = _sibling('grpo_arith').get_config(arg)
   c.stages = 'sft,dpo'
-  c.dpo = dict(
-      num_steps=100, micro_batch_size=32, grad_accum_steps=2, num_prompts=1024,
-      samples_per_prompt=8, max_length=12, log_every=10,
-      sampling=dict(max_prompt_length=8, max_completion_length=5, temperature=1.0),
-      loss=dict(loss_type='sigmoid', beta=0.1, aggregation='pair'),
-      optimizer=dict(learning_rate=2e-4, max_grad_norm=1.0))
+  c.dpo.update(num_steps=100, micro_batch_size=32, grad_accum_steps=2, num_prompts=1024,
+               samples_per_prompt=8, max_length=12, log_every=10)
+  c.dpo.sampling.update(max_prompt_length=8, max_completion_length=5, temperature=1.0)
+  c.dpo.loss.update(loss_type='sigmoid', beta=0.1, aggregation='pair')
+  c.dpo.optimizer.update(learning_rate=2e-4, max_grad_norm=1.0)
   if arg == 'smoke':
     c.dpo.update(num_steps=4, micro_batch_size=8, num_prompts=32, samples_per_prompt=4,
-                 log_every=2)
+                 log_every=2, reference_as_chosen=True)
   return c

@@ -8,34 +8,35 @@ exact-match and format rewards then raises it. The schedule is deliberately non-
 (K=3, S=2: a window spans two rollouts), so the static table matters:
   python -m jaxrl_ga.explain --config=configs/grpo_arith.py
 
+Every field of jaxrl_ga.config.RunConfig exists here (the file starts from its defaults) and can
+be overridden, e.g. --config.grpo.schedule.grad_accum_steps=4.
 `--config=configs/grpo_arith.py:smoke` shrinks everything for a test run.
 """
 
-import ml_collections
+from jaxrl_ga.config import default_config_dict
 
 
 def get_config(arg: str = ''):
-  c = ml_collections.ConfigDict()
+  c = default_config_dict()
   c.seed = 0
   c.stages = 'sft,grpo'
-  c.task = dict(name='arithmetic', options=dict(num_digits=2, operations='+',
-                                                 reverse_answer=False, num_eval=500))
-  c.model = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+  c.task.name = 'arithmetic'
+  c.task.options.update(num_digits=2, operations='+', reverse_answer=True, num_eval=500)
+  c.model.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-  c.mesh = dict(data=-1, fsdp=1, tensor=1)
-  c.sft = dict(num_steps=300, micro_batch_size=64, grad_accum_steps=1, max_length=12,
-               log_every=50, optimizer=dict(learning_rate=3e-3, max_grad_norm=1.0,
-                                            lr_schedule='constant'))
-  c.grpo = dict(
-      num_steps=150, log_every=10, eval_every=50,
-      schedule=dict(micro_batch_size=32, num_generations=8, steps_per_generation=2,
-                    num_iterations=1, grad_accum_steps=3),
-      sampling=dict(max_prompt_length=8, max_completion_length=5, temperature=1.0),
-      loss=dict(aggregation='token', beta=0.0, epsilon_low=0.2, epsilon_high=0.28),
-      advantage=dict(scale_rewards='group'),
-      optimizer=dict(learning_rate=5e-4, max_grad_norm=1.0))
-  c.eval = dict(num_examples=500, batch_size=100, max_completion_length=5)
-  c.checkpoint = dict(every_steps=50, max_to_keep=2)
+  c.mesh.update(data=-1, fsdp=1, tensor=1)
+  c.sft.update(num_steps=450, micro_batch_size=64, grad_accum_steps=1, max_length=12,
+               log_every=50)
+  c.sft.optimizer.update(learning_rate=1e-3, max_grad_norm=1.0)
+  c.grpo.update(num_steps=200, log_every=10, eval_every=50)
+  c.grpo.schedule.update(micro_batch_size=32, num_generations=8, steps_per_generation=2,
+                         num_iterations=1, grad_accum_steps=3)
+  c.grpo.sampling.update(max_prompt_length=8, max_completion_length=5, temperature=1.0)
+  c.grpo.loss.update(aggregation='token', beta=0.0, epsilon_low=0.2, epsilon_high=0.28)
+  c.grpo.advantage.update(scale_rewards='group')
+  c.grpo.optimizer.update(learning_rate=1e-4, max_grad_norm=1.0)
+  c.eval.update(num_examples=500, batch_size=100, max_completion_length=5)
+  c.checkpoint.update(every_steps=50, max_to_keep=2)
   if arg == 'smoke':
     c.model.update(hidden_size=32, intermediate_size=64)
     c.sft.update(num_steps=4, micro_batch_size=16, log_every=2)

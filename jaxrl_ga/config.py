@@ -470,12 +470,15 @@ class DPOConfig:
   Attributes:
     num_steps: optimizer steps; micro_batch_size: pairs per micro-step; grad_accum_steps: K.
     num_prompts: prompts sampled to build pairs.
+    reference_as_chosen: when no sampled completion of a prompt is correct, pair the task's
+      reference completion (chosen) with an incorrect sample (rejected).
   """
   num_steps: int = 60
   micro_batch_size: int = 16
   grad_accum_steps: int = 2
   num_prompts: int = 512
   samples_per_prompt: int = 8
+  reference_as_chosen: bool = False
   max_length: int = 16
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
   loss: DPOLossConfig = DPOLossConfig()
@@ -538,3 +541,29 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
     if not prefix or str(e).startswith(prefix):
       raise
     raise ConfigError(f'in {prefix.rstrip(".")}: {e}') from None
+
+
+def default_config_dict():
+  """RunConfig's defaults as an ``ml_collections.ConfigDict``: config files start from it, so
+  every field exists and can be overridden with ``--config.<path>=<value>`` (optional fields
+  whose default is None are typed placeholders, so they can be set too)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  def build(obj):
+    hints = typing.get_type_hints(type(obj))
+    out = {}
+    for f in dataclasses.fields(obj):
+      value = getattr(obj, f.name)
+      if dataclasses.is_dataclass(value):
+        value = build(value)
+      elif value is None:
+        inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+        value = ml_collections.config_dict.placeholder(inner[0] if inner else object)
+      elif isinstance(value, tuple):
+        value = ','.join(value)
+      elif isinstance(value, Mapping):
+        value = ml_collections.ConfigDict(dict(value))
+      out[f.name] = value
+    return ml_collections.ConfigDict(out)
+
+  return build(RunConfig())

@@ -91,6 +91,8 @@ def run(cfg, workdir: str) -> dict:
       summary.update(s)
   finally:
     writer.close()
+  if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
+    summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
   summary['wall_time_s'] = time.time() - t0
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:

@@ -120,9 +120,9 @@ def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
 
 def test_cli_rejects_invalid_config_before_compiling(tmp_path):
   cmd = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py',
-         f'--workdir={tmp_path}', '--config.grpo.schedule.micro_batch_size=6',
-         '--jax_log_compiles']
-  done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+         f'--workdir={tmp_path}', '--config.grpo.schedule.micro_batch_size=6']
+  env = dict(_env(), JAX_LOG_COMPILES='1')
+  done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert done.returncode == 2
   assert 'error:' in done.stderr and 'num_generations' in done.stderr
   assert 'Traceback' not in done.stderr

@@ -72,6 +72,8 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
           good = row if good is None else good
         else:
           bad = row if bad is None else bad
+      if good is None and bad is not None and cfg.reference_as_chosen:
+        good = common.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
       if good is not None and bad is not None:
         chosen.append(good)
         rejected.append(bad)
