@@ -29,7 +29,41 @@ _CONFIG = config_flags.DEFINE_config_file(
     'overridden with --config.<field>=<value>.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (created); re-running with the '
                                'same directory resumes the run.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None, 'host:port of process 0: runs jax.distributed.initialize for a '
+    'multi-process run (GPU cluster, several CPU hosts). On Cloud TPU VM slices with several '
+    'workers initialization is automatic.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-process run '
+                                      '(with --coordinator_address).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0 .. '
+                                   'num_processes-1 (with --coordinator_address).')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def init_distributed() -> None:
+  """jax.distributed: explicit with --coordinator_address, automatic on multi-worker TPU VMs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if _COORDINATOR.value:
+    if _NUM_PROCESSES.value is None or _PROCESS_ID.value is None:
+      raise app.UsageError('--coordinator_address needs --num_processes and --process_id.')
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU hosts only
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
+  elif _on_cloud_tpu_vm():
+    jax.distributed.initialize()  # jax reads the slice's workers from the VM metadata
+
+
+def _on_cloud_tpu_vm() -> bool:
+  """A Google TPU on the PCI bus (vendor 0x1ae0), as jax's own TPU detection checks."""
+  import glob  # pylint: disable=g-import-not-at-top
+  for path in glob.glob('/sys/bus/pci/devices/*/vendor'):
+    try:
+      with open(path, encoding='ascii') as f:
+        if f.read().strip() == '0x1ae0':
+          return True
+    except OSError:
+      continue
+  return False
 
 
 def load_run_config(config_dict):
@@ -106,6 +140,7 @@ def main(argv):
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     cfg = load_run_config(_CONFIG.value)
+    init_distributed()
     summary = run(cfg, _WORKDIR.value)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
