@@ -25,11 +25,11 @@ def get_config(arg: str = ''):
   c.model.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
   c.mesh.update(data=-1, fsdp=1, tensor=1)
-  c.sft.update(num_steps=450, micro_batch_size=64, grad_accum_steps=1, max_length=12,
+  c.sft.update(num_steps=300, micro_batch_size=64, grad_accum_steps=2, max_length=12,
                log_every=50)
   c.sft.optimizer.update(learning_rate=1e-3, max_grad_norm=1.0)
   c.grpo.update(num_steps=200, log_every=10, eval_every=50)
-  c.grpo.schedule.update(micro_batch_size=32, num_generations=8, steps_per_generation=2,
+  c.grpo.schedule.update(micro_batch_size=64, num_generations=8, steps_per_generation=2,
                          num_iterations=1, grad_accum_steps=3)
   c.grpo.sampling.update(max_prompt_length=8, max_completion_length=5, temperature=1.0)
   c.grpo.loss.update(aggregation='token', beta=0.0, epsilon_low=0.2, epsilon_high=0.28)
@@ -39,7 +39,7 @@ def get_config(arg: str = ''):
   c.checkpoint.update(every_steps=50, max_to_keep=2)
   if arg == 'smoke':
     c.model.update(hidden_size=32, intermediate_size=64)
-    c.sft.update(num_steps=4, micro_batch_size=16, log_every=2)
+    c.sft.update(num_steps=4, micro_batch_size=16, grad_accum_steps=1, log_every=2)
     c.grpo.update(num_steps=4, log_every=2, eval_every=0)
     c.grpo.schedule.update(micro_batch_size=8, num_generations=4)
     c.eval.update(num_examples=16, batch_size=16)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import flax
 from flax import nnx

@@ -60,7 +60,8 @@ class RolloutEngine:
 
   def __init__(self, graphdef, sched: ScheduleConfig, sampling_cfg: SamplingConfig,
                loss_cfg: GRPOLossConfig, table: ScheduleTable, mesh, param_shardings, *,
-               eos_id: int, pad_id: int, mask_truncated_completions: bool = False):
+               eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
+               defer_old_logps: bool = False):
     if table.config != sched:
       raise ValueError('the schedule table was built from another ScheduleConfig.')
     self.graphdef = graphdef
@@ -70,6 +71,7 @@ class RolloutEngine:
     self.table = table
     self.mesh = mesh
     self.mask_truncated = mask_truncated_completions
+    self.defer_old_logps = defer_old_logps
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -84,6 +86,11 @@ class RolloutEngine:
                       self._state_shardings, rep, rep),
         out_shardings=(self._buffer_shardings, self._state_shardings, rep))
     self._slice = jax.jit(self._micro_batch)
+    self._reorder_fn = jax.jit(
+        self._reorder, in_shardings=(param_shardings, self._buffer_shardings,
+                                     self._state_shardings, self._buffer_shardings.has_old, rep),
+        out_shardings=(self._buffer_shardings, self._state_shardings,
+                       self._buffer_shardings.has_old))
 
   def init_state(self, seed: int) -> RolloutState:
     return jax.device_put(
@@ -93,6 +100,18 @@ class RolloutEngine:
   def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
     """prompts: [S*B/G, Tp] left-padded. -> (buffer, state, metrics)."""
     return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
+
+  def reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
+    """Permutes the rollout's S*B rows (slice-major) by ``order`` and only then computes the old
+    log-probs of the slices the table marks (an engine built with ``defer_old_logps=True``).
+
+    Call it right after ``rollout``, before any learner step: ``params`` must still be the
+    generating policy. Used to order micro-batches by advantage sign (seed 002).
+    """
+    if not self.defer_old_logps:
+      raise ValueError('reorder() needs an engine built with defer_old_logps=True, so that old '
+                       'log-probs follow the rows into their final slices.')
+    return self._reorder_fn(params, buffer, state, advantages, order)
 
   @property
   def step_fn(self):
@@ -124,31 +143,23 @@ class RolloutEngine:
     c_tok, c_mask, c_logps = slab(comps.tokens), slab(comps.mask), slab(comps.logps)
     marks = jnp.asarray(self.table.slice_recompute)[state.counter % self.table.period_rollouts]
 
-    def logps_of(m, xs):
-      pt, pm, ct, cm = xs
-      return learner_lib.completion_logps(m, pt, pm, ct, cm, temperature=cfg.temperature)[0]
-
-    if cfg.old_logprob_source == 'sampler':
-      old = jnp.where(marks[:, None, None], c_logps, 0.0)
+    if self.defer_old_logps:  # reorder() computes them once the rows are in their final slices
+      old = jnp.zeros(c_logps.shape, jnp.float32)
       passes = jnp.zeros((), jnp.int32)
     else:
-      def one_slice(xs):
-        mark, *rest = xs
-        return jax.lax.cond(mark, lambda: logps_of(model, rest),
-                            lambda: jnp.zeros(rest[2].shape, jnp.float32))
-      old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
-      passes = jnp.sum(marks.astype(jnp.int32))
+      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
 
     ref = None
     if self.use_ref:
       ref_model = tfm.merge(self.graphdef, ref_params)
-      ref = jax.lax.map(lambda xs: logps_of(ref_model, xs), (p_tok, p_mask, c_tok, c_mask))
+      ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs), (p_tok, p_mask, c_tok, c_mask))
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
     diff = jnp.abs(c_logps - old) * weight
     n = jnp.sum(weight)
-    has_recompute = (n > 0) & (cfg.old_logprob_source == 'recompute')
+    has_recompute = ((n > 0) & (cfg.old_logprob_source == 'recompute')
+                     & (not self.defer_old_logps))
     metrics = {
         'rollout/logp_agreement_mean_abs': jnp.where(has_recompute, jnp.sum(diff) /
                                                      jnp.maximum(n, 1.0), jnp.nan),
@@ -165,6 +176,38 @@ class RolloutEngine:
     new_state = RolloutState(counter=state.counter + 1, forward_passes=state.forward_passes +
                              passes, rng=state.rng)
     return buffer, new_state, metrics
+
+  def _logps_of(self, model, xs):
+    pt, pm, ct, cm = xs
+    return learner_lib.completion_logps(model, pt, pm, ct, cm,
+                                        temperature=self.sampling_cfg.temperature)[0]
+
+  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
+    """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes
+    paid (slice units). Each slice's pass is a lax.cond: an unmarked slice costs nothing."""
+    if self.sampling_cfg.old_logprob_source == 'sampler':
+      return jnp.where(marks[:, None, None], c_logps, 0.0), jnp.zeros((), jnp.int32)
+
+    def one_slice(xs):
+      mark, *rest = xs
+      return jax.lax.cond(mark, lambda: self._logps_of(model, rest),
+                          lambda: jnp.zeros(rest[2].shape, jnp.float32))
+
+    old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
+    return old, jnp.sum(marks.astype(jnp.int32))
+
+  def _reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
+    s, b = advantages.shape
+    perm = lambda x: x.reshape(s * b, *x.shape[2:])[order].reshape(x.shape)
+    buffer = jax.tree.map(perm, buffer)
+    marks = jnp.asarray(self.table.slice_recompute)[
+        (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
+    old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,
+                                  buffer.prompt_mask, buffer.completion_tokens,
+                                  buffer.completion_mask, buffer.sampler_logps, marks)
+    buffer = buffer.replace(old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)))
+    state = state.replace(forward_passes=state.forward_passes + passes)
+    return buffer, state, perm(advantages)
 
   def _micro_batch(self, buffer: RolloutBuffer, j, advantages) -> dict[str, Any]:
     take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)

@@ -12,7 +12,6 @@ import jax  # noqa: E402  (after the environment is set)
 jax.config.update('jax_default_matmul_precision', 'highest')
 
 
-import contextlib  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402

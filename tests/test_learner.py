@@ -6,7 +6,6 @@ objective, then token / sequence / constant normalization over the whole window)
 in one pass, clipped, and applied with a plain optax AdamW.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,7 @@ import pytest
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import schedule, sharding
-from jaxrl_ga.config import (DPOLossConfig, GRPOLossConfig, MeshConfig, OptimizerConfig,
-                             ScheduleConfig)
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
 
 MODEL = tfm.ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -9,8 +9,7 @@ import pytest
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sharding
-from jaxrl_ga.config import (DPOLossConfig, GRPOLossConfig, MeshConfig, OptimizerConfig,
-                             ScheduleConfig)
+from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
 
 from test_learner import MODEL, OPT, TC, TP, _applied_grad, _mesh, _rel_err, _rollout

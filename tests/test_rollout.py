@@ -2,9 +2,7 @@
 off-policy slice trains against log-probs of the policy that generated it."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import rollout as rollout_lib
@@ -101,3 +99,40 @@ def test_rollout_on_8_device_mesh_with_reference(compile_log):
   # Agreement of sampler and learner log-probs where a slice was recomputed (rollout 1 of 3).
   assert buffer.prompt_tokens.sharding.spec == jax.sharding.PartitionSpec(
       None, ('data', 'fsdp'), None)
+
+
+def test_reorder_by_advantage_keeps_old_logps_with_their_slices():
+  """Rows moved into a marked slice get old log-probs of the generating policy (computed after
+  the move), so ordering micro-batches by advantage sign never trains a slice off-policy
+  without them."""
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         grad_accum_steps=3)
+  table = schedule.build_table(sched)
+  samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC)
+  engine = rollout_lib.RolloutEngine(graphdef, sched, samp, GRPOLossConfig(), table, mesh,
+                                     shardings, eos_id=EOS, pad_id=PAD, defer_old_logps=True)
+  logps_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
+      tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
+      b['completion_mask'])[0])
+  rng = np.random.default_rng(0)
+  rstate = engine.init_state(0)
+  for r in range(2):  # rollout 1 has its slice 1 marked (K=3, S=2)
+    buffer, rstate, _ = engine.rollout(params, None, rstate, *_prompts(rng, 4))
+    adv = rng.normal(size=(2, 4)).astype(np.float32)
+    order = np.argsort(-adv.reshape(-1), kind='stable')
+    new_buf, rstate, new_adv = engine.reorder(params, buffer, rstate, adv, order)
+    flat = lambda x: np.asarray(x).reshape(8, *np.shape(x)[2:])
+    np.testing.assert_array_equal(flat(new_buf.completion_tokens),
+                                  flat(buffer.completion_tokens)[order])
+    np.testing.assert_array_equal(np.asarray(new_adv).reshape(-1), adv.reshape(-1)[order])
+    assert np.all(np.diff(np.asarray(new_adv).reshape(-1)) <= 0)  # positive first
+    marks = table.slice_recompute[r]
+    np.testing.assert_array_equal(np.asarray(new_buf.has_old), np.repeat(marks[:, None], 4, 1))
+    for j in np.flatnonzero(marks):
+      mb = engine.micro_batch(new_buf, j, new_adv)
+      m = np.asarray(mb['completion_mask']).astype(bool)
+      np.testing.assert_allclose(np.asarray(mb['old_logps'])[m],
+                                 np.asarray(logps_fn(params, mb))[m], atol=1e-5)
+  assert int(rstate.forward_passes) == table.slice_recompute[:2].sum() == 1

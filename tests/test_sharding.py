@@ -1,7 +1,6 @@
 """Forward pass on several meshes of 8 simulated devices equals the single-device forward."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,7 +1,6 @@
 """End-to-end: every config runs at smoke size; a stopped GRPO run resumes bitwise; SIGTERM leaves
 a restorable checkpoint; the CLI rejects invalid configs before compiling; export round-trips."""
 
-import dataclasses
 import json
 import os
 import signal

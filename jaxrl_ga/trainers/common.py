@@ -218,3 +218,78 @@ def decode_completions(tokenizer, tokens, mask) -> list[str]:
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+# -- the stage loop ------------------------------------------------------------------------------
+def fresh_meta() -> dict[str, Any]:
+  """Host-side progress saved with every checkpoint."""
+  return {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
+
+
+def restore(ckpt, stage: str, state) -> tuple[Any, dict[str, Any]]:
+  """The latest checkpoint of the stage onto ``state``'s shardings, or (state, fresh meta)."""
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  restored = ckpt.restore_latest(abstract)
+  if restored is None:
+    return state, fresh_meta()
+  logging.info('%s: resumed at micro-step %d', stage, restored[1]['micro_step'])
+  return restored
+
+
+def report_accuracy(ctx: RunContext, stage: str, step: int, accuracy: float, when: str):
+  ctx.writer.write(f'{stage}_eval', step, {'accuracy': accuracy})
+  print(f'[{stage}] held-out accuracy {when}: {accuracy:.3f}', flush=True)
+
+
+def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, Any], *,
+                    num_steps: int, k: int, log_every: int, step_fn, log_keys: Sequence[str],
+                    eval_every: int = 0, evaluate=None, stop_at_micro_step: Optional[int] = None
+                    ) -> tuple[Any, bool]:
+  """The loop every stage shares: micro-steps until ``num_steps`` optimizer steps, logging,
+  periodic evaluation and checkpoints, and a clean stop on SIGTERM.
+
+  step_fn(state, meta) -> (state, device outputs of the learner step, host metrics) runs one
+  micro-step and advances meta['data_position'] itself. Returns (state, stopped_early): a stop
+  requested by ``stop_at_micro_step`` checkpoints and returns; SIGTERM checkpoints and exits 0.
+  """
+  total = num_steps * k
+  progress = Progress(stage, num_steps, start=meta['micro_step'] // k)
+  every = ctx.cfg.checkpoint.every_steps
+  s, last_saved = meta['micro_step'], None
+  with checkpoint.PreemptionGuard() as guard:
+    while s < total:
+      state, out, host_metrics = step_fn(state, meta)
+      s += 1
+      meta['micro_step'] = s
+      if s % k == 0:
+        step = s // k
+        if step % log_every == 0 or step == num_steps:
+          metrics = jax.device_get(out) | host_metrics
+          metrics.pop('stepped', None)
+          ctx.writer.write(stage, step, metrics)
+          progress.update(step, fmt_metrics(metrics, log_keys), force=True)
+          if not np.isfinite(metrics['loss']):
+            logging.warning('%s: non-finite loss at step %d (the window was skipped)', stage,
+                            step)
+        if eval_every and step % eval_every == 0 and step < num_steps:
+          report_accuracy(ctx, stage, step, evaluate(state), f'at step {step}')
+        if every and step % every == 0 and step < num_steps:
+          ckpt.save(s, state, meta)
+          last_saved = s
+      if guard.should_stop or s == stop_at_micro_step:
+        logging.warning('%s: stopping; checkpointing micro-step %d', stage, s)
+        if last_saved != s:
+          ckpt.save(s, state, meta)
+        ckpt.wait()
+        if guard.should_stop:
+          raise SystemExit(0)
+        return state, True
+  return state, False
+
+
+def finish(ckpt, state, meta: dict[str, Any], summary: dict[str, Any]) -> None:
+  """The stage's last checkpoint, marked done with its summary (a re-run skips the stage)."""
+  meta.update(done=True, summary=summary)
+  ckpt.save(meta['micro_step'], state, meta)  # periodic saves skip the last step: a new step
+  ckpt.wait()

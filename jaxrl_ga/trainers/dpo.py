@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from absl import logging
 import jax
 import numpy as np
 
-from jaxrl_ga import checkpoint
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
@@ -115,16 +113,16 @@ def _load_or_build_pairs(ctx, cfg, params):
 
 
 def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
+  """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
   sched = ScheduleConfig(micro_batch_size=cfg.micro_batch_size, num_generations=1,
                          steps_per_generation=1, grad_accum_steps=cfg.grad_accum_steps)
   schedule.validate_for_mesh(sched, sharding.data_parallel_size(ctx.mesh))
-  ckpt = ctx.checkpointer('dpo')
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
                                 sched, ctx.mesh, ctx.param_shardings)
   evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)
   n_pairs = len(pairs['ref_chosen_logps'])
-  b, k = cfg.micro_batch_size, cfg.grad_accum_steps
+  b = cfg.micro_batch_size
   epochs = {}
 
   def batch_at(position):
@@ -134,52 +132,28 @@ def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[s
       if epoch not in epochs:  # a fixed shuffle per epoch: resumable from the position alone
         epochs[epoch] = np.random.default_rng([ctx.cfg.seed, epoch]).permutation(n_pairs)
       idx.append(epochs[epoch][i])
-    return sharding.shard_batch({k_: v[np.asarray(idx)] for k_, v in pairs.items()}, ctx.mesh)
+    return sharding.shard_batch({k: v[np.asarray(idx)] for k, v in pairs.items()}, ctx.mesh)
 
-  state = learner.init(params, batch_at(0))
-  meta = {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
-  restored = ckpt.restore_latest(jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-  if restored is not None:
-    state, meta = restored
-    logging.info('dpo: resumed at micro-step %d', meta['micro_step'])
+  ckpt = ctx.checkpointer('dpo')
+  state, meta = common.restore(ckpt, 'dpo', learner.init(params, batch_at(0)))
   if meta['done']:
     return state.params, meta['summary']
-  summary = dict(meta['summary'])
+  summary = meta['summary']
   if 'eval/accuracy_before' not in summary:
     summary['eval/accuracy_before'] = evaluator.accuracy(state.params)
-    print(f'[dpo] {n_pairs} pairs; held-out accuracy before DPO: '
-          f'{summary["eval/accuracy_before"]:.3f}', flush=True)
+    common.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
+                           f'before DPO ({n_pairs} pairs)')
   summary['dpo/pairs'] = n_pairs
 
-  total = cfg.num_steps * k
-  progress = common.Progress('dpo', cfg.num_steps, start=meta['micro_step'] // k)
-  s, last_saved = meta['micro_step'], None
-  with checkpoint.PreemptionGuard() as guard:
-    while s < total:
-      state, out = learner.step(state, batch_at(meta['data_position']))
-      s += 1
-      meta.update(micro_step=s, data_position=meta['data_position'] + b)
-      if s % k == 0:
-        step = s // k
-        if step % cfg.log_every == 0 or step == cfg.num_steps:
-          metrics = jax.device_get(out)
-          metrics.pop('stepped', None)
-          ctx.writer.write('dpo', step, metrics)
-          progress.update(step, common.fmt_metrics(metrics, _LOG_KEYS), force=True)
-        every = ctx.cfg.checkpoint.every_steps
-        if every and step % every == 0 and step < cfg.num_steps:
-          ckpt.save(s, state, meta | {'summary': summary})
-          last_saved = s
-      if guard.should_stop:
-        if last_saved != s:
-          ckpt.save(s, state, meta | {'summary': summary})
-        ckpt.wait()
-        raise SystemExit(0)
+  def step_fn(state, meta):
+    state, out = learner.step(state, batch_at(meta['data_position']))
+    meta['data_position'] += b
+    return state, out, {}
+
+  state, _ = common.run_micro_steps(
+      ctx, 'dpo', ckpt, state, meta, num_steps=cfg.num_steps, k=cfg.grad_accum_steps,
+      log_every=cfg.log_every, step_fn=step_fn, log_keys=_LOG_KEYS)
   summary['eval/accuracy_after'] = evaluator.accuracy(state.params)
-  ctx.writer.write('dpo_eval', cfg.num_steps, {'accuracy': summary['eval/accuracy_after']})
-  print(f'[dpo] held-out accuracy after DPO: {summary["eval/accuracy_after"]:.3f}', flush=True)
-  meta.update(done=True, summary=summary)
-  ckpt.save(s, state, meta)
-  ckpt.wait()
+  common.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'], 'after DPO')
+  common.finish(ckpt, state, meta, summary)
   return state.params, summary

@@ -14,12 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga import checkpoint
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
@@ -49,7 +47,8 @@ class GRPOTrainer:
     self.engine = rollout_lib.RolloutEngine(
         ctx.graphdef, sched, cfg.sampling, cfg.loss, self.table, ctx.mesh, ctx.param_shardings,
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
-        mask_truncated_completions=cfg.advantage.mask_truncated_completions)
+        mask_truncated_completions=cfg.advantage.mask_truncated_completions,
+        defer_old_logps=cfg.advantage.order_by_advantage_sign)
     self.learner = learner_lib.Learner(
         ctx.graphdef,
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
@@ -58,8 +57,6 @@ class GRPOTrainer:
         align_diagnostic=cfg.align_diagnostic)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = sched.prompts_per_rollout
-    self._permute = jax.jit(_permute_rows, out_shardings=(self.engine._buffer_shardings,
-                                                          self.engine._buffer_shardings.has_old))
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def _fresh_state(self, params) -> dict[str, Any]:
@@ -90,86 +87,55 @@ class GRPOTrainer:
     ctx, cfg = self.ctx, self.cfg
     sched = cfg.schedule
     k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
-    total = cfg.num_steps * k
     ckpt = ctx.checkpointer('grpo')
-    state = self._fresh_state(params)
-    meta = {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
-    restored = ckpt.restore_latest(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
-    if restored is not None:
-      state, meta = restored
-      logging.info('grpo: resumed at micro-step %d', meta['micro_step'])
-    summary = dict(meta.get('summary', {}))
-    evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
+    state, meta = common.restore(ckpt, 'grpo', self._fresh_state(params))
     if meta['done']:
-      return state['learner'].params, summary
+      return state['learner'].params, meta['summary']
+    summary = meta['summary']  # saved with every checkpoint
+    evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
     if 'eval/accuracy_before' not in summary:
       summary['eval/accuracy_before'] = evaluator.accuracy(state['learner'].params)
-      ctx.writer.write('grpo_eval', 0, {'accuracy': summary['eval/accuracy_before']})
-      print(f'[grpo] held-out accuracy before GRPO: {summary["eval/accuracy_before"]:.3f}',
-            flush=True)
+      common.report_accuracy(ctx, 'grpo', 0, summary['eval/accuracy_before'], 'before GRPO')
 
-    progress = common.Progress('grpo', cfg.num_steps, start=meta['micro_step'] // k)
-    host_stats: dict[str, Any] = meta.get('host_stats', {})
+    def step_fn(state, meta):
+      s = meta['micro_step']
+      if s % e == 0:
+        state, meta['host_stats'] = self._new_rollout(state, meta)
+      mb = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
+      state['learner'], out = self.learner.step(state['learner'], mb)
+      host = dict(meta.get('host_stats', {}))
+      host['rollout/forward_passes_total'] = state['rollout'].forward_passes
+      return state, out, host
+
     t_start = time.time()
-    s = meta['micro_step']
-    last_saved = None
-    with checkpoint.PreemptionGuard() as guard:
-      while s < total:
-        if s % e == 0:
-          state, meta, host_stats = self._new_rollout(state, meta)
-        mb = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
-        state['learner'], out = self.learner.step(state['learner'], mb)
-        s += 1
-        meta['micro_step'] = s
-        if s % k == 0:
-          step = s // k
-          if step % cfg.log_every == 0 or step == cfg.num_steps:
-            metrics = jax.device_get(out) | host_stats
-            metrics['rollout/forward_passes_total'] = int(state['rollout'].forward_passes)
-            metrics.pop('stepped', None)
-            ctx.writer.write('grpo', step, metrics)
-            progress.update(step, common.fmt_metrics(metrics, _LOG_KEYS), force=True)
-            if not np.isfinite(metrics['loss']):
-              logging.warning('grpo: non-finite loss at step %d (window skipped)', step)
-          if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_steps:
-            acc = evaluator.accuracy(state['learner'].params)
-            ctx.writer.write('grpo_eval', step, {'accuracy': acc})
-          every = ctx.cfg.checkpoint.every_steps
-          if every and step % every == 0 and step < cfg.num_steps:
-            ckpt.save(s, state, meta | {'summary': summary, 'host_stats': host_stats})
-            last_saved = s
-        if guard.should_stop or s == stop_at_micro_step:
-          logging.warning('grpo: stopping; checkpointing micro-step %d', s)
-          if last_saved != s:
-            ckpt.save(s, state, meta | {'summary': summary, 'host_stats': host_stats})
-          ckpt.wait()
-          if guard.should_stop:
-            raise SystemExit(0)
-          return state['learner'].params, summary | {'stopped_at_micro_step': s}
-
+    state, stopped = common.run_micro_steps(
+        ctx, 'grpo', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
+        step_fn=step_fn, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
+        evaluate=lambda st: evaluator.accuracy(st['learner'].params),
+        stop_at_micro_step=stop_at_micro_step)
     params = state['learner'].params
+    if stopped:
+      return params, summary | {'stopped_at_micro_step': meta['micro_step']}
     summary['eval/accuracy_after'] = evaluator.accuracy(params)
-    ctx.writer.write('grpo_eval', cfg.num_steps, {'accuracy': summary['eval/accuracy_after']})
-    print(f'[grpo] held-out accuracy after GRPO: {summary["eval/accuracy_after"]:.3f}',
-          flush=True)
+    common.report_accuracy(ctx, 'grpo', cfg.num_steps, summary['eval/accuracy_after'],
+                           'after GRPO')
     rollouts = int(state['rollout'].counter)
     summary.update({
         'grpo/optimizer_steps': cfg.num_steps, 'grpo/rollouts': rollouts,
         'grpo/old_logprob_forward_passes': int(state['rollout'].forward_passes),
         'grpo/wall_time_s': time.time() - t_start,
+        'grpo/nonfinite_skipped': int(state['learner'].nonfinite_skipped),
         'schedule/counts_per_period': dict(self.table.counts),
         'schedule/period_rollouts': self.table.period_rollouts,
         'schedule/recompute_counts_this_run': _counts_for(self.table, rollouts),
-        'grpo/nonfinite_skipped': int(state['learner'].nonfinite_skipped),
     })
-    meta.update(done=True, summary=summary)
-    ckpt.save(s, state, meta)  # periodic saves skip the last step, so s is new
-    ckpt.wait()
+    common.finish(ckpt, state, meta, summary)
     return params, summary
 
   # -- one rollout: generation on device, rewards and advantages on the host ---------------------
   def _new_rollout(self, state, meta):
+    """Generates the next rollout into state['buffer'] and its advantages; advances the data
+    position. -> (state, host metrics of the rollout)."""
     ctx, cfg = self.ctx, self.cfg
     sched = cfg.schedule
     g = sched.num_generations
@@ -194,25 +160,15 @@ class GRPOTrainer:
     adv_dev = jax.device_put(adv.reshape(shape), self.engine._buffer_shardings.has_old)
     if cfg.advantage.order_by_advantage_sign:
       order = np.argsort(-adv, kind='stable')  # positive first, negative last
-      buffer, adv_dev = self._permute(buffer, adv_dev, jnp.asarray(order))
+      buffer, state['rollout'], adv_dev = self.engine.reorder(
+          state['learner'].params, buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
     state['buffer'], state['advantages'] = buffer, adv_dev
     correct = np.array([ctx.task.is_correct(ex, t) for ex, t in zip(rows, texts)], np.float32)
     host_stats = {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
                   'reward/accuracy': float(correct.mean()),
                   **{f'reward/{k}': float(v.mean()) for k, v in per_fn.items()},
                   **{k: float(np.asarray(v)) for k, v in jax.device_get(rmetrics).items()}}
-    return state, meta, host_stats
-
-
-def _permute_rows(buffer, advantages, order):
-  """Reorders the S*B rows of a rollout (slice-major) by ``order``."""
-  s, b = advantages.shape
-
-  def perm(x):
-    flat = x.reshape(s * b, *x.shape[2:])
-    return flat[order].reshape(x.shape)
-
-  return jax.tree.map(perm, buffer), perm(advantages)
+    return state, host_stats
 
 
 def _counts_for(table, rollouts: int) -> dict[str, int]:
