@@ -419,6 +419,9 @@ class SFTConfig:
     max_length: tokens per sequence (prompt + completion + eos), padded or rejected.
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
+    target_accuracy: stop early once greedy accuracy on a probe set of training problems
+      (never the held-out set) reaches this, checked every ``probe_every`` steps; 0 disables.
+      Leaves a warm start "in the middle" whatever the seed.
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -426,12 +429,18 @@ class SFTConfig:
   max_length: int = 16
   log_every: int = 20
   eval_every: int = 0
+  target_accuracy: float = 0.0
+  probe_every: int = 25
+  probe_examples: int = 200
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, max_grad_norm=1.0)
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
                   'log_every', prefix='sft.')
     _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
+    _require(0.0 <= self.target_accuracy <= 1.0,
+             f'sft.target_accuracy must be in [0, 1] (0 disables), got {self.target_accuracy}.')
+    _positive_int(self, 'probe_every', 'probe_examples', prefix='sft.')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,13 @@ unchanged and ``total_notfinite`` counts them. Metrics are accumulated in the st
 (sums and weights, mins, maxes) and finalized into exact window means when a step fires.
 
 ``optax.MultiSteps`` runs its inner optimizer at every micro-step and discards the result unless it
-is the last; with ``lazy_inner=True`` (default) a ``lax.cond`` runs it only when an optimizer step
-fires, keeping MultiSteps' state and semantics (see benchmarks/multisteps_overhead.py).
+is the last; with ``lazy_inner=True`` (default) a ``lax.cond`` runs it, and the param update, only
+when an optimizer step fires, keeping MultiSteps' state and semantics bit for bit (measured in
+benchmarks/multisteps_overhead.py).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -152,38 +152,47 @@ def make_optimizer(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.MultiSt
                           accumulator_dtype=jnp.float32)
 
 
-def _multisteps_update(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState,
-                       params, *, lazy: bool, **extra):
-  """MultiSteps.update, with two mends that keep its state and semantics.
+def _multisteps_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
+                      *, lazy: bool, **extra):
+  """One micro-step of MultiSteps, updates applied: -> (params, state). Two mends of
+  MultiSteps.update that keep its state and semantics:
 
   * lazy: the inner optimizer runs only when this micro-step fires a step (MultiSteps runs it at
-    every micro-step and discards the result).
+    every micro-step and discards the result); see _lazy_apply.
   * MultiSteps clears its accumulator by multiplying it by 0, which leaves a NaN in place; a
     skipped non-finite window would then poison every later window. Clear it with a select.
   """
+  if lazy and k > 1:
+    return _lazy_apply(ms, k, grads, state, params, **extra)
   emit = state.mini_step == k - 1
-  if lazy:
-    updates, new_state = _lazy_update(ms, k, grads, state, params, **extra)
-  else:
-    updates, new_state = ms.update(grads, state, params, **extra)
+  updates, new_state = ms.update(grads, state, params, **extra)
   acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), new_state.acc_grads)
-  return updates, new_state._replace(acc_grads=acc)
+  return optax.apply_updates(params, updates), new_state._replace(acc_grads=acc)
 
 
-def _lazy_update(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
-                 **extra):
-  if k == 1:
-    return ms.update(grads, state, params, **extra)
+def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
+                **extra):
+  """MultiSteps.update, the inner optimizer and the param update, only on a firing micro-step.
 
-  def accumulate_only(grads, state, params):
-    del params
-    acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
-    zeros = jax.tree.map(jnp.zeros_like, grads)
-    return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=acc)
+  The gradient is added to the accumulator outside the cond, in the donated buffer and fused
+  with the gradient computation (an accumulator passed into the cond while still live outside
+  it is copied at every micro-step). On a non-final micro-step the cond keeps the sum, as
+  MultiSteps does; on the final one it hands the sum to MultiSteps.update over a zero
+  accumulator (sum + 0 is exact), which runs the inner optimizer and advances the counters, and
+  applies the updates there, so non-final micro-steps write no zero updates.
+  """
+  acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
+  rest = state._replace(acc_grads=None)
 
-  return jax.lax.cond(state.mini_step == k - 1,
-                      functools.partial(ms.update, **extra), accumulate_only, grads, state,
-                      params)
+  def fire(acc, rest, params):
+    zeros = jax.tree.map(jnp.zeros_like, acc)
+    updates, new_state = ms.update(acc, rest._replace(acc_grads=zeros), params, **extra)
+    return optax.apply_updates(params, updates), new_state._replace(acc_grads=zeros)
+
+  def accumulate(acc, rest, params):
+    return params, rest._replace(mini_step=rest.mini_step + 1, acc_grads=acc)
+
+  return jax.lax.cond(state.mini_step == k - 1, fire, accumulate, acc, rest, params)
 
 
 # -- state and step -----------------------------------------------------------------------------
@@ -282,9 +291,8 @@ class Learner:
     window = losses.combine(state.window, terms)
     emit = state.opt_state.mini_step == self.k - 1
     extra = {'denominator': window.denominator}
-    updates, opt_state = _multisteps_update(self.optimizer, self.k, grads, state.opt_state,
-                                            state.params, lazy=self.lazy_inner, **extra)
-    params = optax.apply_updates(state.params, updates)
+    params, opt_state = _multisteps_apply(self.optimizer, self.k, grads, state.opt_state,
+                                          state.params, lazy=self.lazy_inner, **extra)
 
     loss, out = losses.finalize(window)
     out['loss'] = loss

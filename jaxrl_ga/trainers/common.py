@@ -176,11 +176,14 @@ def fmt_metrics(m: dict[str, Any], keys: Sequence[str]) -> str:
 class Evaluator:
   """Greedy held-out exact-match accuracy; one compile for the run (fixed batch shape)."""
 
-  def __init__(self, ctx: RunContext, max_prompt_length: int):
+  def __init__(self, ctx: RunContext, max_prompt_length: int, examples=None):
+    """examples: default the task's held-out set (eval.num_examples of it)."""
     self.ctx = ctx
     ecfg = ctx.cfg.eval
-    examples = ctx.task.eval_examples()
-    self.examples = examples[:ecfg.num_examples] if ecfg.num_examples else examples
+    if examples is None:
+      examples = ctx.task.eval_examples()
+      examples = examples[:ecfg.num_examples] if ecfg.num_examples else examples
+    self.examples = list(examples)
     self.max_prompt_length = max_prompt_length
     sampler = sampling.Sampler(max_completion_length=ecfg.max_completion_length,
                                eos_id=ctx.eos_id, pad_id=ctx.pad_id)
@@ -244,14 +247,16 @@ def report_accuracy(ctx: RunContext, stage: str, step: int, accuracy: float, whe
 
 def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, Any], *,
                     num_steps: int, k: int, log_every: int, step_fn, log_keys: Sequence[str],
-                    eval_every: int = 0, evaluate=None, stop_at_micro_step: Optional[int] = None
-                    ) -> tuple[Any, bool]:
+                    eval_every: int = 0, evaluate=None, stop_at_micro_step: Optional[int] = None,
+                    done_early=None) -> tuple[Any, bool]:
   """The loop every stage shares: micro-steps until ``num_steps`` optimizer steps, logging,
   periodic evaluation and checkpoints, and a clean stop on SIGTERM.
 
   step_fn(state, meta) -> (state, device outputs of the learner step, host metrics) runs one
   micro-step and advances meta['data_position'] itself. Returns (state, stopped_early): a stop
   requested by ``stop_at_micro_step`` checkpoints and returns; SIGTERM checkpoints and exits 0.
+  ``done_early(step, state) -> bool``, asked after every optimizer step, ends the stage early
+  (a normal finish, e.g. SFT reaching its target accuracy).
   """
   total = num_steps * k
   progress = Progress(stage, num_steps, start=meta['micro_step'] // k)
@@ -274,6 +279,8 @@ def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, An
                             step)
         if eval_every and step % eval_every == 0 and step < num_steps:
           report_accuracy(ctx, stage, step, evaluate(state), f'at step {step}')
+        if done_early is not None and done_early(step, state):
+          break  # the caller's finish() writes the last checkpoint
         if every and step % every == 0 and step < num_steps:
           ckpt.save(s, state, meta)
           last_saved = s
@@ -291,5 +298,5 @@ def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, An
 def finish(ckpt, state, meta: dict[str, Any], summary: dict[str, Any]) -> None:
   """The stage's last checkpoint, marked done with its summary (a re-run skips the stage)."""
   meta.update(done=True, summary=summary)
-  ckpt.save(meta['micro_step'], state, meta)  # periodic saves skip the last step: a new step
+  ckpt.save(meta['micro_step'], state, meta)  # periodic saves skip the stage's last step
   ckpt.wait()

@@ -55,11 +55,30 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
     return state, out, {}
 
   evaluator = common.Evaluator(ctx, max_prompt_length=cfg.max_length)
+  done_early = None
+  if cfg.target_accuracy:
+    # Training problems from a stream the run never trains on (seed + 7919).
+    probe = common.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
+        ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)])
+
+    def done_early(step, st):
+      if step % cfg.probe_every:
+        return False
+      acc = probe.accuracy(st.params)
+      ctx.writer.write('sft_probe', step, {'accuracy': acc})
+      if acc >= cfg.target_accuracy:
+        print(f'[sft] step {step}: probe accuracy {acc:.3f} >= sft.target_accuracy='
+              f'{cfg.target_accuracy}; warm start done', flush=True)
+        return True
+      return False
+
   state, _ = common.run_micro_steps(
       ctx, 'sft', ckpt, state, meta, num_steps=cfg.num_steps, k=cfg.grad_accum_steps,
       log_every=cfg.log_every, step_fn=step_fn, log_keys=('loss', 'grad_norm'),
-      eval_every=cfg.eval_every, evaluate=lambda st: evaluator.accuracy(st.params))
-  summary = {'eval/accuracy_after_sft': evaluator.accuracy(state.params)}
+      eval_every=cfg.eval_every, evaluate=lambda st: evaluator.accuracy(st.params),
+      done_early=done_early)
+  summary = {'eval/accuracy_after_sft': evaluator.accuracy(state.params),
+             'sft/optimizer_steps': meta['micro_step'] // cfg.grad_accum_steps}
   common.report_accuracy(ctx, 'sft', cfg.num_steps, summary['eval/accuracy_after_sft'],
                          'after SFT')
   common.finish(ckpt, state, meta, summary)
