@@ -200,17 +200,21 @@ class DPOLossConfig:
     label_smoothing: assumed label-noise rate for 'robust' (and conservative 'sigmoid').
     aggregation: 'pair' (mean over pairs, default) or 'token' (each pair weighted by its
       chosen+rejected token count, open-instruct's weighting).
+    rpo_alpha: weight of the chosen completion's per-token NLL added to each pair's loss (RPO,
+      TRL's rpo_alpha); counters DPO lowering the chosen likelihood too. 0 disables.
   """
   loss_type: str = 'sigmoid'
   beta: float = 0.1
   label_smoothing: float = 0.0
   aggregation: str = 'pair'
+  rpo_alpha: float = 0.0
 
   def __post_init__(self):
     p = 'dpo.'
     _one_of(self, 'loss_type', DPO_LOSS_TYPES, p)
     _one_of(self, 'aggregation', DPO_AGGREGATIONS, p)
     _require(self.beta > 0, f'{p}beta must be > 0, got {self.beta}.')
+    _require(self.rpo_alpha >= 0, f'{p}rpo_alpha must be >= 0 (0 disables), got {self.rpo_alpha}.')
     _require(0 <= self.label_smoothing < 0.5,
              f'{p}label_smoothing must be in [0, 0.5), got {self.label_smoothing}.')
 

@@ -398,6 +398,9 @@ def dpo_loss(chosen_logps: Array,
     cfg: the loss configuration.
 
   Returns:
+    With cfg.rpo_alpha > 0 each pair's loss adds rpo_alpha times the chosen completion's
+    per-token NLL (-chosen_logps / chosen_tokens), as TRL's rpo_alpha.
+
     LossTerms with mean_metrics 'loss', 'rewards/chosen' (beta * (pi_c - ref_c)),
     'rewards/rejected', 'rewards/margins', 'logps/chosen', 'logps/rejected' weighted by w, and
     'rewards/accuracies', the mean over (non-padding) pairs of 1[chosen reward > rejected
@@ -419,6 +422,9 @@ def dpo_loss(chosen_logps: Array,
   # Policy-minus-reference first: those differences are small and exact in float32, whereas
   # pc - pr (sums over hundreds of tokens) would cancel badly.
   losses = dpo_pair_losses((pc - rc) - (pr - rr), cfg)  # [P]
+  chosen_nll = -pc / jnp.maximum(_f32(chosen_tokens), 1.0)  # [P] per-token NLL of the chosen
+  if cfg.rpo_alpha:
+    losses = losses + cfg.rpo_alpha * chosen_nll  # RPO: keeps the chosen likelihood up
   pair_weight = valid.astype(jnp.float32)  # [P]
   if cfg.aggregation == 'pair':
     weight = pair_weight
@@ -448,6 +454,7 @@ def dpo_loss(chosen_logps: Array,
           'rewards/accuracies': (jnp.sum(pair_weight * correct), jnp.sum(pair_weight)),
           'logps/chosen': weighted(pc),
           'logps/rejected': weighted(pr),
+          'nll/chosen': weighted(chosen_nll),
       },
       min_metrics={},
       max_metrics={},

@@ -591,3 +591,16 @@ def test_dpo_accuracy_is_mean_over_pairs_not_comparison_of_means(aggregation):
   np.testing.assert_allclose(metrics['rewards/accuracies'], 1 / 3, rtol=1e-6)
   if aggregation == 'pair':
     assert metrics['rewards/chosen'] > metrics['rewards/rejected']
+
+
+def test_dpo_rpo_alpha_adds_the_chosen_token_nll():
+  """RPO: each pair's loss gains rpo_alpha * (-chosen_logps / chosen_tokens)."""
+  rng = np.random.default_rng(7)
+  pc, pr = rng.normal(-12, 3, 5), rng.normal(-14, 3, 5)
+  rc, rr = pc + rng.normal(0, 1, 5), pr + rng.normal(0, 1, 5)
+  nc, nr = rng.integers(1, 9, 5).astype(float), rng.integers(1, 9, 5).astype(float)
+  cfg = DPOLossConfig(beta=0.2, rpo_alpha=0.5)
+  terms = losses.dpo_loss(*(jnp.asarray(x, jnp.float32) for x in (pc, pr, rc, rr, nc, nr)), cfg)
+  h = (pc - rc) - (pr - rr)
+  want = np.mean(np.log1p(np.exp(-0.2 * h)) + 0.5 * (-pc / nc))
+  np.testing.assert_allclose(float(terms.numerator / terms.denominator), want, rtol=1e-5)
