@@ -138,30 +138,20 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
   return max(grad_errs), max(param_errs)
 
 
-@pytest.mark.parametrize('aggregation,ksm', [
-    ('token', (3, 2, 1)),     # a window spans two rollouts
-    ('token', (4, 3, 1)),     # seed 000's configuration
-    ('token', (2, 2, 2)),     # aligned, two iterations: every slice on-policy
-    ('token', (3, 1, 2)),
-    ('sequence', (3, 2, 1)),
-    ('constant', (4, 3, 1)),
+@pytest.mark.parametrize('aggregation,ksm,mesh', [
+    ('token', (3, 2, 1), (1, 1, 1)),     # a window spans two rollouts
+    ('token', (3, 2, 1), (2, 2, 2)),     # ... sharded over 8 devices
+    ('sequence', (3, 2, 1), (2, 2, 2)),
+    ('constant', (4, 3, 1), (2, 2, 2)),  # seed 000's configuration
+    ('sequence', (2, 2, 2), (1, 1, 1)),  # aligned, two iterations: every slice on-policy
+    ('constant', (3, 1, 2), (1, 1, 1)),  # two iterations, off-policy second passes
 ])
-def test_grpo_accumulation_is_exact(aggregation, ksm, compile_log):
+def test_grpo_accumulation_is_exact(aggregation, ksm, mesh, compile_log):
   k, s, mu = ksm
   sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=s,
                          num_iterations=mu, grad_accum_steps=k)
-  grad_err, param_err = _run_grpo(sched, GRPOLossConfig(aggregation=aggregation), (1, 1, 1),
-                                  n_opt_steps=3)
-  assert compile_log.count('_micro_step') == 1  # one compile over the whole run
-  assert grad_err <= 1e-5
-  assert param_err <= 1e-5
-
-
-@pytest.mark.parametrize('aggregation', ['token', 'sequence'])
-def test_grpo_accumulation_is_exact_on_8_device_mesh(aggregation):
-  sched = ScheduleConfig(micro_batch_size=8, num_generations=4, steps_per_generation=2,
-                         num_iterations=1, grad_accum_steps=3)
-  grad_err, param_err = _run_grpo(sched, GRPOLossConfig(aggregation=aggregation), (2, 2, 2),
+  grad_err, param_err = _run_grpo(sched, GRPOLossConfig(aggregation=aggregation), mesh,
                                   n_opt_steps=2)
+  assert compile_log.count('_micro_step') == 1  # one compile over the whole run
   assert grad_err <= 1e-5
   assert param_err <= 1e-5

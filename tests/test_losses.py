@@ -504,6 +504,7 @@ def ref_dpo_window(d, cfg, pc=None, pr=None):
         'loss': ref_dpo_pair(pc[i], pr[i], d['rc'][i], d['rr'][i], cfg),
         'rewards/chosen': chosen, 'rewards/rejected': rejected,
         'rewards/margins': chosen - rejected, 'logps/chosen': pc[i], 'logps/rejected': pr[i],
+        'nll/chosen': -pc[i] / max(float(d['nc'][i]), 1.0),
     }
     for k, v in values.items():
       sums[k] = sums.get(k, 0.0) + w * float(v)
