@@ -1,8 +1,8 @@
 """Typed, validated configuration.
 
-Library code takes these frozen dataclasses, never an ``ml_collections.ConfigDict``: the CLI converts
-with :func:`from_mapping`, which rejects unknown keys, and every dataclass validates itself in
-``__post_init__`` so a bad value fails before anything is compiled.
+Library code takes these frozen dataclasses, never an ``ml_collections.ConfigDict``: the CLI
+converts with :func:`from_mapping`, which rejects unknown keys, and every dataclass validates
+itself in ``__post_init__`` so a bad value fails before anything is compiled.
 
 Every error is a :class:`ConfigError` whose message names the offending setting(s), the value,
 and a concrete fix.

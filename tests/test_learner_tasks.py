@@ -101,11 +101,12 @@ def test_sft_accumulation_is_exact(k, mesh):
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)
 
 
-@pytest.mark.parametrize('aggregation', ['pair', 'token'])
-def test_dpo_accumulation_is_exact(aggregation):
+@pytest.mark.parametrize('aggregation,mesh', [('pair', (1, 1, 1)), ('pair', (2, 2, 2)),
+                                              ('token', (1, 1, 1)), ('token', (2, 2, 2))])
+def test_dpo_accumulation_is_exact(aggregation, mesh):
   cfg = DPOLossConfig(aggregation=aggregation)
   errs, outs, _, _ = _run(learner_lib.dpo_task_loss(cfg), _ref_dpo(cfg),
-                          lambda rng, s: _dpo_batch(rng, 4), 3, mesh_shape=(2, 2, 2))
+                          lambda rng, s: _dpo_batch(rng, 4), 3, mesh_shape=mesh)
   assert max(errs) <= 1e-5
   for o in outs:
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)

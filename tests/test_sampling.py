@@ -373,6 +373,18 @@ def test_greedy_equals_full_forward_argmax_hf(name):
   mask = np.asarray(out.mask) == 1
   want = np.take_along_axis(_log_softmax(logits), np.asarray(out.tokens)[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(out.logps)[mask], want[mask], atol=1e-4, rtol=0)
+  # The same weights loaded straight onto an 8-device mesh give the same greedy tokens.
+  mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
+  _, _, mesh_params = hf.load_model(
+      path, shardings_fn=functools.partial(sharding.param_shardings, mesh=mesh))
+  mesh_fn = sampling.make_generate_fn(
+      graphdef, sampling.Sampler(L, eos_id=eos, pad_id=PAD), greedy=True, mesh=mesh,
+      param_shardings=jax.tree.map(lambda x: x.sharding, mesh_params))
+  rows = sharding.batch_sharding(mesh)
+  mesh_out = mesh_fn(mesh_params, jax.device_put(prompt_tokens, rows),
+                     jax.device_put(prompt_mask, rows), jax.random.key(0), 1.0, 1.0)
+  np.testing.assert_array_equal(np.asarray(mesh_out.tokens), np.asarray(out.tokens))
+  np.testing.assert_array_equal(np.asarray(mesh_out.mask), np.asarray(out.mask))
 
 
 # -- validation ----------------------------------------------------------------------------------

@@ -55,6 +55,22 @@ def test_each_config_runs_end_to_end(name, tmp_path):
     # The run paid exactly the slice rule's forward passes.
     assert (summary['grpo/old_logprob_forward_passes'] ==
             summary['schedule/recompute_counts_this_run']['slice_rule'])
+    # Export the trained policy; our loader reads back the checkpoint's params exactly, and the
+    # directory holds what transformers reads (config.json with the architecture, tokenizer).
+    from jaxrl_ga import checkpoint, export  # pylint: disable=g-import-not-at-top
+    from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+    out = tmp_path / 'hf'
+    export.export_checkpoint(str(tmp_path / 'checkpoints' / 'grpo'), str(out))
+    stored, _, fingerprint = checkpoint.Checkpointer(
+        str(tmp_path / 'checkpoints' / 'grpo')).restore_raw(
+            checkpoint.latest_step(str(tmp_path / 'checkpoints' / 'grpo')))
+    cfg = hf.model_config_from_hf(str(out))
+    assert cfg.hidden_size == fingerprint['model']['hidden_size']
+    reloaded = hf.load_params(str(out), cfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 reloaded, stored['learner']['params'])
+    assert json.load(open(out / 'config.json'))['architectures'] == ['Qwen2ForCausalLM']
+    assert (out / 'tokenizer.json').exists()
 
 
 def test_grpo_resume_is_bitwise_exact(tmp_path):

@@ -61,8 +61,9 @@ def _import_datasets():
     import datasets  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise ImportError('loading GSM8K from the Hugging Face hub needs the `datasets` package: '
-                      '`pip install datasets` (or the extra: `pip install -e .[data]`). Or pass a local .jsonl file with "question" and '
-                      '"answer" fields, which needs nothing extra.') from e
+                      '`pip install datasets` (or the extra: `pip install -e .[data]`). Or pass '
+                      'a local .jsonl file with "question" and "answer" fields, which needs '
+                      'nothing extra.') from e
   return datasets
 
 
