@@ -24,7 +24,8 @@ setuptools.setup(
         'tensorboardX',  # TensorBoard event files without TensorFlow
     ],
     extras_require={
-        'test': ['pytest', 'hypothesis', 'chex'],
+        'test': ['pytest', 'hypothesis', 'chex', 'matplotlib'],
+        'plot': ['matplotlib'],  # python -m jaxrl_ga.plot
         'data': ['datasets'],  # GSM8K from the hub (local JSONL files load without it)
         'tpu': ['jax[tpu]>=0.10.2'],
         'cuda': ['jax[cuda12]>=0.10.2'],

@@ -17,14 +17,18 @@ import sys
 from absl import app
 from absl import flags
 
-_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A stage checkpoint directory or a step '
-                                  'directory inside one.')
-_OUT = flags.DEFINE_string('out', None, 'Output directory for the HF model.')
-_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'Tokenizer directory or hub id (default: '
-                                 'WORKDIR/tokenizer next to the checkpoints).')
-_DTYPE = flags.DEFINE_enum('weights_dtype', None, ['float32', 'bfloat16'],
-                           'dtype of the written tensors (default: the params dtype).')
-flags.mark_flags_as_required(['checkpoint', 'out'])
+
+
+def _define_flags():
+  """CLI flags, defined only when run as a program (importing the module defines none)."""
+  flags.DEFINE_string('checkpoint', None, 'A stage checkpoint directory or a step directory '
+                      'inside one.')
+  flags.DEFINE_string('out', None, 'Output directory for the HF model.')
+  flags.DEFINE_string('tokenizer', None, 'Tokenizer directory or hub id (default: '
+                      'WORKDIR/tokenizer next to the checkpoints).')
+  flags.DEFINE_enum('weights_dtype', None, ['float32', 'bfloat16'],
+                    'dtype of the written tensors (default: the params dtype).')
+  flags.mark_flags_as_required(['checkpoint', 'out'])
 
 
 def model_config_from_dict(d: dict):
@@ -69,13 +73,15 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  f = flags.FLAGS
   try:
-    src = export_checkpoint(_CHECKPOINT.value, _OUT.value, _TOKENIZER.value, _DTYPE.value)
+    src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype)
   except (FileNotFoundError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
-  print(f'exported {src} to {_OUT.value}')
+  print(f'exported {src} to {f.out}')
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)

@@ -71,6 +71,13 @@ def test_each_config_runs_end_to_end(name, tmp_path):
                  reloaded, stored['learner']['params'])
     assert json.load(open(out / 'config.json'))['architectures'] == ['Qwen2ForCausalLM']
     assert (out / 'tokenizer.json').exists()
+    # The plot command draws the run's curves.
+    from jaxrl_ga import plot  # pylint: disable=g-import-not-at-top
+    pngs = plot.plot_run(str(tmp_path))
+    assert {os.path.basename(p) for p in pngs} >= {'sft.png', 'grpo.png', 'accuracy.png'}
+    for p in pngs:
+      data = open(p, 'rb').read()
+      assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
 
 
 def test_grpo_resume_is_bitwise_exact(tmp_path):

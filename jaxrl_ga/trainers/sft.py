@@ -79,7 +79,7 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
       done_early=done_early)
   summary = {'eval/accuracy_after_sft': evaluator.accuracy(state.params),
              'sft/optimizer_steps': meta['micro_step'] // cfg.grad_accum_steps}
-  common.report_accuracy(ctx, 'sft', cfg.num_steps, summary['eval/accuracy_after_sft'],
-                         'after SFT')
+  common.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
+                         summary['eval/accuracy_after_sft'], 'after SFT')
   common.finish(ckpt, state, meta, summary)
   return state.params, summary
