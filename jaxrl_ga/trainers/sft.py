@@ -55,13 +55,13 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
     return state, out, {}
 
   evaluator = common.Evaluator(ctx, max_prompt_length=cfg.max_length)
-  done_early = None
+  stop_at_target = None
   if cfg.target_accuracy:
     # Training problems from a stream the run never trains on (seed + 7919).
     probe = common.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
         ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)])
 
-    def done_early(step, st):
+    def stop_at_target(step, st):
       if step % cfg.probe_every:
         return False
       acc = probe.accuracy(st.params)
@@ -76,7 +76,7 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
       ctx, 'sft', ckpt, state, meta, num_steps=cfg.num_steps, k=cfg.grad_accum_steps,
       log_every=cfg.log_every, step_fn=step_fn, log_keys=('loss', 'grad_norm'),
       eval_every=cfg.eval_every, evaluate=lambda st: evaluator.accuracy(st.params),
-      done_early=done_early)
+      done_early=stop_at_target)
   summary = {'eval/accuracy_after_sft': evaluator.accuracy(state.params),
              'sft/optimizer_steps': meta['micro_step'] // cfg.grad_accum_steps}
   common.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
