@@ -114,6 +114,16 @@ class RolloutEngine:
     return self._reorder_fn(params, buffer, state, advantages, order)
 
   @property
+  def buffer_shardings(self) -> RolloutBuffer:
+    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes)."""
+    return self._buffer_shardings
+
+  @property
+  def advantage_sharding(self):
+    """The sharding of a rollout's [S, B] advantages (as the buffer's per-row arrays)."""
+    return self._buffer_shardings.has_old
+
+  @property
   def step_fn(self):
     return self._step
 

@@ -53,7 +53,7 @@ def _run(source, mesh_shape=(1, 1, 1), n_rollouts=6, beta=0.0):
     np.testing.assert_array_equal(np.asarray(buffer.prompt_tokens).reshape(-1, TP),
                                   np.repeat(prompts[0], sched.num_generations, axis=0))
     adv = jax.device_put(rng.normal(size=(s_, sched.micro_batch_size)).astype(np.float32),
-                         engine._buffer_shardings.has_old)
+                         engine.advantage_sharding)
     for i in range(e):
       s = r * e + i
       mb = engine.micro_batch(buffer, s % s_, adv)

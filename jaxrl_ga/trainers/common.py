@@ -189,7 +189,7 @@ class Evaluator:
                                eos_id=ctx.eos_id, pad_id=ctx.pad_id)
     self._generate = sampling.make_generate_fn(ctx.graphdef, sampler, greedy=True, mesh=ctx.mesh,
                                                param_shardings=ctx.param_shardings)
-    self.batch_size = _round_up(ecfg.batch_size, sharding.data_parallel_size(ctx.mesh))
+    self.batch_size = round_up(ecfg.batch_size, sharding.data_parallel_size(ctx.mesh))
 
   def accuracy(self, params) -> float:
     ctx = self.ctx
@@ -219,7 +219,7 @@ def decode_completions(tokenizer, tokens, mask) -> list[str]:
   return out
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 

@@ -87,7 +87,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
   # Reference log-probs, once, with the policy at the start of the stage.
   ref_fn = jax.jit(lambda p, t, a, l: learner_lib.sequence_logps(tfm.merge(ctx.graphdef, p), t,
                                                                  a, l)[0])
-  bs = common._round_up(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh))
+  bs = common.round_up(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh))
   n = len(chosen)
   for side in ('chosen', 'rejected'):
     vals = []

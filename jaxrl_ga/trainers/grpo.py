@@ -68,8 +68,8 @@ class GRPOTrainer:
     prompt_shape = jax.ShapeDtypeStruct((n_prompts, tp), jnp.int32)
     buf_shape, _, _ = jax.eval_shape(self.engine._rollout, params, ref, rstate, prompt_shape,
                                      prompt_shape)
-    buffer = _abstract(buf_shape, self.engine._buffer_shardings)
-    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=self.engine._buffer_shardings.has_old)
+    buffer = _abstract(buf_shape, self.engine.buffer_shardings)
+    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=self.engine.advantage_sharding)
     example = jax.eval_shape(self.engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)
     lstate = self.learner.init(params, example)
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
@@ -157,7 +157,7 @@ class GRPOTrainer:
                                                 task_base.reward_fields(examples, g))
     adv = rewards_lib.group_advantages(total, g, cfg.advantage.scale_rewards)
     shape = (sched.steps_per_generation, sched.micro_batch_size)
-    adv_dev = jax.device_put(adv.reshape(shape), self.engine._buffer_shardings.has_old)
+    adv_dev = jax.device_put(adv.reshape(shape), self.engine.advantage_sharding)
     if cfg.advantage.order_by_advantage_sign:
       order = np.argsort(-adv, kind='stable')  # positive first, negative last
       buffer, state['rollout'], adv_dev = self.engine.reorder(
