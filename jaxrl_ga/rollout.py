@@ -93,9 +93,10 @@ class RolloutEngine:
                        self._buffer_shardings.has_old))
 
   def init_state(self, seed: int) -> RolloutState:
-    return jax.device_put(
-        RolloutState(counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
-                     rng=jax.random.key(seed)), self._state_shardings)
+    # Built by a jitted function: on several processes each places only its own shards.
+    return jax.jit(lambda: RolloutState(
+        counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
+        rng=jax.random.key(seed)), out_shardings=self._state_shardings)()
 
   def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
     """prompts: [S*B/G, Tp] left-padded. -> (buffer, state, metrics)."""

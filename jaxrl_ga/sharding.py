@@ -16,6 +16,7 @@ from absl import logging
 from flax import nnx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
 from jaxrl_ga.config import ConfigError, MeshConfig
 from jaxrl_ga.models import transformer as tfm
@@ -62,7 +63,6 @@ def _device_grid(devices, sizes):
     from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
     return mesh_utils.create_device_mesh(sizes, devices=devices)
   except (ValueError, NotImplementedError, AssertionError):
-    import numpy as np  # pylint: disable=g-import-not-at-top
     return np.asarray(devices).reshape(sizes)
 
 
@@ -136,15 +136,16 @@ def init_params(cfg: tfm.ModelConfig, seed: int, mesh: Mesh,
   return graphdef, params, shardings
 
 
+def put(x, sh: NamedSharding) -> jax.Array:
+  """A host array (the same on every process) -> a global jax.Array on ``sh``. On several
+  processes each one places only the shards its own devices hold."""
+  if jax.process_count() == 1:
+    return jax.device_put(x, sh)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+
 def shard_batch(tree: Any, mesh: Mesh) -> Any:
   """Host numpy arrays (the global batch, identical on every process) -> global jax.Arrays
-  whose leading axis is sharded over the data-parallel axes.
-
-  On several processes each one contributes only the rows its devices hold.
-  """
-  def put(x):
-    sh = batch_sharding(mesh, max(1, getattr(x, 'ndim', 0)))
-    if jax.process_count() == 1:
-      return jax.device_put(x, sh)
-    return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
-  return jax.tree.map(put, tree)
+  whose leading axis is sharded over the data-parallel axes."""
+  return jax.tree.map(lambda x: put(x, batch_sharding(mesh, max(1, np.ndim(x)))), tree)

@@ -45,6 +45,7 @@ import safetensors
 import safetensors.numpy
 import transformers
 
+from jaxrl_ga import sharding as shd
 from jaxrl_ga.models import transformer
 
 # HF architecture -> our ``ModelConfig.architecture``.
@@ -294,7 +295,7 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
                          f'fit the config, which wants {spec.shape}.')
       host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
       sharding = flat_shardings.get(path)
-      out[path] = jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
+      out[path] = shd.put(host, sharding) if sharding is not None else jax.device_put(host)
       del host, layers
   return _unflatten(out)
 

@@ -208,9 +208,18 @@ class Evaluator:
     return correct / max(len(self.examples), 1)
 
 
+def to_host(x) -> np.ndarray:
+  """The whole (global) array on this host. On several processes a batch-sharded array is not
+  fully addressable: its rows are gathered from every process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
 def decode_completions(tokenizer, tokens, mask) -> list[str]:
   """Completion texts, without EOS and padding."""
-  tokens, mask = np.asarray(jax.device_get(tokens)), np.asarray(jax.device_get(mask))
+  tokens, mask = to_host(tokens), to_host(mask)
   eos = tokenizer.eos_token_id
   out = []
   for row, m in zip(tokens, mask):

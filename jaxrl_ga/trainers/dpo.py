@@ -60,7 +60,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
     out = generate(params, *sharding.shard_batch((tokens, mask), ctx.mesh),
                    jax.random.PRNGKey(seed * 1000 + start), cfg.sampling.temperature,
                    cfg.sampling.top_p)
-    c_tok, c_mask = np.asarray(jax.device_get(out.tokens)), np.asarray(jax.device_get(out.mask))
+    c_tok, c_mask = common.to_host(out.tokens), common.to_host(out.mask)
     texts = common.decode_completions(ctx.tokenizer, c_tok, c_mask)
     for j, ex in enumerate(chunk[:len(examples[start:start + _GEN_PROMPTS])]):
       good = bad = None
@@ -94,7 +94,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
     for start in range(0, n, bs):
       idx = np.arange(start, start + bs) % n
       args = [pairs[f'{side}_{k}'][idx] for k in ('tokens', 'attention_mask', 'loss_mask')]
-      vals.append(np.asarray(ref_fn(params, *sharding.shard_batch(args, ctx.mesh))))
+      vals.append(common.to_host(ref_fn(params, *sharding.shard_batch(args, ctx.mesh))))
     pairs[f'ref_{side}_logps'] = np.concatenate(vals)[:n].astype(np.float32)
   return pairs
 

@@ -73,7 +73,7 @@ class GRPOTrainer:
     example = jax.eval_shape(self.engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)
     lstate = self.learner.init(params, example)
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
-    zeros = lambda a: jax.device_put(jnp.zeros(a.shape, a.dtype), a.sharding)
+    zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
     return {'learner': lstate, 'rollout': rstate, 'buffer': jax.tree.map(zeros, buffer),
             'advantages': zeros(adv), 'ref_params': ref}
 
@@ -149,7 +149,7 @@ class GRPOTrainer:
     buffer, state['rollout'], rmetrics = self.engine.rollout(
         state['learner'].params, state['ref_params'], state['rollout'], tokens, mask)
     # Rows g*G .. g*G+G-1 (slice-major) are prompt g's completions.
-    flat = lambda x: np.asarray(jax.device_get(x)).reshape(-1, x.shape[-1])
+    flat = lambda x: common.to_host(x).reshape(-1, x.shape[-1])
     texts = common.decode_completions(ctx.tokenizer, flat(buffer.completion_tokens),
                                       flat(buffer.completion_mask))
     rows = [ex for ex in examples for _ in range(g)]
@@ -157,7 +157,7 @@ class GRPOTrainer:
                                                 task_base.reward_fields(examples, g))
     adv = rewards_lib.group_advantages(total, g, cfg.advantage.scale_rewards)
     shape = (sched.steps_per_generation, sched.micro_batch_size)
-    adv_dev = jax.device_put(adv.reshape(shape), self.engine.advantage_sharding)
+    adv_dev = sharding.put(adv.reshape(shape), self.engine.advantage_sharding)
     if cfg.advantage.order_by_advantage_sign:
       order = np.argsort(-adv, kind='stable')  # positive first, negative last
       buffer, state['rollout'], adv_dev = self.engine.reorder(

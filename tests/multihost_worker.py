@@ -1,0 +1,48 @@
+"""One process of a multi-process GRPO run (used by tests/test_multihost.py; not a test).
+
+  python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR LOCAL_DEVICES
+
+Runs 3 GRPO optimizer steps of configs/grpo_arith.py:smoke (K=3, S=2: non-aligned; sampled
+completions of variable length) from a fresh model, through jax.distributed with gloo CPU
+collectives when NUM_PROCESSES > 1, and process 0 writes the final params to WORKDIR/params.npz.
+"""
+
+import importlib.util
+import os
+import sys
+
+pid, nproc, port, workdir, ndev = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                   int(sys.argv[5]))
+os.environ['JAX_PLATFORMS'] = 'cpu'
+os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={ndev}'
+
+import jax  # pylint: disable=g-import-not-at-top  (after the environment is set)
+
+if nproc > 1:
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator_address=f'127.0.0.1:{port}', num_processes=nproc,
+                             process_id=pid)
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
+
+root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location('grpo_arith',
+                                              os.path.join(root, 'configs', 'grpo_arith.py'))
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+d = module.get_config('smoke').to_dict()
+d['stages'] = 'grpo'
+d['grpo']['num_steps'] = 3
+d['checkpoint']['every_steps'] = 0
+main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+
+ckpt_dir = os.path.join(workdir, 'run', 'checkpoints', 'grpo')
+state, _, _ = checkpoint.Checkpointer(ckpt_dir).restore_raw(checkpoint.latest_step(ckpt_dir))
+if jax.process_index() == 0:
+  leaves = jax.tree_util.tree_leaves_with_path(state['learner']['params'])
+  np.savez(os.path.join(workdir, 'params.npz'),
+           **{jax.tree_util.keystr(path): np.asarray(v) for path, v in leaves})
