@@ -7,20 +7,15 @@ of 128, whatever the answer lengths. Task, model and eval settings are grpo_arit
 `--config=configs/sft_arith.py:smoke` shrinks everything for a test run.
 """
 
-import importlib.util
 import os
 
+from jaxrl_ga.config import load_config_file
 
-def _sibling(name):
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f'{name}.py')
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'grpo_arith.py')
 
 
 def get_config(arg: str = ''):
-  c = _sibling('grpo_arith').get_config(arg)
+  c = load_config_file(_BASE, arg)
   c.stages = 'sft'
   c.sft.update(micro_batch_size=64, grad_accum_steps=2)
   if arg == 'smoke':

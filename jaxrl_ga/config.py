@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 import typing
 from typing import Any, Mapping, Optional
 
@@ -580,3 +581,13 @@ def default_config_dict():
     return ml_collections.ConfigDict(out)
 
   return build(RunConfig())
+
+
+def load_config_file(path: str, arg: str = ''):
+  """``get_config(arg)`` of an ml_collections config file (configs may build on each other)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)

@@ -88,30 +88,40 @@ def validate_against_mesh(cfg, mesh) -> None:
                                                 grad_accum_steps=sc.grad_accum_steps), dp)
 
 
-def run(cfg, workdir: str) -> dict:
-  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json)."""
+def build_context(cfg, workdir: str):
+  """Mesh, task, tokenizer (saved to workdir/tokenizer), model and metric writer of a run,
+  checked against the mesh before anything compiles. -> (RunContext, initial params)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding, tasks  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common, dpo, grpo, sft  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
 
-  t0 = time.time()
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
   task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
   tokenizer = hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path else task.tokenizer()
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-    from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     tokenizer.save_pretrained(os.path.join(workdir, 'tokenizer'))
   model_cfg, graphdef, params, shardings = common.build_model(cfg, len(tokenizer), mesh)
-  writer = common.MetricWriter(workdir)
   ctx = common.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef, param_shardings=shardings,
-                          writer=writer)
+                          writer=common.MetricWriter(workdir))
+  return ctx, params
+
+
+def run(cfg, workdir: str) -> dict:
+  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import dpo, grpo, sft  # pylint: disable=g-import-not-at-top
+
+  t0 = time.time()
+  ctx, params = build_context(cfg, workdir)
+  writer, mesh = ctx.writer, ctx.mesh
   summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
                    'mesh': dict(mesh.shape)}
   try:

@@ -7,7 +7,6 @@ completions of variable length) from a fresh model, through jax.distributed with
 collectives when NUM_PROCESSES > 1, and process 0 writes the final params to WORKDIR/params.npz.
 """
 
-import importlib.util
 import os
 import sys
 
@@ -27,14 +26,10 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
-from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
+from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location('grpo_arith',
-                                              os.path.join(root, 'configs', 'grpo_arith.py'))
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-d = module.get_config('smoke').to_dict()
+d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to_dict()
 d['stages'] = 'grpo'
 d['grpo']['num_steps'] = 3
 d['checkpoint']['every_steps'] = 0

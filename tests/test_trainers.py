@@ -13,17 +13,13 @@ import numpy as np
 import pytest
 
 from jaxrl_ga import main as main_lib
-from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
+from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _smoke(name: str, **overrides) -> RunConfig:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'configs', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  d = module.get_config('smoke').to_dict()
+  d = load_config_file(os.path.join(ROOT, 'configs', f'{name}.py'), 'smoke').to_dict()
   for key, value in overrides.items():
     node = d
     *path, last = key.split('.')
@@ -88,7 +84,7 @@ def test_grpo_resume_is_bitwise_exact(tmp_path):
                                                'checkpoint.every_steps': 0})
 
   def trainer(workdir):
-    ctx, params = _context(cfg, workdir)
+    ctx, params = main_lib.build_context(cfg, str(workdir))
     return grpo.GRPOTrainer(ctx, cfg.grpo), params
 
   t, params = trainer(tmp_path / 'a')
@@ -100,19 +96,6 @@ def test_grpo_resume_is_bitwise_exact(tmp_path):
       assert summary['stopped_at_micro_step'] == stop
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
                want)
-
-
-def _context(cfg, workdir):
-  from jaxrl_ga import sharding, tasks  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
-  mesh = sharding.make_mesh(cfg.mesh)
-  task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
-  tok = task.tokenizer()
-  model_cfg, graphdef, params, shardings = common.build_model(cfg, len(tok), mesh)
-  ctx = common.RunContext(cfg=cfg, workdir=str(workdir), mesh=mesh, task=task, tokenizer=tok,
-                          model_cfg=model_cfg, graphdef=graphdef, param_shardings=shardings,
-                          writer=common.MetricWriter(str(workdir)))
-  return ctx, params
 
 
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
