@@ -24,8 +24,13 @@ setuptools.setup(
         'tensorboardX',  # TensorBoard event files without TensorFlow
     ],
     extras_require={
-        'test': ['pytest', 'hypothesis', 'chex', 'matplotlib'],
+        # nbclient + ipykernel: the suite executes notebooks/colab_demo.ipynb headless.
+        'test': ['pytest', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
+                 'ipykernel'],
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot
+        # Benchmarks against the peers (benchmarks/*.py): PyTorch CPU (pip install
+        # torch==2.13.0 first on a CPU-only machine, or pip pulls the CUDA build) and TRL.
+        'bench': ['torch', 'trl', 'psutil'],
         'data': ['datasets'],  # GSM8K from the hub (local JSONL files load without it)
         'tpu': ['jax[tpu]>=0.10.2'],
         'cuda': ['jax[cuda12]>=0.10.2'],
