@@ -25,6 +25,7 @@ import flax
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sampling
@@ -83,7 +84,8 @@ class RolloutEngine:
     self._step = jax.jit(
         self._rollout,
         in_shardings=(param_shardings, param_shardings if self.use_ref else None,
-                      self._state_shardings, rep, rep),
+                      self._state_shardings, self._buffer_shardings.prompt_tokens,
+                      self._buffer_shardings.prompt_mask),
         out_shardings=(self._buffer_shardings, self._state_shardings, rep))
     self._slice = jax.jit(self._micro_batch)
     self._reorder_fn = jax.jit(
@@ -99,8 +101,29 @@ class RolloutEngine:
         rng=jax.random.key(seed)), out_shardings=self._state_shardings)()
 
   def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
-    """prompts: [S*B/G, Tp] left-padded. -> (buffer, state, metrics)."""
+    """prompts: [S*B/G, Tp] left-padded host arrays, the same on every process.
+    -> (buffer, state, metrics)."""
+    g = self.sched.num_generations
+    slab = lambda x: sharding.put(np.repeat(np.asarray(x), g, axis=0).reshape(
+        *self.prompt_index.shape, -1), self._buffer_shardings.prompt_tokens)
+    return self._step(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask))
+
+  def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
+    """As ``rollout`` with the prompts already laid out per row: [S, B, Tp] global arrays on
+    ``buffer_shardings.prompt_tokens``, row (j, i) holding prompt ``prompt_index[j, i]``. Each
+    process builds only its own rows (``sharding.local_indices(..., axis=1)``, ``from_local``)."""
     return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
+
+  @property
+  def prompt_index(self) -> np.ndarray:
+    """[S, B]: the rollout's prompt (0 .. S*B/G-1) whose completion each row holds."""
+    s, b, g = (self.sched.steps_per_generation, self.sched.micro_batch_size,
+               self.sched.num_generations)
+    return np.arange(s * b).reshape(s, b) // g
+
+  def local_rows(self) -> np.ndarray:
+    """The row indices i (of B) of a rollout's [S, B] arrays that this process's devices hold."""
+    return sharding.local_indices(self.prompt_index.shape, self.advantage_sharding, axis=1)
 
   def reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
     """Permutes the rollout's S*B rows (slice-major) by ``order`` and only then computes the old
@@ -134,15 +157,13 @@ class RolloutEngine:
 
   # -- traced -----------------------------------------------------------------------------------
   def _rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
-    s, b, g = (self.sched.steps_per_generation, self.sched.micro_batch_size,
-               self.sched.num_generations)
+    s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
     cfg = self.sampling_cfg
     model = tfm.merge(self.graphdef, params)
 
     # Rollout row j*B + i (slice j, row i; prompt (j*B + i) // G) is generated at position
     # i*S + j, so that after generation the [S, B] view keeps B sharded without moving rows.
-    def gen_rows(x):  # [S*B/G, ...] prompts -> [B*S, ...] in generation order, batch-sharded
-      x = jnp.repeat(x, g, axis=0).reshape(s, b, *x.shape[1:])
+    def gen_rows(x):  # [S, B, Tp] prompts per row -> [B*S, Tp] in generation order
       x = jnp.swapaxes(x, 0, 1).reshape(b * s, *x.shape[2:])
       return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.mesh, x.ndim))
 

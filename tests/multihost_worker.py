@@ -2,11 +2,14 @@
 
   python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR LOCAL_DEVICES
 
-Runs 3 GRPO optimizer steps of configs/grpo_arith.py:smoke (K=3, S=2: non-aligned; sampled
-completions of variable length) from a fresh model, through jax.distributed with gloo CPU
-collectives when NUM_PROCESSES > 1, and process 0 writes the final params to WORKDIR/params.npz.
+Runs 2 SFT and 3 GRPO optimizer steps of configs/grpo_arith.py:smoke (GRPO K=3, S=2:
+non-aligned; sampled completions of variable length) from a fresh model, through jax.distributed
+with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
+WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
+WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
 """
 
+import json
 import os
 import sys
 
@@ -27,14 +30,29 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
+from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
+
+loaded = []  # (index, seed) of every training example this process builds
+_train_example = arithmetic.ArithmeticTask.train_example
+
+
+def _recording_train_example(self, index, seed):
+  loaded.append((int(index), int(seed)))
+  return _train_example(self, index, seed)
+
+
+arithmetic.ArithmeticTask.train_example = _recording_train_example
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to_dict()
-d['stages'] = 'grpo'
+d['stages'] = 'sft,grpo'
+d['sft']['num_steps'] = 2
 d['grpo']['num_steps'] = 3
 d['checkpoint']['every_steps'] = 0
 main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
 
+with open(os.path.join(workdir, f'loaded_{pid}.json'), 'w', encoding='utf-8') as f:
+  json.dump(loaded, f)
 ckpt_dir = os.path.join(workdir, 'run', 'checkpoints', 'grpo')
 state, _, _ = checkpoint.Checkpointer(ckpt_dir).restore_raw(checkpoint.latest_step(ckpt_dir))
 if jax.process_index() == 0:

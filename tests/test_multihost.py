@@ -1,6 +1,8 @@
-"""Two processes with 4 CPU devices each (jax.distributed, gloo) train GRPO to the same params as
-one process with 8 devices: the token normalization and every sum are global across hosts."""
+"""Two processes with 4 CPU devices each (jax.distributed, gloo) train SFT then GRPO to the same
+params as one process with 8 devices: the token normalization and every sum are global across
+hosts, and each host loads only its own part of the data."""
 
+import collections
 import json
 import os
 import socket
@@ -47,3 +49,12 @@ def test_two_processes_equal_one_process(tmp_path):
     return [r['loss'] for r in rows if r['phase'] == 'grpo']
   assert len(losses(tmp_path / 'one')) >= 2
   np.testing.assert_allclose(losses(tmp_path / 'two'), losses(tmp_path / 'one'), rtol=1e-5)
+  # Each host built only its half of the training examples, and together exactly the ones the
+  # single process built (SFT rows and GRPO prompts are split by the rows each host's devices hold).
+  loaded = lambda d, i: collections.Counter(
+      map(tuple, json.load(open(d / f'loaded_{i}.json', encoding='utf-8'))))
+  whole, p0, p1 = loaded(tmp_path / 'one', 0), loaded(tmp_path / 'two', 0), loaded(
+      tmp_path / 'two', 1)
+  assert sum(whole.values()) > 40
+  assert sum(p0.values()) == sum(p1.values()) == sum(whole.values()) // 2
+  assert p0 + p1 == whole

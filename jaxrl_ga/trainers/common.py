@@ -192,20 +192,23 @@ class Evaluator:
     self.batch_size = round_up(ecfg.batch_size, sharding.data_parallel_size(ctx.mesh))
 
   def accuracy(self, params) -> float:
-    ctx = self.ctx
-    prompts = [encode(ctx.tokenizer, e.prompt) for e in self.examples]
-    correct = 0
-    for start in range(0, len(prompts), self.batch_size):
-      chunk = prompts[start:start + self.batch_size]
-      n = len(chunk)
-      chunk = chunk + [chunk[0]] * (self.batch_size - n)  # fixed shape: one compile
-      tokens, mask = left_pad(chunk, self.max_prompt_length, ctx.pad_id, 'max_prompt_length')
-      tokens, mask = sharding.shard_batch((tokens, mask), ctx.mesh)
+    """Each process encodes, decodes and checks only the rows its devices hold."""
+    ctx, bs = self.ctx, self.batch_size
+    rows = sharding.local_indices((bs,), sharding.batch_sharding(ctx.mesh, 1))
+    correct = np.zeros(bs, np.float32)
+    for start in range(0, len(self.examples), bs):
+      n = min(bs, len(self.examples) - start)
+      chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
+      tokens, mask = sharding.shard_rows(lambda _: left_pad(
+          [encode(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length, ctx.pad_id,
+          'max_prompt_length'), bs, ctx.mesh)
       out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
-      texts = decode_completions(ctx.tokenizer, out.tokens, out.mask)
-      for ex, text in zip(self.examples[start:start + n], texts[:n]):
-        correct += bool(ctx.task.is_correct(ex, text))
-    return correct / max(len(self.examples), 1)
+      texts = decode_completions(ctx.tokenizer, sharding.local_part(out.tokens)[1],
+                                 sharding.local_part(out.mask)[1])
+      correct[rows] += [float(r < n and ctx.task.is_correct(e, t))
+                        for r, e, t in zip(rows, chunk, texts)]
+    total = sharding.gather_rows(correct[rows], rows, bs, ctx.mesh).sum()
+    return float(total) / max(len(self.examples), 1)
 
 
 def to_host(x) -> np.ndarray:

@@ -132,7 +132,9 @@ def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[s
       if epoch not in epochs:  # a fixed shuffle per epoch: resumable from the position alone
         epochs[epoch] = np.random.default_rng([ctx.cfg.seed, epoch]).permutation(n_pairs)
       idx.append(epochs[epoch][i])
-    return sharding.shard_batch({k: v[np.asarray(idx)] for k, v in pairs.items()}, ctx.mesh)
+    idx = np.asarray(idx)
+    return sharding.shard_rows(lambda rows: {k: v[idx[rows]] for k, v in pairs.items()}, b,
+                               ctx.mesh)
 
   ckpt = ctx.checkpointer('dpo')
   state, meta = common.restore(ckpt, 'dpo', learner.init(params, batch_at(0)))

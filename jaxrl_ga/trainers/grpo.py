@@ -62,10 +62,9 @@ class GRPOTrainer:
   def _fresh_state(self, params) -> dict[str, Any]:
     s, b = self.cfg.schedule.steps_per_generation, self.cfg.schedule.micro_batch_size
     tp = self.cfg.sampling.max_prompt_length
-    n_prompts = self.prompts_per_rollout
     rstate = self.engine.init_state(self.ctx.cfg.seed)
     ref = params if self.cfg.loss.beta > 0 else None
-    prompt_shape = jax.ShapeDtypeStruct((n_prompts, tp), jnp.int32)
+    prompt_shape = jax.ShapeDtypeStruct((s, b, tp), jnp.int32)
     buf_shape, _, _ = jax.eval_shape(self.engine._rollout, params, ref, rstate, prompt_shape,
                                      prompt_shape)
     buffer = _abstract(buf_shape, self.engine.buffer_shardings)
@@ -135,38 +134,52 @@ class GRPOTrainer:
   # -- one rollout: generation on device, rewards and advantages on the host ---------------------
   def _new_rollout(self, state, meta):
     """Generates the next rollout into state['buffer'] and its advantages; advances the data
-    position. -> (state, host metrics of the rollout)."""
+    position. -> (state, host metrics of the rollout).
+
+    Each process loads, encodes, decodes and scores only the rows its devices hold (on one
+    process: all of them); only the per-row rewards are gathered, for the group advantages.
+    """
     ctx, cfg = self.ctx, self.cfg
     sched = cfg.schedule
-    g = sched.num_generations
+    s, b = sched.steps_per_generation, sched.micro_batch_size
     pos = meta['data_position']
-    examples = [ctx.task.train_example(pos + i, ctx.cfg.seed)
-                for i in range(self.prompts_per_rollout)]
-    meta['data_position'] = pos + len(examples)
-    prompt_ids = [common.encode(ctx.tokenizer, ex.prompt) for ex in examples]
-    tokens, mask = common.left_pad(prompt_ids, cfg.sampling.max_prompt_length, ctx.pad_id,
+    meta['data_position'] = pos + self.prompts_per_rollout
+    rows = self.engine.local_rows()  # this process's i of [S, B]
+    index = self.engine.prompt_index[:, rows]  # [S, nb] prompt of each local row
+    needed = np.unique(index)
+    examples = {int(p): ctx.task.train_example(pos + int(p), ctx.cfg.seed) for p in needed}
+    ids = {p: common.encode(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
+    tokens, mask = common.left_pad([ids[int(p)] for p in index.reshape(-1)],
+                                   cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'grpo.sampling.max_prompt_length')
-    buffer, state['rollout'], rmetrics = self.engine.rollout(
-        state['learner'].params, state['ref_params'], state['rollout'], tokens, mask)
-    # Rows g*G .. g*G+G-1 (slice-major) are prompt g's completions.
-    flat = lambda x: common.to_host(x).reshape(-1, x.shape[-1])
-    texts = common.decode_completions(ctx.tokenizer, flat(buffer.completion_tokens),
-                                      flat(buffer.completion_mask))
-    rows = [ex for ex in examples for _ in range(g)]
-    total, per_fn = rewards_lib.compute_rewards(self.rewards, [ex.prompt for ex in rows], texts,
-                                                task_base.reward_fields(examples, g))
-    adv = rewards_lib.group_advantages(total, g, cfg.advantage.scale_rewards)
-    shape = (sched.steps_per_generation, sched.micro_batch_size)
-    adv_dev = sharding.put(adv.reshape(shape), self.engine.advantage_sharding)
+    place = lambda x: sharding.from_local(x.reshape(s, len(rows), -1), rows, (s, b, x.shape[-1]),
+                                          self.engine.buffer_shardings.prompt_tokens, axis=1)
+    buffer, state['rollout'], rmetrics = self.engine.rollout_rows(
+        state['learner'].params, state['ref_params'], state['rollout'], place(tokens), place(mask))
+
+    # Rewards of the local rows, then gathered: [fields, S, B] on every process.
+    local = lambda x: sharding.local_part(x, axis=1)[1].reshape(s * len(rows), -1)
+    texts = common.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
+                                      local(buffer.completion_mask))
+    row_examples = [examples[int(p)] for p in index.reshape(-1)]
+    total, per_fn = rewards_lib.compute_rewards(self.rewards, [ex.prompt for ex in row_examples],
+                                                texts, task_base.reward_fields(row_examples))
+    correct = [ctx.task.is_correct(ex, t) for ex, t in zip(row_examples, texts)]
+    names = sorted(per_fn)
+    fields = np.stack([total, np.asarray(correct, np.float32)] + [per_fn[k] for k in names])
+    fields = fields.reshape(len(fields), s, len(rows)).transpose(2, 0, 1)  # [nb, F, S]
+    fields = sharding.gather_rows(fields, rows, b, ctx.mesh).transpose(1, 2, 0)  # [F, S, B]
+    total, correct = fields[0].reshape(-1), fields[1]
+    adv = rewards_lib.group_advantages(total, sched.num_generations, cfg.advantage.scale_rewards)
+    adv_dev = sharding.put(adv.reshape(s, b), self.engine.advantage_sharding)
     if cfg.advantage.order_by_advantage_sign:
       order = np.argsort(-adv, kind='stable')  # positive first, negative last
       buffer, state['rollout'], adv_dev = self.engine.reorder(
           state['learner'].params, buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
     state['buffer'], state['advantages'] = buffer, adv_dev
-    correct = np.array([ctx.task.is_correct(ex, t) for ex, t in zip(rows, texts)], np.float32)
     host_stats = {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
                   'reward/accuracy': float(correct.mean()),
-                  **{f'reward/{k}': float(v.mean()) for k, v in per_fn.items()},
+                  **{f'reward/{k}': float(fields[2 + i].mean()) for i, k in enumerate(names)},
                   **{k: float(np.asarray(v)) for k, v in jax.device_get(rmetrics).items()}}
     return state, host_stats
 

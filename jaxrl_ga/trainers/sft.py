@@ -40,9 +40,10 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
                                 ctx.mesh, ctx.param_shardings)
   b, seed = cfg.micro_batch_size, ctx.cfg.seed
 
-  def batch_at(position):
-    examples = [ctx.task.train_example(position + i, seed) for i in range(b)]
-    return sharding.shard_batch(sft_batch(ctx, examples, cfg.max_length), ctx.mesh)
+  def batch_at(position):  # each process builds only its own rows
+    return sharding.shard_rows(lambda rows: sft_batch(
+        ctx, [ctx.task.train_example(position + int(i), seed) for i in rows], cfg.max_length),
+        b, ctx.mesh)
 
   ckpt = ctx.checkpointer('sft')
   state, meta = common.restore(ckpt, 'sft', learner.init(params, batch_at(0)))
