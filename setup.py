@@ -32,7 +32,9 @@ setuptools.setup(
         # torch==2.13.0 first on a CPU-only machine, or pip pulls the CUDA build) and TRL.
         'bench': ['torch', 'trl', 'psutil'],
         'data': ['datasets'],  # GSM8K from the hub (local JSONL files load without it)
-        'tpu': ['jax[tpu]>=0.10.2'],
+        # gcsfs + google-cloud-storage: a gs:// workdir (metrics, summary, TensorBoard events).
+        'tpu': ['jax[tpu]>=0.10.2', 'gcsfs', 'google-cloud-storage'],
+        'gcs': ['gcsfs', 'google-cloud-storage'],
         'cuda': ['jax[cuda12]>=0.10.2'],
     },
 )

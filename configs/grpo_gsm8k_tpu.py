@@ -60,7 +60,7 @@ are short: typically well under 200 tokens); a longer one stops the run with an 
 grpo.sampling.max_prompt_length. Completions: up to 512 tokens.
 
 Multi-host (v4-32): every host runs the same command (`launch/tpu.py run`, --worker=all); the
-checkpoint directory must be one that all hosts share, see launch/SCALING.md.
+checkpoint directory must be one that all hosts share (gs://...), see the README, "Scaling out".
 `--config=configs/grpo_gsm8k_tpu.py:v5e-8` is the default when no argument is given.
 """
 

@@ -31,16 +31,16 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-import os
 import signal
 import weakref
 from typing import Any, Iterable, Optional
 
 from absl import logging
-from etils import epath
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxrl_ga import fileio
 
 _FIX = ('Resume with the configuration that wrote it, or start a new run with a fresh --workdir '
         '(or delete {directory}).')
@@ -50,14 +50,9 @@ class CheckpointMismatchError(ValueError):
   """A checkpoint does not fit this run (another config, or another state structure)."""
 
 
-def _as_path(directory) -> epath.Path:
-  directory = os.fspath(directory)
-  return epath.Path(directory if '://' in directory else os.path.abspath(directory))
-
-
 def all_steps(directory) -> list[int]:
   """The steps of the complete checkpoints under ``directory``, ascending ([] if none)."""
-  found = ocp.step.standard_name_format().find_all(_as_path(directory))
+  found = ocp.step.standard_name_format().find_all(fileio.path(directory))
   return sorted(m.step for m in found)
 
 
@@ -138,7 +133,7 @@ class Checkpointer:
   def __init__(self, directory, *, max_to_keep: int = 3, fingerprint: Optional[dict] = None,
                async_save: bool = True):
     """fingerprint: JSON-able dict that must match at restore (e.g. the model config)."""
-    self.directory = _as_path(directory)
+    self.directory = fileio.path(directory)
     self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
     self._async = async_save
     options = ocp.CheckpointManagerOptions(

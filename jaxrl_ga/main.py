@@ -7,7 +7,8 @@ Any config field can be overridden on the command line, e.g.
 
 The config is validated into typed objects (``jaxrl_ga.config.RunConfig``) before anything is
 compiled; an invalid one prints ``error: ...`` naming the setting and exits with status 2.
-Outputs in --workdir: metrics.jsonl, tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
+Outputs in --workdir (a local path, or gs://bucket/dir with the [tpu] extra): metrics.jsonl,
+tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
 Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
 Print the schedule of a config with ``python -m jaxrl_ga.explain --config=...``.
 """
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -27,8 +29,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Path to an ml_collections config file (get_config()); fields can be '
     'overridden with --config.<field>=<value>.', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (created); re-running with the '
-                               'same directory resumes the run.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (created), local or gs://...; '
+                               're-running with the same directory resumes the run. A multi-host '
+                               'run needs one that every host sees.')
 _COORDINATOR = flags.DEFINE_string(
     'coordinator_address', None, 'host:port of process 0: runs jax.distributed.initialize for a '
     'multi-process run (GPU cluster, several CPU hosts). On Cloud TPU VM slices with several '
@@ -40,23 +43,31 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def init_distributed() -> None:
-  """jax.distributed: explicit with --coordinator_address, automatic on multi-worker TPU VMs."""
+def init_distributed(coordinator_address: Optional[str] = None,
+                     num_processes: Optional[int] = None, process_id: Optional[int] = None,
+                     pci_root: str = '/sys/bus/pci/devices') -> str:
+  """jax.distributed: explicit with a coordinator address, automatic on a Cloud TPU VM.
+  -> 'explicit', 'tpu_vm' or 'none' (one process)."""
   import jax  # pylint: disable=g-import-not-at-top
-  if _COORDINATOR.value:
-    if _NUM_PROCESSES.value is None or _PROCESS_ID.value is None:
+  if coordinator_address:
+    if num_processes is None or process_id is None:
       raise app.UsageError('--coordinator_address needs --num_processes and --process_id.')
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU hosts only
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value)
-  elif _on_cloud_tpu_vm():
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+    return 'explicit'
+  if num_processes is not None or process_id is not None:
+    raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
+  if _on_cloud_tpu_vm(pci_root):
     jax.distributed.initialize()  # jax reads the slice's workers from the VM metadata
+    return 'tpu_vm'
+  return 'none'
 
 
-def _on_cloud_tpu_vm() -> bool:
+def _on_cloud_tpu_vm(pci_root: str) -> bool:
   """A Google TPU on the PCI bus (vendor 0x1ae0), as jax's own TPU detection checks."""
   import glob  # pylint: disable=g-import-not-at-top
-  for path in glob.glob('/sys/bus/pci/devices/*/vendor'):
+  for path in glob.glob(os.path.join(pci_root, '*', 'vendor')):
     try:
       with open(path, encoding='ascii') as f:
         if f.read().strip() == '0x1ae0':
@@ -92,7 +103,7 @@ def build_context(cfg, workdir: str):
   """Mesh, task, tokenizer (saved to workdir/tokenizer), model and metric writer of a run,
   checked against the mesh before anything compiles. -> (RunContext, initial params)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sharding, tasks  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio, sharding, tasks  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
@@ -104,9 +115,9 @@ def build_context(cfg, workdir: str):
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
-  os.makedirs(workdir, exist_ok=True)
+  fileio.makedirs(workdir)
   if jax.process_index() == 0:
-    tokenizer.save_pretrained(os.path.join(workdir, 'tokenizer'))
+    fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
   model_cfg, graphdef, params, shardings = common.build_model(cfg, len(tokenizer), mesh)
   ctx = common.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef, param_shardings=shardings,
@@ -117,6 +128,7 @@ def build_context(cfg, workdir: str):
 def run(cfg, workdir: str) -> dict:
   """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json)."""
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import dpo, grpo, sft  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
@@ -139,8 +151,8 @@ def run(cfg, workdir: str) -> dict:
     summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
   summary['wall_time_s'] = time.time() - t0
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
-      json.dump(summary, f, indent=2, sort_keys=True)
+    fileio.write_text(fileio.join(workdir, 'summary.json'),
+                      json.dumps(summary, indent=2, sort_keys=True))
   return summary
 
 
@@ -150,7 +162,7 @@ def main(argv):
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     cfg = load_run_config(_CONFIG.value)
-    init_distributed()
+    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     summary = run(cfg, _WORKDIR.value)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import time
 from typing import Any, Optional, Sequence
 
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxrl_ga import checkpoint
+from jaxrl_ga import fileio
 from jaxrl_ga import sampling
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig
@@ -53,7 +53,7 @@ class RunContext:
 
   def checkpointer(self, stage: str) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(
-        os.path.join(self.workdir, 'checkpoints', stage),
+        fileio.join(self.workdir, 'checkpoints', stage),
         max_to_keep=self.cfg.checkpoint.max_to_keep,
         # What must not change across a resume (lengths like num_steps may).
         fingerprint={'model': _jsonable(dataclasses.asdict(self.model_cfg)),
@@ -110,24 +110,23 @@ def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, what: str)
 # -- metrics and progress ------------------------------------------------------------------------
 class MetricWriter:
   """metrics.jsonl (one object per logged step: phase, step, metrics) and TensorBoard events.
-  Only process 0 writes."""
+  Only process 0 writes. The workdir may be a bucket (gs://...)."""
 
   def __init__(self, workdir: str):
     self._active = jax.process_index() == 0
     self._jsonl = None
     self._tb = None
     if self._active:
-      os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      fileio.makedirs(workdir)
+      self._jsonl = fileio.TextAppender(fileio.join(workdir, 'metrics.jsonl'))
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
 
   def write(self, phase: str, step: int, metrics: dict[str, Any]):
     if not self._active:
       return
     clean = {k: _to_float(v) for k, v in metrics.items()}
     self._jsonl.write(json.dumps({'phase': phase, 'step': int(step), **clean}) + '\n')
-    self._jsonl.flush()
     for k, v in clean.items():
       if v is not None:
         self._tb.add_scalar(f'{phase}/{k}', v, int(step))

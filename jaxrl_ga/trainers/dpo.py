@@ -8,12 +8,12 @@ reference log-probs (the policy at the start of the stage) are computed once and
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxrl_ga import fileio
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
@@ -100,15 +100,12 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
 
 
 def _load_or_build_pairs(ctx, cfg, params):
-  path = os.path.join(ctx.workdir, 'dpo_pairs.npz')
-  if os.path.exists(path):
-    with np.load(path) as f:
-      return {k: f[k] for k in f.files}
+  path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
+  if fileio.exists(path):
+    return fileio.load_npz(path)
   pairs = build_pairs(ctx, cfg, params)
   if ctx.is_primary:
-    tmp = path + '.tmp.npz'
-    np.savez(tmp, **pairs)
-    os.replace(tmp, path)
+    fileio.save_npz(path, pairs)  # atomic
   return pairs
 
 

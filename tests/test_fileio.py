@@ -1,0 +1,94 @@
+"""Workdir files in a bucket: a fake gs:// (an in-memory fsspec filesystem registered for the gcs
+protocol, which etils.epath uses without TensorFlow) stands in for Cloud Storage."""
+
+import json
+import os
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+import numpy as np
+import pytest
+
+from jaxrl_ga import fileio
+from jaxrl_ga.tasks import tokenizer as tok_lib
+from jaxrl_ga.trainers import common
+
+
+class _FakeGCS(MemoryFileSystem):
+  protocol = ('gcs', 'gs')
+  store = {}
+  pseudo_dirs = ['']
+
+  def open(self, path, mode='rb', **kwargs):
+    if 'a' in mode:  # as Cloud Storage: objects cannot be appended to
+      raise NotImplementedError('append is not supported')
+    return super().open(path, mode, **kwargs)
+
+
+@pytest.fixture
+def fake_gcs(monkeypatch):
+  _FakeGCS.store.clear()
+  for name in ('gcs', 'gs'):
+    fsspec.register_implementation(name, _FakeGCS, clobber=True)
+  monkeypatch.setenv('EPATH_USE_TF', 'false')
+  yield _FakeGCS.store
+  _FakeGCS.store.clear()
+
+
+def test_metric_writer_summary_tokenizer_and_npz_in_a_bucket(fake_gcs, monkeypatch):
+  import tensorboardX  # pylint: disable=g-import-not-at-top
+  logdirs = []
+
+  class _RecordingSummaryWriter:  # tensorboardX writes gs:// itself (google-cloud-storage)
+    def __init__(self, logdir):
+      logdirs.append(logdir)
+
+    def add_scalar(self, *args):
+      pass
+
+    def close(self):
+      pass
+
+  monkeypatch.setattr(tensorboardX, 'SummaryWriter', _RecordingSummaryWriter)
+  workdir = 'gs://bucket/runs/a'
+  w = common.MetricWriter(workdir)
+  w.write('grpo', 1, {'loss': 0.5})
+  w.write('grpo', 2, {'loss': float('nan')})
+  w.close()
+  w = common.MetricWriter(workdir)  # a resumed run appends
+  w.write('grpo', 3, {'loss': 0.25})
+  w.close()
+  rows = [json.loads(l) for l in fileio.read_text(f'{workdir}/metrics.jsonl').splitlines()]
+  assert rows == [{'phase': 'grpo', 'step': 1, 'loss': 0.5},
+                  {'phase': 'grpo', 'step': 2, 'loss': None},
+                  {'phase': 'grpo', 'step': 3, 'loss': 0.25}]
+  assert logdirs == [f'{workdir}/tensorboard'] * 2
+
+  tokenizer = tok_lib.build_char_tokenizer('0123456789+=')
+  fileio.save_directory(f'{workdir}/tokenizer', tokenizer.save_pretrained)
+  saved = sorted(k for k in fake_gcs if '/tokenizer/' in k)
+  assert any(k.endswith('tokenizer.json') for k in saved), saved
+  text = fileio.read_text(f'{workdir}/tokenizer/tokenizer.json')
+  assert json.loads(text)['model']['vocab'] == json.loads(
+      tokenizer.backend_tokenizer.to_str())['model']['vocab']
+
+  arrays = {'a': np.arange(6).reshape(2, 3), 'b': np.float32([1.5])}
+  fileio.save_npz(f'{workdir}/pairs.npz', arrays)
+  back = fileio.load_npz(f'{workdir}/pairs.npz')
+  assert sorted(back) == ['a', 'b']
+  np.testing.assert_array_equal(back['a'], arrays['a'])
+  assert not any(k.startswith('/') or 'tmp' in k for k in fake_gcs)  # nothing written locally
+
+
+def test_local_write_is_atomic(tmp_path, monkeypatch):
+  target = tmp_path / 'sub' / 'summary.json'
+  fileio.write_text(target, 'old')
+
+  def broken_replace(src, dst):
+    raise OSError('disk full')
+
+  monkeypatch.setattr(os, 'replace', broken_replace)
+  with pytest.raises(OSError, match='disk full'):
+    fileio.write_text(target, 'new')
+  assert target.read_text() == 'old'  # the old content survives a failed write
+  assert os.listdir(tmp_path / 'sub') == ['summary.json']  # and no temporary file is left
