@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import uuid
 from typing import Callable
 
 from etils import epath
@@ -50,9 +51,9 @@ def write_bytes(p, data: bytes) -> None:
   if is_remote(p):
     target.write_bytes(data)
     return
-  fd, tmp = tempfile.mkstemp(dir=os.fspath(target.parent), prefix=f'.{target.name}.')
+  tmp = os.fspath(target.parent / f'.{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
   try:
-    with os.fdopen(fd, 'wb') as f:
+    with open(tmp, 'xb') as f:  # the umask's permissions, as a plain open() gives
       f.write(data)
     os.replace(tmp, os.fspath(target))
   except BaseException:

@@ -9,15 +9,16 @@ accuracy point of the run (the *_eval phases). Needs matplotlib (`pip install -e
 from __future__ import annotations
 
 import collections
+import io
 import json
 import math
-import os
 import sys
 from typing import Optional, Sequence
 
 from absl import app
 from absl import flags
 
+from jaxrl_ga import fileio
 
 
 def _define_flags():
@@ -36,20 +37,19 @@ _PREFERRED = ('loss', 'reward/mean', 'reward/accuracy', 'rewards/accuracies', 'r
 def read_metrics(path: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """metrics.jsonl -> {phase: {metric: [(step, value), ...]}}, non-finite values dropped."""
   series: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-  with open(path, encoding='utf-8') as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{n} is not JSON ({e}); is it a jaxrl_ga metrics.jsonl?') from e
-      phase, step = row.pop('phase', None), row.pop('step', None)
-      if phase is None or step is None:
-        raise ValueError(f'{path}:{n} has no "phase"/"step"; is it a jaxrl_ga metrics.jsonl?')
-      for k, v in row.items():
-        if isinstance(v, (int, float)) and math.isfinite(v):
-          series[phase][k].append((int(step), float(v)))
+  for n, line in enumerate(fileio.read_text(path).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f'{path}:{n} is not JSON ({e}); is it a jaxrl_ga metrics.jsonl?') from e
+    phase, step = row.pop('phase', None), row.pop('step', None)
+    if phase is None or step is None:
+      raise ValueError(f'{path}:{n} has no "phase"/"step"; is it a jaxrl_ga metrics.jsonl?')
+    for k, v in row.items():
+      if isinstance(v, (int, float)) and math.isfinite(v):
+        series[phase][k].append((int(step), float(v)))
   return {p: dict(m) for p, m in series.items()}
 
 
@@ -60,12 +60,11 @@ def plot_run(workdir: str, out: Optional[str] = None,
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  path = os.path.join(workdir, 'metrics.jsonl')
-  if not os.path.exists(path):
+  path = fileio.join(workdir, 'metrics.jsonl')
+  if not fileio.exists(path):
     raise FileNotFoundError(f'no metrics.jsonl in {workdir}; pass the --workdir of a run.')
   series = read_metrics(path)
-  out = out or os.path.join(workdir, 'plots')
-  os.makedirs(out, exist_ok=True)
+  out = out or fileio.join(workdir, 'plots')
   written = []
   evals = {p: m['accuracy'] for p, m in series.items() if p.endswith('_eval') or
            p.endswith('_probe')}
@@ -88,9 +87,9 @@ def plot_run(workdir: str, out: Optional[str] = None,
       ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names):]:
       ax.axis('off')
-    fig.suptitle(f'{os.path.basename(os.path.abspath(workdir))}: {phase}', fontsize=10)
+    fig.suptitle(f'{fileio.path(workdir).name}: {phase}', fontsize=10)
     fig.tight_layout()
-    written.append(_save(fig, os.path.join(out, f'{phase}.png'), plt))
+    written.append(_save(fig, fileio.join(out, f'{phase}.png'), plt))
   if evals:
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for phase, points in sorted(evals.items()):
@@ -103,15 +102,15 @@ def plot_run(workdir: str, out: Optional[str] = None,
     ax.legend(fontsize=8)
     ax.set_title('held-out (eval) and training-probe accuracy', fontsize=10)
     fig.tight_layout()
-    written.append(_save(fig, os.path.join(out, 'accuracy.png'), plt))
+    written.append(_save(fig, fileio.join(out, 'accuracy.png'), plt))
   return written
 
 
 def _save(fig, path: str, plt) -> str:
-  tmp = path + '.tmp.png'
-  fig.savefig(tmp, dpi=110)
+  buf = io.BytesIO()
+  fig.savefig(buf, format='png', dpi=110)
   plt.close(fig)
-  os.replace(tmp, path)
+  fileio.write_bytes(path, buf.getvalue())  # atomic
   return path
 
 
