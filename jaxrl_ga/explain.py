@@ -31,21 +31,26 @@ from jaxrl_ga.config import UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfi
 
 _SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduleConfig))
 
-flags.DEFINE_integer('micro_batch_size', None, 'B: completions per micro-step (whole mesh).')
-flags.DEFINE_integer('num_generations', None, 'G: completions per prompt (a group).')
-flags.DEFINE_integer('steps_per_generation', None, 'S: micro-steps fed by one rollout.')
-flags.DEFINE_integer('num_iterations', None, 'mu: passes over each rollout.')
-flags.DEFINE_integer('grad_accum_steps', None, 'K: micro-steps per optimizer step.')
-flags.DEFINE_enum('update_mode', None, UPDATE_MODES, 'accumulate (K micro-steps per optimizer '
-                  'step) or sequential (an optimizer step after every micro-step).')
-flags.DEFINE_bool('strict_on_policy', None, 'Reject configurations with an off-policy slice.')
-flags.DEFINE_integer('data_parallel_size', None, 'The mesh data*fsdp size: micro_batch_size must '
-                     'divide by it. Overrides config.mesh.')
-flags.DEFINE_integer('num_devices', None, 'Devices, to resolve a -1 size in config.mesh.')
-flags.DEFINE_integer('num_periods', None, 'Periods of the timeline to print (default: at least 2 '
-                     'periods and 12 micro-steps, 1 period if that is over 240 rows).')
-flags.DEFINE_enum('format', 'text', ['text', 'json'], 'text: the timeline; json: the table.')
-config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py).')
+
+def _define_flags():
+  """CLI flags, defined only when run as a program (importing the module defines none, so it
+  can sit beside jaxrl_ga.main, which has its own --config, in one process)."""
+  flags.DEFINE_integer('micro_batch_size', None, 'B: completions per micro-step (whole mesh).')
+  flags.DEFINE_integer('num_generations', None, 'G: completions per prompt (a group).')
+  flags.DEFINE_integer('steps_per_generation', None, 'S: micro-steps fed by one rollout.')
+  flags.DEFINE_integer('num_iterations', None, 'mu: passes over each rollout.')
+  flags.DEFINE_integer('grad_accum_steps', None, 'K: micro-steps per optimizer step.')
+  flags.DEFINE_enum('update_mode', None, UPDATE_MODES, 'accumulate (K micro-steps per optimizer '
+                    'step) or sequential (an optimizer step after every micro-step).')
+  flags.DEFINE_bool('strict_on_policy', None, 'Reject configurations with an off-policy slice.')
+  flags.DEFINE_integer('data_parallel_size', None, 'The mesh data*fsdp size: micro_batch_size '
+                       'must divide by it. Overrides config.mesh.')
+  flags.DEFINE_integer('num_devices', None, 'Devices, to resolve a -1 size in config.mesh.')
+  flags.DEFINE_integer('num_periods', None, 'Periods of the timeline to print (default: at '
+                       'least 2 periods and 12 micro-steps, 1 period if that is over 240 rows).')
+  flags.DEFINE_enum('format', 'text', ['text', 'json'], 'text: the timeline; json: the table.')
+  config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py).')
+
 
 FLAGS = flags.FLAGS
 
@@ -259,4 +264,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)
