@@ -316,7 +316,8 @@ class Learner:
 
   def _alignment(self, state: TrainState, batch: dict, denom, emit):
     """Gradients of the positive- and negative-advantage samples, accumulated over the window;
-    at the optimizer step their dot product and cosine (seed 002's diagnostic)."""
+    at the optimizer step their dot product and cosine (seed 002's diagnostic). A window with
+    samples of only one sign has no alignment: its cosine is NaN (logged as null), not 0."""
     adv = batch['advantages']
     parts = []
     for keep in (adv > 0, adv < 0):
@@ -328,6 +329,7 @@ class Learner:
     dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g_pos), jax.tree.leaves(g_neg)))
     n_pos, n_neg = optax.tree.norm(g_pos), optax.tree.norm(g_neg)
     out = {'align/dot': dot / (denom * denom),
-           'align/cosine': dot / jnp.maximum(n_pos * n_neg, 1e-30)}
+           'align/cosine': jnp.where(n_pos * n_neg > 0, dot / jnp.maximum(n_pos * n_neg, 1e-30),
+                                     jnp.nan)}
     zero = lambda t: jax.tree.map(lambda x: jnp.where(emit, jnp.zeros_like(x), x), t)
     return (zero(g_pos), zero(g_neg)), out

@@ -224,6 +224,10 @@ def test_alignment_diagnostic_matches_direct_computation():
                np.sqrt(sum(np.vdot(b, b) for b in jax.tree.leaves(gn))))
   np.testing.assert_allclose(float(out['align/dot']), dot, rtol=1e-4)
   np.testing.assert_allclose(float(out['align/cosine']), cos, rtol=1e-4)
+  # A window whose samples all have one sign has no alignment: NaN, not a misleading 0.
+  for b in batches:
+    state, out = lrn.step(state, dict(b, advantages=np.abs(b['advantages']) + 0.1))
+  assert float(out['align/dot']) == 0.0 and np.isnan(float(out['align/cosine']))
 
 
 def test_lazy_inner_optimizer_keeps_multisteps_semantics():
