@@ -53,17 +53,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import machine  # benchmarks/machine.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ('accumulate', 'sequential')
@@ -607,21 +606,8 @@ def run_study(study: Study, console=None) -> dict:
 
 
 def machine_info(jax) -> dict:
-  import flax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  cpu_model = platform.processor()
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      cpu_model = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
-  except (OSError, StopIteration):
-    pass
-  dev = jax.devices()[0]
-  return {'date': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-          'cpu_model': cpu_model, 'cpu_count': os.cpu_count(),
-          'cpus_usable': len(os.sched_getaffinity(0)), 'python': platform.python_version(),
-          'jax': jax.__version__, 'flax': flax.__version__, 'optax': optax.__version__,
-          'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
-          'load_avg_start': os.getloadavg()}
+  del jax  # imported by the caller already
+  return machine.machine_info()
 
 
 def _mkdir(path: str) -> str:

@@ -32,19 +32,15 @@ the forward/backward scales with the tokens, so the overhead fraction falls as m
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 
 from absl import app
 from absl import flags
-import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
@@ -52,6 +48,7 @@ from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
+import machine  # benchmarks/machine.py
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big.')
 _K = flags.DEFINE_integer('grad_accum_steps', 4, 'K: micro-steps per optimizer step.')
@@ -295,20 +292,7 @@ def summarize(size, times, inner_times, compile_s, loads, timing_s) -> dict:
 
 
 def machine_info() -> dict:
-  dev = jax.devices()[0]
-  cpu_model = platform.processor()
-  try:
-    with open('/proc/cpuinfo') as f:
-      cpu_model = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
-  except (OSError, StopIteration):
-    pass
-  return {'date': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
-          'hostname': platform.node(), 'cpu_model': cpu_model, 'cpu_count': os.cpu_count(),
-          'cpus_usable': len(os.sched_getaffinity(0)), 'python': platform.python_version(),
-          'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'flax': flax.__version__,
-          'optax': optax.__version__,
-          'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
-          'load_avg_start': os.getloadavg()}
+  return machine.machine_info()
 
 
 def table(results: list[dict]) -> str:

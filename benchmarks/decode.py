@@ -1,0 +1,384 @@
+r"""Decode throughput: jaxrl_ga's jitted sampler vs transformers' ``generate``, same weights.
+
+  python benchmarks/decode.py --out=benchmarks/results/decode.json
+
+For each size a random-init Qwen2-architecture model is exported with ``jaxrl_ga.models.hf.export``
+to a temporary directory, and both sides load that directory: ours with ``hf.load_model``,
+PyTorch with ``transformers.AutoModelForCausalLM.from_pretrained`` (float32, eval mode, under
+``torch.inference_mode``, ``torch.set_num_threads`` = the usable cores, ``OMP_WAIT_POLICY=PASSIVE``
+unless set: see below). Both generate from the same left-padded batch of random prompts (ragged
+lengths), the same number of new tokens:
+
+  * ours: ``sampling.make_generate_fn`` (prefill + ``lax.while_loop`` decode, one jit); eos_id is
+    an id outside the vocabulary, so no row stops and the loop runs all ``new_tokens`` steps;
+  * HF: ``model.generate(max_new_tokens=new_tokens)`` with the default dynamic KV cache; the
+    exported config has no eos_token_id, so generation cannot stop early (checked: every row comes
+    back with exactly ``new_tokens`` new tokens).
+
+Modes: greedy, and sampled at temperature 1 with top-k and top-p off on both sides (HF's default
+top_k=50 is disabled). The clock covers one whole call (prefill included) until its tokens exist
+(``jax.block_until_ready`` / torch's return): tokens/s = batch * new_tokens / seconds.
+
+Our two programs are compiled first (compile time reported apart, not in tokens/s); HF's first
+call is a warm-up reported apart. Then rounds alternate the order of the four calls (ours greedy,
+HF greedy, ours sampled, HF sampled; then reversed), and medians are reported, with the speedup
+from the medians and paired within each round.
+
+Profile (``--profile_reps``): after the rounds, ours (greedy) runs under ``jax.profiler``; the
+trace's XLA op events are summed per kind (matmuls, KV-cache writes, the per-layer weight
+slices taken from the stacked params inside the layer scan, copies, the rest) and divided by the
+new tokens: where a decode step's time goes, and how many ops it executes.
+
+Sanity column: the greedy tokens of both sides, compared position by position (float32 on both
+sides; a mismatch would come from a near-tie of the top two logits or from a real bug).
+
+Sizes: tiny = the CPU default model (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads) with
+vocab 32 (the arithmetic task's character tokenizer has 17 ids; 32 as in the other benchmarks);
+big = hidden 512, 8 layers, MLP 1536, 8 heads / 8 kv heads, vocab 32000. Both are Qwen2 models
+(q/k/v biases, zero at init; untied embeddings), float32.
+
+OMP_WAIT_POLICY: on this 2-core machine shared with other jobs, torch's OpenMP threads spin while
+waiting, get preempted, and generate ran 5-7x slower with 2 threads than with 1 (big model, load
+~8). With PASSIVE they sleep instead and 2 threads are faster again. It has to be set before torch
+is loaded, so the script sets it at import (unless the environment already has it); run with
+``OMP_WAIT_POLICY=ACTIVE`` for torch's default.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torch's OpenMP threads read this when torch is loaded (jaxrl_ga.models.hf imports transformers,
+# which imports torch). Spinning threads that get preempted on a CPU shared with other jobs made
+# generate 5-7x slower here; PASSIVE lets them sleep. Set OMP_WAIT_POLICY=ACTIVE to override.
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+
+import collections  # noqa: E402  (after the environment is set)
+import dataclasses  # noqa: E402
+import glob  # noqa: E402
+import gzip  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+import torch
+import transformers
+
+from jaxrl_ga import sampling
+from jaxrl_ga import sharding
+from jaxrl_ga.config import MeshConfig
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+import machine  # benchmarks/machine.py
+
+_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big.')
+_MODES = flags.DEFINE_list('modes', ['greedy', 'sampled'], 'Decoding modes: greedy, sampled.')
+_TINY_VOCAB = flags.DEFINE_integer('tiny_vocab_size', 32, 'Tiny model: vocabulary size.')
+_TINY_BATCH = flags.DEFINE_integer('tiny_batch_size', 32, 'Tiny model: prompts per call.')
+_TINY_PROMPT = flags.DEFINE_integer('tiny_prompt_length', 16, 'Tiny model: padded prompt length.')
+_TINY_NEW = flags.DEFINE_integer('tiny_new_tokens', 32, 'Tiny model: new tokens per row.')
+_TINY_ROUNDS = flags.DEFINE_integer('tiny_rounds', 40, 'Timed rounds, tiny model.')
+_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
+_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
+_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
+_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
+_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_VOCAB = flags.DEFINE_integer('big_vocab_size', 32000, 'Big model: vocabulary size.')
+_BIG_BATCH = flags.DEFINE_integer('big_batch_size', 8, 'Big model: prompts per call.')
+_BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 32, 'Big model: padded prompt length.')
+_BIG_NEW = flags.DEFINE_integer('big_new_tokens', 32, 'Big model: new tokens per row.')
+_BIG_ROUNDS = flags.DEFINE_integer('big_rounds', 10, 'Timed rounds, big model.')
+_TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads; 0 = the '
+                                      'usable cores.')
+_PROFILE_REPS = flags.DEFINE_integer(
+    'profile_reps', 2, 'Greedy calls of ours traced with jax.profiler after the timed rounds, for '
+    'the time per kind of XLA op; 0 skips the profile.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Model init and prompts.')
+_OUT = flags.DEFINE_string('out', 'benchmarks/results/decode.json', 'JSON output.')
+
+PAD_ID = 0  # prompts are left-padded with it; also HF's pad_token_id
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  name: str
+  model: tfm.ModelConfig
+  batch_size: int
+  prompt_length: int
+  new_tokens: int
+  rounds: int
+
+
+def sizes() -> list[Size]:
+  tiny = Size('tiny', tfm.ModelConfig(
+      vocab_size=_TINY_VOCAB.value, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+      max_position_embeddings=_TINY_PROMPT.value + _TINY_NEW.value),
+      batch_size=_TINY_BATCH.value, prompt_length=_TINY_PROMPT.value, new_tokens=_TINY_NEW.value,
+      rounds=_TINY_ROUNDS.value)
+  big = Size('big', tfm.ModelConfig(
+      vocab_size=_BIG_VOCAB.value, hidden_size=_BIG_HIDDEN.value,
+      intermediate_size=_BIG_INTERMEDIATE.value, num_hidden_layers=_BIG_LAYERS.value,
+      num_attention_heads=_BIG_HEADS.value, num_key_value_heads=_BIG_KV_HEADS.value,
+      attention_bias=True, max_position_embeddings=_BIG_PROMPT.value + _BIG_NEW.value),
+      batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value, new_tokens=_BIG_NEW.value,
+      rounds=_BIG_ROUNDS.value)
+  return [s for s in (tiny, big) if s.name in _SIZES.value]
+
+
+def random_prompts(rng: np.random.Generator, size: Size) -> tuple[np.ndarray, np.ndarray]:
+  """Left-padded prompts [B, Tp] of ragged lengths (Tp/4 .. Tp real tokens), ids >= 1."""
+  b, tp, v = size.batch_size, size.prompt_length, size.model.vocab_size
+  lengths = rng.integers(max(1, tp // 4), tp + 1, size=b)
+  mask = (np.arange(tp)[None] >= tp - lengths[:, None]).astype(np.int32)
+  tokens = np.where(mask == 1, rng.integers(1, v, (b, tp)), PAD_ID).astype(np.int32)
+  return tokens, mask
+
+
+def param_count(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+class Ours:
+  """The jitted sampler on params loaded from the exported directory."""
+
+  def __init__(self, model_dir: str, size: Size):
+    _, self.graphdef, self.params = hf.load_model(model_dir)
+    # An eos id outside the vocabulary is never sampled: every row runs all new_tokens steps.
+    sampler = sampling.Sampler(max_completion_length=size.new_tokens,
+                               eos_id=size.model.vocab_size, pad_id=PAD_ID)
+    self.fns = {mode: sampling.make_generate_fn(self.graphdef, sampler,
+                                                greedy=(mode == 'greedy'))
+                for mode in ('greedy', 'sampled')}
+
+  def __call__(self, mode: str, tokens, mask, seed: int) -> np.ndarray:
+    out = self.fns[mode](self.params, tokens, mask, jax.random.key(seed), 1.0, 1.0)
+    out = jax.block_until_ready(out)
+    assert int(out.num_decode_steps) == out.tokens.shape[1], 'the decode loop stopped early'
+    return np.asarray(out.tokens)
+
+
+class Torch:
+  """transformers' generate on the same directory (float32, eval, inference mode)."""
+
+  def __init__(self, model_dir: str):
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                   dtype=torch.float32)
+    self.model.eval()
+    assert self.model.generation_config.eos_token_id is None, 'generate could stop early'
+
+  def __call__(self, mode: str, tokens, mask, seed: int, new_tokens: int) -> np.ndarray:
+    ids = torch.from_numpy(np.asarray(tokens, np.int64))
+    attn = torch.from_numpy(np.asarray(mask, np.int64))
+    kwargs = dict(do_sample=False)
+    if mode == 'sampled':
+      torch.manual_seed(seed)
+      kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+      out = self.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens,
+                                pad_token_id=PAD_ID, **kwargs)
+    new = out[:, ids.shape[1]:].numpy()
+    assert new.shape == (ids.shape[0], new_tokens), f'HF stopped early: {new.shape}'
+    return new
+
+
+def timed(fn, *args):
+  t0 = time.perf_counter()
+  out = fn(*args)
+  return out, time.perf_counter() - t0
+
+
+# -- where our time goes: a jax.profiler trace, summed per kind of XLA op --------------------------
+OP_KINDS = (  # (kind, pattern on the op name without its numeric suffix), first match wins
+    ('matmul', r'^(ynn_fusion|dot)'),
+    ('KV-cache writes (dynamic-update-slice)', r'dynamic-update-slice'),
+    ('layer weight slices (dynamic-slice)', r'dynamic-slice'),
+    ('copy / transpose', r'copy|transpose'),
+    ('other (elementwise, reductions, sampling)', r'.'),
+)
+# Events that are not XLA ops, or that contain other ops (loops, conditionals).
+_NOT_OPS = re.compile(r'^(\$|ThunkExecutor|ThreadpoolListener|PjitFunction|SlinkyThreadPool|'
+                      r'Common|while|conditional|call|end: )')
+
+
+def op_profile(run, reps: int, steps_per_call: int) -> dict:
+  """Traces `reps` calls of run(); per decode step: ms and op executions of each kind."""
+  with tempfile.TemporaryDirectory() as d:
+    t0 = time.perf_counter()
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(reps):
+        run()
+    wall = (time.perf_counter() - t0) / reps
+    (path,) = glob.glob(os.path.join(d, '**', 'perfetto_trace.json.gz'), recursive=True)
+    with gzip.open(path) as f:
+      events = json.load(f)
+  events = events['traceEvents'] if isinstance(events, dict) else events
+  ms, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and not _NOT_OPS.match(e['name']):
+      base = re.sub(r'(\.\d+)+$', '', e['name'])
+      kind = next(k for k, pat in OP_KINDS if re.search(pat, base))
+      ms[kind] += e.get('dur', 0) / 1e3 / reps / steps_per_call
+      count[kind] += 1 / reps / steps_per_call
+  return {'wall_ms_per_step_traced': 1e3 * wall / steps_per_call,
+          'ops_ms_per_step': sum(ms.values()), 'op_executions_per_step': sum(count.values()),
+          'kinds_ms_per_step': dict(ms), 'kinds_executions_per_step': dict(count)}
+
+
+def run_size(size: Size, mesh) -> dict:
+  rng = np.random.default_rng(_SEED.value)
+  tokens, mask = random_prompts(rng, size)
+  with tempfile.TemporaryDirectory() as model_dir:
+    _, params, _ = sharding.init_params(size.model, seed=_SEED.value, mesh=mesh)
+    n_params = param_count(params)
+    hf.export(params, size.model, model_dir)
+    del params
+    ours, theirs = Ours(model_dir, size), Torch(model_dir)
+  modes = list(_MODES.value)
+  sides = {'ours': lambda m, seed: ours(m, tokens, mask, seed),
+           'hf': lambda m, seed: theirs(m, tokens, mask, seed, size.new_tokens)}
+
+  first_call_s = {}  # ours: trace + compile + one run; HF: warm-up call
+  outputs = {}
+  for side, fn in sides.items():
+    for mode in modes:
+      outputs[side, mode], first_call_s[f'{side}/{mode}'] = timed(fn, mode, 0)
+  check = {}
+  if 'greedy' in modes:
+    a, b = outputs['ours', 'greedy'], outputs['hf', 'greedy']
+    same = a == b
+    mismatched_rows = np.flatnonzero(~same.all(axis=1))
+    check = {'greedy_tokens_equal_fraction': float(same.mean()),
+             'greedy_rows_equal_fraction': float(same.all(axis=1).mean()),
+             'first_mismatch': (None if not len(mismatched_rows) else
+                                {'row': int(mismatched_rows[0]),
+                                 'position': int(np.argmin(same[mismatched_rows[0]]))})}
+
+  calls = [(side, mode) for mode in modes for side in sides]
+  times = {c: [] for c in calls}
+  loads = []
+  t_start = time.perf_counter()
+  for r in range(size.rounds):
+    for side, mode in (calls if r % 2 == 0 else calls[::-1]):
+      _, dt = timed(sides[side], mode, r + 1)
+      times[side, mode].append(dt)
+    loads.append(os.getloadavg()[0])
+  timing_s = time.perf_counter() - t_start
+  result = summarize(size, n_params, times, first_call_s, check, loads, timing_s)
+  result['profile_ours_greedy'] = (op_profile(
+      lambda: sides['ours']('greedy', 0), _PROFILE_REPS.value, size.new_tokens)
+                                   if _PROFILE_REPS.value else {})
+  return result
+
+
+def summarize(size, n_params, times, first_call_s, check, loads, timing_s) -> dict:
+  new = size.batch_size * size.new_tokens
+  out = {'size': size.name, 'model': dataclasses.asdict(size.model), 'param_count': n_params,
+         'batch_size': size.batch_size, 'prompt_length': size.prompt_length,
+         'new_tokens': size.new_tokens, 'rounds': size.rounds, 'timing_wall_s': timing_s,
+         'first_call_s': first_call_s, 'check': check,
+         'load_avg_1min': {'median': statistics.median(loads), 'max': max(loads)},
+         'modes': {}}
+  for mode in sorted({m for _, m in times}):
+    ours, theirs = np.asarray(times['ours', mode]), np.asarray(times['hf', mode])
+    paired = theirs / ours
+    out['modes'][mode] = {
+        'ours_s_median': float(np.median(ours)), 'hf_s_median': float(np.median(theirs)),
+        'ours_tokens_per_s': new / float(np.median(ours)),
+        'hf_tokens_per_s': new / float(np.median(theirs)),
+        'speedup_from_medians': float(np.median(theirs) / np.median(ours)),
+        'speedup_paired_median': float(np.median(paired)),
+        'speedup_paired_p25_p75': [float(np.percentile(paired, 25)),
+                                   float(np.percentile(paired, 75))],
+        'raw_ours_s': ours.round(5).tolist(), 'raw_hf_s': theirs.round(5).tolist(),
+    }
+  return out
+
+
+def machine_info() -> dict:
+  return machine.machine_info(torch_threads=torch.get_num_threads(),
+                              omp_wait_policy=os.environ.get('OMP_WAIT_POLICY', ''))
+
+
+def table(results: list[dict]) -> str:
+  lines = ['| size | params | vocab | B × (prompt + new) | mode | ours compile s | ours ms | '
+           'HF ms | ours tok/s | HF tok/s | speedup (paired, IQR) | greedy tokens equal |',
+           '|' + '---|' * 12]
+  for r in results:
+    for mode, d in r['modes'].items():
+      lo, hi = d['speedup_paired_p25_p75']
+      eq = ''
+      if mode == 'greedy' and r['check']:
+        c = r['check']
+        eq = (f"{100 * c['greedy_tokens_equal_fraction']:.1f}% of tokens, "
+              f"{100 * c['greedy_rows_equal_fraction']:.0f}% of rows")
+      lines.append(
+          f"| {r['size']} | {r['param_count'] / 1e6:.2f}M | {r['model']['vocab_size']} | "
+          f"{r['batch_size']} × ({r['prompt_length']} + {r['new_tokens']}) | {mode} | "
+          f"{r['first_call_s'][f'ours/{mode}']:.1f} | {1e3 * d['ours_s_median']:.1f} | "
+          f"{1e3 * d['hf_s_median']:.1f} | {d['ours_tokens_per_s']:.0f} | "
+          f"{d['hf_tokens_per_s']:.0f} | {d['speedup_from_medians']:.2f}× "
+          f"({d['speedup_paired_median']:.2f}×, {lo:.2f}..{hi:.2f}) | {eq} |")
+  lines += ['', '| size | rounds | load avg (median, max) | HF warm-up call s |',
+            '|---|---|---|---|']
+  for r in results:
+    la = r['load_avg_1min']
+    warm = ', '.join(f"{k.split('/')[1]} {v:.2f}" for k, v in r['first_call_s'].items()
+                     if k.startswith('hf/'))
+    lines.append(f"| {r['size']} | {r['rounds']} | {la['median']:.2f}, {la['max']:.2f} | "
+                 f"{warm} |")
+  if any(r['profile_ours_greedy'] for r in results):
+    kinds = [k for k, _ in OP_KINDS]
+    lines += ['', '| size | ours greedy, per decode step (traced, prefill included) | '
+              'wall ms | XLA ops ms | op executions | ' + ' | '.join(f'{k} ms' for k in kinds) +
+              ' |', '|' + '---|' * (5 + len(kinds))]
+    for r in results:
+      p = r['profile_ours_greedy']
+      if p:
+        lines.append(f"| {r['size']} | | {p['wall_ms_per_step_traced']:.2f} | "
+                     f"{p['ops_ms_per_step']:.2f} | {p['op_executions_per_step']:.0f} | " +
+                     ' | '.join(f"{p['kinds_ms_per_step'].get(k, 0.0):.2f}" for k in kinds) +
+                     ' |')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  torch.set_num_threads(_TORCH_THREADS.value or len(os.sched_getaffinity(0)))
+  transformers.logging.set_verbosity_error()
+  info = machine_info()
+  print(json.dumps(info))
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  results = []
+  for size in sizes():
+    print(f'== {size.name}: {size.model}', flush=True)
+    results.append(run_size(size, mesh))
+    print(f"   greedy check: {json.dumps(results[-1]['check'])}", flush=True)
+  info['load_avg_end'] = os.getloadavg()
+  print()
+  print(table(results))
+  for r in results:
+    for mode, d in r['modes'].items():
+      verdict = 'meets' if d['speedup_from_medians'] >= 5 else 'misses'
+      print(f"{r['size']} {mode}: {d['speedup_from_medians']:.2f}× generate ({verdict} the 5× "
+            'target).')
+  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
+  with open(_OUT.value, 'w') as f:
+    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+        'sizes', 'modes', 'tiny_vocab_size', 'tiny_batch_size', 'tiny_prompt_length',
+        'tiny_new_tokens', 'tiny_rounds', 'big_hidden_size', 'big_layers',
+        'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size', 'big_batch_size',
+        'big_prompt_length', 'big_new_tokens', 'big_rounds', 'torch_threads', 'profile_reps',
+        'seed')}, 'results': results},
+              f, indent=1)
+  print(f'wrote {_OUT.value}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,41 @@
+"""What every benchmark's JSON records about the machine it ran on (imported by the scripts in
+this directory, which run as ``python benchmarks/NAME.py``)."""
+
+import datetime
+import importlib.metadata
+import os
+import platform
+
+_PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'transformers', 'torch', 'trl')
+
+
+def cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      return next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
+  except (OSError, StopIteration):
+    return platform.processor()
+
+
+def machine_info(**extra) -> dict:
+  """Date (UTC), CPU, cores, memory, Python and package versions, JAX's devices, the load
+  average now; ``extra`` entries are added (a script's own settings)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  versions = {}
+  for name in _PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  try:
+    with open('/proc/meminfo', encoding='utf-8') as f:
+      mem_gib = next(int(l.split()[1]) for l in f if l.startswith('MemTotal')) / 2**20
+  except (OSError, StopIteration):
+    mem_gib = None
+  dev = jax.devices()[0]
+  return {'date_utc': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'hostname': platform.node(), 'cpu_model': cpu_model(), 'cpu_count': os.cpu_count(),
+          'cpus_usable': len(os.sched_getaffinity(0)), 'mem_total_gib': mem_gib,
+          'python': platform.python_version(), **versions,
+          'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
+          'load_avg_start': os.getloadavg(), **extra}
