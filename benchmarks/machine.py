@@ -5,8 +5,12 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import subprocess
 
-_PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'transformers', 'torch', 'trl')
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'transformers', 'torch', 'trl',
+             'accelerate')
 
 
 def cpu_model() -> str:
@@ -17,9 +21,22 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def git_state() -> dict:
+  """The commit and the locally modified files of the checkout being measured."""
+  def git(*args):
+    try:
+      return subprocess.run(['git', *args], cwd=_REPO, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+      return None
+  status = git('status', '--short')
+  return {'git_commit': git('rev-parse', 'HEAD'),
+          'git_modified': status.splitlines() if status else []}
+
+
 def machine_info(**extra) -> dict:
-  """Date (UTC), CPU, cores, memory, Python and package versions, JAX's devices, the load
-  average now; ``extra`` entries are added (a script's own settings)."""
+  """Date (UTC), CPU, cores, memory, Python and package versions, JAX's devices, the git commit,
+  the load average now; ``extra`` entries are added (a script's own settings)."""
   import jax  # pylint: disable=g-import-not-at-top
   versions = {}
   for name in _PACKAGES:
@@ -38,4 +55,4 @@ def machine_info(**extra) -> dict:
           'cpus_usable': len(os.sched_getaffinity(0)), 'mem_total_gib': mem_gib,
           'python': platform.python_version(), **versions,
           'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
-          'load_avg_start': os.getloadavg(), **extra}
+          'load_avg_start': os.getloadavg(), **git_state(), **extra}

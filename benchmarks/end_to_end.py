@@ -1,0 +1,657 @@
+r"""Wall time per GRPO optimizer step (rollout + learn): jaxrl_ga's trainer vs TRL's GRPOTrainer.
+
+  python benchmarks/end_to_end.py --out=benchmarks/results/end_to_end.json
+
+Both sides train the same model on the same data with the same schedule, on CPU in float32:
+
+  * model: a Qwen2-architecture model initialised at random by jaxrl_ga and exported with
+    ``jaxrl_ga.models.hf.export`` to an HF directory (config.json, model.safetensors and the
+    arithmetic task's character tokenizer); jaxrl_ga loads it with ``model.hf_path``, TRL with
+    ``GRPOTrainer(model=<that directory>)``. Before training, the per-token log-probs of both models
+    on the same prompt + completion tokens are compared (``logp_check``).
+  * data: the arithmetic task's training prompts in the same order (``train_example(i, seed)``;
+    TRL with ``shuffle_dataset=False``), and the task's reward functions (exact match, weight 1,
+    and well-formed integer, weight 0.1; TRL's signature is theirs already).
+  * schedule: B completions per micro-step (TRL ``per_device_train_batch_size``), G per prompt,
+    S micro-steps per rollout (``steps_per_generation``), mu passes (``num_iterations``), K
+    micro-steps per optimizer step (``gradient_accumulation_steps``); prompt / completion lengths;
+    beta = 0, token-level loss (TRL 'dapo'), clipping 0.2 / 0.28, group-scaled advantages, AdamW
+    at a constant 1e-4 with global-norm clipping at 1. TRL has no prompt-length setting any more
+    (``max_prompt_length`` is gone from GRPOConfig; prompts are not truncated): the arithmetic
+    prompts (<= 6 tokens) fit jaxrl_ga's max_prompt_length, so both see the same prompt tokens.
+  * equal work: ``--force_full_length`` (default) makes every completion exactly
+    max_completion_length tokens on both sides: TRL with ``generation_kwargs={'min_new_tokens': L}``
+    (EOS suppressed), jaxrl_ga with an EOS id outside the vocabulary (never stops). The mean
+    completion lengths of both are reported.
+
+The loops: jaxrl_ga's ``GRPOTrainer.run`` in the main thread and TRL's ``Trainer.train`` in a
+second thread take turns: each runs one schedule period (lcm(K, S*mu) micro-steps: the same
+rollouts, old-log-prob work and optimizer steps every period) while the other waits on a condition
+variable, so both see the same machine load. A period's wall time runs from the moment a side gets
+its turn to the end of its last optimizer step (jaxrl_ga: the emitting learner step is waited for;
+TRL is synchronous), so each side's host work between steps (logging, data) counts. The first
+``warmup_periods`` periods (jit compilation for jaxrl_ga, first calls for torch) are reported apart.
+Per-phase times come from wrappers around each side's own functions:
+
+  * jaxrl_ga: ``engine.rollout`` (generation and old log-probs, one jitted step), the rest of
+    ``_new_rollout`` (decode, rewards, advantages on the host), ``learner.step`` (each waited for).
+  * TRL: ``_generate`` (tokenize, ``model.generate``, decode), ``_calculate_rewards``, the no-grad
+    calls of ``_get_per_token_logps_and_entropies`` (old log-probs), ``training_step`` minus
+    ``_generate_and_score_completions`` (learn).
+
+Step counts are checked on both sides: TRL's micro-steps (``training_step`` calls, B rows each) =
+K x optimizer steps, one generation of S*B completions every S*mu micro-steps, and its
+``current_gradient_accumulation_steps`` always K; jaxrl_ga's optimizer steps and rollouts likewise.
+Old-log-prob forward passes are counted in slice units (one pass over B completions).
+
+Settings that cannot match exactly (see the JSON's ``settings``): TRL's ``gradient_checkpointing``
+defaults to True and its ``bf16`` to True; both are set False here because jaxrl_ga neither
+rematerialises nor runs bf16 in this comparison. ``disable_tqdm`` and ``report_to='none'`` only
+silence output. Everything else is TRL's default. TRL's old log-prob rule recomputes every rollout
+whenever K % (S*mu) != 0 (K=3, S=2: all three rollouts of a period); jaxrl_ga's slice rule one slice
+in six: that difference is part of what is measured.
+
+Sizes: ``tiny`` is ``configs/grpo_arith.py`` (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads;
+B=64, G=8, S=2, K=3, prompts <= 8 tokens, 5 completion tokens). ``big`` is hidden 512, 8 layers,
+MLP 1536, 8 heads with the same schedule and lengths but B=16 (a rollout of 32 completions, 4
+prompts; B=64 would cost ~4x the 2-4 s per optimizer step measured at B=16, per side). Both models
+keep the character tokenizer's 17-token vocabulary (27.3M params; no large embedding / softmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from absl import app
+from absl import flags
+import datasets
+import jax
+import numpy as np
+import torch
+import transformers
+import trl
+
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga.config import load_config_file
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import grpo
+import machine  # benchmarks/machine.py
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main_lib():
+  """jaxrl_ga.main, imported after flag parsing (it defines the CLI's own required flags)."""
+  from jaxrl_ga import main  # pylint: disable=g-import-not-at-top
+  return main
+
+_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which sizes to run: tiny, big.')
+_CONFIG = flags.DEFINE_string('base_config', os.path.join(REPO, 'configs', 'grpo_arith.py'),
+                              'Config file whose GRPO settings and tiny model are the baseline.')
+_G = flags.DEFINE_integer('num_generations', None, 'G; default: the config\'s.')
+_S = flags.DEFINE_integer('steps_per_generation', None, 'S; default: the config\'s.')
+_MU = flags.DEFINE_integer('num_iterations', None, 'mu; default: the config\'s.')
+_K = flags.DEFINE_integer('grad_accum_steps', None, 'K; default: the config\'s.')
+_PROMPT_LEN = flags.DEFINE_integer('max_prompt_length', None, 'Default: the config\'s.')
+_COMPLETION_LEN = flags.DEFINE_integer('max_completion_length', None, 'Default: the config\'s.')
+_TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', None,
+                                   'Tiny: B; default: the config\'s.')
+_TINY_PERIODS = flags.DEFINE_integer('tiny_periods', 20, 'Tiny: timed periods per side.')
+_BIG_BATCH = flags.DEFINE_integer('big_micro_batch_size', 16, 'Big: B completions per micro-step.')
+_BIG_PERIODS = flags.DEFINE_integer('big_periods', 10, 'Big: timed periods per side.')
+_WARMUP = flags.DEFINE_integer('warmup_periods', 1, 'Untimed periods per side (compile, warmup).')
+_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
+_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
+_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
+_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
+_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_FULL_LENGTH = flags.DEFINE_bool(
+    'force_full_length', True, 'Every completion exactly max_completion_length tokens, both sides.')
+_TORCH_THREADS = flags.DEFINE_integer('torch_threads', None,
+                                      'torch.set_num_threads; default: the usable CPU cores.')
+_WORKDIR = flags.DEFINE_string('scratch_dir', None, 'Scratch directory (default: a temporary one).')
+_OUT = flags.DEFINE_string('out', 'benchmarks/results/end_to_end.json', 'JSON output.')
+
+SIDES = ('jaxrl_ga', 'trl')
+PHASES = ('generate', 'rewards_host', 'old_logps', 'learn')
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  name: str
+  model: Optional[dict]  # ModelSpec overrides; None keeps the config's model
+  micro_batch_size: Optional[int]  # None keeps the config's
+  periods: int
+
+
+def sizes() -> list[Size]:
+  big_model = dict(hidden_size=_BIG_HIDDEN.value, intermediate_size=_BIG_INTERMEDIATE.value,
+                   num_hidden_layers=_BIG_LAYERS.value, num_attention_heads=_BIG_HEADS.value,
+                   num_key_value_heads=_BIG_KV_HEADS.value)
+  all_sizes = [Size('tiny', None, _TINY_BATCH.value, _TINY_PERIODS.value),
+               Size('big', big_model, _BIG_BATCH.value, _BIG_PERIODS.value)]
+  return [s for s in all_sizes if s.name in _SIZES.value]
+
+
+# -- taking turns ----------------------------------------------------------------------------------
+class Turns:
+  """Two loops in two threads take turns: one runs while the other waits (no CPU used)."""
+
+  def __init__(self, first: str):
+    self._cond = threading.Condition()
+    self._turn = first
+    self._finished: set[str] = set()
+
+  def wait_turn(self, me: str, other: str) -> None:
+    with self._cond:
+      self._cond.wait_for(lambda: self._turn == me or other in self._finished)
+
+  def hand_over(self, me: str, other: str) -> None:
+    """Gives the turn to ``other`` and waits until it comes back (or ``other`` has finished)."""
+    with self._cond:
+      self._turn = other
+      self._cond.notify_all()
+      self._cond.wait_for(lambda: self._turn == me or other in self._finished)
+
+  def finish(self, me: str, other: str) -> None:
+    with self._cond:
+      self._finished.add(me)
+      self._turn = other
+      self._cond.notify_all()
+
+
+class PeriodClock:
+  """Per-period wall time and per-phase sums for one side."""
+
+  def __init__(self):
+    self.periods: list[dict[str, float]] = []
+    self._start: Optional[float] = None
+    self._phases: dict[str, float] = {}
+    self.steps_in_period = 0
+
+  def start(self) -> None:
+    self._start = time.perf_counter()
+    self._phases = {p: 0.0 for p in PHASES}
+    self.steps_in_period = 0
+
+  @property
+  def running(self) -> bool:
+    return self._start is not None
+
+  def add(self, phase: str, seconds: float) -> None:
+    if self.running:
+      self._phases[phase] += seconds
+
+  def end(self) -> None:
+    wall = time.perf_counter() - self._start
+    self.periods.append({'wall': wall, **self._phases,
+                         'other': wall - sum(self._phases.values()),
+                         'load_avg_1min': os.getloadavg()[0]})
+    self._start = None
+
+
+def timed_call(fn: Callable, *args, block: bool = False, **kwargs):
+  t0 = time.perf_counter()
+  out = fn(*args, **kwargs)
+  if block:
+    out = jax.block_until_ready(out)
+  return out, time.perf_counter() - t0
+
+
+# -- configs and the shared model ------------------------------------------------------------------
+def base_config(size: Size, num_steps: int):
+  """The config file's GRPO-only run with this size's model, batch and the schedule flags."""
+  c = load_config_file(_CONFIG.value)
+  c.stages = 'grpo'
+  if size.model:
+    c.model.update(size.model)
+  overrides = dict(micro_batch_size=size.micro_batch_size, num_generations=_G.value,
+                   steps_per_generation=_S.value, num_iterations=_MU.value,
+                   grad_accum_steps=_K.value)
+  c.grpo.schedule.update({k: v for k, v in overrides.items() if v is not None})
+  lengths = dict(max_prompt_length=_PROMPT_LEN.value, max_completion_length=_COMPLETION_LEN.value)
+  c.grpo.sampling.update({k: v for k, v in lengths.items() if v is not None})
+  c.model.max_position_embeddings = max(
+      c.model.max_position_embeddings,
+      c.grpo.sampling.max_prompt_length + c.grpo.sampling.max_completion_length)
+  # The timed loop only: tiny held-out evals before/after, one checkpoint at the very end.
+  c.grpo.update(num_steps=num_steps, eval_every=0)
+  c.eval.update(num_examples=8, batch_size=8)
+  c.checkpoint.update(every_steps=0)
+  return c
+
+
+def export_random_model(config_dict, model_dir: str, workdir: str) -> None:
+  """jaxrl_ga's random init of the config's model, written as an HF directory with the task's
+  tokenizer."""
+  cfg = main_lib().load_run_config(config_dict)
+  ctx, params = main_lib().build_context(cfg, workdir)
+  ctx.writer.close()
+  hf.export(params, ctx.model_cfg, model_dir, tokenizer=ctx.tokenizer)
+
+
+@dataclasses.dataclass
+class NeverEndingContext(common.RunContext):
+  """A RunContext whose sampler EOS id lies outside the vocabulary: every completion runs to
+  max_completion_length (the sampler's documented 'never stops' id)."""
+
+  @property
+  def eos_id(self) -> int:
+    return self.model_cfg.vocab_size
+
+
+# -- jaxrl_ga --------------------------------------------------------------------------------------
+class OurSide:
+  """jaxrl_ga's GRPOTrainer with timing wrappers around its engine, host rollout and learner."""
+
+  def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int):
+    ctx, self.params = main_lib().build_context(cfg, workdir)
+    if _FULL_LENGTH.value:
+      ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
+    self.ctx, self.cfg = ctx, cfg
+    self.trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+    self.turns, self.period_steps, self.total_periods = turns, period_steps, total_periods
+    self.clock = PeriodClock()
+    self.k = cfg.grpo.schedule.grad_accum_steps
+    self.micro_steps = 0
+    self.completion_lengths: list[float] = []
+    self.rollout_rows: list[int] = []
+    self._rollout_s = 0.0
+    self._wrap()
+
+  def _wrap(self):
+    tr = self.trainer
+    # The engine's jitted rollout step (both of its entry points call it).
+    engine_step, new_rollout, learner_step = tr.engine._step, tr._new_rollout, tr.learner.step
+
+    def rollout(*args):
+      out, dt = timed_call(engine_step, *args, block=True)
+      self.clock.add('generate', dt)  # generation + old log-probs: one jitted step
+      self._rollout_s = dt
+      self.rollout_rows.append(int(np.prod(out[0].completion_tokens.shape[:2])))
+      return out
+
+    def host_rollout(state, meta):
+      if not self.clock.running:  # the first period starts with the first rollout
+        self.clock.start()
+      (state, stats), dt = timed_call(new_rollout, state, meta)
+      self.clock.add('rewards_host', dt - self._rollout_s)
+      self.completion_lengths.append(stats['rollout/completion_length'])
+      return state, stats
+
+    def step(state, batch):
+      (state, out), dt = timed_call(learner_step, state, batch, block=True)
+      self.clock.add('learn', dt)
+      self.micro_steps += 1
+      if self.micro_steps % self.k == 0:
+        self.clock.steps_in_period += 1
+        if self.clock.steps_in_period == self.period_steps:
+          self.clock.end()
+          self.turns.hand_over('jaxrl_ga', 'trl')
+          if len(self.clock.periods) < self.total_periods:
+            self.clock.start()
+      return state, out
+
+    tr.engine._step = rollout  # pylint: disable=protected-access
+    tr._new_rollout = host_rollout  # pylint: disable=protected-access
+    tr.learner.step = step
+
+  def logps(self, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> np.ndarray:
+    graphdef = self.ctx.graphdef
+    fn = jax.jit(lambda p, *xs: learner_lib.completion_logps(tfm.merge(graphdef, p), *xs)[0])
+    return np.asarray(fn(self.params, prompt_tokens, prompt_mask, completion_tokens,
+                         completion_mask))
+
+  def run(self) -> dict[str, Any]:
+    _, summary = self.trainer.run(self.params)
+    return summary
+
+
+# -- TRL -------------------------------------------------------------------------------------------
+class TurnCallback(transformers.TrainerCallback):
+  """Ends TRL's period after every ``period_steps`` optimizer steps and hands the turn over."""
+
+  def __init__(self, side: 'TrlSide'):
+    self.side = side
+
+  def on_step_begin(self, args, state, control, **kwargs):
+    if not self.side.clock.running:
+      self.side.clock.start()
+
+  def on_step_end(self, args, state, control, **kwargs):
+    side = self.side
+    side.clock.steps_in_period += 1
+    if side.clock.steps_in_period == side.period_steps:
+      side.clock.end()
+      if state.global_step < state.max_steps:
+        side.turns.hand_over('trl', 'jaxrl_ga')
+        side.clock.start()
+
+
+class TrlSide:
+  """TRL's GRPOTrainer on the exported directory, with the same settings, and counters."""
+
+  def __init__(self, cfg, model_dir: str, output_dir: str, turns: Turns, period_steps: int,
+               num_steps: int, task):
+    g = cfg.grpo
+    sched, sampling, loss = g.schedule, g.sampling, g.loss
+    self.turns, self.period_steps = turns, period_steps
+    self.clock = PeriodClock()
+    n_prompts = num_steps * sched.grad_accum_steps * sched.micro_batch_size // sched.num_generations
+    examples = [task.train_example(i, cfg.seed) for i in range(n_prompts)]
+    dataset = datasets.Dataset.from_dict({'prompt': [e.prompt for e in examples],
+                                          'answer': [e.answer for e in examples]})
+    rewards = task.reward_functions()
+    gen_kwargs = {'min_new_tokens': sampling.max_completion_length} if _FULL_LENGTH.value else None
+    self.settings = dict(
+        per_device_train_batch_size=sched.micro_batch_size,
+        num_generations=sched.num_generations,
+        steps_per_generation=sched.steps_per_generation,
+        num_iterations=sched.num_iterations,
+        gradient_accumulation_steps=sched.grad_accum_steps,
+        max_completion_length=sampling.max_completion_length,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        beta=loss.beta, epsilon=loss.epsilon_low, epsilon_high=loss.epsilon_high,
+        loss_type={'token': 'dapo', 'sequence': 'grpo', 'constant': 'dr_grpo'}[loss.aggregation],
+        scale_rewards=g.advantage.scale_rewards,
+        reward_weights=[r.weight for r in rewards],
+        learning_rate=g.optimizer.learning_rate, lr_scheduler_type='constant',
+        weight_decay=g.optimizer.weight_decay, max_grad_norm=g.optimizer.max_grad_norm,
+        adam_beta1=g.optimizer.b1, adam_beta2=g.optimizer.b2, adam_epsilon=g.optimizer.eps,
+        max_steps=num_steps, seed=cfg.seed, shuffle_dataset=False,
+        generation_kwargs=gen_kwargs,
+        bf16=False, gradient_checkpointing=False, use_cpu=True,
+        report_to='none', save_strategy='no', disable_tqdm=True,
+    )
+    args = trl.GRPOConfig(output_dir=output_dir, **self.settings)
+    self.trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in rewards],
+                                   args=args, train_dataset=dataset,
+                                   callbacks=[TurnCallback(self)])
+    self.counts = dict(training_steps=0, rows_per_training_step=set(), generations=0,
+                       rows_per_generation=set(), old_logp_passes=0, accumulation_steps=set())
+    self.completion_lengths: list[float] = []
+    self.error: Optional[BaseException] = None
+    self.threads_in_thread = 0
+    self._scored_s = 0.0  # time inside _generate_and_score_completions, so far
+    self._originals: dict[str, Callable] = {}
+    self._wrap()
+
+  def _wrap(self):
+    tr, counts, clock = self.trainer, self.counts, self.clock
+    originals = self._originals
+    originals.update(training_step=tr.training_step,
+                     generate_and_score=tr._generate_and_score_completions,
+                     generate=tr._generate, rewards=tr._calculate_rewards,
+                     logps=tr._get_per_token_logps_and_entropies, compute_loss=tr._compute_loss)
+
+    def training_step(model, inputs, num_items_in_batch):
+      before = self._scored_s
+      out, dt = timed_call(originals['training_step'], model, inputs, num_items_in_batch)
+      clock.add('learn', dt - (self._scored_s - before))
+      counts['training_steps'] += 1
+      counts['accumulation_steps'].add(int(tr.current_gradient_accumulation_steps))
+      return out
+
+    def generate_and_score(inputs):
+      out, dt = timed_call(originals['generate_and_score'], inputs)
+      self._scored_s += dt
+      counts['generations'] += 1
+      counts['rows_per_generation'].add(int(out['completion_ids'].shape[0]))
+      self.completion_lengths.append(float(out['completion_mask'].sum(1).float().mean()))
+      return out
+
+    def compute_loss(model, inputs):  # inputs: the micro-batch (a slice of the rollout)
+      counts['rows_per_training_step'].add(int(inputs['completion_ids'].shape[0]))
+      return originals['compute_loss'](model, inputs)
+
+    def generate(prompts):
+      out, dt = timed_call(originals['generate'], prompts)
+      clock.add('generate', dt)
+      return out
+
+    def calculate_rewards(*args):
+      out, dt = timed_call(originals['rewards'], *args)
+      clock.add('rewards_host', dt)
+      return out
+
+    def logps(model, input_ids, *args, **kwargs):
+      out, dt = timed_call(originals['logps'], model, input_ids, *args, **kwargs)
+      if not torch.is_grad_enabled():  # the old-log-prob pass (beta = 0: no reference model)
+        clock.add('old_logps', dt)
+        batch = kwargs.get('batch_size') or input_ids.shape[0]
+        counts['old_logp_passes'] += -(-input_ids.shape[0] // batch)
+      return out
+
+    tr.training_step = training_step
+    tr._generate_and_score_completions = generate_and_score  # pylint: disable=protected-access
+    tr._compute_loss = compute_loss  # pylint: disable=protected-access
+    tr._generate = generate  # pylint: disable=protected-access
+    tr._calculate_rewards = calculate_rewards  # pylint: disable=protected-access
+    tr._get_per_token_logps_and_entropies = logps  # pylint: disable=protected-access
+
+  def logps(self, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> np.ndarray:
+    ids = torch.as_tensor(np.concatenate([prompt_tokens, completion_tokens], 1), dtype=torch.long)
+    mask = torch.as_tensor(np.concatenate([prompt_mask, completion_mask], 1), dtype=torch.long)
+    with torch.no_grad():
+      out, _, _ = self._originals['logps'](self.trainer.model, ids, mask,
+                                           completion_tokens.shape[1])
+    return out.numpy()
+
+  def thread_main(self, threads: int) -> None:
+    torch.set_num_threads(threads)  # the intra-op pool of this thread
+    self.threads_in_thread = torch.get_num_threads()
+    try:
+      self.turns.wait_turn('trl', 'jaxrl_ga')
+      self.trainer.train()
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
+    finally:
+      self.turns.finish('trl', 'jaxrl_ga')
+
+
+# -- one size --------------------------------------------------------------------------------------
+def logp_check(ours: OurSide, theirs: TrlSide, task, cfg) -> dict[str, float]:
+  """Per-token log-probs of the same prompt + completion tokens under both loaded models."""
+  tok = ours.ctx.tokenizer
+  sampling = cfg.grpo.sampling
+  examples = [task.train_example(i, cfg.seed + 1) for i in range(8)]
+  prompts = [common.encode(tok, e.prompt) for e in examples]
+  pt, pm = common.left_pad(prompts, sampling.max_prompt_length, ours.ctx.pad_id, 'prompt')
+  rng = np.random.default_rng(0)
+  ct = rng.integers(3, len(tok), (len(prompts), sampling.max_completion_length)).astype(np.int32)
+  cm = np.ones_like(ct)
+  a, b = ours.logps(pt, pm, ct, cm), theirs.logps(pt, pm, ct, cm)
+  return {'max_abs_diff': float(np.max(np.abs(a - b))), 'mean_logp': float(a.mean())}
+
+
+def run_size(size: Size, workdir: str, threads: int) -> dict[str, Any]:
+  probe = main_lib().load_run_config(base_config(size, 1))
+  sched = probe.grpo.schedule
+  k, e = sched.grad_accum_steps, sched.steps_per_generation * sched.num_iterations
+  period_steps = int(np.lcm(k, e)) // k  # optimizer steps per schedule period
+  total_periods = _WARMUP.value + size.periods
+  num_steps = int(period_steps * total_periods)
+  config_dict = base_config(size, num_steps)
+  model_dir = os.path.join(workdir, f'{size.name}_hf')
+  export_random_model(config_dict, model_dir, os.path.join(workdir, f'{size.name}_init'))
+  config_dict.model.hf_path = model_dir
+  cfg = main_lib().load_run_config(config_dict)
+
+  turns = Turns(first='jaxrl_ga')
+  ours = OurSide(cfg, os.path.join(workdir, f'{size.name}_ours'), turns, period_steps,
+                 total_periods)
+  task = ours.ctx.task
+  theirs = TrlSide(cfg, model_dir, os.path.join(workdir, f'{size.name}_trl'), turns,
+                   period_steps, num_steps, task)
+  check = logp_check(ours, theirs, task, cfg)
+  print(f'   log-probs of both loaded models agree to {check["max_abs_diff"]:.2e}', flush=True)
+
+  thread = threading.Thread(target=theirs.thread_main, args=(threads,), daemon=True)
+  thread.start()
+  t0 = time.perf_counter()
+  try:
+    summary = ours.run()
+  finally:
+    turns.finish('jaxrl_ga', 'trl')
+  thread.join()
+  wall = time.perf_counter() - t0
+  if theirs.error is not None:
+    raise theirs.error
+
+  n_params = {'jaxrl_ga': int(sum(np.prod(x.shape) for x in jax.tree.leaves(ours.params))),
+              'trl': int(sum(p.numel() for p in theirs.trainer.model.parameters()))}
+  trl_state = theirs.trainer.state
+  counts = theirs.counts
+  steps = {
+      'jaxrl_ga': dict(optimizer_steps=int(summary['grpo/optimizer_steps']),
+                       micro_steps=ours.micro_steps, rollouts=int(summary['grpo/rollouts']),
+                       rows_per_rollout=sorted(set(ours.rollout_rows)),
+                       old_logp_passes=int(summary['grpo/old_logprob_forward_passes'])),
+      'trl': dict(optimizer_steps=int(trl_state.global_step),
+                  micro_steps=counts['training_steps'], rollouts=counts['generations'],
+                  rows_per_micro_step=sorted(counts['rows_per_training_step']),
+                  rows_per_rollout=sorted(counts['rows_per_generation']),
+                  accumulation_steps_seen=sorted(counts['accumulation_steps']),
+                  old_logp_passes=counts['old_logp_passes']),
+  }
+  b, s = sched.micro_batch_size, sched.steps_per_generation
+  for side in SIDES:
+    st = steps[side]
+    assert st['optimizer_steps'] == num_steps, (side, st)
+    assert st['micro_steps'] == k * num_steps, (side, st)
+    assert st['rollouts'] == k * num_steps // e, (side, st)
+    assert st['rows_per_rollout'] == [s * b], (side, st)
+  assert steps['trl']['rows_per_micro_step'] == [b], steps['trl']
+  assert steps['trl']['accumulation_steps_seen'] == [k], steps['trl']
+
+  return summarize(size, cfg, period_steps, num_steps, {
+      'jaxrl_ga': ours.clock.periods, 'trl': theirs.clock.periods}, steps, n_params, check,
+      {'jaxrl_ga': ours.completion_lengths, 'trl': theirs.completion_lengths},
+      theirs.settings, wall, ours.trainer.table.counts,
+      theirs.threads_in_thread)
+
+
+def summarize(size, cfg, period_steps, num_steps, periods, steps, n_params, check, lengths,
+              trl_settings, wall, table_counts, trl_threads) -> dict[str, Any]:
+  warm = _WARMUP.value
+  sched, sampling = cfg.grpo.schedule, cfg.grpo.sampling
+  out = {
+      'size': size.name, 'model': dataclasses.asdict(cfg.model), 'param_count': n_params,
+      'schedule': dataclasses.asdict(sched),
+      'max_prompt_length': sampling.max_prompt_length,
+      'max_completion_length': sampling.max_completion_length,
+      'period_optimizer_steps': int(period_steps), 'optimizer_steps': num_steps,
+      'warmup_periods': warm, 'timed_periods': len(periods['jaxrl_ga']) - warm,
+      'steps': steps, 'schedule_counts_per_period': table_counts,
+      'logp_check': check, 'trl_settings': trl_settings, 'trl_torch_threads': trl_threads,
+      'wall_s': wall, 'sides': {},
+  }
+  for side in SIDES:
+    rows = periods[side]
+    timed = rows[warm:]
+    per_step = [r['wall'] / period_steps for r in timed]
+    out['sides'][side] = {
+        'warmup_period_s': [r['wall'] for r in rows[:warm]],
+        's_per_step_median': statistics.median(per_step),
+        's_per_step_p25_p75': [float(np.percentile(per_step, 25)),
+                               float(np.percentile(per_step, 75))],
+        'phase_s_per_step_median': {p: statistics.median(r[p] / period_steps for r in timed)
+                                    for p in (*PHASES, 'other')},
+        'mean_completion_length': float(np.mean(lengths[side])),
+        'load_avg_1min': [r['load_avg_1min'] for r in timed],
+        'raw_periods': rows,
+    }
+  o, t = out['sides']['jaxrl_ga'], out['sides']['trl']
+  o['first_period_minus_median_s'] = o['warmup_period_s'][0] - period_steps * o['s_per_step_median']
+  paired = [tr['wall'] / ja['wall'] for ja, tr in zip(periods['jaxrl_ga'][warm:],
+                                                       periods['trl'][warm:])]
+  out['speedup'] = {'from_medians': t['s_per_step_median'] / o['s_per_step_median'],
+                    'paired_median': statistics.median(paired),
+                    'paired_min_max': [min(paired), max(paired)]}
+  return out
+
+
+# -- output ----------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+  return machine.machine_info(jax_devices=str(jax.devices()))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+  lines = ['| size | params | side | warmup periods s | s / opt step (median, IQR) | generate | '
+           'rewards+host | old log-probs | learn | other | old-log-prob passes / opt step | '
+           'mean completion len | speedup |', '|' + '---|' * 13]
+  for r in results:
+    for side in SIDES:
+      d = r['sides'][side]
+      ph = d['phase_s_per_step_median']
+      lo, hi = d['s_per_step_p25_p75']
+      sp = r['speedup']
+      speed = (f"**{sp['from_medians']:.1f}x** (paired {sp['paired_median']:.1f}x, "
+               f"{sp['paired_min_max'][0]:.1f}-{sp['paired_min_max'][1]:.1f})"
+               if side == 'jaxrl_ga' else '')
+      old = ('(in generate)' if side == 'jaxrl_ga' else f"{ph['old_logps']:.3f}")
+      passes = r['steps'][side]['old_logp_passes'] / r['optimizer_steps']
+      lines.append(
+          f"| {r['size']} | {r['param_count'][side] / 1e6:.2f}M | {side} | "
+          f"{', '.join(f'{x:.1f}' for x in d['warmup_period_s'])} | "
+          f"{d['s_per_step_median']:.3f} ({lo:.3f}-{hi:.3f}) | {ph['generate']:.3f} | "
+          f"{ph['rewards_host']:.3f} | {old} | {ph['learn']:.3f} | {ph['other']:.3f} | "
+          f"{passes:.2f} | {d['mean_completion_length']:.2f} | {speed} |")
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  threads = _TORCH_THREADS.value or len(os.sched_getaffinity(0))
+  torch.set_num_threads(threads)
+  info = machine_info()
+  info['torch_threads'] = threads
+  print(json.dumps(info), flush=True)
+  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='end_to_end_')
+  results = []
+  try:
+    for size in sizes():
+      print(f'== {size.name}', flush=True)
+      results.append(run_size(size, workdir, threads))
+      r = results[-1]
+      print(f"   {r['size']}: jaxrl_ga {r['sides']['jaxrl_ga']['s_per_step_median']:.3f} s/step, "
+            f"TRL {r['sides']['trl']['s_per_step_median']:.3f} s/step, "
+            f"speedup {r['speedup']['from_medians']:.2f}x", flush=True)
+  finally:
+    if not _WORKDIR.value:
+      shutil.rmtree(workdir, ignore_errors=True)
+  info['load_avg_end'] = os.getloadavg()
+  print()
+  print(table(results))
+  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
+  flag_names = ('sizes', 'base_config', 'num_generations', 'steps_per_generation', 'num_iterations',
+                'grad_accum_steps', 'max_prompt_length', 'max_completion_length',
+                'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
+                'warmup_periods', 'big_hidden_size', 'big_layers', 'big_intermediate_size',
+                'big_heads', 'big_kv_heads', 'force_full_length', 'torch_threads')
+  with open(_OUT.value, 'w') as f:
+    json.dump({'machine': info, 'flags': {n: flags.FLAGS[n].value for n in flag_names},
+               'results': results}, f, indent=1, default=_jsonable)
+  print(f'wrote {_OUT.value}')
+
+
+def _jsonable(x):
+  if isinstance(x, (np.integer, np.floating)):
+    return x.item()
+  if isinstance(x, (set, tuple)):
+    return list(x)
+  raise TypeError(f'not JSON serializable: {type(x).__name__}')
+
+
+if __name__ == '__main__':
+  app.run(main)
