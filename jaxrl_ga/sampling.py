@@ -186,6 +186,8 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   length = sampler.max_completion_length
   # Slots for the prompt and every fed-back token (the last sampled token is never decoded).
   logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1)
+  # Sliced once here, not at every token inside the loop (see Transformer.unstacked_layers).
+  layers, cache = model.unstacked_layers(), cache.per_layer()
 
   def choose(logits, step):
     return _choose(logits, jax.random.fold_in(rng, step), temperature, top_p, sampler.top_k,
@@ -205,7 +207,7 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
     return (state.step < length) & ~jnp.all(state.done)
 
   def body(state: SamplingState):
-    logits, cache = model.decode(state.last_token, state.cache)  # [B, V]
+    logits, cache = model.decode(state.last_token, state.cache, layers)  # [B, V]
     return _write(state.replace(cache=cache), *choose(logits, state.step), sampler)
 
   state = jax.lax.while_loop(cond, body, state)

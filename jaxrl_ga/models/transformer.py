@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import flax
 from flax import nnx
@@ -84,12 +84,20 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class KVCache:
-  """Preallocated decoding cache. Slot i holds token i of the left-padded sequence."""
-  k: jax.Array  # [L, B, S, Nkv, H]
-  v: jax.Array  # [L, B, S, Nkv, H]
+  """Preallocated decoding cache. Slot i holds token i of the left-padded sequence.
+
+  ``k`` and ``v`` are stacked [L, B, S, Nkv, H], or after ``per_layer()`` tuples of L arrays
+  [B, S, Nkv, H] (the layout a decode loop with ``Transformer.unstacked_layers`` uses).
+  """
+  k: Any  # [L, B, S, Nkv, H], or a tuple of L [B, S, Nkv, H]
+  v: Any
   valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
   index: jax.Array  # [] int32: next slot to write
   positions: jax.Array  # [B] int32: rotary position of the next token of each row
+
+  def per_layer(self) -> 'KVCache':
+    n = self.k.shape[0]
+    return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -232,12 +240,23 @@ class Transformer(nnx.Module):
           logical_axes=('embed', 'vocab'))
 
   # -- shared trunk ------------------------------------------------------------------------------
-  def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None):
-    """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache."""
+  def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None):
+    """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
+
+    With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
+    those arrays; otherwise a ``lax.scan`` runs over the stacked params.
+    """
     cfg = self.cfg
     dt = _DTYPES[cfg.dtype]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
+    if layers is not None:
+      new_k, new_v = [], []
+      for p, k, v in zip(layers, *cache_kv):
+        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index)
+        new_k.append(k)
+        new_v.append(v)
+      return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (tuple(new_k), tuple(new_v))
     layer_params = self.layers.arrays()
 
     def body(h, xs):
@@ -298,12 +317,21 @@ class Transformer(nnx.Module):
     cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
     return self._logits(h[:, -1]), cache
 
-  def decode(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written."""
+  def unstacked_layers(self) -> list[dict[str, jax.Array]]:
+    """Each layer's params as its own arrays. A decode loop that takes them (sliced once, before
+    the loop) reads the weights in place; with the stacked params, XLA copies every layer's
+    weights out of the stack at every token."""
+    arrays = self.layers.arrays()
+    return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
+
+  def decode(self, tokens: jax.Array, cache: KVCache,
+             layers: Optional[list] = None) -> tuple[jax.Array, KVCache]:
+    """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
+    ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop)."""
     valid = jax.lax.dynamic_update_slice_in_dim(
         cache.valid, jnp.ones((tokens.shape[0], 1), bool), cache.index, 1)
     h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], valid[:, None, :],
-                            (cache.k, cache.v), cache.index)
+                            (cache.k, cache.v), cache.index, layers)
     cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
     return self._logits(h[:, 0]), cache
 
