@@ -55,8 +55,6 @@ os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
 
 import collections  # noqa: E402  (after the environment is set)
 import dataclasses  # noqa: E402
-import glob  # noqa: E402
-import gzip  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -202,30 +200,14 @@ OP_KINDS = (  # (kind, pattern on the op name without its numeric suffix), first
     ('copy / transpose', r'copy|transpose'),
     ('other (elementwise, reductions, sampling)', r'.'),
 )
-# Events that are not XLA ops, or that contain other ops (loops, conditionals).
-_NOT_OPS = re.compile(r'^(\$|ThunkExecutor|ThreadpoolListener|PjitFunction|SlinkyThreadPool|'
-                      r'Common|while|conditional|call|end: )')
-
-
 def op_profile(run, reps: int, steps_per_call: int) -> dict:
   """Traces `reps` calls of run(); per decode step: ms and op executions of each kind."""
-  with tempfile.TemporaryDirectory() as d:
-    t0 = time.perf_counter()
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for _ in range(reps):
-        run()
-    wall = (time.perf_counter() - t0) / reps
-    (path,) = glob.glob(os.path.join(d, '**', 'perfetto_trace.json.gz'), recursive=True)
-    with gzip.open(path) as f:
-      events = json.load(f)
-  events = events['traceEvents'] if isinstance(events, dict) else events
+  wall, ops = machine.traced_ops(run, reps)
   ms, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get('ph') == 'X' and not _NOT_OPS.match(e['name']):
-      base = re.sub(r'(\.\d+)+$', '', e['name'])
-      kind = next(k for k, pat in OP_KINDS if re.search(pat, base))
-      ms[kind] += e.get('dur', 0) / 1e3 / reps / steps_per_call
-      count[kind] += 1 / reps / steps_per_call
+  for _, base, dur in ops:
+    kind = next(k for k, pat in OP_KINDS if re.search(pat, base))
+    ms[kind] += dur / reps / steps_per_call
+    count[kind] += 1 / reps / steps_per_call
   return {'wall_ms_per_step_traced': 1e3 * wall / steps_per_call,
           'ops_ms_per_step': sum(ms.values()), 'op_executions_per_step': sum(count.values()),
           'kinds_ms_per_step': dict(ms), 'kinds_executions_per_step': dict(count)}

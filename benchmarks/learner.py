@@ -51,14 +51,11 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import glob
-import gzip
 import json
 import os
 import re
 import resource
 import statistics
-import tempfile
 import time
 
 from absl import app
@@ -248,31 +245,18 @@ OP_KINDS = (  # (kind, pattern on the op name without its numeric suffix), first
     ('dynamic-slice / update-slice', r'dynamic'),
     ('other fusions (elementwise, reductions, ...)', r'.'),
 )
-# Events that are not XLA ops, or that contain other ops (loops, conditionals).
-_NOT_OPS = re.compile(r'^(\$|ThunkExecutor|ThreadpoolListener|PjitFunction|SlinkyThreadPool|'
-                      r'Common|while|conditional|call|end: )')
 
 
 def op_profile(run, reps: int) -> dict:
   """Traces `reps` calls of run() with jax.profiler; ms per call for each kind of XLA op."""
-  with tempfile.TemporaryDirectory() as d:
-    t0 = time.perf_counter()
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for _ in range(reps):
-        run()
-    wall = (time.perf_counter() - t0) / reps
-    (path,) = glob.glob(os.path.join(d, '**', 'perfetto_trace.json.gz'), recursive=True)
-    with gzip.open(path) as f:
-      events = json.load(f)
-  events = events['traceEvents'] if isinstance(events, dict) else events
-  per_op = collections.Counter()
-  for e in events:
-    if e.get('ph') == 'X' and not _NOT_OPS.match(e['name']):
-      per_op[e['name']] += e.get('dur', 0) / 1e3 / reps  # us -> ms per call
+  wall, ops = machine.traced_ops(run, reps)
+  per_op, bases = collections.Counter(), {}
+  for name, base, dur in ops:
+    per_op[name] += dur / reps
+    bases[name] = base
   kinds = collections.Counter()
   for name, ms in per_op.items():
-    base = re.sub(r'(\.\d+)+$', '', name)
-    kinds[next(k for k, pat in OP_KINDS if re.search(pat, base))] += ms
+    kinds[next(k for k, pat in OP_KINDS if re.search(pat, bases[name]))] += ms
   return {'wall_ms_per_call_traced': 1e3 * wall, 'ops_ms_per_call': sum(per_op.values()),
           'kinds_ms_per_call': dict(kinds), 'top_ops_ms_per_call': dict(per_op.most_common(12))}
 

@@ -1,11 +1,18 @@
-"""What every benchmark's JSON records about the machine it ran on (imported by the scripts in
-this directory, which run as ``python benchmarks/NAME.py``)."""
+"""What the benchmarks share about the machine: the facts every JSON records, and the XLA ops a
+call ran (a jax.profiler trace). Imported by the scripts in this directory, which run as
+``python benchmarks/NAME.py``."""
 
 import datetime
+import glob
+import gzip
 import importlib.metadata
+import json
 import os
 import platform
+import re
 import subprocess
+import tempfile
+import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,3 +63,26 @@ def machine_info(**extra) -> dict:
           'python': platform.python_version(), **versions,
           'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
           'load_avg_start': os.getloadavg(), **git_state(), **extra}
+
+
+# Trace events that are not XLA ops, or that contain other ops (loops, conditionals).
+_NOT_OPS = re.compile(r'^(\$|ThunkExecutor|ThreadpoolListener|PjitFunction|SlinkyThreadPool|'
+                      r'Common|while|conditional|call|end: )')
+
+
+def traced_ops(run, reps: int) -> tuple[float, list[tuple[str, str, float]]]:
+  """Traces ``reps`` calls of ``run()`` with jax.profiler. -> (wall s per call (traced), the XLA
+  op executions as (name, name without its numeric suffix, ms))."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as d:
+    t0 = time.perf_counter()
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(reps):
+        run()
+    wall = (time.perf_counter() - t0) / reps
+    (path,) = glob.glob(os.path.join(d, '**', 'perfetto_trace.json.gz'), recursive=True)
+    with gzip.open(path) as f:
+      events = json.load(f)
+  events = events['traceEvents'] if isinstance(events, dict) else events
+  return wall, [(e['name'], re.sub(r'(\.\d+)+$', '', e['name']), e.get('dur', 0) / 1e3)
+                for e in events if e.get('ph') == 'X' and not _NOT_OPS.match(e['name'])]
