@@ -9,6 +9,7 @@ so any mesh shape works for any model, only less efficiently.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -187,10 +188,19 @@ def shard_rows(build, n: int, mesh: Mesh) -> Any:
   """A batch of ``n`` rows sharded over the data-parallel axes, of which this process builds only
   its own: ``build(rows)`` gets the global row indices its devices hold and returns a pytree of
   host arrays with ``len(rows)`` leading rows. -> the pytree of global jax.Arrays."""
-  rows = local_indices((n,), batch_sharding(mesh, 1))
+  rows = batch_rows(n, mesh)
   return jax.tree.map(
       lambda x: from_local(x, rows, (n, *np.shape(x)[1:]), batch_sharding(mesh, np.ndim(x))),
       build(rows))
+
+
+@functools.lru_cache(maxsize=64)
+def batch_rows(n: int, mesh: Mesh) -> np.ndarray:
+  """This process's rows of an [n] batch-sharded batch (local_indices), computed once per
+  (n, mesh): batches are built every micro-step."""
+  rows = local_indices((n,), batch_sharding(mesh, 1))
+  rows.flags.writeable = False
+  return rows
 
 
 def local_part(x: jax.Array, axis: int = 0) -> tuple[np.ndarray, np.ndarray]:

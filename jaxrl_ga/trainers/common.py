@@ -193,7 +193,7 @@ class Evaluator:
   def accuracy(self, params) -> float:
     """Each process encodes, decodes and checks only the rows its devices hold."""
     ctx, bs = self.ctx, self.batch_size
-    rows = sharding.local_indices((bs,), sharding.batch_sharding(ctx.mesh, 1))
+    rows = sharding.batch_rows(bs, ctx.mesh)
     correct = np.zeros(bs, np.float32)
     for start in range(0, len(self.examples), bs):
       n = min(bs, len(self.examples) - start)
