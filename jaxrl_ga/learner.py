@@ -158,16 +158,33 @@ def _multisteps_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiSte
   MultiSteps.update that keep its state and semantics:
 
   * lazy: the inner optimizer runs only when this micro-step fires a step (MultiSteps runs it at
-    every micro-step and discards the result); see _lazy_apply.
+    every micro-step and discards the result), and without MultiSteps' selects; see _lazy_apply.
   * MultiSteps clears its accumulator by multiplying it by 0, which leaves a NaN in place; a
     skipped non-finite window would then poison every later window. Clear it with a select.
   """
-  if lazy and k > 1:
+  if lazy:
     return _lazy_apply(ms, k, grads, state, params, **extra)
   emit = state.mini_step == k - 1
   updates, new_state = ms.update(grads, state, params, **extra)
   acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), new_state.acc_grads)
   return optax.apply_updates(params, updates), new_state._replace(acc_grads=acc)
+
+
+def _fire(ms: optax.MultiSteps, acc, rest: optax.MultiStepsState, params, **extra):
+  """MultiSteps.update on a micro-step known to fire, with the summed gradient `acc`.
+
+  What MultiSteps.update computes when its emit flag is true (and no should_skip_update_fn is
+  set, as in make_optimizer): the inner optimizer on the sum, mini_step back to 0, gradient_step
+  + 1, the accumulator cleared. MultiSteps itself, with emit traced, also keeps the old inner
+  state, accumulator and a zero update alive to select between them: 2 params-sizes more
+  temporary memory and ~40% more time for this micro-step's optimizer part (60M params; see
+  BENCHMARKS.md, memory.py). tests/test_learner_tasks.py checks the two bit for bit.
+  """
+  updates, inner = ms.inner_opt.update(acc, rest.inner_opt_state, params, **extra)
+  new_state = rest._replace(mini_step=jnp.zeros_like(rest.mini_step),
+                            gradient_step=optax.safe_increment(rest.gradient_step),
+                            inner_opt_state=inner, acc_grads=jax.tree.map(jnp.zeros_like, acc))
+  return optax.apply_updates(params, updates), new_state
 
 
 def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
@@ -177,17 +194,15 @@ def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsStat
   The gradient is added to the accumulator outside the cond, in the donated buffer and fused
   with the gradient computation (an accumulator passed into the cond while still live outside
   it is copied at every micro-step). On a non-final micro-step the cond keeps the sum, as
-  MultiSteps does; on the final one it hands the sum to MultiSteps.update over a zero
-  accumulator (sum + 0 is exact), which runs the inner optimizer and advances the counters, and
-  applies the updates there, so non-final micro-steps write no zero updates.
+  MultiSteps does; on the final one _fire runs the inner optimizer on it, advances the counters
+  and applies the updates there, so non-final micro-steps write no zero updates. With k = 1
+  every micro-step fires: no cond.
   """
   acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
   rest = state._replace(acc_grads=None)
-
-  def fire(acc, rest, params):
-    zeros = jax.tree.map(jnp.zeros_like, acc)
-    updates, new_state = ms.update(acc, rest._replace(acc_grads=zeros), params, **extra)
-    return optax.apply_updates(params, updates), new_state._replace(acc_grads=zeros)
+  fire = lambda acc, rest, params: _fire(ms, acc, rest, params, **extra)
+  if k == 1:
+    return fire(acc, rest, params)
 
   def accumulate(acc, rest, params):
     return params, rest._replace(mini_step=rest.mini_step + 1, acc_grads=acc)
