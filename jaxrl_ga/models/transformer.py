@@ -86,10 +86,13 @@ class ModelConfig:
 class KVCache:
   """Preallocated decoding cache. Slot i holds token i of the left-padded sequence.
 
-  ``k`` and ``v`` are stacked [L, B, S, Nkv, H], or after ``per_layer()`` tuples of L arrays
-  [B, S, Nkv, H] (the layout a decode loop with ``Transformer.unstacked_layers`` uses).
+  ``k`` and ``v`` are stacked [L, B, Nkv, S, H], or after ``per_layer()`` tuples of L arrays
+  [B, Nkv, S, H] (the layout a decode loop with ``Transformer.unstacked_layers`` uses). Heads
+  before slots: the attention products read the cache in place; with [B, S, Nkv, H] XLA:CPU
+  copied the whole cache into that layout at every layer and token (15% of the XLA op time of
+  a d=512/8 decode step; see BENCHMARKS.md, decode.py).
   """
-  k: Any  # [L, B, S, Nkv, H], or a tuple of L [B, S, Nkv, H]
+  k: Any  # [L, B, Nkv, S, H], or a tuple of L [B, Nkv, S, H]
   v: Any
   valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
   index: jax.Array  # [] int32: next slot to write
@@ -142,16 +145,19 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool."""
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+               heads_first: bool = False) -> jax.Array:
+  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H], or [B, K, S, H] with
+  heads_first (the KV cache's layout); mask: [B, T, S] bool."""
   b, t, n, h = q.shape
-  kv_heads = k.shape[2]
+  kv = 'BKSH' if heads_first else 'BSKH'
+  kv_heads = k.shape[1 if heads_first else 2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
-  logits = jnp.einsum('BTKGH,BSKH->BKGTS', q, k, preferred_element_type=jnp.float32)
+  logits = jnp.einsum(f'BTKGH,{kv}->BKGTS', q, k, preferred_element_type=jnp.float32)
   logits = logits / np.sqrt(h).astype(np.float32)
   logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum('BKGTS,BSKH->BTKGH', probs, v)
+  out = jnp.einsum(f'BKGTS,{kv}->BTKGH', probs, v)
   return out.reshape(b, t, n, h)
 
 
@@ -210,11 +216,14 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
   new_kv = None
   if kv is not None:
-    k_cache = jax.lax.dynamic_update_slice_in_dim(kv[0], k.astype(kv[0].dtype), write_index, 1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(kv[1], v.astype(kv[1].dtype), write_index, 1)
-    new_kv = (k_cache, v_cache)
-    k, v = k_cache.astype(dt), v_cache.astype(dt)
-  attn = _attention(q, k, v, mask).reshape(b, t, -1)
+    def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
+      x = jnp.swapaxes(x, 1, 2).astype(cache.dtype)
+      return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
+    new_kv = (write(kv[0], k), write(kv[1], v))
+    attn = _attention(q, new_kv[0].astype(dt), new_kv[1].astype(dt), mask, heads_first=True)
+  else:
+    attn = _attention(q, k, v, mask)
+  attn = attn.reshape(b, t, -1)
   h = h + attn @ p['o_proj'].astype(dt)
   x = _rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps)
   gate = x @ p['gate_proj'].astype(dt)
@@ -293,7 +302,7 @@ class Transformer(nnx.Module):
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
     cfg = self.cfg
-    shape = (cfg.num_hidden_layers, batch_size, cache_length, cfg.num_key_value_heads,
+    shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cache_length,
              cfg.head_size)
     dt = _DTYPES[cfg.dtype]
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
