@@ -196,13 +196,13 @@ def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsStat
   it is copied at every micro-step). On a non-final micro-step the cond keeps the sum, as
   MultiSteps does; on the final one _fire runs the inner optimizer on it, advances the counters
   and applies the updates there, so non-final micro-steps write no zero updates. With k = 1
-  every micro-step fires: no cond.
+  every micro-step fires, and the cond stays: it makes XLA run the optimizer after the
+  backward's buffers are freed (without it, K=1 with 64 sequences of 32 tokens on a 60M-param
+  model needed one params-size more temporary memory).
   """
   acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
   rest = state._replace(acc_grads=None)
   fire = lambda acc, rest, params: _fire(ms, acc, rest, params, **extra)
-  if k == 1:
-    return fire(acc, rest, params)
 
   def accumulate(acc, rest, params):
     return params, rest._replace(mini_step=rest.mini_step + 1, acc_grads=acc)
