@@ -175,15 +175,15 @@ def _fire(ms: optax.MultiSteps, acc, rest: optax.MultiStepsState, params, **extr
 
   What MultiSteps.update computes when its emit flag is true (and no should_skip_update_fn is
   set, as in make_optimizer): the inner optimizer on the sum, mini_step back to 0, gradient_step
-  + 1, the accumulator cleared. MultiSteps itself, with emit traced, also keeps the old inner
-  state, accumulator and a zero update alive to select between them: 2 params-sizes more
-  temporary memory and ~40% more time for this micro-step's optimizer part (60M params; see
-  BENCHMARKS.md, memory.py). tests/test_learner_tasks.py checks the two bit for bit.
+  + 1 (the caller clears the accumulator). MultiSteps itself, with emit traced, also keeps the
+  old inner state, accumulator and a zero update alive to select between them (2 params-sizes of
+  temporary memory; see BENCHMARKS.md, memory.py). tests/test_learner_tasks.py checks the two
+  bit for bit.
   """
   updates, inner = ms.inner_opt.update(acc, rest.inner_opt_state, params, **extra)
   new_state = rest._replace(mini_step=jnp.zeros_like(rest.mini_step),
                             gradient_step=optax.safe_increment(rest.gradient_step),
-                            inner_opt_state=inner, acc_grads=jax.tree.map(jnp.zeros_like, acc))
+                            inner_opt_state=inner)
   return optax.apply_updates(params, updates), new_state
 
 
@@ -192,22 +192,26 @@ def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsStat
   """MultiSteps.update, the inner optimizer and the param update, only on a firing micro-step.
 
   The gradient is added to the accumulator outside the cond, in the donated buffer and fused
-  with the gradient computation (an accumulator passed into the cond while still live outside
-  it is copied at every micro-step). On a non-final micro-step the cond keeps the sum, as
-  MultiSteps does; on the final one _fire runs the inner optimizer on it, advances the counters
-  and applies the updates there, so non-final micro-steps write no zero updates. With k = 1
-  every micro-step fires, and the cond stays: it makes XLA run the optimizer after the
-  backward's buffers are freed (without it, K=1 with 64 sequences of 32 tokens on a 60M-param
-  model needed one params-size more temporary memory).
+  with the gradient computation. One cond runs _fire on the sum when this micro-step fires
+  (the inner optimizer, the counters, the param update; non-final micro-steps write no zero
+  updates) and only advances mini_step otherwise; a second cond clears the accumulator after a
+  step or keeps the sum. Returning the accumulator from the first cond, whose firing branch
+  still reads it, cost one params-size more temporary memory. With k = 1 every micro-step
+  fires, and the conds stay: they make XLA run the optimizer after the backward's buffers are
+  freed (without them, K=1 with 64 sequences of 32 tokens on a 60M-param model needed one
+  params-size more temporary memory).
   """
   acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc_grads, grads)
   rest = state._replace(acc_grads=None)
   fire = lambda acc, rest, params: _fire(ms, acc, rest, params, **extra)
 
   def accumulate(acc, rest, params):
-    return params, rest._replace(mini_step=rest.mini_step + 1, acc_grads=acc)
+    return params, rest._replace(mini_step=rest.mini_step + 1)
 
-  return jax.lax.cond(state.mini_step == k - 1, fire, accumulate, acc, rest, params)
+  emit = state.mini_step == k - 1
+  params, new_state = jax.lax.cond(emit, fire, accumulate, acc, rest, params)
+  acc = jax.lax.cond(emit, lambda a: jax.tree.map(jnp.zeros_like, a), lambda a: a, acc)
+  return params, new_state._replace(acc_grads=acc)
 
 
 # -- state and step -----------------------------------------------------------------------------
