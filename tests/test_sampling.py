@@ -354,6 +354,41 @@ def test_sampling_follows_distribution(dist_model, top_k, cases):
   assert fn._cache_size() == 1  # new temperature / top_p values reuse the compile
 
 
+def _nucleus_reference(x, top_p):
+  """Numpy (float64, sorted): the tokens top-p keeps — the most likely ones while the mass before
+  them is < top_p, and every token tied with the last kept one. x [B, V] -> bool [B, V]."""
+  x = np.asarray(x, np.float64)
+  probs = np.exp(_log_softmax(x))
+  keep = np.zeros(x.shape, bool)
+  for r in range(x.shape[0]):
+    order = np.argsort(-x[r], kind='stable')
+    before = np.cumsum(probs[r, order]) - probs[r, order]
+    threshold = x[r, order][(before < top_p).sum() - 1]
+    keep[r] = x[r] >= threshold
+  return keep
+
+
+@pytest.mark.parametrize('vocab', [5, 64, 32000])
+def test_top_p_without_sort_equals_sorted_reference(vocab):
+  """warp_logits' full-vocabulary top-p (a bisection, no sort) keeps the sorted reference's
+  tokens: continuous logits, and tie-heavy ones with signed zeros."""
+  rng = np.random.default_rng(vocab)
+  warp = jax.jit(sampling.warp_logits)
+  rows = [rng.normal(size=(4, vocab)) * 3,
+          np.round(rng.normal(size=(4, vocab)) * 2),  # many ties, -0.0 and 0.0 among them
+          np.round(rng.normal(size=(4, vocab)), 1) * 0.5]
+  for x in rows:
+    x = x.astype(np.float32)
+    for top_p in (0.05, 0.37, 0.9, 0.999):
+      kept = np.isfinite(np.asarray(warp(x, 1.0, top_p)))
+      # float32 sums over up to 32000 tokens may round either way where the mass before a token
+      # is within 1e-5 of top_p: such tokens may go either way, no other token may.
+      must, may = _nucleus_reference(x, top_p - 1e-5), _nucleus_reference(x, top_p + 1e-5)
+      assert (kept >= must).all() and (kept <= may).all(), f'top_p={top_p}'
+      assert (may.sum(-1) - must.sum(-1) <= 0.01 * may.sum(-1) + 2).all()  # a narrow band
+      assert kept.sum(-1).min() >= 1
+
+
 # -- HF fixture models ---------------------------------------------------------------------------
 @pytest.mark.parametrize('name', ['qwen2_tiny', 'llama_tiny'])
 def test_greedy_equals_full_forward_argmax_hf(name):
