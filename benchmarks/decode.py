@@ -15,8 +15,8 @@ lengths), the same number of new tokens:
     exported config has no eos_token_id, so generation cannot stop early (checked: every row comes
     back with exactly ``new_tokens`` new tokens).
 
-Modes: greedy, and sampled at temperature 1 with top-k and top-p off on both sides (HF's default
-top_k=50 is disabled). The clock covers one whole call (prefill included) until its tokens exist
+Modes: greedy, and sampled at temperature 1 with top-k off and top-p = ``--top_p`` (default 1,
+off) on both sides (HF's default top_k=50 is disabled). The clock covers one whole call (prefill included) until its tokens exist
 (``jax.block_until_ready`` / torch's return): tokens/s = batch * new_tokens / seconds.
 
 Our two programs are compiled first (compile time reported apart, not in tokens/s); HF's first
@@ -24,10 +24,11 @@ call is a warm-up reported apart. Then rounds alternate the order of the four ca
 HF greedy, ours sampled, HF sampled; then reversed), and medians are reported, with the speedup
 from the medians and paired within each round.
 
-Profile (``--profile_reps``): after the rounds, ours (greedy) runs under ``jax.profiler``; the
-trace's XLA op events are summed per kind (matmuls, KV-cache writes, the per-layer weight
-slices taken from the stacked params inside the layer scan, copies, the rest) and divided by the
-new tokens: where a decode step's time goes, and how many ops it executes.
+Profile (``--profile_reps``, with greedy among the modes): after the rounds, ours (greedy) runs
+under ``jax.profiler``; the trace's XLA op events are summed per kind (matmuls, KV-cache writes,
+the per-layer weight slices taken from the stacked params inside the layer scan, copies, the
+rest) and divided by the new tokens: where a decode step's time goes, and how many ops it
+executes.
 
 Sanity column: the greedy tokens of both sides, compared position by position (float32 on both
 sides; a mismatch would come from a near-tie of the top two logits or from a real bug).
@@ -98,6 +99,7 @@ _PROFILE_REPS = flags.DEFINE_integer(
     'profile_reps', 2, 'Greedy calls of ours traced with jax.profiler after the timed rounds, for '
     'the time per kind of XLA op; 0 skips the profile.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Model init and prompts.')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sampled mode: nucleus top-p on both sides (1 = off).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/decode.json', 'JSON output.')
 
 PAD_ID = 0  # prompts are left-padded with it; also HF's pad_token_id
@@ -156,7 +158,8 @@ class Ours:
                 for mode in ('greedy', 'sampled')}
 
   def __call__(self, mode: str, tokens, mask, seed: int) -> np.ndarray:
-    out = self.fns[mode](self.params, tokens, mask, jax.random.key(seed), 1.0, 1.0)
+    top_p = _TOP_P.value if mode == 'sampled' else 1.0
+    out = self.fns[mode](self.params, tokens, mask, jax.random.key(seed), 1.0, top_p)
     out = jax.block_until_ready(out)
     assert int(out.num_decode_steps) == out.tokens.shape[1], 'the decode loop stopped early'
     return np.asarray(out.tokens)
@@ -177,7 +180,7 @@ class Torch:
     kwargs = dict(do_sample=False)
     if mode == 'sampled':
       torch.manual_seed(seed)
-      kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+      kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=_TOP_P.value)
     with torch.inference_mode():
       out = self.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new_tokens,
                                 pad_token_id=PAD_ID, **kwargs)
@@ -255,7 +258,7 @@ def run_size(size: Size, mesh) -> dict:
   result = summarize(size, n_params, times, first_call_s, check, loads, timing_s)
   result['profile_ours_greedy'] = (op_profile(
       lambda: sides['ours']('greedy', 0), _PROFILE_REPS.value, size.new_tokens)
-                                   if _PROFILE_REPS.value else {})
+                                   if _PROFILE_REPS.value and 'greedy' in _MODES.value else {})
   return result
 
 
@@ -283,8 +286,12 @@ def summarize(size, n_params, times, first_call_s, check, loads, timing_s) -> di
   return out
 
 
+def label(mode: str) -> str:
+  return f'{mode} (top-p {_TOP_P.value:g})' if mode == 'sampled' and _TOP_P.value < 1 else mode
+
+
 def machine_info() -> dict:
-  return machine.machine_info(torch_threads=torch.get_num_threads(),
+  return machine.machine_info(torch_threads=torch.get_num_threads(), top_p=_TOP_P.value,
                               omp_wait_policy=os.environ.get('OMP_WAIT_POLICY', ''))
 
 
@@ -302,7 +309,7 @@ def table(results: list[dict]) -> str:
               f"{100 * c['greedy_rows_equal_fraction']:.0f}% of rows")
       lines.append(
           f"| {r['size']} | {r['param_count'] / 1e6:.2f}M | {r['model']['vocab_size']} | "
-          f"{r['batch_size']} × ({r['prompt_length']} + {r['new_tokens']}) | {mode} | "
+          f"{r['batch_size']} × ({r['prompt_length']} + {r['new_tokens']}) | {label(mode)} | "
           f"{r['first_call_s'][f'ours/{mode}']:.1f} | {1e3 * d['ours_s_median']:.1f} | "
           f"{1e3 * d['hf_s_median']:.1f} | {d['ours_tokens_per_s']:.0f} | "
           f"{d['hf_tokens_per_s']:.0f} | {d['speedup_from_medians']:.2f}× "
