@@ -220,13 +220,9 @@ def run() -> int:
   print(f"{s['total_compiles']} compiles in all ({s['total_compile_s']:.1f} s of XLA compile "
         f"time) over a {wall:.0f} s run; step functions compile once, steady state compiles "
         f"nothing: {'yes' if ok else 'NO'}.")
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-        'num_cpu_devices', 'grpo_steps', 'eval_every', 'sft_steps')}, 'config': config_dict,
-               'run_wall_s': wall, 'run_summary': summary, 'result': s,
-               'compile_records': log.records}, f, indent=1, default=str)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+      'num_cpu_devices', 'grpo_steps', 'eval_every', 'sft_steps')}, 'config': config_dict,
+      'run_wall_s': wall, 'run_summary': summary, 'result': s, 'compile_records': log.records})
   return 0 if ok else 1
 
 

@@ -16,7 +16,8 @@ lengths), the same number of new tokens:
     back with exactly ``new_tokens`` new tokens).
 
 Modes: greedy, and sampled at temperature 1 with top-k off and top-p = ``--top_p`` (default 1,
-off) on both sides (HF's default top_k=50 is disabled). The clock covers one whole call (prefill included) until its tokens exist
+off) on both sides (HF's default top_k=50 is disabled). The clock covers one whole call (prefill
+included) until its tokens exist
 (``jax.block_until_ready`` / torch's return): tokens/s = batch * new_tokens / seconds.
 
 Our two programs are compiled first (compile time reported apart, not in tokens/s); HF's first
@@ -141,10 +142,6 @@ def random_prompts(rng: np.random.Generator, size: Size) -> tuple[np.ndarray, np
   return tokens, mask
 
 
-def param_count(params) -> int:
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-
-
 class Ours:
   """The jitted sampler on params loaded from the exported directory."""
 
@@ -189,12 +186,6 @@ class Torch:
     return new
 
 
-def timed(fn, *args):
-  t0 = time.perf_counter()
-  out = fn(*args)
-  return out, time.perf_counter() - t0
-
-
 # -- where our time goes: a jax.profiler trace, summed per kind of XLA op --------------------------
 OP_KINDS = (  # (kind, pattern on the op name without its numeric suffix), first match wins
     ('matmul', r'^(ynn_fusion|dot)'),
@@ -221,7 +212,7 @@ def run_size(size: Size, mesh) -> dict:
   tokens, mask = random_prompts(rng, size)
   with tempfile.TemporaryDirectory() as model_dir:
     _, params, _ = sharding.init_params(size.model, seed=_SEED.value, mesh=mesh)
-    n_params = param_count(params)
+    n_params = machine.param_count(params)
     hf.export(params, size.model, model_dir)
     del params
     ours, theirs = Ours(model_dir, size), Torch(model_dir)
@@ -233,7 +224,7 @@ def run_size(size: Size, mesh) -> dict:
   outputs = {}
   for side, fn in sides.items():
     for mode in modes:
-      outputs[side, mode], first_call_s[f'{side}/{mode}'] = timed(fn, mode, 0)
+      outputs[side, mode], first_call_s[f'{side}/{mode}'] = machine.timed(fn, mode, 0)
   check = {}
   if 'greedy' in modes:
     a, b = outputs['ours', 'greedy'], outputs['hf', 'greedy']
@@ -251,7 +242,7 @@ def run_size(size: Size, mesh) -> dict:
   t_start = time.perf_counter()
   for r in range(size.rounds):
     for side, mode in (calls if r % 2 == 0 else calls[::-1]):
-      _, dt = timed(sides[side], mode, r + 1)
+      _, dt = machine.timed(sides[side], mode, r + 1)
       times[side, mode].append(dt)
     loads.append(os.getloadavg()[0])
   timing_s = time.perf_counter() - t_start
@@ -357,16 +348,12 @@ def main(argv):
       verdict = 'meets' if d['speedup_from_medians'] >= 5 else 'misses'
       print(f"{r['size']} {mode}: {d['speedup_from_medians']:.2f}× generate ({verdict} the 5× "
             'target).')
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-        'sizes', 'modes', 'tiny_vocab_size', 'tiny_batch_size', 'tiny_prompt_length',
-        'tiny_new_tokens', 'tiny_rounds', 'big_hidden_size', 'big_layers',
-        'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size', 'big_batch_size',
-        'big_prompt_length', 'big_new_tokens', 'big_rounds', 'torch_threads', 'profile_reps',
-        'seed')}, 'results': results},
-              f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+      'sizes', 'modes', 'tiny_vocab_size', 'tiny_batch_size', 'tiny_prompt_length',
+      'tiny_new_tokens', 'tiny_rounds', 'big_hidden_size', 'big_layers',
+      'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size', 'big_batch_size',
+      'big_prompt_length', 'big_new_tokens', 'big_rounds', 'torch_threads', 'profile_reps',
+      'seed', 'top_p')}, 'results': results})
 
 
 if __name__ == '__main__':

@@ -633,16 +633,14 @@ def main(argv):
   info['load_avg_end'] = os.getloadavg()
   print()
   print(table(results))
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
   flag_names = ('sizes', 'base_config', 'num_generations', 'steps_per_generation', 'num_iterations',
                 'grad_accum_steps', 'max_prompt_length', 'max_completion_length',
                 'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
                 'warmup_periods', 'big_hidden_size', 'big_layers', 'big_intermediate_size',
                 'big_heads', 'big_kv_heads', 'force_full_length', 'torch_threads')
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {n: flags.FLAGS[n].value for n in flag_names},
-               'results': results}, f, indent=1, default=_jsonable)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'results': results,
+                                  'flags': {n: flags.FLAGS[n].value for n in flag_names}},
+                     default=_jsonable)
 
 
 def _jsonable(x):

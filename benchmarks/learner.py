@@ -132,22 +132,6 @@ def sizes() -> list[Size]:
   return [s for s in (tiny, big) if s.name in _SIZES.value]
 
 
-def random_micro_batch(rng: np.random.Generator, size: Size) -> dict:
-  """One on-policy GRPO micro-batch with ragged prompts (left-padded) and completions."""
-  b, tp, tc, v = (size.micro_batch_size, size.prompt_length, size.completion_length,
-                  size.model.vocab_size)
-  prompt_len = rng.integers(1, tp + 1, size=b)
-  comp_len = rng.integers(1, tc + 1, size=b)
-  prompt_mask = (np.arange(tp)[None] >= tp - prompt_len[:, None]).astype(np.int32)
-  comp_mask = (np.arange(tc)[None] < comp_len[:, None]).astype(np.int32)
-  return dict(
-      prompt_tokens=rng.integers(0, v, (b, tp)).astype(np.int32) * prompt_mask,
-      prompt_mask=prompt_mask,
-      completion_tokens=rng.integers(0, v, (b, tc)).astype(np.int32) * comp_mask,
-      completion_mask=comp_mask, advantages=rng.normal(size=b).astype(np.float32),
-      old_logps=np.zeros((b, tc), np.float32), has_old=np.zeros((b,), bool))
-
-
 # -- FLOP counts ---------------------------------------------------------------------------------
 def model_flops(size: Size) -> dict:
   """Matmul FLOPs of one forward + backward pass (see the module docstring)."""
@@ -226,12 +210,6 @@ def peak_fn(n: int):
   return jax.jit(jnp.matmul), (a, b), 2 * n ** 3
 
 
-def timed(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - t0
-
-
 def minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -267,7 +245,9 @@ def run_size(size: Size, mesh) -> dict:
                          steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
   task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
-  batches = [sharding.shard_batch(random_micro_batch(rng, size), mesh) for _ in range(k + 1)]
+  batches = [sharding.shard_batch(machine.random_grpo_batch(
+      rng, size.micro_batch_size, size.prompt_length, size.completion_length,
+      size.model.vocab_size), mesh) for _ in range(k + 1)]
   graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   lrn = learner_lib.Learner(graphdef, task, OPT, sched, mesh, shardings)
@@ -294,11 +274,12 @@ def run_size(size: Size, mesh) -> dict:
   }
 
   compile_s = {}
-  (state, _), compile_s['step'] = timed(lrn.step, state, batches[0])  # trace + compile + 1 step
-  _, compile_s['fwd'] = timed(fwd, fixed_params, batches[0])
-  _, compile_s['fwd_bwd'] = timed(fwd_bwd, fixed_params, batches[0])
-  _, compile_s['matmul_chain'] = timed(chain, *chain_args)
-  _, compile_s['peak'] = timed(peak, *peak_args)
+  # The first call is trace + compile + one step.
+  (state, _), compile_s['step'] = machine.timed(lrn.step, state, batches[0])
+  _, compile_s['fwd'] = machine.timed(fwd, fixed_params, batches[0])
+  _, compile_s['fwd_bwd'] = machine.timed(fwd_bwd, fixed_params, batches[0])
+  _, compile_s['matmul_chain'] = machine.timed(chain, *chain_args)
+  _, compile_s['peak'] = machine.timed(peak, *peak_args)
   for i in range(1, k):  # finish the first window: rounds start at mini-step 0
     state, _ = lrn.step(state, batches[i])
 
@@ -319,7 +300,7 @@ def run_size(size: Size, mesh) -> dict:
         window = []
         for _ in range(k):
           faults = minor_faults()
-          (state, out), dt = timed(lrn.step, state, batches[n_steps % len(batches)])
+          (state, out), dt = machine.timed(lrn.step, state, batches[n_steps % len(batches)])
           step_faults.append(minor_faults() - faults)
           n_steps += 1
           window.append(dt)
@@ -329,7 +310,7 @@ def run_size(size: Size, mesh) -> dict:
         fn, args = others[variant]
         if variant == 'fwd_bwd':
           faults = minor_faults()
-        times[variant].append(timed(fn, *args)[1])
+        times[variant].append(machine.timed(fn, *args)[1])
         if variant == 'fwd_bwd':
           fwd_bwd_faults.append(minor_faults() - faults)
     loads.append(os.getloadavg()[0])
@@ -463,15 +444,12 @@ def main(argv):
     frac = r['summary']['rows']['step']['fraction_of_peak']
     print(f"{r['size']}: the accumulating micro-step runs at {100 * frac:.0f}% of the matmul "
           f"peak ({'meets' if frac >= 0.5 else 'misses'} the 50% target).")
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-        'sizes', 'grad_accum_steps', 'peak_matmul_size', 'tiny_micro_batch_size',
-        'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', 'big_hidden_size',
-        'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
-        'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
-        'profile_reps', 'dtype')}, 'results': results}, f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+      'sizes', 'grad_accum_steps', 'peak_matmul_size', 'tiny_micro_batch_size',
+      'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', 'big_hidden_size',
+      'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
+      'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
+      'profile_reps', 'dtype')}, 'results': results})
 
 
 if __name__ == '__main__':

@@ -1,4 +1,4 @@
-r"""Before/after of a learner change in one process: the learner module of another checkout vs this one.
+r"""Before/after of a learner change in one process: another checkout's learner module vs this one.
 
   git worktree add /tmp/before <commit>
   python benchmarks/learner_ab.py --before_root=/tmp/before \
@@ -18,7 +18,6 @@ params), B = 8, 16 + 16 tokens, as in multisteps_overhead.py's big size.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -35,7 +34,8 @@ from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, Schedul
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
-_BEFORE = flags.DEFINE_string('before_root', None, 'Checkout whose jaxrl_ga/learner.py is "before".')
+_BEFORE = flags.DEFINE_string('before_root', None,
+                               'Checkout whose jaxrl_ga/learner.py is "before".')
 _K = flags.DEFINE_integer('grad_accum_steps', 2, 'K: micro-steps per optimizer step.')
 _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Timed windows per side.')
 _BATCH = flags.DEFINE_integer('micro_batch_size', 8, 'B completions per micro-step.')
@@ -63,18 +63,9 @@ def load_before(root: str):
 
 
 def micro_batches(rng: np.random.Generator, k: int, mesh) -> list[dict]:
-  b, tp, tc = _BATCH.value, _PROMPT.value, _COMPLETION.value
-  out = []
-  for _ in range(k):
-    prompt_mask = (np.arange(tp)[None] >= tp - rng.integers(1, tp + 1, b)[:, None]).astype(np.int32)
-    comp_mask = (np.arange(tc)[None] < rng.integers(1, tc + 1, b)[:, None]).astype(np.int32)
-    out.append(sharding.shard_batch(dict(
-        prompt_tokens=rng.integers(0, MODEL.vocab_size, (b, tp)).astype(np.int32) * prompt_mask,
-        prompt_mask=prompt_mask,
-        completion_tokens=rng.integers(0, MODEL.vocab_size, (b, tc)).astype(np.int32) * comp_mask,
-        completion_mask=comp_mask, advantages=rng.normal(size=b).astype(np.float32),
-        old_logps=np.zeros((b, tc), np.float32), has_old=np.zeros((b,), bool)), mesh))
-  return out
+  return [sharding.shard_batch(machine.random_grpo_batch(
+      rng, _BATCH.value, _PROMPT.value, _COMPLETION.value, MODEL.vocab_size), mesh)
+          for _ in range(k)]
 
 
 def main(argv):
@@ -113,7 +104,8 @@ def main(argv):
       states[side] = state
     loads.append(os.getloadavg()[0])
   before, after = (jax.device_get(states[s]) for s in SIDES)
-  bitwise = all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  bitwise = all(np.array_equal(x, y)
+                for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   paired = [b / a for b, a in zip(times['before']['emit'], times['after']['emit'])]
   med = lambda xs: 1e3 * statistics.median(xs)
   rows = {s: {'xla_temp_mib': temp[s], 'accumulate_ms': med(times[s]['accumulate']),
@@ -132,10 +124,7 @@ def main(argv):
                                          grad_accum_steps=k, rounds=_ROUNDS.value),
          'sides': rows, 'emit_before_over_after_paired': paired, 'times_s': times,
          'load_avg': loads, 'states_bitwise_equal': bitwise}
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  with open(_OUT.value, 'w', encoding='utf-8') as f:
-    json.dump(out, f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, out)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
-"""What the benchmarks share about the machine: the facts every JSON records, and the XLA ops a
-call ran (a jax.profiler trace). Imported by the scripts in this directory, which run as
-``python benchmarks/NAME.py``."""
+"""What the benchmark scripts share: the machine facts every JSON records, the XLA ops a call ran
+(a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
+Imported by the scripts in this directory, which run as ``python benchmarks/NAME.py``."""
 
 import datetime
 import glob
@@ -86,3 +86,44 @@ def traced_ops(run, reps: int) -> tuple[float, list[tuple[str, str, float]]]:
   events = events['traceEvents'] if isinstance(events, dict) else events
   return wall, [(e['name'], re.sub(r'(\.\d+)+$', '', e['name']), e.get('dur', 0) / 1e3)
                 for e in events if e.get('ph') == 'X' and not _NOT_OPS.match(e['name'])]
+
+
+def random_grpo_batch(rng, b: int, tp: int, tc: int, vocab: int, nonfinite: bool = False) -> dict:
+  """One on-policy GRPO micro-batch (numpy) with ragged prompts (left-padded, 1..tp tokens) and
+  completions (right-padded, 1..tc tokens); ``nonfinite`` puts a NaN in one advantage."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  prompt_len = rng.integers(1, tp + 1, size=b)
+  comp_len = rng.integers(1, tc + 1, size=b)
+  prompt_mask = (np.arange(tp)[None] >= tp - prompt_len[:, None]).astype(np.int32)
+  comp_mask = (np.arange(tc)[None] < comp_len[:, None]).astype(np.int32)
+  batch = dict(
+      prompt_tokens=rng.integers(0, vocab, (b, tp)).astype(np.int32) * prompt_mask,
+      prompt_mask=prompt_mask,
+      completion_tokens=rng.integers(0, vocab, (b, tc)).astype(np.int32) * comp_mask,
+      completion_mask=comp_mask, advantages=rng.normal(size=b).astype(np.float32),
+      old_logps=np.zeros((b, tc), np.float32), has_old=np.zeros((b,), bool))
+  if nonfinite:
+    batch['advantages'][0] = np.nan
+  return batch
+
+
+def param_count(params) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def timed(fn, *args):
+  """-> (fn(*args) with its arrays ready, wall seconds)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - t0
+
+
+def write_json(path: str, payload: dict, default=str) -> None:
+  """Writes a script's results (its directory created) and says where; ``default`` converts what
+  json cannot (as json.dump's)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(payload, f, indent=1, default=default)
+  print(f'wrote {path}')

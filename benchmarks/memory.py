@@ -321,13 +321,10 @@ def main(argv):
                 if s == 'fixed_micro_batch') / ref['peak_minus_baseline_mib']
     print(f"fixed micro-batch: the largest peak over K is {worst:.2f}× that of K=1 "
           f"({'meets' if worst <= 1.2 else 'misses'} the 1.2× target).")
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-        'k_values', 'micro_batch_size', 'window_size', 'hidden_size', 'layers',
-        'intermediate_size', 'heads', 'vocab_size', 'prompt_length', 'completion_length')},
-               'results': results, 'optimizer_reference': reference}, f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+      'k_values', 'micro_batch_size', 'window_size', 'hidden_size', 'layers',
+      'intermediate_size', 'heads', 'vocab_size', 'prompt_length', 'completion_length')},
+      'results': results, 'optimizer_reference': reference})
 
 
 if __name__ == '__main__':

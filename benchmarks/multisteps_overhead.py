@@ -100,33 +100,9 @@ def sizes() -> list[Size]:
   return [s for s in (tiny, big) if s.name in _SIZES.value]
 
 
-def random_micro_batch(rng: np.random.Generator, size: Size, nonfinite: bool = False) -> dict:
-  """One on-policy GRPO micro-batch with ragged prompts (left-padded) and completions."""
-  b, tp, tc, v = (size.micro_batch_size, size.prompt_length, size.completion_length,
-                  size.model.vocab_size)
-  prompt_len = rng.integers(1, tp + 1, size=b)
-  comp_len = rng.integers(1, tc + 1, size=b)
-  prompt_mask = (np.arange(tp)[None] >= tp - prompt_len[:, None]).astype(np.int32)
-  comp_mask = (np.arange(tc)[None] < comp_len[:, None]).astype(np.int32)
-  adv = rng.normal(size=b).astype(np.float32)
-  if nonfinite:
-    adv[0] = np.nan
-  return dict(
-      prompt_tokens=rng.integers(0, v, (b, tp)).astype(np.int32) * prompt_mask,
-      prompt_mask=prompt_mask,
-      completion_tokens=rng.integers(0, v, (b, tc)).astype(np.int32) * comp_mask,
-      completion_mask=comp_mask, advantages=adv,
-      old_logps=np.zeros((b, tc), np.float32), has_old=np.zeros((b,), bool))
-
-
-def param_count(params) -> int:
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-
-
-def timed(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - t0
+def random_batch(rng, size: Size, nonfinite: bool = False) -> dict:
+  return machine.random_grpo_batch(rng, size.micro_batch_size, size.prompt_length,
+                                   size.completion_length, size.model.vocab_size, nonfinite)
 
 
 def run_size(size: Size, mesh) -> dict:
@@ -136,17 +112,18 @@ def run_size(size: Size, mesh) -> dict:
   task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
   put = lambda tree: sharding.shard_batch(tree, mesh)
-  batches = [put(random_micro_batch(rng, size)) for _ in range(2 * k + 1)]
+  batches = [put(random_batch(rng, size)) for _ in range(2 * k + 1)]
 
   learners, states, compile_s, n_params = {}, {}, {}, 0
   for variant in VARIANTS:
     # Same seed: identical initial params, born separately (each state is donated on step).
     graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
-    n_params = param_count(params)
+    n_params = machine.param_count(params)
     lrn = learner_lib.Learner(graphdef, task, OPT, sched, mesh, shardings,
                               lazy_inner=(variant == 'lazy'))
     state = lrn.init(params, batches[0])
-    (state, _), compile_s[variant] = timed(lrn.step, state, batches[0])  # trace+compile+1 step
+    # The first call is trace + compile + one step.
+    (state, _), compile_s[variant] = machine.timed(lrn.step, state, batches[0])
     learners[variant], states[variant] = lrn, state
   initial_params = jax.device_get(sharding.init_params(size.model, seed=0, mesh=mesh)[1])
   n_steps = {v: 1 for v in VARIANTS}
@@ -156,7 +133,7 @@ def run_size(size: Size, mesh) -> dict:
     lrn, times = learners[variant], []
     for _ in range(k):
       batch = batches[n_steps[variant] % len(batches)]
-      (states[variant], out), dt = timed(lrn.step, states[variant], batch)
+      (states[variant], out), dt = machine.timed(lrn.step, states[variant], batch)
       times.append(dt)
       n_steps[variant] += 1
     assert bool(out['stepped']), 'windows must end on the emitting micro-step'
@@ -172,7 +149,7 @@ def run_size(size: Size, mesh) -> dict:
   # Inner optimizer alone, on a gradient-like tree the size of the params.
   inner_fns = inner_optimizer_fns(learners['lazy'], states['lazy'].params)
   for fn, args in inner_fns.values():
-    timed(fn, *args)  # compile
+    machine.timed(fn, *args)  # compile
 
   times = {v: [] for v in VARIANTS}
   inner_times = {name: [] for name in inner_fns}
@@ -184,7 +161,7 @@ def run_size(size: Size, mesh) -> dict:
       times[variant].append(window(variant))
     for name, (fn, args) in inner_fns.items():
       for _ in range(_INNER_REPS.value):
-        inner_times[name].append(timed(fn, *args)[1])
+        inner_times[name].append(machine.timed(fn, *args)[1])
     loads.append(os.getloadavg()[0])
   timing_s = time.perf_counter() - t_start
 
@@ -213,7 +190,7 @@ def inner_optimizer_fns(lrn: learner_lib.Learner, params) -> dict:
 def check_same_state(size, learners, states, batches, n_steps, rng, put, initial_params) -> dict:
   """Runs a non-finite window and more normal windows on both variants, then compares states."""
   k = _K.value
-  bad = put(random_micro_batch(rng, size, nonfinite=True))
+  bad = put(random_batch(rng, size, nonfinite=True))
   skipped_before = {v: int(states[v].nonfinite_skipped) for v in VARIANTS}
   for variant in VARIANTS:
     for i in range((1 + _CHECK_WINDOWS.value) * k):
@@ -345,12 +322,9 @@ def main(argv):
   for r in results:
     verdict = 'exceeds' if r['overhead']['mean_step_from_medians'] > 0.05 else 'is under'
     print(f"{r['size']}: eager MultiSteps overhead {verdict} 5% of a micro-step.")
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-        'sizes', 'grad_accum_steps', 'tiny_rounds', 'big_rounds', 'warmup_windows',
-        'inner_reps', 'check_windows')}, 'results': results}, f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
+      'sizes', 'grad_accum_steps', 'tiny_rounds', 'big_rounds', 'warmup_windows',
+      'inner_reps', 'check_windows')}, 'results': results})
   if not all(r['check']['ok'] for r in results):
     raise SystemExit('the eager and lazy variants disagree (see the same-state check)')
 

@@ -369,16 +369,13 @@ def main(argv):
   info['load_avg_end'] = os.getloadavg()
   print()
   print(table_text(results))
-  os.makedirs(os.path.dirname(_OUT.value) or '.', exist_ok=True)
   flag_names = ('sizes', 'tiny_schedules', 'big_schedules', 'tiny_rounds', 'big_rounds',
                 'warmup_periods', 'num_generations', 'tiny_micro_batch_size',
                 'big_micro_batch_size', 'max_prompt_length', 'max_completion_length',
                 'big_hidden_size', 'big_layers', 'big_intermediate_size', 'big_heads',
                 'big_kv_heads', 'pass_reps')
-  with open(_OUT.value, 'w') as f:
-    json.dump({'machine': info, 'flags': {n: flags.FLAGS[n].value for n in flag_names},
-               'results': results}, f, indent=1)
-  print(f'wrote {_OUT.value}')
+  machine.write_json(_OUT.value, {'machine': info, 'results': results,
+                                  'flags': {n: flags.FLAGS[n].value for n in flag_names}})
 
 
 if __name__ == '__main__':
