@@ -232,6 +232,9 @@ class OptimizerConfig:
     max_grad_norm: clip the (window-normalized) gradient to this global norm; 0 disables.
     sequential_lr_scale: learning-rate factor in update_mode='sequential'; None means
       1/sqrt(grad_accum_steps) as in seed 002.
+    max_consecutive_nonfinite: a window whose gradient is not finite is skipped (params and
+      AdamW untouched); after this many skipped windows in a row the run stops with an error,
+      its last checkpoint being from before the first of them.
   """
   learning_rate: float = 1e-5
   lr_schedule: str = 'constant'
@@ -243,10 +246,14 @@ class OptimizerConfig:
   eps: float = 1e-8
   max_grad_norm: float = 1.0
   sequential_lr_scale: Optional[float] = None
+  max_consecutive_nonfinite: int = 3
 
   def __post_init__(self):
     p = 'optimizer.'
-    _require(self.learning_rate > 0, f'{p}learning_rate must be > 0, got {self.learning_rate}.')
+    _require(isinstance(self.learning_rate, numbers.Real) and math.isfinite(self.learning_rate)
+             and self.learning_rate > 0,
+             f'{p}learning_rate must be a finite number > 0, got {self.learning_rate}.')
+    _positive_int(self, 'max_consecutive_nonfinite', prefix=p)
     _one_of(self, 'lr_schedule', LR_SCHEDULES, p)
     _require(self.warmup_steps >= 0, f'{p}warmup_steps must be >= 0, got {self.warmup_steps}.')
     _require(self.lr_schedule == 'constant' or self.total_steps > self.warmup_steps,
@@ -292,7 +299,9 @@ class SamplingConfig:
     rollout_micro_batch_size: completions generated at once, to bound KV-cache memory
       (0 means the whole rollout at once).
     old_logprob_source: 'recompute' (a learner forward pass, only for the slices the schedule
-      marks) or 'sampler' (the sampler's own log-probs, free with generation).
+      marks) or 'sampler' (the sampler's own log-probs, free with generation). Either way they are
+      log-probs under the tempered but untruncated softmax, log_softmax(logits / temperature),
+      what the learner computes: top-k / top-p only choose which token is drawn.
   """
   max_prompt_length: int = 32
   max_completion_length: int = 16

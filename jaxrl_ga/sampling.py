@@ -19,14 +19,17 @@ top-p on the renormalized result (sort descending, keep a token iff the probabil
 before it is < top_p, so the most likely token is always kept; top_p >= 1 keeps everything).
 Dropped tokens get logit -inf; ``jax.random.categorical`` samples from what is left.
 
-Log-probs: ``Completions.logps`` is ``log_softmax(warped logits)[token]``, the log-prob of the token
-under the distribution actually sampled from (truncated and renormalized), 0 at masked positions.
-At temperature 1 with no top-k / top-p it equals the learner's ``completion_logps``.
+Log-probs: ``Completions.logps`` is ``log_softmax(logits / temperature)[token]``, the log-prob of
+the token under the tempered but untruncated softmax, 0 at masked positions, whatever top-k / top-p
+truncation chose the token. That is what the learner's ``completion_logps`` computes (with the same
+temperature), so with ``old_logprob_source='sampler'`` every importance ratio compares like with
+like; the truncated distribution's log-prob would differ from it by log(kept mass) per token and
+bias every ratio.
 
 Greedy (``greedy=True``, static): the token is the argmax of the raw logits (temperature, top-k and
 top-p cannot change the argmax); ``logps`` are still the log-probs of those tokens under the
-warped distribution that sampling with the same temperature / top-k / top-p would use (not the
-degenerate 0 of a point mass), so greedy and sampled rollouts report comparable numbers.
+tempered softmax (not the degenerate 0 of a point mass), so greedy and sampled rollouts report
+comparable numbers.
 
 RNG: completion position ``s`` uses ``fold_in(rng, s)``; with chunking, chunk ``j`` first derives
 ``fold_in(rng, j)``. Chunked and unchunked sampling therefore draw different (equally valid) random
@@ -98,7 +101,7 @@ class Completions:
   tokens: jax.Array  # [N, Tc] int32: pad_id after EOS (EOS itself kept)
   mask: jax.Array  # [N, Tc] int32: 1 for generated tokens up to and including EOS
   ended_with_eos: jax.Array  # [N] bool: False if truncated at max_completion_length
-  logps: jax.Array  # [N, Tc] float32: log-prob under the sampled distribution; 0 where mask 0
+  logps: jax.Array  # [N, Tc] float32: log-prob under softmax(logits / T), untruncated; 0 at mask 0
   # [] int32: completion positions the loop generated (the prefill's one plus one per decode
   # iteration); max_completion_length unless every row stopped early. Max over chunks.
   num_decode_steps: jax.Array
@@ -180,15 +183,16 @@ def _top_p_full_vocab(x: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 def _choose(logits, key, temperature, top_p, top_k: int, greedy: bool):
-  """logits [B, V] -> (token [B] int32, its log-prob under the warped distribution [B])."""
-  warped = warp_logits(logits, temperature, top_p, top_k)  # [B, V]
+  """logits [B, V] -> (token [B] int32, its log-prob under the tempered, untruncated softmax
+  [B]): the token is drawn from the warped distribution, its log-prob is the learner's."""
   if greedy:
     token = jnp.argmax(logits, axis=-1)
   else:
-    token = jax.random.categorical(key, warped, axis=-1)
+    token = jax.random.categorical(key, warp_logits(logits, temperature, top_p, top_k), axis=-1)
   token = token.astype(jnp.int32)
-  logp = jnp.take_along_axis(jax.nn.log_softmax(warped, axis=-1), token[:, None], axis=-1)[:, 0]
-  return token, logp
+  scaled = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)  # [B, V]
+  chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
+  return token, chosen - jax.nn.logsumexp(scaled, axis=-1)
 
 
 # -- generation ----------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
   full forwards; EOS / pad / mask / early-exit semantics hold; chunking changes nothing.
 * Sampled one-token completions follow softmax(logits / T) truncated by top-k / top-p (numpy),
   by a chi-square test; truncated tokens never appear.
-* The sampler's log-probs equal the learner's (at temperature 1, and at T != 1 with the learner's
-  ``temperature``) and numpy's truncated, renormalized log-softmax with top-p.
+* The sampler's log-probs are those of the tempered, untruncated softmax (what the learner
+  computes), with and without top-k / top-p: equal to the learner's and to numpy's float64
+  log_softmax(logits / T) of a full forward pass.
 * New temperature / top_p values do not recompile.
 
 Each jitted function is compiled once (module-scoped fixtures, ``functools.cache``).
@@ -235,7 +236,7 @@ def test_greedy_early_exit_when_all_rows_stop(tiny, greedy):
 
 
 def test_greedy_logps_and_temperature_is_traced(tiny, greedy):
-  """Greedy log-probs are those of the warped distribution; new T / top_p do not recompile."""
+  """Greedy log-probs are those of the tempered softmax; new T / top_p do not recompile."""
   out, cold = greedy['mixed'], greedy['cold']
   np.testing.assert_array_equal(np.asarray(cold.tokens), np.asarray(out.tokens))
   mask = np.asarray(out.mask) == 1
@@ -243,7 +244,7 @@ def test_greedy_logps_and_temperature_is_traced(tiny, greedy):
                               np.asarray(out.tokens), np.asarray(out.mask))
   tokens = np.asarray(out.tokens)[..., None]
   for o, probs in ((out, _expected_probs(logits, 1.0)),
-                   (cold, _expected_probs(logits, 0.7, top_p=0.9))):
+                   (cold, _expected_probs(logits, 0.7))):  # top-p does not change log-probs
     want = np.log(np.take_along_axis(probs, tokens, -1)[..., 0][mask])
     np.testing.assert_allclose(np.asarray(o.logps)[mask], want, atol=1e-5, rtol=0)
   assert greedy['fn']._cache_size() == 1
@@ -303,11 +304,35 @@ def test_sampled_logps_equal_learner_logps(tiny):
                                tokens[..., None], -1)[..., 0]
     m = mask == 1
     assert (probs[m] > 0).all()  # never a token outside the nucleus
-    np.testing.assert_allclose(np.asarray(out.logps)[m], np.log(probs[m]), atol=1e-4, rtol=0)
-    if top_p == 1.0:  # the learner's tempered log-probs are the sampler's
-      want = np.asarray(learner_logps(params, tokens, mask, temperature))
-      np.testing.assert_allclose(np.asarray(out.logps)[m], want[m], atol=1e-4, rtol=0)
+    full = np.take_along_axis(_log_softmax(logits / temperature), tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logps)[m], full[m], atol=1e-4, rtol=0)
+    # The learner's tempered log-probs are the sampler's, with or without top-p.
+    want = np.asarray(learner_logps(params, tokens, mask, temperature))
+    np.testing.assert_allclose(np.asarray(out.logps)[m], want[m], atol=1e-4, rtol=0)
   assert fn._cache_size() == 1
+
+
+@pytest.mark.parametrize('top_k,temperature,top_p', [(5, 1.0, 1.0), (0, 1.3, 0.7),
+                                                     (6, 0.8, 0.9)])
+def test_sampler_logps_are_untruncated_with_top_k_and_top_p(top_k, temperature, top_p):
+  """Top-k / top-p choose the token; the reported log-prob is log_softmax(logits / T)[token] of
+  the whole vocabulary (what the learner computes and ``old_logprob_source='sampler'`` feeds to
+  the ratio), checked against numpy float64 over a full forward pass of prompt + completion."""
+  graphdef, params, _ = _random_params(CFG, seed=3, lm_head_scale=8.0)  # spread-out logits
+  prompt_tokens, prompt_mask = _prompts(4, CFG.vocab_size)
+  sampler = sampling.Sampler(L, eos_id=CFG.vocab_size, pad_id=PAD, top_k=top_k)  # no EOS
+  out = sampling.make_generate_fn(graphdef, sampler)(params, prompt_tokens, prompt_mask,
+                                                     jax.random.key(5), temperature, top_p)
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask) == 1
+  assert mask.all()
+  logits = _completion_logits(_forward(graphdef), params, prompt_tokens, prompt_mask, tokens,
+                              mask.astype(np.int32))
+  full = np.take_along_axis(_log_softmax(logits / temperature), tokens[..., None], -1)[..., 0]
+  truncated = np.log(np.take_along_axis(_expected_probs(logits, temperature, top_k, top_p),
+                                        tokens[..., None], -1)[..., 0])
+  assert np.isfinite(truncated).all()  # every token came from the truncated distribution ...
+  assert (truncated - full).mean() > 0.05  # ... which differs from the full softmax here
+  np.testing.assert_allclose(np.asarray(out.logps), full, atol=1e-4, rtol=0)
 
 
 # -- sampling follows the distribution (V = 8, one-token completions) ----------------------------
@@ -349,8 +374,8 @@ def test_sampling_follows_distribution(dist_model, top_k, cases):
     # Power: the same draws reject a distribution at another temperature.
     wrong = np.where(probs > 0, _expected_probs(logits, 2.0 * temperature, top_k, top_p), 0)
     assert _chi_square_pvalue(counts, wrong / wrong.sum()) < 1e-3
-    np.testing.assert_allclose(np.asarray(out.logps)[:, 0], np.log(probs[tokens]),
-                               atol=1e-5, rtol=0)
+    full = _log_softmax(logits / temperature)  # log-probs are untruncated, as the learner's
+    np.testing.assert_allclose(np.asarray(out.logps)[:, 0], full[tokens], atol=1e-5, rtol=0)
   assert fn._cache_size() == 1  # new temperature / top_p values reuse the compile
 
 
