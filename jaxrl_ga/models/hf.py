@@ -266,37 +266,50 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
   """
   model_dir = _local_dir(path_or_id)
   files = _weight_files(model_dir)
+  with contextlib.ExitStack() as stack:
+    handles = {file: stack.enter_context(safetensors.safe_open(file, framework='numpy'))
+               for file in sorted(set(files.values()))}
+    return params_from_tensors(lambda name: handles[files[name]].get_tensor(name), files.keys(),
+                               cfg, source=model_dir, shardings=shardings)
+
+
+def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
+                        transformer.ModelConfig, *, source: str,
+                        shardings: Optional[dict] = None) -> dict:
+  """The params pure dict of ``Transformer(cfg)`` from HF-named tensors in HF layout.
+
+  ``get_tensor(hf_name)`` returns one tensor as numpy ([out, in] for linear weights); ``available``
+  is the set of names it can return; ``source`` names them in errors. Shared by the safetensors
+  reader above and ``jaxrl_ga.models.gguf`` (which dequantizes GGUF tensors into HF names).
+  """
   expected = _flatten(nnx.to_pure_dict(nnx.state(_abstract_model(cfg))))
   flat_shardings = _flatten(shardings) if shardings is not None else {}
   names = {path: _hf_names(path, cfg.num_hidden_layers) for path in expected}
 
   wanted = {name for hf_names, _ in names.values() for name in hf_names}
-  missing = sorted(wanted - files.keys())
+  missing = sorted(wanted - set(available))
   if missing:
-    raise ValueError(f'{len(missing)} tensors missing from {model_dir}: {", ".join(missing)}.')
-  extra = sorted(files.keys() - wanted)
+    raise ValueError(f'{len(missing)} tensors missing from {source}: {", ".join(missing)}.')
+  extra = sorted(set(available) - wanted)
   if extra:
     logging.warning('Ignoring %d tensors of %s that the model does not use: %s', len(extra),
-                    model_dir, ', '.join(extra))
+                    source, ', '.join(extra))
 
   out = {}
-  with contextlib.ExitStack() as stack:
-    handles = {file: stack.enter_context(safetensors.safe_open(file, framework='numpy'))
-               for file in sorted(set(files[name] for name in wanted))}
-    for path, spec in expected.items():
-      hf_names, transposed = names[path]
-      layers = []
-      for name in hf_names:
-        x = handles[files[name]].get_tensor(name)
-        layers.append(x.T if transposed else x)
-      host = np.stack(layers) if path[0] == 'layers' else layers[0]
-      if host.shape != spec.shape:
-        raise ValueError(f'{"/".join(path)} (from {hf_names[0]}, ...): shape {host.shape} does not '
-                         f'fit the config, which wants {spec.shape}.')
-      host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
-      sharding = flat_shardings.get(path)
-      out[path] = shd.put(host, sharding) if sharding is not None else jax.device_put(host)
-      del host, layers
+  for path, spec in expected.items():
+    hf_names, transposed = names[path]
+    layers = []
+    for name in hf_names:
+      x = get_tensor(name)
+      layers.append(x.T if transposed else x)
+    host = np.stack(layers) if path[0] == 'layers' else layers[0]
+    if host.shape != spec.shape:
+      raise ValueError(f'{"/".join(path)} (from {hf_names[0]}, ...): shape {host.shape} does not '
+                       f'fit the config, which wants {spec.shape}.')
+    host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
+    sharding = flat_shardings.get(path)
+    out[path] = shd.put(host, sharding) if sharding is not None else jax.device_put(host)
+    del host, layers
   return _unflatten(out)
 
 
@@ -307,7 +320,8 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
   """(cfg, graphdef, params) of an HF checkpoint, without materializing a random init.
 
   Args:
-    path_or_id: a local checkpoint dir, or a hub id (downloaded: configs, safetensors, tokenizer).
+    path_or_id: a local checkpoint dir, or a hub id (downloaded: configs, safetensors, tokenizer),
+      or a GGUF source (a .gguf file or pkg:<package>; read by ``jaxrl_ga.models.gguf``).
     dtype: compute dtype.
     param_dtype: params dtype.
     shardings_fn: optional; called as ``shardings_fn(abstract_params, logical_axes)``, i.e. the
@@ -318,6 +332,10 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
   Returns:
     cfg, the graphdef and the params dict; ``transformer.merge(graphdef, params)`` is the model.
   """
+  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
+  if gguf.is_gguf_source(path_or_id):  # a .gguf file or pkg:<package>
+    return gguf.load_model(path_or_id, dtype=dtype, param_dtype=param_dtype,
+                           shardings_fn=shardings_fn)
   model_dir = _local_dir(path_or_id)
   cfg = model_config_from_hf(model_dir, dtype=dtype, param_dtype=param_dtype)
   graphdef, state = nnx.split(_abstract_model(cfg))
@@ -328,7 +346,11 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
 
 
 def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:
-  """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local dir or hub id)."""
+  """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local dir or hub id), or a GGUF
+  source's (a .gguf file or pkg:<package>; see ``jaxrl_ga.models.gguf``)."""
+  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
+  if gguf.is_gguf_source(path_or_id):
+    return gguf.load_tokenizer(path_or_id)
   return transformers.AutoTokenizer.from_pretrained(os.fspath(path_or_id))
 
 
