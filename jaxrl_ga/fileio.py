@@ -6,8 +6,11 @@ through these few functions, so ``--workdir=gs://bucket/run`` works as a local p
 paths need ``gcsfs`` (and ``google-cloud-storage`` for TensorBoard events): the ``[tpu]`` extra.
 
 Local writes are atomic (a temporary file, then ``os.replace``); an object-store write is atomic
-by itself. Object stores cannot append, so ``append_text`` rewrites the object: fine for the small
-logs written here.
+by itself. Object stores cannot append: ``TextAppender`` buffers lines and, at most every
+``flush_every_s`` seconds and at close, uploads them as a small object that Cloud Storage's compose
+operation appends server-side (``gcsfs.GCSFileSystem.merge``; see
+https://cloud.google.com/storage/docs/composite-objects), so each flush uploads only the new
+lines, never the whole file.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+import time
 import uuid
 from typing import Callable
 
 from etils import epath
+import fsspec
 import numpy as np
 
 
@@ -71,28 +76,71 @@ def read_text(p) -> str:
 
 
 class TextAppender:
-  """Appends to a text file: an open file locally, a rewritten object in a bucket."""
+  """Appends to a text file: an open file locally (flushed at every write), a composed object in
+  a bucket.
 
-  def __init__(self, p):
-    self._path = p
+  In a bucket, writes are buffered and flushed when ``flush_every_s`` seconds have passed since
+  the last flush (checked at each write), and by ``flush`` / ``close``. A flush uploads the
+  buffered text as a part object next to the file, composes ``[file, part]`` into the file
+  (server-side: the file's bytes are not re-sent) and deletes the part, so the bytes sent per
+  flush do not grow with the file. Cloud Storage allows about one write per second to one object,
+  hence the interval. A filesystem without compose (not Cloud Storage, or a zonal bucket) falls
+  back to rewriting the object at each flush.
+  """
+
+  def __init__(self, p, flush_every_s: float = 5.0):
+    self._path = os.fspath(p)
+    self._pending: list[str] = []
+    self._flush_every_s = flush_every_s
+    self._last_flush = -float('inf')
     if is_remote(p):
-      self._text = read_text(p) if exists(p) else ''
       self._file = None
+      try:  # gcsfs for gs://; without an fsspec filesystem (e.g. TensorFlow's gfile), rewrite
+        self._fs = fsspec.filesystem(self._path.split('://', 1)[0])
+      except (ImportError, ValueError):
+        self._fs = None
     else:
       makedirs(os.path.dirname(os.path.abspath(p)))
       self._file = open(p, 'a', encoding='utf-8')
 
   def write(self, text: str) -> None:
-    if self._file is None:
-      self._text += text
-      write_text(self._path, self._text)
-    else:
+    if self._file is not None:
       self._file.write(text)
       self._file.flush()
+      return
+    self._pending.append(text)
+    if time.monotonic() - self._last_flush >= self._flush_every_s:
+      self.flush()
+
+  def flush(self) -> None:
+    """Makes every line written so far visible in the file."""
+    if self._file is not None:
+      self._file.flush()
+      return
+    self._last_flush = time.monotonic()
+    if not self._pending:
+      return
+    data = ''.join(self._pending).encode('utf-8')
+    if not exists(self._path):
+      write_bytes(self._path, data)
+    elif hasattr(self._fs, 'merge'):  # gcsfs: Cloud Storage's compose
+      part = f'{self._path}.part-{uuid.uuid4().hex[:12]}'
+      write_bytes(part, data)
+      try:
+        self._fs.merge(self._path, [self._path, part])
+      except NotImplementedError:  # e.g. a zonal bucket: no compose
+        write_bytes(self._path, path(self._path).read_bytes() + data)
+      finally:
+        path(part).unlink(missing_ok=True)
+    else:
+      write_bytes(self._path, path(self._path).read_bytes() + data)
+    self._pending.clear()
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
+    else:
+      self.flush()
 
 
 def save_npz(p, arrays: dict[str, np.ndarray]) -> None:

@@ -5,7 +5,7 @@ import json
 import os
 
 import fsspec
-from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 import numpy as np
 import pytest
 
@@ -18,16 +18,35 @@ class _FakeGCS(MemoryFileSystem):
   protocol = ('gcs', 'gs')
   store = {}
   pseudo_dirs = ['']
+  uploaded = []  # bytes of every write call the client sends
 
   def open(self, path, mode='rb', **kwargs):
     if 'a' in mode:  # as Cloud Storage: objects cannot be appended to
       raise NotImplementedError('append is not supported')
-    return super().open(path, mode, **kwargs)
+    f = super().open(path, mode, **kwargs)
+    if 'w' in mode or 'x' in mode:
+      write = f.write
+
+      def counted(data):
+        _FakeGCS.uploaded.append(len(data))
+        return write(data)
+
+      f.write = counted
+    return f
+
+  def merge(self, path, paths, acl=None):
+    """gcsfs's compose: the concatenation of ``paths`` becomes ``path``, server-side (no bytes
+    are uploaded)."""
+    del acl
+    data = b''.join(self.cat_file(p) for p in paths)
+    key = self._strip_protocol(path)
+    self.store[key] = MemoryFile(self, key, data)
 
 
 @pytest.fixture
 def fake_gcs(monkeypatch):
   _FakeGCS.store.clear()
+  _FakeGCS.uploaded.clear()
   for name in ('gcs', 'gs'):
     fsspec.register_implementation(name, _FakeGCS, clobber=True)
   monkeypatch.setenv('EPATH_USE_TF', 'false')
@@ -78,6 +97,42 @@ def test_metric_writer_summary_tokenizer_and_npz_in_a_bucket(fake_gcs, monkeypat
   assert sorted(back) == ['a', 'b']
   np.testing.assert_array_equal(back['a'], arrays['a'])
   assert not any(k.startswith('/') or 'tmp' in k for k in fake_gcs)  # nothing written locally
+
+
+def test_bucket_appends_upload_only_the_new_lines(fake_gcs):
+  """metrics.jsonl in a bucket: each flush sends only the lines written since the last one (a
+  compose appends them), not the whole file; the file holds every line in order, across a close
+  and a reopen (a resumed run appends)."""
+  target = 'gs://bucket/runs/b/metrics.jsonl'
+  lines = [json.dumps({'step': i, 'loss': 1.0 / (i + 1)}) + '\n' for i in range(300)]
+  sent = []
+  appender = fileio.TextAppender(target, flush_every_s=0)  # a flush at every write: worst case
+  for i, line in enumerate(lines):
+    if i == 200:  # close and reopen, as a resumed run does
+      appender.close()
+      appender = fileio.TextAppender(target, flush_every_s=0)
+    before = sum(_FakeGCS.uploaded)
+    appender.write(line)
+    sent.append(sum(_FakeGCS.uploaded) - before)
+  appender.close()
+  # Every write sent its own line's bytes and no more: bounded, not growing with the file
+  # (rewriting the object at every write sends the whole file: quadratic in total).
+  assert sent == [len(line.encode()) for line in lines]
+  assert fileio.read_text(target) == ''.join(lines)
+  assert [k for k in fake_gcs if 'part' in k] == []  # no part object is left behind
+
+  # Buffered (the default): lines written within flush_every_s of the last flush wait for the
+  # next flush or close, which sends them in one part.
+  appender = fileio.TextAppender(target, flush_every_s=3600)
+  more = [f'{{"step": {i}}}\n' for i in range(300, 310)]
+  before = sum(_FakeGCS.uploaded)
+  for line in more:
+    appender.write(line)  # the first one flushes (none yet), the rest are buffered
+  assert sum(_FakeGCS.uploaded) - before == len(more[0])
+  assert fileio.read_text(target) == ''.join(lines + more[:1])
+  appender.close()
+  assert sum(_FakeGCS.uploaded) - before == len(''.join(more))
+  assert fileio.read_text(target) == ''.join(lines + more)
 
 
 def test_local_write_is_atomic(tmp_path, monkeypatch):
