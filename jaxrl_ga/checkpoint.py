@@ -50,6 +50,19 @@ class CheckpointMismatchError(ValueError):
   """A checkpoint does not fit this run (another config, or another state structure)."""
 
 
+class CheckpointUnreadableError(RuntimeError):
+  """No checkpoint of a directory can be read."""
+
+
+class Preempted(Exception):
+  """SIGTERM or SIGINT stopped a stage; its checkpoint was written (and is durable)."""
+
+  def __init__(self, stage: str, micro_step: int, signum: Optional[int]):
+    self.stage, self.micro_step, self.signum = stage, micro_step, signum
+    name = signal.Signals(signum).name if signum else 'a stop on another process'
+    super().__init__(f'{name}: {stage} stopped at micro-step {micro_step}')
+
+
 def all_steps(directory) -> list[int]:
   """The steps of the complete checkpoints under ``directory``, ascending ([] if none)."""
   found = ocp.step.standard_name_format().find_all(fileio.path(directory))
@@ -149,6 +162,33 @@ class Checkpointer:
                                           handler_registry=registry)
     self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
     atexit.register(self._wait_at_exit)
+    self._recover_replaced()
+
+  def _recover_replaced(self) -> None:
+    """Undoes a ``save(replace=True)`` cut short: ``<step>.replaced`` comes back as ``<step>``
+    when the new one never committed, and is deleted when it did."""
+    if not self.directory.exists():
+      return
+    leftovers = [p for p in self.directory.iterdir() if p.name.endswith('.replaced')]
+    if not leftovers:
+      return
+    if jax.process_index() == 0:
+      for old in leftovers:
+        final = self.directory / old.name[:-len('.replaced')]
+        if final.exists():
+          old.rmtree()
+        else:
+          logging.warning('restoring %s: its replacement never completed', final)
+          old.rename(final)
+    self._sync('jaxrl_ga_recover_replaced')
+    self._manager.reload()
+
+  @staticmethod
+  def _sync(name: str) -> None:
+    """A barrier across processes (no-op on one): the primary process renames, others wait."""
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(name)
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
@@ -156,9 +196,27 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, meta: Optional[dict] = None) -> bool:
-    """Starts writing checkpoint ``step``; False (nothing written) if it is the latest already."""
+  def save(self, step: int, state: Any, meta: Optional[dict] = None, *,
+           replace: bool = False) -> bool:
+    """Starts writing checkpoint ``step``; False (nothing written) if it is the latest already.
+
+    replace: rewrite the latest checkpoint when it is ``step`` (e.g. to mark a stage done after
+    its last step was saved unfinished). The old one is renamed to ``<step>.replaced`` first and
+    deleted once the new one is durable; a process killed in between finds it restored at start.
+    """
     step, latest = int(step), self.latest_step()
+    if replace and step == latest:
+      self.wait()
+      old = self.directory / f'{step}.replaced'
+      if jax.process_index() == 0:
+        (self.directory / str(step)).rename(old)
+      self._sync(f'jaxrl_ga_replace_{step}')
+      self._manager.reload()
+      self.save(step, state, meta)
+      self.wait()
+      if jax.process_index() == 0:
+        old.rmtree()
+      return True
     if latest is not None and step <= latest:
       if step == latest:
         logging.info('Checkpoint step %d already saved in %s.', step, self.directory)
@@ -187,12 +245,8 @@ class Checkpointer:
     step = int(step)
     where = f'{self.directory}/{step}'
     fix = _FIX.format(directory=self.directory)
-    record = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    diffs = _dict_diff(record['meta'].get('fingerprint', {}), self.fingerprint)
-    if diffs:
-      raise CheckpointMismatchError(
-          f'checkpoint {where} was written by a run with another configuration:\n  '
-          + '\n  '.join(diffs) + f'\n{fix}')
+    fingerprint, meta = self.read_record(step)
+    self.check_fingerprint(step, fingerprint)
     stored_tree = self._manager.item_metadata(step)['state'].tree
     errors = _structure_errors(stored_tree, abstract_state)
     if errors:
@@ -203,7 +257,7 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))
     logging.info('Restored checkpoint step %d from %s.', step, self.directory)
-    return restored['state'], record['meta'].get('meta', {})
+    return restored['state'], meta
 
   def restore_raw(self, step: int) -> tuple[Any, dict, dict]:
     """(state as stored: nested dicts of host arrays, meta, fingerprint) of checkpoint ``step``.
@@ -218,10 +272,72 @@ class Checkpointer:
     return (restored['state'], record['meta'].get('meta', {}),
             record['meta'].get('fingerprint', {}))
 
+  def read_record(self, step: int) -> tuple[dict, dict]:
+    """(fingerprint, meta) of checkpoint ``step``: its JSON only, no array is read."""
+    self.wait()
+    record = self._manager.restore(int(step), args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))
+    return record['meta'].get('fingerprint', {}), record['meta'].get('meta', {})
+
+  def check_fingerprint(self, step: int, stored: dict) -> None:
+    """Raises CheckpointMismatchError (one line per differing setting) if ``stored``, the
+    fingerprint read from checkpoint ``step``, differs from this run's."""
+    diffs = _dict_diff(stored, self.fingerprint)
+    if diffs:
+      raise CheckpointMismatchError(
+          f'checkpoint {self.directory}/{int(step)} was written with other settings, and they '
+          f'change what its state means: {"; ".join(diffs)}. '
+          + _FIX.format(directory=self.directory))
+
+  def latest_record(self) -> Optional[tuple[int, dict, dict]]:
+    """(step, fingerprint, meta) of the newest checkpoint whose JSON reads, or None if there is
+    none. An unreadable newer one is set aside (see ``restore_latest``)."""
+    for step in reversed(self.all_steps()):
+      try:
+        return (step, *self.read_record(step))
+      except Exception as e:  # pylint: disable=broad-except
+        self._set_aside(step, e)
+    return None
+
   def restore_latest(self, abstract_state: Any) -> Optional[tuple[Any, dict]]:
-    """restore(latest_step()), or None if there is no complete checkpoint yet."""
-    step = self.latest_step()
-    return None if step is None else self.restore(step, abstract_state)
+    """restore() of the newest readable checkpoint, or None if there is none.
+
+    A checkpoint that cannot be read (a truncated or deleted file) is moved aside to
+    ``<directory>/<step>.unreadable`` with a warning naming it, and the next older one is tried:
+    a run falls back to the last checkpoint it can trust. CheckpointMismatchError (another
+    config or state structure) is raised as is, and CheckpointUnreadableError when every
+    checkpoint is unreadable.
+    """
+    steps = self.all_steps()
+    for step in reversed(steps):
+      try:
+        return self.restore(step, abstract_state)
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        self._set_aside(step, e)
+    if steps:
+      raise CheckpointUnreadableError(
+          f'no checkpoint in {self.directory} can be read (steps {steps} were set aside as '
+          f'<step>.unreadable); start a new run with a fresh --workdir.')
+    return None
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    """Renames an unreadable checkpoint out of the step listing (kept for inspection), so that
+    the run can save that step again."""
+    where = self.directory / str(step)
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ''
+    logging.warning('checkpoint %s cannot be read (%s: %s); it is moved to %s.unreadable and the '
+                    'previous checkpoint is used.', where, type(error).__name__, first, where)
+    print(f'warning: checkpoint {where} cannot be read ({type(error).__name__}); falling back to '
+          f'the previous one (kept as {where}.unreadable).', flush=True)
+    if jax.process_index() == 0:
+      target = self.directory / f'{step}.unreadable'
+      if target.exists():
+        target.rmtree()
+      where.rename(target)
+    self._sync(f'jaxrl_ga_set_aside_{step}')
+    self._manager.reload()
 
   def close(self):
     """Waits for pending saves and releases orbax's threads."""

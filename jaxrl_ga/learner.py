@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxrl_ga import logprobs
 from jaxrl_ga import losses
 from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, OptimizerConfig, ScheduleConfig
@@ -40,20 +41,22 @@ TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
 
 # -- log-probs shared by the learner and the rollout step -----------------------------------------
 def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
-                     completion_mask, with_entropy: bool = False, temperature=1.0):
+                     completion_mask, with_entropy: bool = False, temperature=1.0, *,
+                     remat: str = 'none', chunk_size: int = 0):
   """Per-token log-probs (and entropies) of the completion tokens. -> [B, Tc] float32.
 
   prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
-  the Tc positions that predict completion tokens. The policy is softmax(logits / temperature),
-  the distribution the sampler draws from (as in TRL), so ratios compare like with like.
+  the Tc positions that predict completion tokens, ``chunk_size`` positions at a time
+  (``logprobs.completion_token_stats``; 0: all at once). The policy is softmax(logits /
+  temperature), the distribution the sampler draws from (as in TRL), so ratios compare like with
+  like. ``remat``: the per-layer rematerialization policy of the forward (model.remat).
   """
   tp = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-  h = model.hidden(tokens, mask)[:, tp - 1:-1]  # [B, Tc, D]
-  logits = model.logits(h) / temperature  # [B, Tc, V]
-  logps = losses.token_logps(logits, completion_tokens)
-  return logps, (losses.token_entropy(logits) if with_entropy else None)
+  h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
+  return logprobs.completion_token_stats(model, h, completion_tokens, temperature=temperature,
+                                         chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask):
@@ -77,15 +80,18 @@ def sft_task_loss() -> TaskLoss:
 
 
 def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
-                   temperature: float = 1.0) -> TaskLoss:
+                   temperature: float = 1.0, *, remat: str = 'none',
+                   logprob_chunk_size: int = 0) -> TaskLoss:
   """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
-  their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0."""
+  their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0.
+  remat, logprob_chunk_size: memory knobs (model.remat, model.logprob_chunk_size)."""
 
   def task_loss(model, batch):
     logps, entropy = completion_logps(
         model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
-        batch['completion_mask'], with_entropy=True, temperature=temperature)
+        batch['completion_mask'], with_entropy=True, temperature=temperature, remat=remat,
+        chunk_size=logprob_chunk_size)
     if cfg.entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
@@ -98,14 +104,18 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
 
 def dpo_task_loss(cfg: DPOLossConfig) -> TaskLoss:
   """Batch: {chosen,rejected}_{tokens,attention_mask,loss_mask} [P, T] and
-  ref_{chosen,rejected}_logps [P] (summed over the response, cached once)."""
+  ref_{chosen,rejected}_logps [P] (summed over the response, cached once); with rpo_alpha > 0,
+  rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers)."""
 
   def task_loss(model, batch):
     n = batch['chosen_tokens'].shape[0]
     cat = lambda k: jnp.concatenate([batch[f'chosen_{k}'], batch[f'rejected_{k}']], axis=0)
     logps, counts = sequence_logps(model, cat('tokens'), cat('attention_mask'), cat('loss_mask'))
+    lengths = jnp.sum(cat('attention_mask').astype(jnp.float32), axis=-1)  # open-instruct's
     return losses.dpo_loss(logps[:n], logps[n:], batch['ref_chosen_logps'],
-                           batch['ref_rejected_logps'], counts[:n], counts[n:], cfg)
+                           batch['ref_rejected_logps'], counts[:n], counts[n:], cfg,
+                           chosen_lengths=lengths[:n], rejected_lengths=lengths[n:],
+                           rpo_scale=batch.get('rpo_scale'))
 
   return task_loss
 
@@ -146,7 +156,7 @@ def make_optimizer(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.MultiSt
   inner.append(optax.adamw(learning_rate_schedule(cfg, sched), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay))
   # Skip (and count) a window whose gradient is not finite; never give up silently: the trainer
-  # stops the run when too many windows in a row were skipped.
+  # stops the run after optimizer.max_consecutive_nonfinite skipped windows in a row.
   robust = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)
   return optax.MultiSteps(robust, every_k_schedule=sched.optimizer_every, use_grad_mean=False,
                           accumulator_dtype=jnp.float32)
@@ -318,8 +328,12 @@ class Learner:
     denom = jnp.where(window.denominator > 0, window.denominator, 1.0)
     summed = jax.tree.map(lambda a, g: a + g, state.opt_state.acc_grads, grads)
     out['grad_norm'] = optax.tree.norm(summed) / denom  # before clipping
-    out['learning_rate'] = self.lr_schedule(state.opt_state.gradient_step)
+    # AdamW's own step count: skipped non-finite windows do not advance its schedule.
+    out['learning_rate'] = self.lr_schedule(optax.tree_utils.tree_get(
+        state.opt_state, 'count',
+        filtering=lambda _, node: isinstance(node, optax.ScaleByScheduleState)))
     out['nonfinite_skipped'] = opt_state.inner_opt_state.total_notfinite
+    out['nonfinite_consecutive'] = opt_state.inner_opt_state.notfinite_count
     out['stepped'] = emit
 
     align = state.align

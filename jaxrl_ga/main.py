@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -125,41 +126,115 @@ def build_context(cfg, workdir: str):
   return ctx, params
 
 
-def run(cfg, workdir: str) -> dict:
-  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json)."""
-  import jax  # pylint: disable=g-import-not-at-top
+def check_workdir(workdir: str) -> None:
+  """A workdir that is a file, or that cannot be written, is a ConfigError (before any work)."""
   from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import dpo, grpo, sft  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if fileio.is_remote(workdir):
+    return
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; give a directory path.')
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ConfigError(f'--workdir={workdir}: {parent} is a file, not a directory; give another '
+                      f'path.')
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ConfigError(f'--workdir={workdir}: {parent} is not writable; give a directory you can '
+                      f'write to.')
+
+
+def run(cfg, workdir: str) -> dict:
+  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json).
+
+  SIGTERM or SIGINT at any point checkpoints the running stage and raises
+  checkpoint.Preempted; summary.json then says where the run stopped (``stopped_early``).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common, dpo, grpo, sft  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
-  ctx, params = build_context(cfg, workdir)
-  writer, mesh = ctx.writer, ctx.mesh
-  summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
-                   'mesh': dict(mesh.shape)}
-  try:
-    for stage in cfg.stages:
-      if stage == 'sft':
-        params, s = sft.run_sft(ctx, cfg.sft, params)
-      elif stage == 'grpo':
-        params, s = grpo.GRPOTrainer(ctx, cfg.grpo).run(params)
-      else:
-        params, s = dpo.run_dpo(ctx, cfg.dpo, params)
-      summary.update(s)
-  finally:
-    writer.close()
+  check_workdir(workdir)
+  with checkpoint.PreemptionGuard() as guard:
+    ctx, params = build_context(cfg, workdir)
+    ctx.guard = guard
+    common.check_resume(ctx)
+    writer, mesh = ctx.writer, ctx.mesh
+    summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
+                     'mesh': dict(mesh.shape)}
+    try:
+      for stage in cfg.stages:
+        if stage == 'sft':
+          params, s = sft.run_sft(ctx, cfg.sft, params)
+        elif stage == 'grpo':
+          params, s = grpo.GRPOTrainer(ctx, cfg.grpo).run(params)
+        else:
+          params, s = dpo.run_dpo(ctx, cfg.dpo, params)
+        summary.update(s)
+    except checkpoint.Preempted as e:
+      summary.update({'stopped_early': True, 'stopped_stage': e.stage,
+                      'stopped_at_micro_step': e.micro_step,
+                      'stopped_by': signal.Signals(e.signum).name if e.signum else 'another '
+                                    'process', 'wall_time_s': time.time() - t0})
+      _write_summary(workdir, summary)
+      raise
+    finally:
+      writer.close()
   if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
     summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
+  summary['stopped_early'] = False
   summary['wall_time_s'] = time.time() - t0
+  _write_summary(workdir, summary)
+  return summary
+
+
+def _write_summary(workdir: str, summary: dict) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   if jax.process_index() == 0:
     fileio.write_text(fileio.join(workdir, 'summary.json'),
                       json.dumps(summary, indent=2, sort_keys=True))
-  return summary
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad ``--config.<field>`` override (unknown name, wrong type) or
+  config file reported as one line naming it, exit status 2, no traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError,
+          SyntaxError) as e:
+    if isinstance(e, KeyError) and e.args:  # ml_collections: "'key'\nDid you mean ...?"
+      first, *rest = str(e.args[0]).split('\n')
+      msg = f'no setting named {first}' + ''.join(f' ({r.strip()})' for r in rest if r.strip())
+    else:
+      msg = ' '.join(str(e).split())
+    bad = _config_override_named(argv, msg)
+    where = f'{bad}: ' if bad else ''
+    print(f'error: {where}{msg.rstrip(".")}. Fix the setting (`python -m jaxrl_ga.main --helpfull` lists '
+          f'every --config.<field>).', file=sys.stderr)
+    sys.exit(2)
+
+
+def _config_override_named(argv: list[str], msg: str) -> Optional[str]:
+  """The --config... argument an error message is about (its quoted key), if one can tell."""
+  import re  # pylint: disable=g-import-not-at-top
+  keys = re.findall(r"'([^']+)'", msg)
+  for arg in argv[1:]:
+    name = arg.split('=', 1)[0]
+    if name.startswith('--config') and any(k in name.split('.') or k == name for k in keys):
+      return name
+  return None
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers.common import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
     cfg = load_run_config(_CONFIG.value)
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -167,6 +242,13 @@ def main(argv):
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
+  except checkpoint.Preempted as e:
+    print(f'stopped early ({e}); the checkpoint is saved: re-run the same command to resume.',
+          flush=True)
+    sys.exit(128 + (e.signum or signal.SIGTERM))  # "not finished" for a job scheduler
+  except (NonFiniteError, checkpoint.CheckpointUnreadableError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
   logging.info('done: %s', summary)
   keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']
   print('summary: ' + ', '.join(f'{k}={summary[k]:.3f}' if isinstance(summary[k], float)
@@ -174,4 +256,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

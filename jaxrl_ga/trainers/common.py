@@ -7,6 +7,7 @@ computation runs inside the jitted rollout and learner steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -38,6 +39,9 @@ class RunContext:
   graphdef: Any
   param_shardings: Any
   writer: 'MetricWriter'
+  # SIGTERM/SIGINT -> a flag for the whole run (main.run holds it); None: each stage loop holds
+  # its own.
+  guard: Optional[checkpoint.PreemptionGuard] = None
 
   @property
   def is_primary(self) -> bool:
@@ -54,11 +58,26 @@ class RunContext:
   def checkpointer(self, stage: str) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(
         fileio.join(self.workdir, 'checkpoints', stage),
-        max_to_keep=self.cfg.checkpoint.max_to_keep,
-        # What must not change across a resume (lengths like num_steps may).
-        fingerprint={'model': _jsonable(dataclasses.asdict(self.model_cfg)),
-                     'task': _jsonable(dataclasses.asdict(self.cfg.task)),
-                     'seed': self.cfg.seed, 'stage': stage})
+        max_to_keep=self.cfg.checkpoint.max_to_keep, fingerprint=self.fingerprint(stage))
+
+  def fingerprint(self, stage: str) -> dict[str, Any]:
+    """Every setting that changes what a stage checkpoint's state means: a resume with another
+    value is refused. Lengths and cadences (RESUMABLE_SETTINGS, eval.*, checkpoint.*) and the
+    mesh (orbax restores onto any sharding) may change."""
+    stage_cfg = dataclasses.asdict(getattr(self.cfg, stage))
+    for name in RESUMABLE_SETTINGS:
+      stage_cfg.pop(name, None)
+    stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
+    return _jsonable({'stage': stage, 'seed': self.cfg.seed, stage: stage_cfg,
+                      'model': dataclasses.asdict(self.model_cfg),
+                      'model_source': self.cfg.model.hf_path,
+                      'task': dataclasses.asdict(self.cfg.task)})
+
+
+# Stage settings that may change when a run resumes: how long it trains and how often it logs,
+# evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
+RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
+                      'probe_examples')
 
 
 def _jsonable(x):
@@ -118,7 +137,8 @@ class MetricWriter:
     self._tb = None
     if self._active:
       fileio.makedirs(workdir)
-      self._jsonl = fileio.TextAppender(fileio.join(workdir, 'metrics.jsonl'))
+      self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
+      self._jsonl = fileio.TextAppender(self._jsonl_path)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
 
@@ -131,10 +151,38 @@ class MetricWriter:
       if v is not None:
         self._tb.add_scalar(f'{phase}/{k}', v, int(step))
 
+  def drop_after(self, stage: str, step: int):
+    """Drops the rows of ``stage`` (and its eval and probe rows) logged after optimizer step
+    ``step``: a run resumed from that step logs them again. (TensorBoard keeps both; its
+    viewer shows the later point.)"""
+    if not self._active:
+      return
+    path = self._jsonl_path
+    if not fileio.exists(path):
+      return
+    phases = {stage, f'{stage}_eval', f'{stage}_probe'}
+    lines = fileio.read_text(path).splitlines(keepends=True)
+    keep = [l for l in lines if not _logged_after(l, phases, step)]
+    if len(keep) == len(lines):
+      return
+    self._jsonl.close()
+    fileio.write_text(path, ''.join(keep))
+    self._jsonl = fileio.TextAppender(path)
+    logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
+                 len(lines) - len(keep), stage, step)
+
   def close(self):
     if self._active:
       self._jsonl.close()
       self._tb.close()
+
+
+def _logged_after(line: str, phases: set[str], step: int) -> bool:
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError:
+    return not line.strip()  # a row cut short by a kill goes too
+  return row.get('phase') in phases and int(row.get('step', 0)) > step
 
 
 def _to_float(v) -> Optional[float]:
@@ -196,6 +244,8 @@ class Evaluator:
     rows = sharding.batch_rows(bs, ctx.mesh)
     correct = np.zeros(bs, np.float32)
     for start in range(0, len(self.examples), bs):
+      if ctx.guard is not None and ctx.guard.should_stop:  # a long evaluation is interruptible
+        raise checkpoint.Preempted('', -1, ctx.guard.signal_received)
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
       tokens, mask = sharding.shard_rows(lambda _: left_pad(
@@ -235,19 +285,31 @@ def round_up(x: int, m: int) -> int:
 
 
 # -- the stage loop ------------------------------------------------------------------------------
+class NonFiniteError(RuntimeError):
+  """Too many optimizer-step windows in a row had a non-finite gradient."""
+
+
 def fresh_meta() -> dict[str, Any]:
   """Host-side progress saved with every checkpoint."""
   return {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
 
 
-def restore(ckpt, stage: str, state) -> tuple[Any, dict[str, Any]]:
-  """The latest checkpoint of the stage onto ``state``'s shardings, or (state, fresh meta)."""
+def restore(ctx: RunContext, ckpt, stage: str, state, k: int) -> tuple[Any, dict[str, Any]]:
+  """The latest readable checkpoint of the stage onto ``state``'s shardings, or (state, fresh
+  meta). Metrics rows the run logged after that checkpoint are dropped from metrics.jsonl, so a
+  resumed run logs each step once."""
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   restored = ckpt.restore_latest(abstract)
   if restored is None:
+    ctx.writer.drop_after(stage, 0)
     return state, fresh_meta()
-  logging.info('%s: resumed at micro-step %d', stage, restored[1]['micro_step'])
+  meta = restored[1]
+  if not meta['done']:
+    print(f'[{stage}] resumed at micro-step {meta["micro_step"]} (optimizer step '
+          f'{meta["micro_step"] // k}) from {ckpt.directory}', flush=True)
+  logging.info('%s: resumed at micro-step %d', stage, meta['micro_step'])
+  ctx.writer.drop_after(stage, meta['micro_step'] // k)
   return restored
 
 
@@ -256,58 +318,182 @@ def report_accuracy(ctx: RunContext, stage: str, step: int, accuracy: float, whe
   print(f'[{stage}] held-out accuracy {when}: {accuracy:.3f}', flush=True)
 
 
+def trains_on(stage: str, meta: dict[str, Any], num_steps: int, k: int) -> bool:
+  """Whether a restored stage has work left: False for a finished stage (it is skipped), True
+  for an unfinished one or for a finished one whose num_steps was raised since (it trains on, as
+  one longer run would; a stage ended by its target accuracy stays finished)."""
+  if not meta['done']:
+    return True
+  done_steps = meta['micro_step'] // k
+  if meta['summary'].get(f'{stage}/stopped_at_target') or num_steps <= done_steps:
+    print(f'[{stage}] already finished ({done_steps} optimizer steps); skipping', flush=True)
+    return False
+  print(f'[{stage}] finished at step {done_steps}; {stage}.num_steps={num_steps}: training on',
+        flush=True)
+  meta['done'] = False
+  return True
+
+
+def check_resume(ctx: RunContext) -> None:
+  """Before any stage runs or compiles: every stage checkpoint of the workdir fits this run.
+
+  Raises ConfigError (one line naming each changed setting, old and new value) if a checkpoint
+  was written with settings that change what its state means, if an unfinished stage has
+  trained past its num_steps, or if a finished stage's num_steps was raised after a later stage
+  started from its result.
+  """
+  cfg = ctx.cfg
+  records = {}
+  for stage in cfg.stages:
+    ckpt = ctx.checkpointer(stage)
+    try:
+      record = ckpt.latest_record()
+      if record is not None:
+        step, fingerprint, meta = record
+        try:
+          ckpt.check_fingerprint(step, fingerprint)
+        except checkpoint.CheckpointMismatchError as e:
+          raise ConfigError(str(e)) from None
+        records[stage] = meta
+    finally:
+      ckpt.close()
+  for i, stage in enumerate(cfg.stages):
+    if stage not in records:
+      continue
+    meta, k = records[stage], optimizer_every(cfg, stage)
+    steps, num_steps = meta['micro_step'] // k, getattr(cfg, stage).num_steps
+    if not meta['done'] and meta['micro_step'] > num_steps * k:
+      raise ConfigError(
+          f'{stage}.num_steps={num_steps}, but the {stage} checkpoint in {ctx.workdir} is at '
+          f'optimizer step {steps}; set {stage}.num_steps to {steps} or more, or use a fresh '
+          f'--workdir.')
+    later = [s for s in cfg.stages[i + 1:] if s in records]
+    if (meta['done'] and num_steps > steps and later
+        and not meta['summary'].get(f'{stage}/stopped_at_target')):
+      raise ConfigError(
+          f'{stage}.num_steps={num_steps}, but {stage} finished at step {steps} and {later[0]} '
+          f'has already trained from that result; set {stage}.num_steps back to {steps}, or '
+          f'use a fresh --workdir to train a longer {stage}.')
+
+
+def optimizer_every(cfg: RunConfig, stage: str) -> int:
+  """K of a stage: micro-steps per optimizer step."""
+  if stage == 'grpo':
+    return cfg.grpo.schedule.optimizer_every
+  return getattr(cfg, stage).grad_accum_steps
+
+
 def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, Any], *,
                     num_steps: int, k: int, log_every: int, step_fn, log_keys: Sequence[str],
-                    eval_every: int = 0, evaluate=None, stop_at_micro_step: Optional[int] = None,
-                    done_early=None) -> tuple[Any, bool]:
+                    max_consecutive_nonfinite: int, eval_every: int = 0, evaluate=None,
+                    stop_at_micro_step: Optional[int] = None,
+                    done_early=None) -> tuple[Any, Optional[str]]:
   """The loop every stage shares: micro-steps until ``num_steps`` optimizer steps, logging,
   periodic evaluation and checkpoints, and a clean stop on SIGTERM.
 
   step_fn(state, meta) -> (state, device outputs of the learner step, host metrics) runs one
-  micro-step and advances meta['data_position'] itself. Returns (state, stopped_early): a stop
-  requested by ``stop_at_micro_step`` checkpoints and returns; SIGTERM checkpoints and exits 0.
-  ``done_early(step, state) -> bool``, asked after every optimizer step, ends the stage early
-  (a normal finish, e.g. SFT reaching its target accuracy).
+  micro-step and advances meta['data_position'] itself. Returns (state, why it ended early or
+  None): 'stop_at_micro_step' (``stop_at_micro_step`` reached: checkpointed, the test hook of an
+  interrupted run) or 'done_early' (``done_early(step, state)``, asked after every optimizer
+  step, said so: a normal finish such as SFT reaching its target accuracy).
+
+  Raises checkpoint.Preempted after checkpointing when SIGTERM/SIGINT arrived (also during an
+  evaluation), and NonFiniteError when ``max_consecutive_nonfinite`` windows in a row were
+  skipped (no checkpoint is written after the first of them). On every way out, errors
+  included, the checkpoint writes already started are finished first.
   """
   total = num_steps * k
   progress = Progress(stage, num_steps, start=meta['micro_step'] // k)
   every = ctx.cfg.checkpoint.every_steps
-  s, last_saved = meta['micro_step'], None
-  with checkpoint.PreemptionGuard() as guard:
-    while s < total:
-      state, out, host_metrics = step_fn(state, meta)
-      s += 1
-      meta['micro_step'] = s
-      if s % k == 0:
-        step = s // k
-        if step % log_every == 0 or step == num_steps:
-          metrics = jax.device_get(out) | host_metrics
-          metrics.pop('stepped', None)
-          ctx.writer.write(stage, step, metrics)
-          progress.update(step, fmt_metrics(metrics, log_keys), force=True)
-          if not np.isfinite(metrics['loss']):
-            logging.warning('%s: non-finite loss at step %d (the window was skipped)', stage,
-                            step)
-        if eval_every and step % eval_every == 0 and step < num_steps:
-          report_accuracy(ctx, stage, step, evaluate(state), f'at step {step}')
-        if done_early is not None and done_early(step, state):
-          break  # the caller's finish() writes the last checkpoint
-        if every and step % every == 0 and step < num_steps:
-          ckpt.save(s, state, meta)
-          last_saved = s
-      if guard.should_stop or s == stop_at_micro_step:
-        logging.warning('%s: stopping; checkpointing micro-step %d', stage, s)
+  s, last_saved, pending = meta['micro_step'], None, None
+  guard = ctx.guard if ctx.guard is not None else checkpoint.PreemptionGuard()
+  nested = ctx.guard is None
+  try:
+    with (guard if nested else contextlib.nullcontext()):
+      try:
+        while s < total:
+          state, out, host_metrics = step_fn(state, meta)
+          s += 1
+          meta['micro_step'] = s
+          if s % k == 0:
+            step = s // k
+            # The previous window's status, fetched one step late so the host never waits.
+            if pending is not None:
+              _check_finite(stage, pending, max_consecutive_nonfinite)
+            pending = (step, out['nonfinite_consecutive'])
+            if step % log_every == 0 or step == num_steps:
+              metrics = jax.device_get(out) | host_metrics
+              metrics.pop('stepped', None)
+              ctx.writer.write(stage, step, metrics)
+              progress.update(step, fmt_metrics(metrics, log_keys), force=True)
+            if eval_every and step % eval_every == 0 and step < num_steps:
+              report_accuracy(ctx, stage, step, evaluate(state), f'at step {step}')
+            if done_early is not None and done_early(step, state):
+              return state, 'done_early'  # the caller's finish() writes the last checkpoint
+            if every and step % every == 0 and step < num_steps:
+              _check_finite(stage, pending, max_consecutive_nonfinite)  # never save a bad window
+              if int(pending[1]) == 0:
+                ckpt.save(s, state, meta)
+                last_saved = s
+          if guard.should_stop or s == stop_at_micro_step:
+            if last_saved != s:
+              ckpt.save(s, state, meta)
+            ckpt.wait()
+            if guard.should_stop:
+              raise checkpoint.Preempted(stage, s, guard.signal_received)
+            return state, 'stop_at_micro_step'
+        if pending is not None:
+          _check_finite(stage, pending, max_consecutive_nonfinite)
+      except checkpoint.Preempted:
         if last_saved != s:
           ckpt.save(s, state, meta)
         ckpt.wait()
-        if guard.should_stop:
-          raise SystemExit(0)
-        return state, True
-  return state, False
+        raise
+  finally:
+    wait_quietly(ckpt)
+  return state, None
+
+
+def _check_finite(stage: str, pending, limit: int) -> None:
+  step, consecutive = pending
+  consecutive = int(consecutive)
+  if consecutive:
+    logging.warning('%s: the gradient of optimizer step %d was not finite; the window was '
+                    'skipped (%d in a row)', stage, step, consecutive)
+  if consecutive >= limit:
+    raise NonFiniteError(
+        f'{stage}: {consecutive} optimizer-step windows in a row had a non-finite gradient (the '
+        f'last at step {step}); stopping. The last checkpoint is from before them. Lower '
+        f'{stage}.optimizer.learning_rate, check the data, or raise '
+        f'{stage}.optimizer.max_consecutive_nonfinite.')
+
+
+def wait_quietly(ckpt) -> None:
+  """Finishes the checkpoint writes in flight; on an error path, a failing write is logged
+  instead of hiding the error that is on its way out."""
+  try:
+    ckpt.wait()
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('a checkpoint write failed')
+
+
+def evaluate_or_save(ctx: RunContext, ckpt, state, meta: dict[str, Any], evaluate) -> float:
+  """``evaluate(state)`` at the end of a stage; a stop requested meanwhile checkpoints the
+  stage (not marked done: a re-run evaluates again and finishes) and raises Preempted."""
+  try:
+    accuracy = evaluate(state)
+    if ctx.guard is not None and ctx.guard.should_stop:
+      raise checkpoint.Preempted('', meta['micro_step'], ctx.guard.signal_received)
+    return accuracy
+  except checkpoint.Preempted as e:
+    if ckpt.latest_step() != meta['micro_step']:
+      ckpt.save(meta['micro_step'], state, meta)
+    ckpt.wait()
+    raise checkpoint.Preempted(ckpt.directory.name, meta['micro_step'], e.signum) from None
 
 
 def finish(ckpt, state, meta: dict[str, Any], summary: dict[str, Any]) -> None:
   """The stage's last checkpoint, marked done with its summary (a re-run skips the stage)."""
   meta.update(done=True, summary=summary)
-  ckpt.save(meta['micro_step'], state, meta)  # periodic saves skip the stage's last step
+  ckpt.save(meta['micro_step'], state, meta, replace=True)
   ckpt.wait()

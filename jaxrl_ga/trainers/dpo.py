@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxrl_ga import fileio
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import losses
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
@@ -122,24 +123,45 @@ def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[s
   b = cfg.micro_batch_size
   epochs = {}
 
-  def batch_at(position):
+  def pair_indices(position, count):
     idx = []
-    for p in range(position, position + b):
+    for p in range(position, position + count):
       epoch, i = divmod(p, n_pairs)
       if epoch not in epochs:  # a fixed shuffle per epoch: resumable from the position alone
         epochs[epoch] = np.random.default_rng([ctx.cfg.seed, epoch]).permutation(n_pairs)
       idx.append(epochs[epoch][i])
-    idx = np.asarray(idx)
-    return sharding.shard_rows(lambda rows: {k: v[idx[rows]] for k, v in pairs.items()}, b,
-                               ctx.mesh)
+    return np.asarray(idx)
+
+  window_pairs = b * cfg.grad_accum_steps
+
+  def rpo_scale(position):
+    """RPO's NLL term is a token mean over the whole optimizer-step window (losses.dpo_loss):
+    the window's denominator / chosen tokens, from the K micro-batches that hold `position`."""
+    w = pair_indices(position - position % window_pairs, window_pairs)
+    count = lambda key: pairs[key][w].sum(axis=-1)
+    den, chosen = losses.dpo_window_normalizers(
+        count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
+        count('rejected_attention_mask'), cfg.loss)
+    return np.float32(den / max(chosen, 1.0))
+
+  def batch_at(position):
+    idx = pair_indices(position, b)
+    extra = {}
+    if cfg.loss.rpo_alpha:
+      extra['rpo_scale'] = np.full(b, rpo_scale(position), np.float32)
+    return sharding.shard_rows(
+        lambda rows: {k: v[idx[rows]] for k, v in pairs.items()} |
+        {k: v[rows] for k, v in extra.items()}, b, ctx.mesh)
 
   ckpt = ctx.checkpointer('dpo')
-  state, meta = common.restore(ckpt, 'dpo', learner.init(params, batch_at(0)))
-  if meta['done']:
+  k = cfg.grad_accum_steps
+  state, meta = common.restore(ctx, ckpt, 'dpo', learner.init(params, batch_at(0)), k)
+  if not common.trains_on('dpo', meta, cfg.num_steps, k):
     return state.params, meta['summary']
   summary = meta['summary']
   if 'eval/accuracy_before' not in summary:
-    summary['eval/accuracy_before'] = evaluator.accuracy(state.params)
+    summary['eval/accuracy_before'] = common.evaluate_or_save(
+        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
     common.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
                            f'before DPO ({n_pairs} pairs)')
   summary['dpo/pairs'] = n_pairs
@@ -150,9 +172,11 @@ def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[s
     return state, out, {}
 
   state, _ = common.run_micro_steps(
-      ctx, 'dpo', ckpt, state, meta, num_steps=cfg.num_steps, k=cfg.grad_accum_steps,
-      log_every=cfg.log_every, step_fn=step_fn, log_keys=_LOG_KEYS)
-  summary['eval/accuracy_after'] = evaluator.accuracy(state.params)
+      ctx, 'dpo', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
+      step_fn=step_fn, log_keys=_LOG_KEYS,
+      max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite)
+  summary['eval/accuracy_after'] = common.evaluate_or_save(
+      ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
   common.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'], 'after DPO')
   common.finish(ckpt, state, meta, summary)
   return state.params, summary

@@ -87,13 +87,15 @@ class GRPOTrainer:
     sched = cfg.schedule
     k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
     ckpt = ctx.checkpointer('grpo')
-    state, meta = common.restore(ckpt, 'grpo', self._fresh_state(params))
-    if meta['done']:
+    state, meta = common.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
+    if not common.trains_on('grpo', meta, cfg.num_steps, k):
       return state['learner'].params, meta['summary']
     summary = meta['summary']  # saved with every checkpoint
+    resumed_from = meta['micro_step']
     evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
     if 'eval/accuracy_before' not in summary:
-      summary['eval/accuracy_before'] = evaluator.accuracy(state['learner'].params)
+      summary['eval/accuracy_before'] = common.evaluate_or_save(
+          ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st['learner'].params))
       common.report_accuracy(ctx, 'grpo', 0, summary['eval/accuracy_before'], 'before GRPO')
 
     def step_fn(state, meta):
@@ -107,15 +109,19 @@ class GRPOTrainer:
       return state, out, host
 
     t_start = time.time()
-    state, stopped = common.run_micro_steps(
+    state, ended = common.run_micro_steps(
         ctx, 'grpo', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
         step_fn=step_fn, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
         evaluate=lambda st: evaluator.accuracy(st['learner'].params),
-        stop_at_micro_step=stop_at_micro_step)
+        stop_at_micro_step=stop_at_micro_step,
+        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite)
     params = state['learner'].params
-    if stopped:
-      return params, summary | {'stopped_at_micro_step': meta['micro_step']}
-    summary['eval/accuracy_after'] = evaluator.accuracy(params)
+    this_run = {'grpo/resumed_from_micro_step': resumed_from,
+                'grpo/micro_steps_this_run': meta['micro_step'] - resumed_from}
+    if ended == 'stop_at_micro_step':
+      return params, summary | this_run | {'stopped_at_micro_step': meta['micro_step']}
+    summary['eval/accuracy_after'] = common.evaluate_or_save(
+        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st['learner'].params))
     common.report_accuracy(ctx, 'grpo', cfg.num_steps, summary['eval/accuracy_after'],
                            'after GRPO')
     rollouts = int(state['rollout'].counter)
@@ -129,7 +135,7 @@ class GRPOTrainer:
         'schedule/recompute_counts_this_run': _counts_for(self.table, rollouts),
     })
     common.finish(ckpt, state, meta, summary)
-    return params, summary
+    return params, summary | this_run
 
   # -- one rollout: generation on device, rewards and advantages on the host ---------------------
   def _new_rollout(self, state, meta):

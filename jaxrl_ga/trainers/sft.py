@@ -46,8 +46,9 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
         b, ctx.mesh)
 
   ckpt = ctx.checkpointer('sft')
-  state, meta = common.restore(ckpt, 'sft', learner.init(params, batch_at(0)))
-  if meta['done']:
+  k = cfg.grad_accum_steps
+  state, meta = common.restore(ctx, ckpt, 'sft', learner.init(params, batch_at(0)), k)
+  if not common.trains_on('sft', meta, cfg.num_steps, k):
     return state.params, meta['summary']
 
   def step_fn(state, meta):
@@ -73,13 +74,15 @@ def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[s
         return True
       return False
 
-  state, _ = common.run_micro_steps(
-      ctx, 'sft', ckpt, state, meta, num_steps=cfg.num_steps, k=cfg.grad_accum_steps,
-      log_every=cfg.log_every, step_fn=step_fn, log_keys=('loss', 'grad_norm'),
-      eval_every=cfg.eval_every, evaluate=lambda st: evaluator.accuracy(st.params),
-      done_early=stop_at_target)
-  summary = {'eval/accuracy_after_sft': evaluator.accuracy(state.params),
-             'sft/optimizer_steps': meta['micro_step'] // cfg.grad_accum_steps}
+  state, ended = common.run_micro_steps(
+      ctx, 'sft', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
+      step_fn=step_fn, log_keys=('loss', 'grad_norm'), eval_every=cfg.eval_every,
+      evaluate=lambda st: evaluator.accuracy(st.params), done_early=stop_at_target,
+      max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite)
+  summary = {'eval/accuracy_after_sft': common.evaluate_or_save(
+                 ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params)),
+             'sft/optimizer_steps': meta['micro_step'] // k,
+             'sft/stopped_at_target': ended == 'done_early'}
   common.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
                          summary['eval/accuracy_after_sft'], 'after SFT')
   common.finish(ckpt, state, meta, summary)
