@@ -229,7 +229,8 @@ def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
 def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerFast:
   """The file's tokenizer with its chat template and bos/eos/unk/pad tokens (see the docstring)."""
   # Torch-free (the package's __init__ and reader import torch, this module does not).
-  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
   path = resolve(source)
   reader = _reader(path)
   tokenizer_dict, tokenizer_config = {}, {}

@@ -25,6 +25,7 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.tasks import chat
 
 
 @dataclasses.dataclass
@@ -110,6 +111,12 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh):
 # -- tokenization --------------------------------------------------------------------------------
 def encode(tokenizer, text: str) -> list[int]:
   return tokenizer(text, add_special_tokens=False)['input_ids']
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+  """A task prompt's ids: through the tokenizer's chat template when it has one (a user message
+  plus the assistant generation prompt; ``jaxrl_ga.tasks.chat``), else the raw text."""
+  return chat.prompt_ids(tokenizer, text)
 
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, what: str):
@@ -249,8 +256,8 @@ class Evaluator:
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
       tokens, mask = sharding.shard_rows(lambda _: left_pad(
-          [encode(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length, ctx.pad_id,
-          'max_prompt_length'), bs, ctx.mesh)
+          [encode_prompt(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length,
+          ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
       out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
       texts = decode_completions(ctx.tokenizer, sharding.local_part(out.tokens)[1],
                                  sharding.local_part(out.mask)[1])

@@ -55,7 +55,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
   for start in range(0, len(examples), _GEN_PROMPTS):
     chunk = examples[start:start + _GEN_PROMPTS]
     chunk = chunk + [chunk[0]] * (_GEN_PROMPTS - len(chunk))
-    ids = [common.encode(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
+    ids = [common.encode_prompt(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
     tokens, mask = common.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'dpo.sampling.max_prompt_length')
     out = generate(params, *sharding.shard_batch((tokens, mask), ctx.mesh),
@@ -76,7 +76,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
       if good is not None and bad is not None:
         chosen.append(good)
         rejected.append(bad)
-        prompts.append(common.encode(ctx.tokenizer, ex.prompt))
+        prompts.append(common.encode_prompt(ctx.tokenizer, ex.prompt))
   if len(chosen) < cfg.micro_batch_size:
     raise RuntimeError(f'only {len(chosen)} (correct, incorrect) pairs from {cfg.num_prompts} '
                        f'prompts; raise dpo.num_prompts or dpo.samples_per_prompt, or start from '

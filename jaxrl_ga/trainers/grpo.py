@@ -154,7 +154,7 @@ class GRPOTrainer:
     index = self.engine.prompt_index[:, rows]  # [S, nb] prompt of each local row
     needed = np.unique(index)
     examples = {int(p): ctx.task.train_example(pos + int(p), ctx.cfg.seed) for p in needed}
-    ids = {p: common.encode(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
+    ids = {p: common.encode_prompt(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
     tokens, mask = common.left_pad([ids[int(p)] for p in index.reshape(-1)],
                                    cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'grpo.sampling.max_prompt_length')

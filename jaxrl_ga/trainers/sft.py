@@ -20,7 +20,7 @@ def sft_batch(ctx: common.RunContext, examples, max_length: int) -> dict[str, np
   attn = np.zeros((n, max_length), np.int32)
   loss = np.zeros((n, max_length), np.int32)
   for i, ex in enumerate(examples):
-    p = common.encode(ctx.tokenizer, ex.prompt)
+    p = common.encode_prompt(ctx.tokenizer, ex.prompt)
     c = common.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
     if len(p) + len(c) > max_length:
       raise ConfigError(f'an SFT example of {len(p) + len(c)} tokens exceeds '
