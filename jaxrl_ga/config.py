@@ -84,7 +84,7 @@ GRPO_AGGREGATIONS = ('token', 'sequence', 'constant', 'microbatch_token')
 # TRL's loss_type names for the same aggregations (DESIGN, "Loss normalization").
 TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'constant',
                          'bnpo': 'microbatch_token'}
-DPO_AGGREGATIONS = ('pair', 'token')
+DPO_AGGREGATIONS = ('pair', 'token', 'microbatch_token')
 DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
 IMPORTANCE_LEVELS = ('token', 'sequence')
 SCALE_REWARDS = ('group', 'batch', 'none')
@@ -162,9 +162,11 @@ class GRPOLossConfig:
   """The GRPO per-token objective and its aggregation over an optimizer-step window.
 
   Attributes:
-    aggregation: 'token' (DAPO), 'sequence' (GRPO), 'constant' (Dr. GRPO) or
-      'microbatch_token' (BNPO as often implemented: normalized per micro-batch; depends on K,
-      kept only to demonstrate seed 003's bug).
+    aggregation: TRL 1.16's loss_type definitions over the window (README, "How exactness
+      works"): 'token' (dapo), 'sequence' (grpo: mean over every row, one with an all-zero mask
+      too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row) or
+      'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
+      seed 003's bug). TRL's names are accepted as aliases.
     epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high].
     delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
@@ -196,13 +198,18 @@ class DPOLossConfig:
   """DPO over summed sequence log-probs.
 
   Attributes:
-    loss_type: 'sigmoid', 'ipo', 'hinge' or 'robust' (label smoothing, Chowdhury et al.).
+    loss_type: 'sigmoid', 'ipo', 'hinge' or 'robust', as TRL 1.16 defines them ('ipo' divides
+      each log-ratio by its completion length; see losses.dpo_pair_losses).
     beta: inverse temperature of the implicit reward.
-    label_smoothing: assumed label-noise rate for 'robust' (and conservative 'sigmoid').
-    aggregation: 'pair' (mean over pairs, default) or 'token' (each pair weighted by its
-      chosen+rejected token count, open-instruct's weighting).
-    rpo_alpha: weight of the chosen completion's per-token NLL added to each pair's loss (RPO,
-      TRL's rpo_alpha); counters DPO lowering the chosen likelihood too. 0 disables.
+    label_smoothing: assumed label-noise rate for 'robust' (and cDPO 'sigmoid', which TRL 1.16's
+      sigmoid ignores; the default 0 is TRL's sigmoid).
+    aggregation: 'pair' (mean over pairs, TRL's; default), 'token' (each pair weighted by its
+      chosen+rejected completion tokens; ours, split-invariant) or 'microbatch_token'
+      (open-instruct's weighting, PR #1447: each micro-batch's pair mean weighted by its
+      attention-mask tokens; depends on the micro-batch split, kept to show it).
+    rpo_alpha: weight of TRL's 'sft' loss term (loss_type=[..., 'sft'], loss_weights=[1, alpha];
+      older TRL's rpo_alpha): the token mean of the chosen completions' NLL over the
+      optimizer-step window (RPO); counters DPO lowering the chosen likelihood too. 0 disables.
   """
   loss_type: str = 'sigmoid'
   beta: float = 0.1

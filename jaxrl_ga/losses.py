@@ -12,19 +12,27 @@ DESIGN table, whatever K and wherever the micro-batch boundaries fall:
 
   aggregation         numerator of a micro-batch          denominator of a micro-batch
   token               sum m*l                             sum m
-  sequence            sum_i [sum_t m*l / sum_t m]         N_seq (sequences with >= 1 token)
-  constant            sum m*l                             N_seq * max_completion_length
+  sequence            sum_i [sum_t m*l / max(sum_t m, 1)] B (every row, empty ones too)
+  constant            sum m*l                             B * max_completion_length
   microbatch_token    sum m*l / sum m                     1   (the K-dependent bug of seed 003)
+
+Each name means what TRL 1.16's GRPOTrainer means by its loss_type (README, "How exactness
+works"): 'token' is dapo (at K = S, where TRL's normalizer is the window's token count),
+'sequence' is grpo and 'constant' is dr_grpo, both counting a row whose completion mask is all
+zero (mask_truncated_completions) as a sequence, and 'microbatch_token' is bnpo (one process).
+TRL's per-micro-batch formula is applied to the whole window: normalizers are summed over the
+K micro-batches instead of averaging K separately normalized losses.
 
 Metrics accumulate the same way: ``mean_metrics[name] = (weighted sum, weight)`` gives the window
 mean sum(sums) / sum(weights); ``min_metrics`` and ``max_metrics`` combine with min and max.
 :func:`neutral_like` (the accumulator's start), :func:`combine`, :func:`finalize` and
 :func:`window_value` do this arithmetic; the learner's accumulator should do the same.
 
-Rows whose mask is all zero (padding rows of a static-shape micro-batch, or completions masked
-out) contribute nothing to any numerator, denominator or metric. Values at masked positions may
-be arbitrary (even inf or nan): they are replaced before any arithmetic, so they never reach a
-sum or a gradient.
+A GRPO row whose mask is all zero (a completion masked out) contributes nothing to any
+numerator or metric, and counts in the 'sequence' and 'constant' denominators as TRL counts it
+(GRPO micro-batches have no padding rows). A DPO pair with no tokens is a padding pair and counts
+nowhere. Values at masked positions may be arbitrary (even inf or nan): they are replaced before
+any arithmetic, so they never reach a sum or a gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Optional, Sequence
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig
 
@@ -203,14 +212,13 @@ def aggregate(per_token_loss: Array, mask: Array, aggregation: str,
     return jnp.sum(masked), tokens
   if aggregation == 'microbatch_token':
     return jnp.sum(masked) / jnp.where(tokens > 0, tokens, 1.0), jnp.ones((), jnp.float32)
-  seq_tokens = jnp.sum(mask, axis=-1)  # [B]
-  has_tokens = seq_tokens > 0  # [B]
-  num_seqs = jnp.sum(has_tokens.astype(jnp.float32))
+  num_rows = float(mask.shape[0])  # TRL counts every row, one without tokens too
   if aggregation == 'sequence':
-    seq_mean = jnp.sum(masked, axis=-1) / jnp.where(has_tokens, seq_tokens, 1.0)  # [B]
-    return jnp.sum(jnp.where(has_tokens, seq_mean, 0.0)), num_seqs
+    seq_tokens = jnp.sum(mask, axis=-1)  # [B]
+    seq_mean = jnp.sum(masked, axis=-1) / jnp.maximum(seq_tokens, 1.0)  # [B]; 0 for an empty row
+    return jnp.sum(seq_mean), jnp.asarray(num_rows, jnp.float32)
   if aggregation == 'constant':
-    return jnp.sum(masked), num_seqs * float(max_completion_length)
+    return jnp.sum(masked), jnp.asarray(num_rows * float(max_completion_length), jnp.float32)
   raise ValueError(f'unknown aggregation {aggregation!r}; choose one of token, sequence, '
                    'constant, microbatch_token.')
 
@@ -360,14 +368,33 @@ def grpo_loss(logps: Array,
 # ---------------------------------------------------------------------------------------------
 
 
-def dpo_pair_losses(logits: Array, cfg: DPOLossConfig) -> Array:
-  """Per-pair DPO loss of logits h = (pi_c - ref_c) - (pi_r - ref_r), TRL semantics: [P] -> [P]."""
-  bh = cfg.beta * logits  # [P]
+def dpo_pair_losses(chosen_logratios: Array, rejected_logratios: Array, chosen_tokens: Array,
+                    rejected_tokens: Array, cfg: DPOLossConfig) -> Array:
+  """Per-pair DPO loss, as TRL 1.16's DPOTrainer defines each loss_type: [P] -> [P].
+
+  With c = pi_c - ref_c and r = pi_r - ref_r (summed completion log-probs) and h = c - r:
+
+    sigmoid  -(1 - ls) log sig(beta h) - ls log sig(-beta h)     (TRL's sigmoid at ls = 0;
+             ls > 0 is cDPO, TRL's sigmoid before 1.0: TRL 1.16's sigmoid ignores ls)
+    ipo      (c / n_c - r / n_r - 1 / (2 beta))^2   n: completion tokens (at least 1); TRL
+             normalizes each log-ratio by its length, the form of the IPO paper's results
+    hinge    relu(1 - beta h)
+    robust   ((1 - ls) (-log sig(beta h)) + ls log sig(-beta h)) / (1 - 2 ls)
+
+  Args:
+    chosen_logratios, rejected_logratios: [P] policy minus reference summed log-probs.
+    chosen_tokens, rejected_tokens: [P] completion token counts (used by 'ipo').
+    cfg: the loss configuration.
+  """
+  h = chosen_logratios - rejected_logratios  # [P]
+  bh = cfg.beta * h  # [P]
   ls = cfg.label_smoothing
   if cfg.loss_type == 'sigmoid':
     return -(1.0 - ls) * jax.nn.log_sigmoid(bh) - ls * jax.nn.log_sigmoid(-bh)
   if cfg.loss_type == 'ipo':
-    return (logits - 1.0 / (2.0 * cfg.beta))**2
+    h_per_token = (chosen_logratios / jnp.maximum(_f32(chosen_tokens), 1.0) -
+                   rejected_logratios / jnp.maximum(_f32(rejected_tokens), 1.0))  # [P]
+    return (h_per_token - 1.0 / (2.0 * cfg.beta))**2
   if cfg.loss_type == 'hinge':
     return jax.nn.relu(1.0 - bh)
   if cfg.loss_type == 'robust':
@@ -376,19 +403,63 @@ def dpo_pair_losses(logits: Array, cfg: DPOLossConfig) -> Array:
                    'robust.')
 
 
+def dpo_window_normalizers(chosen_tokens, rejected_tokens, chosen_lengths, rejected_lengths,
+                           cfg: DPOLossConfig) -> tuple[float, float]:
+  """Host-side (numpy) window totals of a DPO window: (its loss denominator, its chosen tokens).
+
+  What :func:`dpo_loss` needs to make RPO's NLL term exact over an optimizer-step window: pass
+  ``rpo_scale = denominator / chosen_tokens`` of the whole window to each of its micro-batches.
+
+  Args:
+    chosen_tokens, rejected_tokens: [P_W] completion token counts of every pair of the window.
+    chosen_lengths, rejected_lengths: [P_W] attention-mask lengths (prompt included); used by
+      'microbatch_token'.
+    cfg: the loss configuration.
+
+  Returns:
+    (sum over the window of dpo_loss's denominators, total chosen completion tokens).
+  """
+  nc, nr = np.asarray(chosen_tokens, np.float64), np.asarray(rejected_tokens, np.float64)
+  valid = (nc + nr) > 0
+  if cfg.aggregation == 'pair':
+    den = float(np.sum(valid))
+  elif cfg.aggregation == 'token':
+    den = float(np.sum(np.where(valid, nc + nr, 0.0)))
+  else:  # microbatch_token: every micro-batch with a valid pair contributes its attention tokens
+    lengths = np.asarray(chosen_lengths, np.float64) + np.asarray(rejected_lengths, np.float64)
+    den = float(np.sum(np.where(valid, lengths, 0.0)))
+  return den, float(np.sum(np.where(valid, nc, 0.0)))
+
+
 def dpo_loss(chosen_logps: Array,
              rejected_logps: Array,
              ref_chosen_logps: Array,
              ref_rejected_logps: Array,
              chosen_tokens: Array,
              rejected_tokens: Array,
-             cfg: DPOLossConfig) -> LossTerms:
+             cfg: DPOLossConfig,
+             chosen_lengths: Optional[Array] = None,
+             rejected_lengths: Optional[Array] = None,
+             rpo_scale: Optional[Array] = None) -> LossTerms:
   """DPO loss of one micro-batch of P pairs over summed sequence log-probs.
 
-  Each pair i has weight w_i: 1 for aggregation 'pair', n_i = chosen_tokens_i +
-  rejected_tokens_i for 'token' (open-instruct's token weighting, made exact over the window);
-  a padding pair (n_i == 0) has weight 0 and contributes nothing. Numerator sum_i w_i * loss_i,
-  denominator sum_i w_i.
+  Each pair i has a weight w_i; a padding pair (n_i = chosen_tokens_i + rejected_tokens_i = 0)
+  has weight 0 and contributes nothing. Numerator sum_i w_i * loss_i, denominator sum_i w_i:
+
+    'pair'              w_i = 1: the mean over the window's pairs (TRL's per_sequence_loss.mean())
+    'token'             w_i = n_i: each pair weighted by its own completion tokens; does not
+                        depend on the micro-batch split (our definition)
+    'microbatch_token'  w_i = N_k / P_k: open-instruct's token weighting (PR #1447): the pair
+                        mean of micro-batch k weighted by N_k, its attention-mask tokens (prompt
+                        included) of chosen + rejected. Depends on the split; kept to show it.
+
+  RPO (cfg.rpo_alpha > 0) adds TRL's 'sft' term, rpo_alpha times the token mean of the chosen
+  completions' NLL over the window: loss(W) = sum_W w*loss / sum_W w + rpo_alpha *
+  sum_W (-chosen_logps) / sum_W chosen_tokens. With one denominator per window, the NLL is added
+  to the numerator scaled by rpo_scale = (window denominator) / (window chosen tokens), the
+  window totals of :func:`dpo_window_normalizers`, which the host knows before the window runs.
+  Without rpo_scale the micro-batch's own totals are used: exact when the micro-batch is the
+  whole window, and over K micro-batches what TRL's per-micro-batch mean gives.
 
   Args:
     chosen_logps, rejected_logps: [P] policy log-probs summed over each completion (these are
@@ -396,15 +467,15 @@ def dpo_loss(chosen_logps: Array,
     ref_chosen_logps, ref_rejected_logps: [P] the reference policy's summed log-probs.
     chosen_tokens, rejected_tokens: [P] completion token counts.
     cfg: the loss configuration.
+    chosen_lengths, rejected_lengths: [P] attention-mask token counts (prompt included);
+      required by aggregation 'microbatch_token'.
+    rpo_scale: scalar or [P] (equal entries), the window's denominator / chosen tokens.
 
   Returns:
-    With cfg.rpo_alpha > 0 each pair's loss adds rpo_alpha times the chosen completion's
-    per-token NLL (-chosen_logps / chosen_tokens), as TRL's rpo_alpha.
-
     LossTerms with mean_metrics 'loss', 'rewards/chosen' (beta * (pi_c - ref_c)),
-    'rewards/rejected', 'rewards/margins', 'logps/chosen', 'logps/rejected' weighted by w, and
+    'rewards/rejected', 'rewards/margins', 'logps/chosen', 'logps/rejected' weighted by w,
     'rewards/accuracies', the mean over (non-padding) pairs of 1[chosen reward > rejected
-    reward], always pair-weighted.
+    reward], always pair-weighted, and 'nll/chosen', the token mean of the chosen NLL.
   """
   pc, pr = _f32(chosen_logps), _f32(rejected_logps)
   rc, rr = _f32(ref_chosen_logps), _f32(ref_rejected_logps)
@@ -413,27 +484,43 @@ def dpo_loss(chosen_logps: Array,
   for name, x in (('rejected_logps', pr), ('ref_chosen_logps', rc),
                   ('ref_rejected_logps', rr)):
     _check_shape(name, x, pc.shape)
-  n = _f32(chosen_tokens) + _f32(rejected_tokens)  # [P]
+  nc, nr = _f32(chosen_tokens), _f32(rejected_tokens)
+  n = nc + nr  # [P]
   _check_shape('chosen_tokens + rejected_tokens', n, pc.shape)
   valid = n > 0  # [P]
   # Padding pairs may hold arbitrary values: replace them before any arithmetic.
   pc, pr, rc, rr = (jnp.where(valid, x, 0.0) for x in (pc, pr, rc, rr))
+  nc = jnp.where(valid, nc, 0.0)
 
   # Policy-minus-reference first: those differences are small and exact in float32, whereas
   # pc - pr (sums over hundreds of tokens) would cancel badly.
-  losses = dpo_pair_losses((pc - rc) - (pr - rr), cfg)  # [P]
-  chosen_nll = -pc / jnp.maximum(_f32(chosen_tokens), 1.0)  # [P] per-token NLL of the chosen
-  if cfg.rpo_alpha:
-    losses = losses + cfg.rpo_alpha * chosen_nll  # RPO: keeps the chosen likelihood up
+  losses = dpo_pair_losses(pc - rc, pr - rr, nc, nr, cfg)  # [P]
   pair_weight = valid.astype(jnp.float32)  # [P]
   if cfg.aggregation == 'pair':
     weight = pair_weight
   elif cfg.aggregation == 'token':
     weight = jnp.where(valid, n, 0.0)
+  elif cfg.aggregation == 'microbatch_token':
+    if chosen_lengths is None or rejected_lengths is None:
+      raise ValueError("dpo_loss: aggregation 'microbatch_token' needs chosen_lengths and "
+                       'rejected_lengths (attention-mask token counts).')
+    lengths = jnp.where(valid, _f32(chosen_lengths) + _f32(rejected_lengths), 0.0)  # [P]
+    _check_shape('chosen_lengths + rejected_lengths', lengths, pc.shape)
+    num_pairs = jnp.sum(pair_weight)
+    weight = pair_weight * jnp.sum(lengths) / jnp.maximum(num_pairs, 1.0)
   else:
-    raise ValueError(f'unknown DPO aggregation {cfg.aggregation!r}; choose pair or token.')
+    raise ValueError(f'unknown DPO aggregation {cfg.aggregation!r}; choose pair, token or '
+                     'microbatch_token.')
   num = jnp.sum(weight * losses)
   den = jnp.sum(weight)
+  chosen_nll_sum = -jnp.sum(pc)  # sum of the chosen completions' token NLLs
+  chosen_token_sum = jnp.sum(nc)
+  if cfg.rpo_alpha:
+    if rpo_scale is None:
+      scale = den / jnp.maximum(chosen_token_sum, 1.0)
+    else:
+      scale = jnp.max(_f32(rpo_scale))  # equal entries; max also takes a scalar
+    num = num + cfg.rpo_alpha * jax.lax.stop_gradient(scale) * chosen_nll_sum
 
   sg = jax.lax.stop_gradient
   chosen_rewards = cfg.beta * sg(pc - rc)  # [P]
@@ -454,7 +541,7 @@ def dpo_loss(chosen_logps: Array,
           'rewards/accuracies': (jnp.sum(pair_weight * correct), jnp.sum(pair_weight)),
           'logps/chosen': weighted(pc),
           'logps/rejected': weighted(pr),
-          'nll/chosen': weighted(chosen_nll),
+          'nll/chosen': (sg(chosen_nll_sum), chosen_token_sum),
       },
       min_metrics={},
       max_metrics={},

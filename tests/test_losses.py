@@ -74,12 +74,13 @@ def ref_window_loss(per_token, mask, aggregation, bounds=None):
   total = sum(per_token[i, t] for i in rows for t in cells(i))
   tokens = sum(len(cells(i)) for i in rows)
   seqs = [i for i in rows if cells(i)]
+  n_rows = per_token.shape[0]  # TRL's grpo and dr_grpo count a row without tokens too
   if aggregation == 'token':
     return total / tokens
   if aggregation == 'sequence':
-    return sum(sum(per_token[i, t] for t in cells(i)) / len(cells(i)) for i in seqs) / len(seqs)
+    return sum(sum(per_token[i, t] for t in cells(i)) / len(cells(i)) for i in seqs) / n_rows
   if aggregation == 'constant':
-    return total / (len(seqs) * L_MAX)
+    return total / (n_rows * L_MAX)
   assert aggregation == 'microbatch_token'
   means = []
   for lo, hi in bounds:
@@ -322,13 +323,14 @@ def test_microbatch_token_depends_on_split():
 @hypothesis.given(
     lengths=st.lists(st.integers(0, L_MAX), min_size=8, max_size=8),
     cuts=st.sets(st.integers(1, 7), max_size=4),
-    aggregation=st.sampled_from(AGGREGATIONS),
     level=st.sampled_from(['token', 'sequence']),
 )
-def test_grpo_exact_any_split_static_shapes(lengths, cuts, aggregation, level):
-  """Static-shape micro-batches as a jitted learner sees them: every micro-batch holds all 8
-  rows, those outside it masked out and filled with garbage (nan) old log-probs, advantages,
-  reference log-probs and entropies."""
+def test_grpo_exact_any_split_static_shapes(lengths, cuts, level):
+  """Static-shape micro-batches: every micro-batch holds all 8 rows, those outside it masked
+  out and filled with garbage (nan) old log-probs, advantages, reference log-probs and
+  entropies. Only 'token': 'sequence' and 'constant' count every row, as TRL does, so a
+  masked-out row is an empty completion to them, not padding (GRPO micro-batches have none)."""
+  aggregation = 'token'
   hypothesis.assume(sum(lengths) > 0)
   split = np.diff([0] + sorted(cuts) + [8]).tolist()
   cfg = GRPOLossConfig(aggregation=aggregation, importance_level=level, **CFG_FULL)
@@ -362,7 +364,7 @@ def test_on_policy_gradient_is_policy_gradient(aggregation, level):
     return losses.grpo_loss(lp, jax.lax.stop_gradient(lp), adv[sl], mask[sl], cfg, L_MAX)
 
   # Plain policy gradient of the window loss of -A * logp, per token (numpy loops).
-  n_seq = sum(1 for i in range(len(adv)) if mask[i].sum() > 0)
+  n_seq = len(adv)  # every row, the empty one too (TRL's grpo / dr_grpo)
   expected = np.zeros(mask.shape)
   for i in range(mask.shape[0]):
     for t in range(mask.shape[1]):
@@ -476,13 +478,13 @@ def log_sigmoid(x):
   return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
-def ref_dpo_pair(pc, pr, rc, rr, cfg):
+def ref_dpo_pair(pc, pr, rc, rr, cfg, nc=1.0, nr=1.0):
   h = (pc - pr) - (rc - rr)
   bh, ls = cfg.beta * h, cfg.label_smoothing
   if cfg.loss_type == 'sigmoid':
     return -(1 - ls) * log_sigmoid(bh) - ls * log_sigmoid(-bh)
-  if cfg.loss_type == 'ipo':
-    return (h - 1 / (2 * cfg.beta))**2
+  if cfg.loss_type == 'ipo':  # TRL 1.16: each log-ratio divided by its completion length
+    return ((pc - rc) / max(nc, 1.0) - (pr - rr) / max(nr, 1.0) - 1 / (2 * cfg.beta))**2
   if cfg.loss_type == 'hinge':
     return max(0.0, 1 - bh)
   return (-(1 - ls) * log_sigmoid(bh) + ls * log_sigmoid(-bh)) / (1 - 2 * ls)
@@ -492,7 +494,7 @@ def ref_dpo_window(d, cfg, pc=None, pr=None):
   """One-pass window loss and metrics (weighted per cfg.aggregation) over all pairs."""
   pc = d['pc'] if pc is None else pc
   pr = d['pr'] if pr is None else pr
-  sums, weight, pairs, correct = {}, 0.0, 0, 0
+  sums, weight, pairs, correct, nll, chosen_tokens = {}, 0.0, 0, 0, 0.0, 0.0
   for i in range(len(pc)):
     n = float(d['nc'][i] + d['nr'][i])
     if n == 0:
@@ -501,11 +503,13 @@ def ref_dpo_window(d, cfg, pc=None, pr=None):
     chosen = cfg.beta * (pc[i] - d['rc'][i])
     rejected = cfg.beta * (pr[i] - d['rr'][i])
     values = {
-        'loss': ref_dpo_pair(pc[i], pr[i], d['rc'][i], d['rr'][i], cfg),
+        'loss': ref_dpo_pair(pc[i], pr[i], d['rc'][i], d['rr'][i], cfg, float(d['nc'][i]),
+                             float(d['nr'][i])),
         'rewards/chosen': chosen, 'rewards/rejected': rejected,
         'rewards/margins': chosen - rejected, 'logps/chosen': pc[i], 'logps/rejected': pr[i],
-        'nll/chosen': -pc[i] / max(float(d['nc'][i]), 1.0),
     }
+    nll -= float(pc[i])
+    chosen_tokens += float(d['nc'][i])
     for k, v in values.items():
       sums[k] = sums.get(k, 0.0) + w * float(v)
     weight += w
@@ -513,6 +517,7 @@ def ref_dpo_window(d, cfg, pc=None, pr=None):
     correct += int(chosen > rejected)
   metrics = {k: v / weight for k, v in sums.items()}
   metrics['rewards/accuracies'] = correct / pairs
+  metrics['nll/chosen'] = nll / chosen_tokens  # token mean, whatever the aggregation
   return metrics
 
 
@@ -553,11 +558,11 @@ def test_dpo_losses_vs_numpy_and_exact_over_microbatches(loss_type, label_smooth
   expected = ref_dpo_window(d, cfg)
 
   # Per-pair losses.
-  h = (d['pc'] - d['rc']) - (d['pr'] - d['rr'])
-  per_pair = losses.dpo_pair_losses(h, cfg)
+  per_pair = losses.dpo_pair_losses(d['pc'] - d['rc'], d['pr'] - d['rr'], d['nc'], d['nr'], cfg)
   for i in range(8):
     if i != 3:
-      ref = ref_dpo_pair(*(float(d[k][i]) for k in ('pc', 'pr', 'rc', 'rr')), cfg)
+      ref = ref_dpo_pair(*(float(d[k][i]) for k in ('pc', 'pr', 'rc', 'rr')), cfg,
+                         float(d['nc'][i]), float(d['nr'][i]))
       np.testing.assert_allclose(per_pair[i], ref, rtol=1e-6, atol=1e-7)
 
   # Gradients w.r.t. the chosen and rejected summed log-probs, vs finite differences.
@@ -592,16 +597,3 @@ def test_dpo_accuracy_is_mean_over_pairs_not_comparison_of_means(aggregation):
   np.testing.assert_allclose(metrics['rewards/accuracies'], 1 / 3, rtol=1e-6)
   if aggregation == 'pair':
     assert metrics['rewards/chosen'] > metrics['rewards/rejected']
-
-
-def test_dpo_rpo_alpha_adds_the_chosen_token_nll():
-  """RPO: each pair's loss gains rpo_alpha * (-chosen_logps / chosen_tokens)."""
-  rng = np.random.default_rng(7)
-  pc, pr = rng.normal(-12, 3, 5), rng.normal(-14, 3, 5)
-  rc, rr = pc + rng.normal(0, 1, 5), pr + rng.normal(0, 1, 5)
-  nc, nr = rng.integers(1, 9, 5).astype(float), rng.integers(1, 9, 5).astype(float)
-  cfg = DPOLossConfig(beta=0.2, rpo_alpha=0.5)
-  terms = losses.dpo_loss(*(jnp.asarray(x, jnp.float32) for x in (pc, pr, rc, rr, nc, nr)), cfg)
-  h = (pc - rc) - (pr - rr)
-  want = np.mean(np.log1p(np.exp(-0.2 * h)) + 0.5 * (-pc / nc))
-  np.testing.assert_allclose(float(terms.numerator / terms.denominator), want, rtol=1e-5)
