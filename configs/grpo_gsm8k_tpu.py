@@ -66,6 +66,12 @@ checkpoint directory must be one that all hosts share (gs://...), see the README
 
 from jaxrl_ga.config import default_config_dict
 
+# Qwen/Qwen2.5-0.5B-Instruct's config.json, in ModelSpec's names.
+QWEN25_05B = dict(architecture='qwen2', vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=True,
+                  max_position_embeddings=32768)
+
 # arg -> (mesh data, mesh fsdp, B, S, K, num_steps)
 _SHAPES = {
     'v5e-8': (2, 4, 16, 8, 12, 300),
@@ -84,6 +90,9 @@ def get_config(arg: str = 'v5e-8'):
   c.stages = 'grpo'
   c.task.name = 'gsm8k'  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
   c.model.update(hf_path='Qwen/Qwen2.5-0.5B-Instruct', dtype='bfloat16', param_dtype='float32')
+  # The checkpoint's shapes (its config.json), for python -m jaxrl_ga.plan, which reads no hub;
+  # training takes them from the checkpoint itself.
+  c.model.update(QWEN25_05B)
   c.mesh.update(data=data, fsdp=fsdp, tensor=1)
   c.grpo.update(num_steps=num_steps, log_every=1, eval_every=100)
   c.grpo.schedule.update(micro_batch_size=b, num_generations=8, steps_per_generation=s,

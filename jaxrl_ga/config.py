@@ -357,9 +357,22 @@ class ModelSpec:
     hf_path: local HF model directory or hub id; empty builds from scratch (vocabulary size from
       the task's tokenizer) with the architecture fields below.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
-    remaining fields: the architecture of a model built from scratch (HF names).
+    remat: per-decoder-layer rematerialization of the training forward: 'none', 'full' (keep
+      each layer's input, recompute the layer in the backward) or 'save_dots' (keep the weight
+      matmuls' outputs); see models/transformer.py. Measure with ``python -m jaxrl_ga.plan``.
+    logprob_chunk_size: completion positions whose float32 logits are computed at once for the
+      log-probs, in the learner and the rollout's old-log-prob pass (0: all Tc at once); see
+      jaxrl_ga/logprobs.py.
+    remaining fields: the architecture of a model built from scratch (HF names). With a hub
+      ``hf_path`` training takes the checkpoint's own; configs may still write its shapes here
+      (with ``vocab_size``) for ``python -m jaxrl_ga.plan``, which reads no hub.
+    vocab_size: the vocabulary for ``jaxrl_ga.plan`` (0: none written; training sizes it from
+      the checkpoint or the tokenizer).
   """
   hf_path: str = ''
+  vocab_size: int = 0
+  remat: str = 'none'
+  logprob_chunk_size: int = 0
   architecture: str = 'qwen2'
   hidden_size: int = 128
   intermediate_size: int = 256
@@ -378,6 +391,10 @@ class ModelSpec:
     _one_of(self, 'architecture', ('qwen2', 'llama'), p)
     _one_of(self, 'dtype', ('float32', 'bfloat16'), p)
     _one_of(self, 'param_dtype', ('float32', 'bfloat16'), p)
+    _one_of(self, 'remat', ('none', 'full', 'save_dots'), p)
+    _require(isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size >= 0,
+             f'{p}logprob_chunk_size={self.logprob_chunk_size!r} must be an integer >= 0 '
+             '(0: no chunking).')
     if not self.hf_path:
       _positive_int(self, 'hidden_size', 'intermediate_size', 'num_hidden_layers',
                     'num_attention_heads', 'num_key_value_heads', prefix=p)

@@ -278,6 +278,18 @@ class Learner:
     return jax.value_and_grad(numerator, has_aux=True)(params, batch)
 
   def init(self, params, example_batch) -> TrainState:
+    init_fn = self._setup(params, example_batch)
+    return jax.jit(init_fn, out_shardings=self._state_shardings)(params)
+
+  def abstract_init(self, params, example_batch) -> TrainState:
+    """As ``init`` without computing anything: ``params`` may be ShapeDtypeStructs. -> the state
+    as ShapeDtypeStructs with their shardings (for ``step_fn.lower``; see jaxrl_ga.plan)."""
+    init_fn = self._setup(params, example_batch)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(init_fn, params), self._state_shardings)
+
+  def _setup(self, params, example_batch):
+    """The state's shardings and the jitted micro-step; -> the state's init function."""
     terms_shape = jax.eval_shape(self._terms, params, example_batch)
 
     def init_fn(params):
@@ -298,10 +310,10 @@ class Learner:
         micro_step=rep, params=self.param_shardings, opt_state=opt_shardings,
         window=jax.tree.map(lambda _: rep, abstract.window),
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
-    state = jax.jit(init_fn, out_shardings=self._state_shardings)(params)
-    self._step = jax.jit(self._micro_step, in_shardings=(self._state_shardings, None),
+    self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
+                         in_shardings=(self._state_shardings, None),
                          out_shardings=(self._state_shardings, None), donate_argnums=(0,))
-    return state
+    return init_fn
 
   def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     """Consumes one micro-batch (global arrays, batch-sharded). Returns (state, outputs):

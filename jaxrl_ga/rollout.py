@@ -62,7 +62,7 @@ class RolloutEngine:
   def __init__(self, graphdef, sched: ScheduleConfig, sampling_cfg: SamplingConfig,
                loss_cfg: GRPOLossConfig, table: ScheduleTable, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
-               defer_old_logps: bool = False):
+               defer_old_logps: bool = False, logprob_chunk_size: int = 0):
     if table.config != sched:
       raise ValueError('the schedule table was built from another ScheduleConfig.')
     self.graphdef = graphdef
@@ -73,6 +73,7 @@ class RolloutEngine:
     self.mesh = mesh
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
+    self.logprob_chunk_size = logprob_chunk_size  # model.logprob_chunk_size (jaxrl_ga.logprobs)
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -82,14 +83,14 @@ class RolloutEngine:
         old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
     self._step = jax.jit(
-        self._rollout,
+        sharding.with_activation_sharding(self._rollout, mesh),
         in_shardings=(param_shardings, param_shardings if self.use_ref else None,
                       self._state_shardings, self._buffer_shardings.prompt_tokens,
                       self._buffer_shardings.prompt_mask),
         out_shardings=(self._buffer_shardings, self._state_shardings, rep))
     self._slice = jax.jit(self._micro_batch)
     self._reorder_fn = jax.jit(
-        self._reorder, in_shardings=(param_shardings, self._buffer_shardings,
+        sharding.with_activation_sharding(self._reorder, mesh), in_shardings=(param_shardings, self._buffer_shardings,
                                      self._state_shardings, self._buffer_shardings.has_old, rep),
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
@@ -212,7 +213,8 @@ class RolloutEngine:
   def _logps_of(self, model, xs):
     pt, pm, ct, cm = xs
     return learner_lib.completion_logps(model, pt, pm, ct, cm,
-                                        temperature=self.sampling_cfg.temperature)[0]
+                                        temperature=self.sampling_cfg.temperature,
+                                        chunk_size=self.logprob_chunk_size)[0]
 
   def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes

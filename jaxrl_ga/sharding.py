@@ -35,6 +35,14 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ('mlp', 'tensor'),
     ('layers', None),
     ('norm', None),
+    # activations (the model names them; see models/transformer.py): the batch over every
+    # data-parallel axis, fsdp included, so fsdp gathers weights and shards activations.
+    ('activation_batch', BATCH_AXES),
+    ('activation_length', None),
+    ('activation_embed', None),
+    ('activation_heads', 'tensor'),
+    ('activation_mlp', 'tensor'),
+    ('activation_vocab', 'tensor'),
 )
 
 
@@ -99,6 +107,25 @@ def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], mesh
       axes = None
     spec.append(axes)
   return P(*spec)
+
+
+def activation_sharding(mesh: Mesh, rules=DEFAULT_RULES):
+  """A context manager under which the model's named activations get sharding constraints on
+  ``mesh`` (``rules`` map their logical axes); enter it while tracing a step, e.g. with
+  ``with_activation_sharding``."""
+  def fn(x, axes):
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules)))
+  return tfm.constrain_activations_with(fn)
+
+
+def with_activation_sharding(f, mesh: Mesh, rules=DEFAULT_RULES):
+  """``f`` traced under ``activation_sharding(mesh)``: wrap a step before ``jax.jit``."""
+  @functools.wraps(f)
+  def wrapped(*args, **kwargs):
+    with activation_sharding(mesh, rules):
+      return f(*args, **kwargs)
+  return wrapped
 
 
 def param_shardings(params_like: Any, axes_tree: dict, mesh: Mesh, rules=DEFAULT_RULES) -> Any:

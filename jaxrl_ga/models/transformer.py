@@ -12,14 +12,26 @@ Two paths share one layer function:
     holds token ``i`` of the (left-padded) sequence; decoding writes one slot per step.
 
 Every param carries ``logical_axes`` metadata (``vocab``, ``embed``, ``q_heads``, ``kv_heads``,
-``mlp``, ``layers``, ``norm``) that ``jaxrl_ga.sharding`` maps to mesh axes.
+``mlp``, ``layers``, ``norm``) that ``jaxrl_ga.sharding`` maps to mesh axes. Activations are named
+too (``activation_batch``, ``activation_length``, ``activation_embed``, ``activation_heads``,
+``activation_mlp``, ``activation_vocab``, as MaxText names them): inside
+``sharding.activation_sharding(mesh)`` the model constrains them, so that the batch is sharded
+over the data-parallel axes (fsdp included) and fsdp gathers weights instead of sharding the
+activations' hidden dimension; outside it (one device, tests) the constraints are no-ops.
+
+Memory knobs of the training forward (``hidden(..., remat=)``): ``REMAT_POLICIES``, a
+``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
+'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
+the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
+the rest (attention, norms, activations).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax
 from flax import nnx
@@ -29,6 +41,54 @@ import numpy as np
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _ROPE_TYPES = ('default', 'linear', 'llama3')
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+# (array, logical axis names) -> array with a sharding constraint; None: no constraint.
+_constrain_fn: list[Optional[Callable[[jax.Array, tuple], jax.Array]]] = [None]
+
+
+@contextlib.contextmanager
+def constrain_activations_with(fn: Optional[Callable[[jax.Array, tuple], jax.Array]]):
+  """While active (at trace time), ``constrain(x, *axes)`` calls ``fn(x, axes)``.
+  ``jaxrl_ga.sharding.activation_sharding`` is the user-facing wrapper."""
+  prev = _constrain_fn[0]
+  _constrain_fn[0] = fn
+  try:
+    yield
+  finally:
+    _constrain_fn[0] = prev
+
+
+def constrain(x: jax.Array, *axes: Optional[str]) -> jax.Array:
+  """Names the logical axes of an activation; a sharding constraint under
+  ``constrain_activations_with``, else ``x`` unchanged."""
+  fn = _constrain_fn[0]
+  return x if fn is None else fn(x, axes)
+
+
+_unroll_flag = [False]
+
+
+@contextlib.contextmanager
+def unrolled_layers():
+  """While active (at trace time), the training forward's layer loop is fully unrolled: the
+  compiler's cost analysis counts a loop body once, so ``jaxrl_ga.plan`` checks its flops on an
+  unrolled compile. Compile time grows with depth."""
+  prev = _unroll_flag[0]
+  _unroll_flag[0] = True
+  try:
+    yield
+  finally:
+    _unroll_flag[0] = prev
+
+
+def check_remat(remat: str) -> None:
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f'remat={remat!r}; choose one of {", ".join(REMAT_POLICIES)}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +269,11 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
     bias = p.get(name.replace('proj', 'bias'))
     return y if bias is None else y + bias.astype(dt)
 
+  heads = ('activation_batch', 'activation_length', 'activation_heads', None)
   x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps)
-  q = proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs)
-  k = proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs)
-  v = proj(x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs)
+  q = constrain(proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *heads)
+  k = constrain(proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
+  v = constrain(proj(x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
   q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
   new_kv = None
   if kv is not None:
@@ -224,11 +285,13 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   else:
     attn = _attention(q, k, v, mask)
   attn = attn.reshape(b, t, -1)
-  h = h + attn @ p['o_proj'].astype(dt)
+  embed = ('activation_batch', 'activation_length', 'activation_embed')
+  mlp = ('activation_batch', 'activation_length', 'activation_mlp')
+  h = constrain(h + attn @ p['o_proj'].astype(dt), *embed)
   x = _rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps)
-  gate = x @ p['gate_proj'].astype(dt)
-  up = x @ p['up_proj'].astype(dt)
-  h = h + (jax.nn.silu(gate) * up) @ p['down_proj'].astype(dt)
+  gate = constrain(x @ p['gate_proj'].astype(dt), *mlp)
+  up = constrain(x @ p['up_proj'].astype(dt), *mlp)
+  h = constrain(h + (jax.nn.silu(gate) * up) @ p['down_proj'].astype(dt), *embed)
   return h, new_kv
 
 
@@ -249,16 +312,21 @@ class Transformer(nnx.Module):
           logical_axes=('embed', 'vocab'))
 
   # -- shared trunk ------------------------------------------------------------------------------
-  def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None):
+  def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
+             remat: str = 'none'):
     """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
-    those arrays; otherwise a ``lax.scan`` runs over the stacked params.
+    those arrays; otherwise a ``lax.scan`` runs over the stacked params, each layer under
+    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none' (fully
+    unrolled under ``unrolled_layers()``).
     """
     cfg = self.cfg
+    check_remat(remat)
     dt = _DTYPES[cfg.dtype]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
+    h = constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
     if layers is not None:
       new_k, new_v = [], []
       for p, k, v in zip(layers, *cache_kv):
@@ -273,22 +341,29 @@ class Transformer(nnx.Module):
       h, new_kv = _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
       return h, new_kv
 
-    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv))
+    if remat != 'none':
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv), unroll=_unroll_flag[0])
     return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), new_kv
 
   def _logits(self, h: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    return jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    lead = ('activation_batch', 'activation_length')[:logits.ndim - 1]
+    return constrain(logits, *lead, *([None] * (logits.ndim - 1 - len(lead))),
+                     'activation_vocab')
 
   # -- training path -----------------------------------------------------------------------------
-  def hidden(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
-    """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``."""
+  def hidden(self, tokens: jax.Array, attention_mask: jax.Array, *,
+             remat: str = 'none') -> jax.Array:
+    """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
+    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES)."""
     t = tokens.shape[1]
     valid = attention_mask.astype(bool)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :]  # [B, T, T]
-    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask)
+    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat)
     return h
 
   def logits(self, h: jax.Array) -> jax.Array:

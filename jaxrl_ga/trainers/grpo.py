@@ -48,11 +48,13 @@ class GRPOTrainer:
         ctx.graphdef, sched, cfg.sampling, cfg.loss, self.table, ctx.mesh, ctx.param_shardings,
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
         mask_truncated_completions=cfg.advantage.mask_truncated_completions,
-        defer_old_logps=cfg.advantage.order_by_advantage_sign)
+        defer_old_logps=cfg.advantage.order_by_advantage_sign,
+        logprob_chunk_size=ctx.cfg.model.logprob_chunk_size)
     self.learner = learner_lib.Learner(
         ctx.graphdef,
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
-                                   cfg.sampling.temperature),
+                                   cfg.sampling.temperature, remat=ctx.cfg.model.remat,
+                                   logprob_chunk_size=ctx.cfg.model.logprob_chunk_size),
         cfg.optimizer, sched, ctx.mesh, ctx.param_shardings,
         align_diagnostic=cfg.align_diagnostic)
     self.rewards = ctx.task.reward_functions()

@@ -1,0 +1,497 @@
+r"""Compiles a run's rollout and learner steps ahead of time for a TPU topology, without a TPU.
+
+  python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 --topology=v5e:2x4
+  python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 \
+      --config.grpo.schedule.micro_batch_size=32 --topology=v5e:2x4 --format=json
+
+The model is built abstractly (``jax.eval_shape``; no weights are read or allocated) with the
+shapes of ``--hf_config`` (a local config.json or checkpoint directory), else of ``model.hf_path``
+when it is a local directory, else of the config's architecture fields (``model.hidden_size``,
+..., ``model.vocab_size``: configs for hub checkpoints write the real shapes there). The library's
+own ``RolloutEngine`` and ``Learner`` build their jitted steps on a mesh (``sharding.make_mesh``)
+of the topology's devices (``jax.experimental.topologies``; libtpu must be installed:
+``pip install 'jax[tpu]'``), lowered at the config's real shapes and shardings and compiled by the
+TPU compiler. Topologies with several hosts (e.g. v4:2x2x4, 4 hosts) compile the same way.
+
+Per chip and per step it reports the compiler's memory analysis (argument, output, temp and peak
+bytes; the chip's HBM), flops and bytes, and estimates derived from them. These are compiler
+numbers and estimates, not a measurement:
+
+  * ``flops``: from the model's shapes (matmuls and attention, forward and backward, remat and
+    log-prob chunking recompute included), per chip. The compiler's own count
+    (``compiler_flops``) counts a loop body (the layer scan, the decode loop) once;
+    tests/test_plan.py checks the analytic count against a compile with the layers unrolled.
+  * ``bytes_accessed``: the larger of the compiler's count (loop bodies once) and a lower bound
+    from the shapes (weights read per pass, the KV cache read per decode step).
+  * ``roofline_seconds`` = max(flops / peak flop/s, bytes / HBM bandwidth) with the chip's
+    published peaks; ``optimal_seconds``: the compiler's cost-model time, reported only when it
+    is positive (it came back negative for these programs on libtpu 0.0.42.1), else null.
+  * ``mfu_estimate``: model flops (no recompute) / (roofline time * peak): an upper bound, as the
+    roofline assumes perfect overlap of compute and memory traffic.
+
+A step fits when its peak is at most (1 - --headroom) of the chip's HBM (default: 10% to spare);
+when one does not, the tool prints the knobs that lower memory and exits with status 1. A bad
+flag or config prints one ``error:`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Optional
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+# Chip specs (public spec sheets, cloud.google.com/tpu/docs/<v4|v5e|v5p|v6e>): per-chip HBM, peak
+# bf16 flop/s, HBM bandwidth (bytes/s). Keyed by the jax device_kind.
+CHIPS = {
+    'TPU v4': dict(name='v4', hbm_bytes=32 * 2**30, peak_flops=275e12, hbm_bandwidth=1228e9),
+    'TPU v5 lite': dict(name='v5e', hbm_bytes=16 * 2**30, peak_flops=197e12,
+                        hbm_bandwidth=819e9),
+    'TPU v5': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
+    'TPU v5p': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
+    'TPU v6 lite': dict(name='v6e', hbm_bytes=32 * 2**30, peak_flops=918e12,
+                        hbm_bandwidth=1640e9),
+}
+STEP_KEYS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'peak_bytes', 'flops',
+             'bytes_accessed', 'optimal_seconds')
+NOTE = ('Compiler numbers and estimates, not a measurement: memory from the TPU compiler\'s '
+        'memory analysis; flops from the model\'s shapes; times from a roofline of the chip\'s '
+        'published peaks (an upper bound on speed, so MFU is an upper bound).')
+
+
+def quiet_libtpu_env() -> None:
+  """libtpu warns about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES (and jax queries the GCE
+  metadata server) when no TPU is attached; compiling for a topology needs none of them. Set
+  before jax initialises its backends; values already set win."""
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
+
+
+def topology_devices(topology: str):
+  """The devices of a TPU topology such as 'v5e:2x4' or 'v4:2x2x4' (libtpu's compiler; no TPU
+  needed). Raises ConfigError for a topology libtpu does not know or without libtpu."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if not re.fullmatch(r'v\d+[a-z]*:\d+(x\d+)*', topology or ''):
+    raise ConfigError(f'--topology={topology!r}: expected <chip>:<shape> such as v5e:2x4, '
+                      'v5p:2x2x1, v4:2x2x4 or v6e:2x2.')
+  try:
+    desc = topologies.get_topology_desc(platform='tpu', topology_name=topology)
+  except Exception as e:  # pylint: disable=broad-except
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ConfigError(f'--topology={topology!r}: libtpu could not describe it ({msg}); install '
+                      "libtpu (pip install 'jax[tpu]') and use a shape libtpu knows, e.g. "
+                      'v5e:2x4.') from None
+  return list(desc.devices)
+
+
+# -- analytic costs ----------------------------------------------------------------------------
+def forward_flops(m, rows: int, t_q: int, t_kv: int, logit_positions: int) -> float:
+  """Flops of the matmuls and attention products of a forward over ``rows`` sequences of
+  ``t_q`` query positions attending ``t_kv`` keys each (the model computes the full [t_q, t_kv]
+  scores, masked), with the output projection at ``logit_positions`` positions per row.
+  ``m``: a transformer.ModelConfig."""
+  d, f, v, hs = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_size
+  q_dim, kv_dim = m.num_attention_heads * hs, m.num_key_value_heads * hs
+  dense = 2 * d * (q_dim + 2 * kv_dim) + 2 * q_dim * d + 3 * 2 * d * f  # per token, per layer
+  attention = 2 * 2 * t_kv * q_dim  # scores and the probabilities' product, per token, layer
+  return float(rows) * (t_q * m.num_hidden_layers * (dense + attention)
+                        + logit_positions * 2 * d * v)
+
+
+def attention_flops(m, rows: int, t_q: int, t_kv: int) -> float:
+  return float(rows) * t_q * m.num_hidden_layers * 4 * t_kv * m.num_attention_heads * m.head_size
+
+
+def param_count(m) -> int:
+  d, f, v, hs = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_size
+  q_dim, kv_dim = m.num_attention_heads * hs, m.num_key_value_heads * hs
+  layer = d * (q_dim + 2 * kv_dim) + q_dim * d + 3 * d * f + 2 * d
+  if m.attention_bias:
+    layer += q_dim + 2 * kv_dim
+  return m.num_hidden_layers * layer + v * d * (1 if m.tie_word_embeddings else 2) + d
+
+
+def learner_flops(m, rows: int, tp: int, tc: int, remat: str, chunk: int) -> tuple[float, float]:
+  """(flops executed, model flops) of one micro-step over ``rows`` sequences: forward plus a
+  backward of twice its matmuls, plus what remat and log-prob chunking recompute."""
+  t = tp + tc
+  fwd = forward_flops(m, rows, t, t, tc)
+  model = 3 * fwd
+  head = forward_flops(m, rows, 0, 0, tc)
+  extra = 0.0
+  if remat == 'full':
+    extra += fwd - head  # every layer's forward again
+  elif remat == 'save_dots':
+    extra += attention_flops(m, rows, t, t)  # the batched attention products are not saved
+  if 0 < chunk < tc:
+    extra += head  # each chunk's logits again in the backward
+  return model + extra, model
+
+
+def rollout_flops(m, rows: int, tp: int, tc: int, recompute_rows: int) -> float:
+  """Generation (prefill of Tp, Tc - 1 decode steps over a cache of Tp + Tc - 1 slots) of
+  ``rows`` completions, plus the old-log-prob forward of ``recompute_rows`` of them."""
+  cache = tp + tc - 1
+  gen = forward_flops(m, rows, tp, cache, 1) + (tc - 1) * forward_flops(m, rows, 1, cache, 1)
+  return gen + forward_flops(m, recompute_rows, tp + tc, tp + tc, tc)
+
+
+def _dtype_bytes(name: str) -> int:
+  return 2 if name == 'bfloat16' else 4
+
+
+# -- building the steps abstractly ---------------------------------------------------------------
+def model_config(cfg, hf_config: Optional[str] = None):
+  """The policy's transformer.ModelConfig, without weights or the hub (see module doc)."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  spec = cfg.model
+  source = hf_config or (spec.hf_path if spec.hf_path and os.path.isdir(spec.hf_path) else None)
+  if source:
+    import transformers  # pylint: disable=g-import-not-at-top
+    try:
+      hf_cfg = transformers.AutoConfig.from_pretrained(source)
+      return hf.model_config_from_hf(hf_cfg, dtype=spec.dtype, param_dtype=spec.param_dtype)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'--hf_config={source}: cannot read an HF config from it ({e}).'.split(
+          '\n')[0]) from None
+  if not spec.vocab_size:
+    raise ConfigError('model.vocab_size is 0: write the model\'s shapes into model.* (with '
+                      'model.vocab_size) or pass --hf_config=<config.json or checkpoint dir>.')
+  return tfm.ModelConfig(
+      vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+      num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+      rope_theta=spec.rope_theta, attention_bias=spec.attention_bias,
+      tie_word_embeddings=spec.tie_word_embeddings,
+      max_position_embeddings=spec.max_position_embeddings, architecture=spec.architecture,
+      dtype=spec.dtype, param_dtype=spec.param_dtype)
+
+
+@dataclasses.dataclass
+class Steps:
+  """The lowered steps of a GRPO run on a mesh (lowered, not yet compiled)."""
+  mesh: Any
+  model_cfg: Any
+  rollout: Any  # jax.stages.Lowered
+  learner: Any
+  learner_rows: int  # sequences per micro-step (global)
+  rollout_rows: int  # completions per rollout (global)
+  recompute_rows: int  # old-log-prob rows of the rollout with the most marked slices
+
+
+def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
+               logprob_chunk_size: Optional[int] = None, steps=('rollout', 'learner')) -> Steps:
+  """Lowers the GRPO rollout and learner steps of ``cfg`` (a RunConfig) on ``devices`` with the
+  library's own RolloutEngine and Learner; ``remat`` / ``logprob_chunk_size`` override
+  ``cfg.model``'s. Inside ``tfm.unrolled_layers()`` the learner's layer loop is unrolled."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
+
+  remat = cfg.model.remat if remat is None else remat
+  chunk = cfg.model.logprob_chunk_size if logprob_chunk_size is None else logprob_chunk_size
+  g = cfg.grpo
+  sched = g.schedule
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
+  graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+  pshard = sharding.param_shardings(shapes, axes, mesh)
+  abstract = lambda tree, sh: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+  params = abstract(shapes, pshard)
+  ref = params if g.loss.beta > 0 else None
+  table = schedule.build_table(sched)
+  engine = rollout_lib.RolloutEngine(
+      graphdef, sched, g.sampling, g.loss, table, mesh, pshard, eos_id=0, pad_id=0,
+      mask_truncated_completions=g.advantage.mask_truncated_completions,
+      logprob_chunk_size=chunk)
+  rep = sharding.replicated(mesh)
+  rstate = jax.eval_shape(lambda: rollout_lib.RolloutState(
+      counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
+      rng=jax.random.key(0)))
+  rstate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), rstate)
+  s, b, tp = sched.steps_per_generation, sched.micro_batch_size, g.sampling.max_prompt_length
+  prompts = jax.ShapeDtypeStruct((s, b, tp), jnp.int32,
+                                 sharding=engine.buffer_shardings.prompt_tokens)
+  rollout = engine.step_fn.lower(params, ref, rstate, prompts, prompts) \
+      if 'rollout' in steps else None
+  learner = None
+  if 'learner' in steps:
+    buf_shape, _, _ = jax.eval_shape(engine._rollout, params, ref, rstate, prompts, prompts)  # pylint: disable=protected-access
+    buffer = abstract(buf_shape, engine.buffer_shardings)
+    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=engine.advantage_sharding)
+    example = jax.eval_shape(engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)  # pylint: disable=protected-access
+    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), example)
+    lrn = learner_lib.Learner(
+        graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
+                                             g.sampling.temperature, remat=remat,
+                                             logprob_chunk_size=chunk),
+        g.optimizer, sched, mesh, pshard, align_diagnostic=g.align_diagnostic)
+    state = lrn.abstract_init(params, example)
+    learner = lrn.step_fn.lower(state, example)
+  marks = int(table.slice_recompute.sum(axis=1).max()) \
+      if g.sampling.old_logprob_source == 'recompute' else 0
+  return Steps(mesh=mesh, model_cfg=model_cfg, rollout=rollout, learner=learner,
+               learner_rows=b, rollout_rows=s * b, recompute_rows=marks * b)
+
+
+# -- compiling and reporting ---------------------------------------------------------------------
+_OOM = re.compile(r'([\d.]+)([KMGT]?)(?:i?B)? of ([\d.]+)([KMGT]?)(?:i?B)? hbm', re.I)
+
+
+def _parse_size(num: str, unit: str) -> int:
+  return int(float(num) * {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}[unit.upper()])
+
+
+def compile_step(lowered) -> dict[str, Any]:
+  """Compiles; -> the compiler's numbers, or for a program the compiler rejects for memory,
+  the peak it reported (``compiled`` False, ``error``)."""
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError: RESOURCE_EXHAUSTED)
+    msg = str(e)
+    if 'RESOURCE_EXHAUSTED' not in msg and 'hbm' not in msg.lower():
+      raise
+    out = {k: None for k in STEP_KEYS}
+    out.update(compiled=False, error=msg.splitlines()[0][:400], executable=None)
+    m = re.search(r'Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm', msg)
+    if m:
+      out['peak_bytes'] = _parse_size(m.group(1), m.group(2))
+    return out
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # What the step holds at once: its arguments, its outputs that do not reuse a donated
+  # argument, and its temporaries (at least the compiler's own peak estimate).
+  peak = max(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes, getattr(mem, 'peak_memory_in_bytes', 0))
+  opt = float(cost.get('optimal_seconds', -1.0))
+  return {
+      'compiled': True, 'executable': compiled,
+      'argument_bytes': int(mem.argument_size_in_bytes),
+      'output_bytes': int(mem.output_size_in_bytes),
+      'alias_bytes': int(mem.alias_size_in_bytes),
+      'temp_bytes': int(mem.temp_size_in_bytes),
+      'peak_bytes': int(peak),
+      'compiler_flops': float(cost.get('flops', 0.0)),
+      'compiler_bytes_accessed': float(cost.get('bytes accessed', 0.0)),
+      'optimal_seconds': opt if opt > 0 else None,
+  }
+
+
+def chip_spec(devices) -> dict[str, Any]:
+  kind = devices[0].device_kind
+  if kind not in CHIPS:
+    from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+    raise ConfigError(f'no chip spec for device kind {kind!r}; known: {", ".join(CHIPS)}.')
+  return CHIPS[kind]
+
+
+def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float = 0.1,
+         devices=None) -> dict[str, Any]:
+  """Compiles ``cfg``'s GRPO steps for ``topology``; -> the report (see the module doc)."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if 'grpo' not in cfg.stages:
+    raise ConfigError(f'stages={",".join(cfg.stages)}: the plan compiles the GRPO steps; '
+                      'include grpo in --config.stages.')
+  devices = devices or topology_devices(topology)
+  chip = chip_spec(devices)
+  m = model_config(cfg, hf_config)
+  steps = lower_grpo(cfg, m, devices)
+  n = len(devices)
+  hosts = len({d.process_index for d in devices})
+  g = cfg.grpo
+  tp, tc = g.sampling.max_prompt_length, g.sampling.max_completion_length
+  dt = _dtype_bytes(m.dtype)
+  weights = param_count(m) * dt  # every chip reads the (gathered) weights in full
+  report_steps = {}
+
+  # rollout
+  r = compile_step(steps.rollout)
+  flops = rollout_flops(m, steps.rollout_rows, tp, tc, steps.recompute_rows) / n
+  cache_row = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_size * (tp + tc - 1) * dt
+  rows_chip = steps.rollout_rows / n
+  analytic_bytes = (tc + 1) * weights + (tc - 1) * rows_chip * cache_row  # decode reads
+  r.update(_timing(r, flops, flops, analytic_bytes, chip))
+  r['completions_per_second'] = steps.rollout_rows / r['roofline_seconds']
+  r['decode_tokens_per_second'] = steps.rollout_rows * tc / r['roofline_seconds']
+  report_steps['rollout'] = r
+
+  # learner
+  lr = compile_step(steps.learner)
+  executed, model_flops = learner_flops(m, steps.learner_rows, tp, tc, cfg.model.remat,
+                                        cfg.model.logprob_chunk_size)
+  lr.update(_timing(lr, executed / n, model_flops / n, 3 * weights, chip))
+  lr['tokens_per_second'] = steps.learner_rows * (tp + tc) / lr['roofline_seconds']
+  report_steps['learner'] = lr
+
+  limit = (1.0 - headroom) * chip['hbm_bytes']
+  for step in report_steps.values():
+    step['fits'] = bool(step['compiled'] and step['peak_bytes'] <= limit)
+    step['hbm_fraction'] = None if step['peak_bytes'] is None else \
+        step['peak_bytes'] / chip['hbm_bytes']
+  fits = all(s['fits'] for s in report_steps.values())
+  sched = g.schedule
+  micro_per_opt = sched.optimizer_every
+  rollouts_per_opt = micro_per_opt / sched.micro_steps_per_rollout
+  opt_seconds = (micro_per_opt * lr['roofline_seconds']
+                 + rollouts_per_opt * r['roofline_seconds'])
+  return {
+      'topology': topology, 'chip': chip['name'], 'chips': n, 'hosts': hosts,
+      'mesh': dict(steps.mesh.shape), 'hbm_bytes_per_chip': chip['hbm_bytes'],
+      'headroom': headroom, 'fits': fits,
+      'model': {'params': param_count(m), 'layers': m.num_hidden_layers,
+                'hidden_size': m.hidden_size, 'vocab_size': m.vocab_size,
+                'dtype': m.dtype, 'param_dtype': m.param_dtype,
+                'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size},
+      'optimizer_step_seconds_estimate': opt_seconds,
+      'completions_per_second_estimate': (rollouts_per_opt * steps.rollout_rows) / opt_seconds,
+      'steps': {k: {kk: vv for kk, vv in v.items() if kk != 'executable'}
+                for k, v in report_steps.items()},
+      'knobs': [] if fits else knobs(cfg, report_steps),
+      'note': NOTE,
+      '_executables': {k: v['executable'] for k, v in report_steps.items()},
+  }
+
+
+def _timing(step, flops, model_flops, analytic_bytes, chip) -> dict[str, Any]:
+  compiler_bytes = step.get('compiler_bytes_accessed') or 0.0
+  bytes_accessed = max(compiler_bytes, analytic_bytes)
+  roof = max(flops / chip['peak_flops'], bytes_accessed / chip['hbm_bandwidth'])
+  return {'flops': flops, 'model_flops': model_flops, 'bytes_accessed': bytes_accessed,
+          'roofline_seconds': roof,
+          'mfu_estimate': model_flops / (roof * chip['peak_flops'])}
+
+
+def knobs(cfg, steps: dict) -> list[str]:
+  """Settings that lower the peak of the steps that do not fit."""
+  out = []
+  sched = cfg.grpo.schedule
+  if not steps['learner']['fits']:
+    if cfg.model.remat == 'none':
+      out.append('--config.model.remat=full (or save_dots): recompute each decoder layer in '
+                 'the backward instead of keeping its activations')
+    if cfg.model.logprob_chunk_size == 0:
+      out.append('--config.model.logprob_chunk_size=64: never hold the float32 [b, Tc, V] '
+                 'logits at once')
+  if not steps['rollout']['fits'] and cfg.grpo.sampling.rollout_micro_batch_size == 0:
+    out.append('--config.grpo.sampling.rollout_micro_batch_size=<a divisor of S*B>: generate '
+               'fewer rows at once (smaller KV cache)')
+  out.append(f'--config.grpo.schedule.micro_batch_size={sched.micro_batch_size // 2} with '
+             f'grad_accum_steps={2 * sched.grad_accum_steps} and steps_per_generation='
+             f'{2 * sched.steps_per_generation}: half the rows per micro-step, same update')
+  out.append(f'--config.mesh.fsdp (now {cfg.mesh.fsdp}): shard params and optimizer state over '
+             'more chips')
+  return out
+
+
+def render_text(rep: dict[str, Any]) -> str:
+  gib = lambda x: 'n/a' if x is None else f'{x / 2**30:.2f} GiB'
+  lines = [f'topology {rep["topology"]}: {rep["chips"]} x {rep["chip"]} on {rep["hosts"]} '
+           f'host(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
+           f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}, '
+           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}', '']
+  for name, s in rep['steps'].items():
+    status = 'fits' if s['fits'] else ('DOES NOT FIT' if s['compiled'] else
+                                       'REJECTED by the compiler')
+    lines.append(f'{name}: {status} (peak {gib(s["peak_bytes"])}'
+                 + (f' = {100 * s["hbm_fraction"]:.0f}% of HBM)' if s['hbm_fraction'] else ')'))
+    if s['compiled']:
+      opt = s['optimal_seconds']
+      lines.append(f'  per chip: arguments {gib(s["argument_bytes"])}, outputs '
+                   f'{gib(s["output_bytes"])}, temporaries {gib(s["temp_bytes"])}')
+      lines.append(f'  flops {s["flops"]:.3e} (model {s["model_flops"]:.3e}), bytes '
+                   f'{s["bytes_accessed"]:.3e}; roofline {s["roofline_seconds"] * 1e3:.1f} ms, '
+                   f'cost model {"n/a" if opt is None else f"{opt * 1e3:.1f} ms"}, '
+                   f'MFU <= {100 * s["mfu_estimate"]:.0f}%')
+    else:
+      lines.append(f'  {s["error"]}')
+    if 'tokens_per_second' in s:
+      lines.append(f'  learner tokens/s <= {s["tokens_per_second"]:.0f}')
+    if 'decode_tokens_per_second' in s:
+      lines.append(f'  decode tokens/s <= {s["decode_tokens_per_second"]:.0f}, completions/s <= '
+                   f'{s["completions_per_second"]:.1f}')
+  lines.append(f'optimizer step <= {rep["optimizer_step_seconds_estimate"]:.2f} s estimated '
+               f'({rep["completions_per_second_estimate"]:.1f} completions/s)')
+  lines.append('fits: ' + ('yes' if rep['fits'] else
+                           f'NO (needs {100 * (1 - rep["headroom"]):.0f}% of HBM or less)'))
+  if rep['knobs']:
+    lines.append('knobs that lower memory:')
+    lines.extend(f'  {k}' for k in rep['knobs'])
+  lines.append(rep['note'])
+  return '\n'.join(lines)
+
+
+def public(rep: dict[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in rep.items() if not k.startswith('_')}
+
+
+def _define_flags():
+  config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py'
+                                  '[:arg]); fields can be overridden with --config.<field>=...',
+                                  lock_config=True)
+  flags.DEFINE_string('topology', None, 'TPU topology, e.g. v5e:2x4, v5p:2x2x1, v4:2x2x4.')
+  flags.DEFINE_enum('format', 'text', ['text', 'json'], 'Output format.')
+  flags.DEFINE_string('hf_config', None, 'An HF config.json (or checkpoint directory) for the '
+                      'model\'s shapes; default: model.hf_path if a local directory, else the '
+                      'config\'s model.* fields.')
+  flags.DEFINE_float('headroom', 0.1, 'Fraction of HBM that must stay free for a step to fit.')
+
+
+def main(argv):
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  try:
+    if len(argv) > 1:
+      raise ConfigError(f'unexpected arguments {argv[1:]}; flags only (see --help).')
+    if f.config is None:
+      raise ConfigError('--config is required (e.g. --config=configs/grpo_gsm8k_tpu.py:v5e-8).')
+    if not f.topology:
+      raise ConfigError('--topology is required (e.g. --topology=v5e:2x4).')
+    if not 0 <= f.headroom < 1:
+      raise ConfigError(f'--headroom={f.headroom} must be in [0, 1).')
+    cfg = from_mapping(RunConfig, f.config.to_dict())
+    rep = plan(cfg, f.topology, hf_config=f.hf_config, headroom=f.headroom)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(public(rep), indent=2) if f.format == 'json' else render_text(rep))
+  sys.exit(0 if rep['fits'] else 1)
+
+
+def _parse_flags(argv):
+  """absl's parser, with a bad flag (or config file) as one ``error:`` line and status 2."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, ValueError, FileNotFoundError) as e:
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    # a config file's own exception is the message's last line
+    msg = lines[0] if len(lines) < 2 else f'{lines[0]} {lines[-1]}'
+    print(f'error: {msg}', file=sys.stderr)
+    sys.exit(2)
+
+
+def run():
+  quiet_libtpu_env()
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # compile for the topology; take no local chip
+  _define_flags()
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == '__main__':
+  run()
