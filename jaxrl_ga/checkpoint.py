@@ -329,8 +329,6 @@ class Checkpointer:
     first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ''
     logging.warning('checkpoint %s cannot be read (%s: %s); it is moved to %s.unreadable and the '
                     'previous checkpoint is used.', where, type(error).__name__, first, where)
-    print(f'warning: checkpoint {where} cannot be read ({type(error).__name__}); falling back to '
-          f'the previous one (kept as {where}.unreadable).', flush=True)
     if jax.process_index() == 0:
       target = self.directory / f'{step}.unreadable'
       if target.exists():

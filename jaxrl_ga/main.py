@@ -100,9 +100,104 @@ def validate_against_mesh(cfg, mesh) -> None:
                                                 grad_accum_steps=sc.grad_accum_steps), dp)
 
 
+def validate_rollout_chunks(cfg) -> None:
+  """sampling.rollout_micro_batch_size must divide the rows generated at once."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import dpo  # pylint: disable=g-import-not-at-top
+  rows = {}
+  if 'grpo' in cfg.stages:
+    rows['grpo'] = (cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
+                    'the completions of a rollout, steps_per_generation*micro_batch_size')
+  if 'dpo' in cfg.stages:
+    rows['dpo'] = (cfg.dpo.sampling, dpo.GENERATION_PROMPTS * cfg.dpo.samples_per_prompt,
+                   f'the completions sampled at once, {dpo.GENERATION_PROMPTS}*samples_per_prompt')
+  for stage, (sampling_cfg, n, what) in rows.items():
+    size = sampling_cfg.rollout_micro_batch_size
+    if 0 < size < n and n % size:
+      divisors = [d for d in range(1, n) if n % d == 0]
+      near = ([d for d in divisors if d < size][-1:] + [d for d in divisors if d > size][:1])
+      raise ConfigError(
+          f'{stage}.sampling.rollout_micro_batch_size={size} must divide the {n} rows generated '
+          f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
+
+
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
+  """Before any stage runs: the prompts (a sample of the training stream, the held-out set) fit
+  each stage's length settings, and the longest sequence fits model.max_position_embeddings."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  held_out = task.eval_examples()
+  held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
+  train = [task.train_example(i, cfg.seed) for i in range(probe)]
+  longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
+  prompt = lambda e: common.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
+  prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  needs = []  # (setting, its value, tokens needed)
+  positions = []  # (what, positions a sequence of the stage can take)
+  if 'sft' in cfg.stages:
+    sft = cfg.sft
+    example = longest(train, lambda e: prompt(e) + common.encode(
+        tokenizer, task.sft_completion(e))) + 1  # + eos
+    needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
+    positions += [('sft.max_length + eval.max_completion_length',
+                   sft.max_length + cfg.eval.max_completion_length)]
+  for stage in ('grpo', 'dpo'):
+    if stage in cfg.stages:
+      sampling = getattr(cfg, stage).sampling
+      needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
+                 max(prompt_train, prompt_eval))]
+      positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
+                     f'max_completion_length, eval.max_completion_length)',
+                     sampling.max_prompt_length + max(sampling.max_completion_length,
+                                                      cfg.eval.max_completion_length))]
+  if 'dpo' in cfg.stages:
+    positions += [('dpo.max_length', cfg.dpo.max_length)]
+  for setting, value, needed in needs:
+    if needed > value:
+      raise ConfigError(f'{setting}={value}, but task {cfg.task.name!r} has a prompt (or SFT '
+                        f'example) of {needed} tokens; set {setting} to {needed} or more.')
+  limit = model_cfg.max_position_embeddings
+  for what, n in positions:
+    if n > limit:
+      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}; '
+                        f'raise model.max_position_embeddings or shorten the sequences.')
+
+
+def check_model_source(hf_path: str) -> None:
+  """model.hf_path names an HF model directory, a .gguf file, pkg:<package> or a hub id
+  (org/name); a path that does not exist is a ConfigError at once, not a hub look-up."""
+  import re  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if not hf_path or hf_path.startswith('pkg:'):
+    return  # pkg: is resolved (with its pip command when missing) by models.gguf
+  path = os.path.expanduser(hf_path)
+  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
+  if os.path.isdir(path):
+    if not os.path.exists(os.path.join(path, 'config.json')):
+      raise ConfigError(f'model.hf_path={hf_path}: the directory has no config.json, so it is '
+                        f'not an HF model directory; give {kinds}.')
+  elif os.path.exists(path):
+    if not path.endswith('.gguf'):
+      raise ConfigError(f'model.hf_path={hf_path} is a file but not a .gguf file; give {kinds}.')
+  elif path.startswith(('/', '.', '~')) or not re.fullmatch(r'[\w.-]+/[\w.-]+', path):
+    raise ConfigError(f'model.hf_path={hf_path}: no such directory or file; give {kinds}.')
+  else:  # a hub id: cached, or one quick look-up (not the minutes of retries of a download)
+    import huggingface_hub  # pylint: disable=g-import-not-at-top
+    if isinstance(huggingface_hub.try_to_load_from_cache(path, 'config.json'), str):
+      return
+    try:
+      huggingface_hub.model_info(path, timeout=10)
+    except Exception as e:  # pylint: disable=broad-except
+      first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+      raise ConfigError(f'model.hf_path={hf_path} is no local directory or file, is not in the '
+                        f'Hugging Face cache, and the hub cannot serve it ({first}); give '
+                        f'{kinds}.') from None
+
+
 def build_context(cfg, workdir: str):
   """Mesh, task, tokenizer (saved to workdir/tokenizer), model and metric writer of a run,
-  checked against the mesh before anything compiles. -> (RunContext, initial params)."""
+  checked against the mesh and against the workdir's checkpoints (common.check_resume) before
+  any weight is read or anything compiles. -> (RunContext, initial params)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import fileio, sharding, tasks  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
@@ -111,18 +206,42 @@ def build_context(cfg, workdir: str):
 
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
-  task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
-  tokenizer = hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path else task.tokenizer()
+  try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
+    task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
+    task.eval_examples()
+    task.train_example(0, cfg.seed)
+  except ConfigError:
+    raise
+  except (ValueError, OSError, ImportError, KeyError) as e:
+    raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
+                      f'{e}') from None
+  check_model_source(cfg.model.hf_path)
+  model_cfg = common.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
+  try:
+    tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
+                 else task.tokenizer())
+  except (OSError, ValueError) as e:  # a hub id that cannot be fetched, a broken tokenizer
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConfigError(f'model.hf_path={cfg.model.hf_path}: its tokenizer cannot be loaded '
+                      f'({first}); give a local model directory, a .gguf file or '
+                      f'pkg:<package>.') from None
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
   fileio.makedirs(workdir)
   if jax.process_index() == 0:
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
-  model_cfg, graphdef, params, shardings = common.build_model(cfg, len(tokenizer), mesh)
+  model_cfg = model_cfg or common.model_config(cfg, len(tokenizer))
+  validate_rollout_chunks(cfg)
+  validate_lengths(cfg, task, tokenizer, model_cfg)
+  graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   ctx = common.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
-                          model_cfg=model_cfg, graphdef=graphdef, param_shardings=shardings,
+                          model_cfg=model_cfg, graphdef=graphdef,
+                          param_shardings=sharding.param_shardings(shapes, axes, mesh),
                           writer=common.MetricWriter(workdir))
+  common.check_resume(ctx)  # before any weight is read or any step compiles
+  graphdef, params, ctx.param_shardings = common.build_model(cfg, model_cfg, mesh)
+  ctx.graphdef = graphdef
   return ctx, params
 
 
@@ -161,7 +280,6 @@ def run(cfg, workdir: str) -> dict:
   with checkpoint.PreemptionGuard() as guard:
     ctx, params = build_context(cfg, workdir)
     ctx.guard = guard
-    common.check_resume(ctx)
     writer, mesh = ctx.writer, ctx.mesh
     summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
                      'mesh': dict(mesh.shape)}

@@ -43,6 +43,26 @@ def _recording_train_example(self, index, seed):
 
 arithmetic.ArithmeticTask.train_example = _recording_train_example
 
+# JAXRL_GA_TEST_REWARD_RAISES_ON=<process id>: that process's reward function raises at the
+# second rollout (tests/test_multihost.py checks that every process then stops).
+if os.environ.get('JAXRL_GA_TEST_REWARD_RAISES_ON') == str(pid):
+  _reward_functions = arithmetic.ArithmeticTask.reward_functions
+  calls = []
+
+  def _raising_reward_functions(self):
+    rewards = _reward_functions(self)
+    first = rewards[0]
+
+    def fn(prompts, completions, **fields):
+      calls.append(1)
+      if len(calls) == 2:
+        raise RuntimeError(f'reward server unreachable (test, process {pid})')
+      return first.fn(prompts, completions, **fields)
+
+    return [type(first)(first.name, fn, first.weight)] + list(rewards[1:])
+
+  arithmetic.ArithmeticTask.reward_functions = _raising_reward_functions
+
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to_dict()
 d['stages'] = 'sft,grpo'

@@ -8,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -21,8 +23,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(pid, nproc, port, workdir, ndev):
+def _start(pid, nproc, port, workdir, ndev, **env_extra):
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env.update(env_extra)
   return subprocess.Popen([sys.executable, WORKER, str(pid), str(nproc), str(port), str(workdir),
                            str(ndev)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -58,3 +61,30 @@ def test_two_processes_equal_one_process(tmp_path):
   assert sum(whole.values()) > 40
   assert sum(p0.values()) == sum(p1.values()) == sum(whole.values()) // 2
   assert p0 + p1 == whole
+
+
+def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
+  """Process 1's reward function raises at the second rollout: without care process 0 would wait
+  in the reward gather forever. Both must exit non-zero, quickly, each saying why."""
+  port = _free_port()
+  extra = {'JAXRL_GA_TEST_REWARD_RAISES_ON': '1'}
+  procs = [_start(i, 2, port, tmp_path, 4, **extra) for i in (0, 1)]
+  outs, ends = [None, None], [None, None]
+
+  def wait(i):
+    outs[i] = procs[i].communicate(timeout=300)[0]
+    ends[i] = time.time()
+
+  threads = [threading.Thread(target=wait, args=(i,)) for i in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for p in procs:
+    if p.poll() is None:  # a process left waiting: the failure this test guards against
+      p.kill()
+  assert None not in ends, 'a process did not exit within 300 s'
+  assert abs(ends[0] - ends[1]) < 60  # both stop within a minute of each other
+  assert all(p.returncode != 0 for p in procs), [o[-2000:] for o in outs]
+  assert 'reward server unreachable (test, process 1)' in outs[1], outs[1][-3000:]
+  assert 'failed on process(es) [1]' in outs[0], outs[0][-3000:]

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -78,7 +79,8 @@ def test_each_config_runs_end_to_end(name, tmp_path):
 
 def test_grpo_resume_is_bitwise_exact(tmp_path):
   """Stopped after optimizer step 1 (micro-step 3: the middle of rollout 1, K=3, S=2) and again
-  one micro-step into the next window, then resumed: same params as an uninterrupted run."""
+  one micro-step into the next window, then resumed: same params as an uninterrupted run, and
+  each resumed run really started from the checkpoint (it ran only the micro-steps left)."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 3,
                                                'checkpoint.every_steps': 0})
@@ -89,13 +91,100 @@ def test_grpo_resume_is_bitwise_exact(tmp_path):
 
   t, params = trainer(tmp_path / 'a')
   want, _ = t.run(params)
+  previous = 0
   for stop in (3, 4, None):
     t, params = trainer(tmp_path / 'b')
     got, summary = t.run(params, stop_at_micro_step=stop)
-    if stop is not None:
-      assert summary['stopped_at_micro_step'] == stop
+    assert summary['grpo/resumed_from_micro_step'] == previous
+    assert summary['grpo/micro_steps_this_run'] == (stop or 9) - previous
+    previous = stop
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
                want)
+  # Each optimizer step is logged once, though steps 1..3 were reached by three processes' runs.
+  rows = [json.loads(l) for l in open(tmp_path / 'b' / 'metrics.jsonl')]
+  assert [r['step'] for r in rows if r['phase'] == 'grpo'] == [
+      r['step'] for r in map(json.loads, open(tmp_path / 'a' / 'metrics.jsonl'))
+      if r['phase'] == 'grpo']
+
+
+def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
+  """A finished 2-step GRPO stage re-run with num_steps=4 trains on: the same params as one
+  4-step run, bit for bit; a finished stage with the same num_steps is skipped."""
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  cfg = lambda n: _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': n,
+                                                         'checkpoint.every_steps': 1})
+
+  def run(workdir, n):
+    ctx, params = main_lib.build_context(cfg(n), str(workdir))
+    return grpo.GRPOTrainer(ctx, cfg(n).grpo).run(params)
+
+  want, _ = run(tmp_path / 'one', 4)
+  run(tmp_path / 'two', 2)
+  got, summary = run(tmp_path / 'two', 4)
+  assert summary['grpo/resumed_from_micro_step'] == 6
+  assert summary['grpo/micro_steps_this_run'] == 6 and summary['grpo/optimizer_steps'] == 4
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
+               want)
+  again, summary = run(tmp_path / 'two', 4)
+  assert 'grpo/micro_steps_this_run' not in summary  # skipped: nothing ran
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), again,
+               want)
+
+
+def _cli(workdir, *overrides, timeout=300):
+  cmd = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
+         f'--workdir={workdir}', '--config.stages=grpo', *overrides]
+  return subprocess.run(cmd, cwd=ROOT, env=dict(_env(), JAX_LOG_COMPILES='1'),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path):
+  first = _cli(tmp_path, '--config.grpo.num_steps=2')
+  assert first.returncode == 0, first.stderr[-3000:]
+  done = _cli(tmp_path, '--config.grpo.num_steps=2', '--config.grpo.schedule.grad_accum_steps=2')
+  assert done.returncode == 2, done.stderr[-3000:]
+  errors = [l for l in done.stderr.splitlines() if l.startswith('error:')]
+  assert len(errors) == 1 and 'grpo.schedule.grad_accum_steps: checkpoint 3, current 2' in errors[0]
+  assert 'Traceback' not in done.stderr and 'Compiling' not in done.stderr
+  # Safe settings may change: logging cadence, evaluation, checkpoint cadence.
+  ok = _cli(tmp_path, '--config.grpo.num_steps=2', '--config.grpo.log_every=7',
+            '--config.eval.num_examples=8', '--config.checkpoint.every_steps=5')
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  assert '[grpo] already finished (2 optimizer steps); skipping' in ok.stdout
+
+
+def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
+  """The reward function raises at the rollout right after the step-1 checkpoint started writing
+  (in the background); the process dies of the error. The save must still land, and a re-run
+  resumes from it."""
+  script = tmp_path / 'fail.py'
+  script.write_text(textwrap.dedent(f'''
+      import sys
+      sys.path.insert(0, {ROOT!r})
+      from tests.test_trainers import _smoke
+      from jaxrl_ga import main as main_lib
+      from jaxrl_ga.trainers import grpo
+      cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 3,
+                                                   'checkpoint.every_steps': 1}})
+      ctx, params = main_lib.build_context(cfg, sys.argv[1])
+      trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+      calls = []
+      def fn(prompts, completions, **fields):
+        calls.append(1)
+        if len(calls) == 3:  # rollout 2, at micro-step 4: just after the save of micro-step 3
+          raise RuntimeError('reward server unreachable')
+        return [0.0] * len(completions)
+      trainer.rewards = [type(trainer.rewards[0])('correct', fn)]
+      trainer.run(params)
+  '''))
+  done = subprocess.run([sys.executable, str(script), str(tmp_path / 'run')], cwd=ROOT,
+                        env=_env(), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1 and 'reward server unreachable' in done.stderr, done.stderr[-3000:]
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  assert checkpoint.all_steps(tmp_path / 'run' / 'checkpoints' / 'grpo') == [3]
+  resumed = _cli(tmp_path / 'run', '--config.grpo.num_steps=3', '--config.checkpoint.every_steps=1')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in resumed.stdout
 
 
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
@@ -112,15 +201,20 @@ def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
     time.sleep(0.5)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]  # "not finished" to a scheduler
+  assert 'stopped early (SIGTERM: grpo stopped at micro-step' in out
   ckpts = os.listdir(tmp_path / 'checkpoints' / 'grpo')
   assert len(ckpts) == 1 and int(ckpts[0]) > 0
   stopped_at = int(ckpts[0])
+  summary = json.load(open(tmp_path / 'summary.json'))
+  assert summary['stopped_early'] is True and summary['stopped_at_micro_step'] == stopped_at
+  assert summary['stopped_by'] == 'SIGTERM' and summary['stopped_stage'] == 'grpo'
   # Resume (to a shorter run that ends right after the stop point) from that checkpoint.
   cmd[-2] = f'--config.grpo.num_steps={stopped_at // 3 + 1}'
   done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert f'grpo: resumed at micro-step {stopped_at}' in done.stderr
+  assert f'[grpo] resumed at micro-step {stopped_at}' in done.stdout
+  assert json.load(open(tmp_path / 'summary.json'))['stopped_early'] is False
 
 
 def test_cli_rejects_invalid_config_before_compiling(tmp_path):

@@ -86,17 +86,23 @@ def _jsonable(x):
 
 
 # -- model -----------------------------------------------------------------------------------------
-def build_model(cfg: RunConfig, vocab_size: int, mesh):
-  """(model_cfg, graphdef, params, shardings): from HF weights or freshly initialised."""
+def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
+  """The policy's architecture, read from ``model.hf_path``'s config (no weights) or built from
+  the ``model.*`` fields with the tokenizer's ``vocab_size``."""
   spec = cfg.model
-  shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
   if spec.hf_path:
-    model_cfg, graphdef, params = hf.load_model(spec.hf_path, dtype=spec.dtype,
-                                                param_dtype=spec.param_dtype,
-                                                shardings_fn=shardings_fn)
-    _, shapes, axes = sharding.abstract_model(model_cfg)
-    return model_cfg, graphdef, params, shardings_fn(shapes, axes)
-  model_cfg = tfm.ModelConfig(
+    from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
+    if gguf.is_gguf_source(spec.hf_path):
+      return gguf.model_config(gguf.resolve(spec.hf_path), dtype=spec.dtype,
+                               param_dtype=spec.param_dtype)
+    try:
+      return hf.model_config_from_hf(spec.hf_path, dtype=spec.dtype,
+                                     param_dtype=spec.param_dtype)
+    except (OSError, ValueError, KeyError) as e:  # unknown model_type, unsupported feature
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ConfigError(f'model.hf_path={spec.hf_path}: {first} (supported: Qwen2ForCausalLM '
+                        f'and LlamaForCausalLM checkpoints, or a llama GGUF file)') from None
+  return tfm.ModelConfig(
       vocab_size=vocab_size, hidden_size=spec.hidden_size,
       intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
       num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
@@ -104,8 +110,18 @@ def build_model(cfg: RunConfig, vocab_size: int, mesh):
       tie_word_embeddings=spec.tie_word_embeddings,
       max_position_embeddings=spec.max_position_embeddings, architecture=spec.architecture,
       dtype=spec.dtype, param_dtype=spec.param_dtype)
-  graphdef, params, shardings = sharding.init_params(model_cfg, cfg.seed, mesh)
-  return model_cfg, graphdef, params, shardings
+
+
+def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
+  """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised."""
+  shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
+  if cfg.model.hf_path:
+    _, graphdef, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
+                                        param_dtype=cfg.model.param_dtype,
+                                        shardings_fn=shardings_fn)
+    _, shapes, axes = sharding.abstract_model(model_cfg)
+    return graphdef, params, shardings_fn(shapes, axes)
+  return sharding.init_params(model_cfg, cfg.seed, mesh)
 
 
 # -- tokenization --------------------------------------------------------------------------------

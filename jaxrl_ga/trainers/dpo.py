@@ -23,7 +23,7 @@ from jaxrl_ga.config import ConfigError, DPOConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.trainers import common
 
-_GEN_PROMPTS = 32  # prompts per generation call (fixed shape: one compile)
+GENERATION_PROMPTS = 32  # prompts per generation call (fixed shape: one compile)
 _LOG_KEYS = ('loss', 'rewards/accuracies', 'rewards/margins', 'grad_norm')
 
 
@@ -52,9 +52,9 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
   seed = ctx.cfg.seed
   examples = [ctx.task.train_example(i, seed + 1) for i in range(cfg.num_prompts)]
   chosen, rejected, prompts = [], [], []
-  for start in range(0, len(examples), _GEN_PROMPTS):
-    chunk = examples[start:start + _GEN_PROMPTS]
-    chunk = chunk + [chunk[0]] * (_GEN_PROMPTS - len(chunk))
+  for start in range(0, len(examples), GENERATION_PROMPTS):
+    chunk = examples[start:start + GENERATION_PROMPTS]
+    chunk = chunk + [chunk[0]] * (GENERATION_PROMPTS - len(chunk))
     ids = [common.encode_prompt(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
     tokens, mask = common.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'dpo.sampling.max_prompt_length')
@@ -63,7 +63,7 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
                    cfg.sampling.top_p)
     c_tok, c_mask = common.to_host(out.tokens), common.to_host(out.mask)
     texts = common.decode_completions(ctx.tokenizer, c_tok, c_mask)
-    for j, ex in enumerate(chunk[:len(examples[start:start + _GEN_PROMPTS])]):
+    for j, ex in enumerate(chunk[:len(examples[start:start + GENERATION_PROMPTS])]):
       good = bad = None
       for r in range(j * spp, (j + 1) * spp):
         row = list(c_tok[r][c_mask[r].astype(bool)])

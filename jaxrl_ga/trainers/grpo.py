@@ -170,13 +170,31 @@ class GRPOTrainer:
     texts = common.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
                                       local(buffer.completion_mask))
     row_examples = [examples[int(p)] for p in index.reshape(-1)]
-    total, per_fn = rewards_lib.compute_rewards(self.rewards, [ex.prompt for ex in row_examples],
-                                                texts, task_base.reward_fields(row_examples))
-    correct = [ctx.task.is_correct(ex, t) for ex, t in zip(row_examples, texts)]
-    names = sorted(per_fn)
-    fields = np.stack([total, np.asarray(correct, np.float32)] + [per_fn[k] for k in names])
+    names = [r.name for r in self.rewards]
+    error = None
+    try:
+      total, per_fn = rewards_lib.compute_rewards(
+          self.rewards, [ex.prompt for ex in row_examples], texts,
+          task_base.reward_fields(row_examples))
+      correct = [ctx.task.is_correct(ex, t) for ex, t in zip(row_examples, texts)]
+      fields = np.stack([total, np.asarray(correct, np.float32)] + [per_fn[k] for k in names])
+    except Exception as e:  # pylint: disable=broad-except
+      # Every host must still reach the gather below, or the others wait there forever: this
+      # one sends a flag instead of rewards, and every host raises after the gather.
+      error = e
+      fields = np.zeros((2 + len(names), len(texts)), np.float32)
+    failed = np.full((1, len(texts)), 0.0 if error is None else jax.process_index() + 1.0,
+                     np.float32)
+    fields = np.concatenate([fields, failed])
     fields = fields.reshape(len(fields), s, len(rows)).transpose(2, 0, 1)  # [nb, F, S]
     fields = sharding.gather_rows(fields, rows, b, ctx.mesh).transpose(1, 2, 0)  # [F, S, B]
+    if error is not None:
+      raise error
+    if fields[-1].any():
+      hosts = sorted({int(p) - 1 for p in np.unique(fields[-1]) if p})
+      raise rewards_lib.RewardError(
+          f'the reward computation failed on process(es) {hosts} (their log has the error); '
+          f'every process stops.')
     total, correct = fields[0].reshape(-1), fields[1]
     adv = rewards_lib.group_advantages(total, sched.num_generations, cfg.advantage.scale_rewards)
     adv_dev = sharding.put(adv.reshape(s, b), self.engine.advantage_sharding)
