@@ -1,0 +1,154 @@
+"""jaxrl_ga.plan: the GRPO steps compiled ahead of time for a TPU topology by libtpu's compiler
+(no TPU needed; libtpu is in the test extra), and activation sharding on the CPU mesh.
+
+The TPU test compiles Qwen2.5-0.5B's per-layer shapes (2 of its 24 layers, shorter sequences)
+for v5e:2x4 and checks: the plan's JSON equals the compiled executables' own memory and cost
+analyses; the analytic flops equal the compiler's on a compile with the layer loop unrolled;
+model.remat and model.logprob_chunk_size each lower the temporaries; and no all-reduce in the
+learner's HLO carries activations (the batch is sharded over data x fsdp, weights are gathered).
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import plan
+from jaxrl_ga import sharding
+from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, RunConfig,
+                             ScheduleConfig, from_mapping)
+from jaxrl_ga.models import transformer as tfm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TP, TC = 64, 128  # the test's prompt and completion lengths (the config's: 320 and 512)
+
+
+def _activation_all_reduces(hlo: str, dims) -> list[str]:
+  """all-reduce instructions of an HLO module whose shape has one of ``dims`` (sequence
+  lengths: only activations have them)."""
+  out = []
+  for line in hlo.splitlines():
+    m = re.search(r'=\s*(\(?[^=]*?)\s+all-reduce(?:-start)?\(', line)
+    if m and any(int(d) in dims for d in re.findall(r'(\d+)', m.group(1))):
+      out.append(line.strip()[:200])
+  return out
+
+
+def test_learner_has_no_activation_all_reduce_on_cpu_mesh():
+  """On the 8-device CPU mesh (data 2 x fsdp 4) the learner step all-reduces no activations.
+  Without the model's activation constraints XLA shards the hidden dimension as the fsdp-sharded
+  weights are, and all-reduces [b, T, ...] activations in the forward and backward."""
+  cfg = tfm.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        attention_bias=True, dtype='float32')
+  tp, tc, b = 11, 13, 16
+  mesh = sharding.make_mesh(MeshConfig(2, 4, 1), jax.devices()[:8])
+  graphdef, shapes, axes = sharding.abstract_model(cfg)
+  pshard = sharding.param_shardings(shapes, axes, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        pshard)
+  sched = ScheduleConfig(micro_batch_size=b, num_generations=2, steps_per_generation=1,
+                         grad_accum_steps=1)
+  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc), 
+                            OptimizerConfig(), sched, mesh, pshard)
+  row = lambda *shape, dt=jnp.int32: jax.ShapeDtypeStruct(
+      (b, *shape), dt, sharding=sharding.batch_sharding(mesh, 1 + len(shape)))
+  batch = dict(prompt_tokens=row(tp), prompt_mask=row(tp), completion_tokens=row(tc),
+               completion_mask=row(tc), old_logps=row(tc, dt=jnp.float32),
+               has_old=row(dt=jnp.bool_), advantages=row(dt=jnp.float32))
+  state = lrn.abstract_init(params, batch)
+  hlo = lrn.step_fn.lower(state, batch).compile().as_text()
+  assert 'all-reduce' in hlo or 'reduce-scatter' in hlo  # the weights' gradients are reduced
+  assert _activation_all_reduces(hlo, {tp + tc, tc, tp + tc - 1}) == []
+
+
+def _libtpu():
+  try:
+    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pytest.fail("libtpu is missing: the test extra installs it (pip install -e '.[test]').")
+
+
+def _tpu_config(**model):
+  spec = importlib.util.spec_from_file_location('c', os.path.join(ROOT, 'configs',
+                                                                  'grpo_gsm8k_tpu.py'))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config('v5e-8')
+  c.model.update(num_hidden_layers=2, remat='none', logprob_chunk_size=0, **model)
+  c.grpo.sampling.update(max_prompt_length=TP, max_completion_length=TC)
+  return from_mapping(RunConfig, c.to_dict())
+
+
+def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
+  _libtpu()
+  plan.quiet_libtpu_env()
+  devices = plan.topology_devices('v5e:2x4')
+  assert len(devices) == 8 and devices[0].device_kind == 'TPU v5 lite'
+  cfg = _tpu_config()
+  with tfm.unrolled_layers():  # the compiler's flops count a loop body once
+    rep = plan.plan(cfg, 'v5e:2x4', devices=devices)
+  js = json.loads(json.dumps(plan.public(rep)))
+  assert set(js) >= {'topology', 'chips', 'hbm_bytes_per_chip', 'fits', 'steps'}
+  assert js['chips'] == 8 and js['hbm_bytes_per_chip'] == 16 * 2**30 and js['fits']
+  for name in ('rollout', 'learner'):
+    step, exe = js['steps'][name], rep['_executables'][name]
+    assert set(step) >= set(plan.STEP_KEYS)
+    mem = exe.memory_analysis()
+    assert step['argument_bytes'] == mem.argument_size_in_bytes
+    assert step['output_bytes'] == mem.output_size_in_bytes
+    assert step['temp_bytes'] == mem.temp_size_in_bytes
+    assert step['peak_bytes'] >= mem.argument_size_in_bytes + mem.temp_size_in_bytes
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    assert step['compiler_flops'] == cost['flops']
+    assert step['bytes_accessed'] >= cost['bytes accessed']
+  # Analytic learner flops (per chip) vs the compiler's on the unrolled layers: the compiler also
+  # counts elementwise work (softmax, norms), so it may exceed the matmul count by a little.
+  learner = js['steps']['learner']
+  assert learner['flops'] <= learner['compiler_flops'] <= 1.03 * learner['flops'], learner
+
+  # No activation all-reduce in the learner's TPU program.
+  hlo = rep['_executables']['learner'].as_text()
+  assert _activation_all_reduces(hlo, {TP + TC, TC, TP + TC - 1}) == []
+
+  # Each memory knob lowers the learner's temporaries; chunking also the rollout's.
+  m = plan.model_config(cfg)
+
+  def temp(step, **knobs):
+    lowered = getattr(plan.lower_grpo(cfg, m, devices, steps=(step,), **knobs), step)
+    return plan.compile_step(lowered)['temp_bytes']
+
+  base_learner, base_rollout = learner['temp_bytes'], js['steps']['rollout']['temp_bytes']
+  remat = temp('learner', remat='full')
+  chunked = temp('learner', logprob_chunk_size=32)
+  chunked_rollout = temp('rollout', logprob_chunk_size=32)
+  print(f'temp bytes: learner {base_learner}, remat=full {remat}, chunk=32 {chunked}; '
+        f'rollout {base_rollout}, chunk=32 {chunked_rollout}')
+  assert remat < 0.8 * base_learner
+  # the float32 [b, Tc, V] logits of the 2 rows per chip: 155 MB, kept ~3 times unchunked
+  logits = 2 * TC * 151936 * 4
+  assert chunked < base_learner - logits
+  assert chunked_rollout < base_rollout - logits / 2
+
+
+def test_cli_bad_input_is_one_line_exit_2():
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  cases = [['--topology=v5e:2x4'],  # no --config
+           ['--config=configs/grpo_gsm8k_tpu.py', '--topology=banana'],
+           ['--config=configs/grpo_gsm8k_tpu.py', '--topology=v5e:2x4', '--format=xml'],
+           ['--config=configs/grpo_gsm8k_tpu.py:v9', '--topology=v5e:2x4']]
+  for args in cases:
+    p = subprocess.run([sys.executable, '-m', 'jaxrl_ga.plan', *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    err = [l for l in p.stderr.splitlines() if l.startswith('error:')]
+    assert p.returncode == 2 and len(err) == 1 and 'Traceback' not in p.stderr, (args, p.stderr)
+  assert 'topology' in err[0] or 'v9' in err[0]
