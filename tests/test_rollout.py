@@ -1,11 +1,21 @@
 """The rollout step pays old-log-prob forward passes only where the slice rule says, and every
-off-policy slice trains against log-probs of the policy that generated it."""
+off-policy slice trains against log-probs of the policy that generated it.
+
+Values are checked against an independent reference: numpy float64 log_softmax(logits / T) of a
+full forward pass over prompt + completion (``_np_logps``), for the sampler's, the old and the
+reference-model log-probs, the k3 KL term through the GRPO loss, the sampler/learner agreement
+metrics, and the DAPO mask of truncated completions.
+"""
+
+import functools
 
 import jax
 import numpy as np
+import pytest
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import sampling
 from jaxrl_ga import schedule, sharding
 from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, SamplingConfig,
                              ScheduleConfig)
@@ -136,3 +146,176 @@ def test_reorder_by_advantage_keeps_old_logps_with_their_slices():
       np.testing.assert_allclose(np.asarray(mb['old_logps'])[m],
                                  np.asarray(logps_fn(params, mb))[m], atol=1e-5)
   assert int(rstate.forward_passes) == table.slice_recompute[:2].sum() == 1
+
+
+# -- values against numpy ------------------------------------------------------------------------
+@functools.cache
+def _forward(graphdef):
+  return jax.jit(lambda p, t, m: tfm.merge(graphdef, p)(t, m))
+
+
+def _np_logps(graphdef, params, prompt_tokens, prompt_mask, tokens, mask, temperature):
+  """[N, Tc] float64: numpy log_softmax(logits / T) of one full forward pass over prompt +
+  completion, at the completion tokens. Inputs [..., T] are flattened over the leading axes."""
+  pt, pm = np.reshape(prompt_tokens, (-1, TP)), np.reshape(prompt_mask, (-1, TP))
+  ct, cm = np.reshape(tokens, (-1, TC)), np.reshape(mask, (-1, TC))
+  logits = np.asarray(_forward(graphdef)(params, np.concatenate([pt, ct], 1),
+                                         np.concatenate([pm, cm], 1)), np.float64)
+  x = logits[:, TP - 1:-1] / temperature
+  x = x - x.max(-1, keepdims=True)
+  x = x - np.log(np.exp(x).sum(-1, keepdims=True))
+  return np.take_along_axis(x, ct[..., None], -1)[..., 0].reshape(np.shape(tokens))
+
+
+def _sharp_params(seed, mesh, scale):
+  """Random params with lm_head scaled: logits of order 1, so that log-probs, their differences
+  between two models and the KL are far from their values at a uniform policy."""
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=seed, mesh=mesh)
+  params = {**params, 'lm_head': params['lm_head'] * scale}
+  return graphdef, params, shardings
+
+
+def _offset(shape):
+  """A known perturbation of the sampler's log-probs, [N, Tc]: 0.01 * (t + 1) + 0.001 * n."""
+  n, t = shape
+  return 0.01 * (np.arange(t)[None] + 1) + 0.001 * np.arange(n)[:, None]
+
+
+def test_rollout_log_probs_kl_and_agreement_against_numpy(monkeypatch):
+  """Two rollouts (the second has slice 1 marked: K=3, S=2) at T=0.8 with top-k and top-p, a
+  reference model other than the policy (beta > 0):
+
+  * sampler log-probs = numpy's tempered, untruncated log-softmax (what the learner computes);
+  * old log-probs (recomputed) = numpy's on the marked slices, 0 elsewhere;
+  * reference log-probs = numpy's of the reference params (not the policy's);
+  * the GRPO loss of a micro-batch, with its k3 KL term, = numpy's per-token formula;
+  * logp_agreement_{mean,max}_abs = numpy's mean / max |sampler - learner| over the completion
+    tokens of the recomputed slices. The sampler's log-probs are shifted by a known offset
+    (wrapping ``sampling.generate``) so the metric has something to measure; NaN when no slice
+    was recomputed.
+  """
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  graphdef, params, shardings = _sharp_params(0, mesh, 40.0)
+  _, ref_params, _ = _sharp_params(1, mesh, 40.0)
+  temperature, beta = 0.8, 0.5
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         grad_accum_steps=3)
+  table = schedule.build_table(sched)
+  samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC, temperature=temperature,
+                        top_k=12, top_p=0.9)
+  loss_cfg = GRPOLossConfig(beta=beta, epsilon_low=0.2, epsilon_high=0.28)
+  engine = rollout_lib.RolloutEngine(graphdef, sched, samp, loss_cfg, table, mesh, shardings,
+                                     eos_id=EOS, pad_id=PAD)
+  generate = sampling.generate
+
+  def shifted(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    return out.replace(logps=out.logps + _offset(out.logps.shape) * out.mask)
+
+  monkeypatch.setattr(sampling, 'generate', shifted)
+  np_logps = functools.partial(_np_logps, graphdef, temperature=temperature)
+  loss_fn = jax.jit(lambda p, mb: learner_lib.grpo_task_loss(loss_cfg, TC, temperature)(
+      tfm.merge(graphdef, p), mb))
+  _, new_params, _ = _sharp_params(2, mesh, 40.0)  # the policy the learner evaluates
+  rng = np.random.default_rng(1)
+  rstate = engine.init_state(0)
+  assert table.slice_recompute[:2].tolist() == [[False, False], [False, True]]
+  for r in range(2):
+    prompts = _prompts(rng, 4)
+    buffer, rstate, metrics = engine.rollout(params, ref_params, rstate, *prompts)
+    pt, pm = np.asarray(buffer.prompt_tokens), np.asarray(buffer.prompt_mask)
+    ct, cm = np.asarray(buffer.completion_tokens), np.asarray(buffer.completion_mask)
+    m = cm == 1
+    policy = np_logps(params, pt, pm, ct, cm)  # [S, B, Tc]
+    ref = np_logps(ref_params, pt, pm, ct, cm)
+    # Generation order is i*S + j for row (j, i): the offset's row index follows it.
+    offset = np.swapaxes(_offset((8, TC)).reshape(4, 2, TC), 0, 1) * cm
+    sampler_logps = np.asarray(buffer.sampler_logps)
+    np.testing.assert_allclose(sampler_logps[m], (policy + offset)[m], atol=1e-4, rtol=0)
+
+    marks = table.slice_recompute[r]
+    np.testing.assert_array_equal(np.asarray(buffer.has_old), np.repeat(marks[:, None], 4, 1))
+    old = np.asarray(buffer.old_logps)
+    np.testing.assert_allclose(old[marks][m[marks]], policy[marks][m[marks]], atol=1e-4, rtol=0)
+    assert (old[~marks] == 0).all()
+
+    assert np.abs(ref - policy)[m].mean() > 0.3  # the reference is really another model
+    np.testing.assert_allclose(np.asarray(buffer.ref_logps)[m], ref[m], atol=1e-4, rtol=0)
+
+    recomputed = m & marks[:, None, None]
+    mean_abs = metrics['rollout/logp_agreement_mean_abs']
+    max_abs = metrics['rollout/logp_agreement_max_abs']
+    if recomputed.any():
+      diff = np.abs(sampler_logps - policy)[recomputed]
+      assert diff.mean() > 0.01
+      np.testing.assert_allclose(float(mean_abs), diff.mean(), atol=1e-5, rtol=0)
+      np.testing.assert_allclose(float(max_abs), diff.max(), atol=1e-5, rtol=0)
+    else:
+      assert np.isnan(float(mean_abs)) and np.isnan(float(max_abs))
+
+    # The GRPO loss with its k3 KL term, for a policy other than the generating one.
+    adv = rng.normal(size=(2, 4)).astype(np.float32)
+    new = np_logps(new_params, pt, pm, ct, cm)
+    for j in range(2):
+      mb = engine.micro_batch(buffer, j, adv)
+      terms = loss_fn(new_params, mb)
+      mj = m[j]
+      old_j = policy[j] if marks[j] else new[j]  # no old log-probs: on-policy, ratio 1
+      ratio = np.exp(new[j] - old_j)
+      a = adv[j][:, None].astype(np.float64)
+      surrogate = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.28) * a)
+      d = ref[j] - new[j]
+      k3 = np.exp(d) - d - 1
+      assert k3[mj].mean() > 0.1  # a KL term far from 0 and from its quadratic approximation
+      np.testing.assert_allclose(float(terms.denominator), mj.sum())
+      np.testing.assert_allclose(float(terms.numerator), (surrogate + beta * k3)[mj].sum(),
+                                 rtol=1e-4, atol=1e-4)
+      kl_sum, kl_weight = terms.mean_metrics['kl']
+      np.testing.assert_allclose(float(kl_sum) / float(kl_weight), k3[mj].mean(), rtol=1e-4)
+
+
+def test_mask_truncated_completions_leave_the_loss():
+  """DAPO: with ``mask_truncated_completions``, a completion that hit max_completion_length
+  without EOS has no token in the loss mask, and the loss is numpy's over the other rows only;
+  without it, every completion counts. A crafted buffer with known EOS flags."""
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  graphdef, params, shardings = _sharp_params(0, mesh, 40.0)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         grad_accum_steps=2)
+  table = schedule.build_table(sched)
+  samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC)
+  loss_cfg = GRPOLossConfig()
+  rng = np.random.default_rng(2)
+  pt, pm = _prompts(rng, 8)
+  lengths = np.array([TC, 2, TC, 3, 1, TC, TC, 4])  # rows without EOS run to TC
+  ended = np.array([False, True, True, True, True, False, True, True])  # row 2 ends on EOS at TC
+  cm = (np.arange(TC)[None] < lengths[:, None]).astype(np.int32)
+  ct = rng.integers(2, MODEL.vocab_size, (8, TC)).astype(np.int32)
+  last = lengths - 1
+  ct[np.arange(8)[ended], last[ended]] = EOS
+  ct = np.where(cm == 1, ct, PAD).astype(np.int32)
+  slab = lambda x: np.asarray(x).reshape(2, 4, *np.shape(x)[1:])
+  buffer = rollout_lib.RolloutBuffer(
+      prompt_tokens=slab(pt), prompt_mask=slab(pm), completion_tokens=slab(ct),
+      completion_mask=slab(cm), ended_with_eos=slab(ended),
+      sampler_logps=np.zeros((2, 4, TC), np.float32), old_logps=np.zeros((2, 4, TC), np.float32),
+      has_old=np.zeros((2, 4), bool), ref_logps=None)
+  adv = rng.normal(size=(2, 4)).astype(np.float32)
+  loss_fn = jax.jit(lambda p, mb: learner_lib.grpo_task_loss(loss_cfg, TC)(tfm.merge(graphdef, p),
+                                                                           mb))
+  for mask_truncated in (True, False):
+    engine = rollout_lib.RolloutEngine(graphdef, sched, samp, loss_cfg, table, mesh, shardings,
+                                       eos_id=EOS, pad_id=PAD,
+                                       mask_truncated_completions=mask_truncated)
+    for j in range(2):
+      mb = engine.micro_batch(buffer, j, adv)
+      keep = slab(ended)[j] if mask_truncated else np.ones(4, bool)
+      want_mask = slab(cm)[j] * keep[:, None]
+      np.testing.assert_array_equal(np.asarray(mb['completion_mask']), want_mask)
+      # On-policy (no old log-probs): ratio 1, every kept token contributes -A.
+      terms = loss_fn(params, mb)
+      want = -(adv[j][:, None] * want_mask).sum() / want_mask.sum()
+      np.testing.assert_allclose(float(terms.numerator) / float(terms.denominator), want,
+                                 rtol=1e-5)
+    if mask_truncated:
+      assert (slab(cm)[~slab(ended)].sum() > 0)  # the batch really has truncated tokens
