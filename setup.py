@@ -30,7 +30,8 @@ setuptools.setup(
         # jax[tpu] (libtpu): tests/test_plan.py compiles the steps for a TPU topology with the
         # TPU compiler, on any machine (no TPU needed; the suite still runs on CPU).
         'test': ['pytest', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
-                 'ipykernel', 'gguf', 'jax[tpu]==0.10.2'],
+                 'ipykernel', 'gguf', 'jax[tpu]==0.10.2',
+                 'datasets'],  # tests/test_tasks.py loads a local GSM8K file through it, offline
         # model.hf_path / sample --model = a .gguf file or pkg:<package> (jaxrl_ga.models.gguf).
         'gguf': ['gguf'],
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot

@@ -253,10 +253,29 @@ def test_gsm8k_loads_local_jsonl_offline_without_datasets(monkeypatch):
   assert all(gsm8k.extract_final_number(r['answer']) for r in rows)
 
 
-def test_gsm8k_loads_local_jsonl_with_datasets():
-  pytest.importorskip('datasets')
-  with open(FIXTURE, encoding='utf-8') as f:
-    assert tasks.load_gsm8k(FIXTURE, split='train') == [json.loads(line) for line in f]
+def test_gsm8k_loads_a_local_dataset_through_datasets(tmp_path, monkeypatch):
+  """``datasets`` is in the test extra, so this runs (no skip). A JSONL file that ``datasets``
+  itself writes from in-memory records loads through ``datasets.load_dataset('json', ...)``,
+  offline (hub off, a private cache), in order, extra columns dropped."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(datasets.config, 'HF_HUB_OFFLINE', True)
+  monkeypatch.setattr(datasets.config, 'HF_DATASETS_OFFLINE', True)
+  monkeypatch.setattr(datasets.config, 'HF_DATASETS_CACHE', str(tmp_path / 'cache'))
+  records = [{'question': f'What is {i} + {i}?', 'answer': f'{i} + {i} = {2 * i}\n#### {2 * i}',
+              'id': i} for i in range(7)]
+  path = str(tmp_path / 'tiny_gsm8k.jsonl')
+  datasets.Dataset.from_list(records).to_json(path)
+  calls, load_dataset = [], datasets.load_dataset
+
+  def spy(*args, **kwargs):
+    calls.append((args, kwargs))
+    return load_dataset(*args, **kwargs)
+
+  monkeypatch.setattr(datasets, 'load_dataset', spy)
+  rows = tasks.load_gsm8k(path, split='test')
+  assert calls == [(('json',), {'data_files': {'test': path}, 'split': 'test'})]
+  assert rows == [{'question': r['question'], 'answer': r['answer']} for r in records]
+  assert os.listdir(tmp_path / 'cache')  # datasets cached there, not in the home directory
 
 
 def test_gsm8k_routes_through_datasets(monkeypatch):
