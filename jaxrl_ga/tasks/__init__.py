@@ -14,12 +14,14 @@ from typing import Any
 from jaxrl_ga.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from jaxrl_ga.tasks.base import Example, Task, reward_fields
 from jaxrl_ga.tasks.gsm8k import GSM8KConfig, GSM8KTask, load_gsm8k
+from jaxrl_ga.tasks.number_questions import NumberQuestionsConfig, NumberQuestionsTask
 from jaxrl_ga.tasks.tokenizer import build_char_tokenizer
 
 # name -> (task class, its config dataclass)
 TASKS: dict[str, tuple[type[Task], type]] = {
     'arithmetic': (ArithmeticTask, ArithmeticConfig),
     'gsm8k': (GSM8KTask, GSM8KConfig),
+    'number_questions': (NumberQuestionsTask, NumberQuestionsConfig),
 }
 
 
@@ -36,5 +38,6 @@ def get_task(name: str, **config_fields: Any) -> Task:
   return task_cls(config_cls(**config_fields))
 
 
-__all__ = ['ArithmeticConfig', 'ArithmeticTask', 'Example', 'GSM8KConfig', 'GSM8KTask', 'TASKS',
-           'Task', 'build_char_tokenizer', 'get_task', 'load_gsm8k', 'reward_fields']
+__all__ = ['ArithmeticConfig', 'ArithmeticTask', 'Example', 'GSM8KConfig', 'GSM8KTask',
+           'NumberQuestionsConfig', 'NumberQuestionsTask', 'TASKS', 'Task',
+           'build_char_tokenizer', 'get_task', 'load_gsm8k', 'reward_fields']
