@@ -29,6 +29,8 @@ def _define_flags():
                       'WORKDIR/tokenizer next to the checkpoints).')
   flags.DEFINE_enum('weights_dtype', None, ['float32', 'bfloat16'],
                     'dtype of the written tensors (default: the params dtype).')
+  flags.DEFINE_bool('overwrite', False, 'Replace --out when it is a non-empty directory (the '
+                    'whole directory: no file of an earlier export is left behind).')
   flags.mark_flags_as_required(['checkpoint', 'out'])
 
 
@@ -81,12 +83,50 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   return cfg, params, tokenizer, f'{path}/{step}'
 
 
+def check_out_dir(out_dir: str, overwrite: bool = False) -> None:
+  """--out must be a new or empty directory, or ``overwrite`` is set; never a file."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f'--out={out_dir} is a file; give a directory path.')
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    raise ValueError(f'--out={out_dir} is not empty ({len(os.listdir(out_dir))} entries); pass '
+                     f'--overwrite to replace it, or give a new directory.')
+
+
 def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | None = None,
-                      weights_dtype: str | None = None) -> str:
-  """Writes the HF directory; returns the checkpoint step directory it read."""
+                      weights_dtype: str | None = None, overwrite: bool = False) -> str:
+  """Writes the HF directory; returns the checkpoint step directory it read.
+
+  The model is written into a new sibling directory that then takes ``out_dir``'s place, so a
+  replaced export leaves no stale file (an old shard index would win over the new weights) and
+  an export cut short leaves ``out_dir`` as it was. Files get the umask's permissions.
+  """
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  out_dir = os.path.abspath(out_dir)
+  check_out_dir(out_dir, overwrite)
   cfg, params, tokenizer, src = load_checkpoint(checkpoint_dir, tokenizer_path)
-  hf.export(params, cfg, out_dir, tokenizer=tokenizer, weights_dtype=weights_dtype)
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
+  try:
+    hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    for root, _, files in os.walk(staging):
+      for name in files:
+        os.chmod(os.path.join(root, name), 0o666 & ~umask)
+    old = None
+    if os.path.exists(out_dir):
+      old = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.old.', dir=parent)
+      os.rename(out_dir, os.path.join(old, 'out'))
+    os.rename(staging, out_dir)
+    if old is not None:
+      shutil.rmtree(old)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
   return src
 
 
@@ -95,8 +135,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
   try:
-    src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype)
-  except (FileNotFoundError, ValueError) as e:
+    src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite)
+  except (FileNotFoundError, ValueError, PermissionError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   print(f'exported {src} to {f.out}')

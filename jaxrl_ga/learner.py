@@ -162,6 +162,14 @@ def make_optimizer(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.MultiSt
                           accumulator_dtype=jnp.float32)
 
 
+def _schedule_count(opt_state) -> jax.Array:
+  """The step count of AdamW's learning-rate schedule (optax.ScaleByScheduleState.count): the
+  optimizer steps really applied, skipped non-finite windows not counted."""
+  is_state = lambda x: isinstance(x, optax.ScaleByScheduleState)
+  (node,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+  return node.count
+
+
 def _multisteps_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsState, params,
                       *, lazy: bool, **extra):
   """One micro-step of MultiSteps, updates applied: -> (params, state). Two mends of
@@ -341,9 +349,7 @@ class Learner:
     summed = jax.tree.map(lambda a, g: a + g, state.opt_state.acc_grads, grads)
     out['grad_norm'] = optax.tree.norm(summed) / denom  # before clipping
     # AdamW's own step count: skipped non-finite windows do not advance its schedule.
-    out['learning_rate'] = self.lr_schedule(optax.tree_utils.tree_get(
-        state.opt_state, 'count',
-        filtering=lambda _, node: isinstance(node, optax.ScaleByScheduleState)))
+    out['learning_rate'] = self.lr_schedule(_schedule_count(state.opt_state))
     out['nonfinite_skipped'] = opt_state.inner_opt_state.total_notfinite
     out['nonfinite_consecutive'] = opt_state.inner_opt_state.notfinite_count
     out['stepped'] = emit

@@ -240,7 +240,12 @@ def build_context(cfg, workdir: str):
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
                           writer=common.MetricWriter(workdir))
   common.check_resume(ctx)  # before any weight is read or any step compiles
-  graphdef, params, ctx.param_shardings = common.build_model(cfg, model_cfg, mesh)
+  try:
+    graphdef, params, ctx.param_shardings = common.build_model(cfg, model_cfg, mesh)
+  except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)
+    if isinstance(e, ConfigError):
+      raise
+    raise ConfigError(f'model.hf_path={cfg.model.hf_path}: {e}') from None
   ctx.graphdef = graphdef
   return ctx, params
 

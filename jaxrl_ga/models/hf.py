@@ -200,11 +200,40 @@ def _weight_files(model_dir: str) -> dict[str, str]:
     return {name: os.path.join(model_dir, file) for name, file in weight_map.items()}
   single = os.path.join(model_dir, _SINGLE_FILE)
   if os.path.exists(single):
-    with safetensors.safe_open(single, framework='numpy') as f:
+    with _open_safetensors(single) as f:
       return {name: single for name in f.keys()}
   raise FileNotFoundError(
       f'No {_SINGLE_FILE} or {_INDEX_FILE} in {model_dir} (found: '
       f'{sorted(os.listdir(model_dir))}); only safetensors checkpoints are supported.')
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+  """safetensors.safe_open, its errors naming the file (a truncated or foreign file)."""
+  try:
+    handle = safetensors.safe_open(file, framework='numpy')
+  except Exception as e:  # pylint: disable=broad-except  (safetensors raises its own types)
+    raise ValueError(f'{file}: not a readable safetensors file ({e}); re-export or re-download '
+                     f'it.') from None
+  with handle as f:
+    yield _NamedTensors(f, file)
+
+
+class _NamedTensors:
+  """A safe_open handle whose get_tensor errors (data cut short) name the file."""
+
+  def __init__(self, handle, file: str):
+    self._handle, self._file = handle, file
+
+  def keys(self):
+    return self._handle.keys()
+
+  def get_tensor(self, name: str) -> np.ndarray:
+    try:
+      return self._handle.get_tensor(name)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f'{self._file}: tensor {name!r} cannot be read ({e}); the file is '
+                       f'damaged: re-export or re-download it.') from None
 
 
 def _hf_names(path: tuple[str, ...], num_layers: int) -> tuple[list[str], bool]:
@@ -267,7 +296,7 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
   model_dir = _local_dir(path_or_id)
   files = _weight_files(model_dir)
   with contextlib.ExitStack() as stack:
-    handles = {file: stack.enter_context(safetensors.safe_open(file, framework='numpy'))
+    handles = {file: stack.enter_context(_open_safetensors(file))
                for file in sorted(set(files.values()))}
     return params_from_tensors(lambda name: handles[files[name]].get_tensor(name), files.keys(),
                                cfg, source=model_dir, shardings=shardings)
