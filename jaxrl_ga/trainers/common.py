@@ -181,16 +181,20 @@ class MetricWriter:
     if not self._active:
       return
     path = self._jsonl_path
-    if not fileio.exists(path):
-      return
-    phases = {stage, f'{stage}_eval', f'{stage}_probe'}
-    lines = fileio.read_text(path).splitlines(keepends=True)
-    keep = [l for l in lines if not _logged_after(l, phases, step)]
+    self._jsonl.close()  # flushes lines still buffered (a bucket's appender buffers)
+    self._jsonl = None
+    try:
+      if not fileio.exists(path):
+        return
+      phases = {stage, f'{stage}_eval', f'{stage}_probe'}
+      lines = fileio.read_text(path).splitlines(keepends=True)
+      keep = [l for l in lines if not _logged_after(l, phases, step)]
+      if len(keep) != len(lines):
+        fileio.write_text(path, ''.join(keep))
+    finally:
+      self._jsonl = fileio.TextAppender(path)
     if len(keep) == len(lines):
       return
-    self._jsonl.close()
-    fileio.write_text(path, ''.join(keep))
-    self._jsonl = fileio.TextAppender(path)
     logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
                  len(lines) - len(keep), stage, step)
 
