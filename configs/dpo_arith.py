@@ -4,8 +4,9 @@ r"""SFT warm start, then DPO on (correct, incorrect) pairs sampled from the SFT 
 
 For each prompt the SFT policy samples 8 completions; a correct and an incorrect one make a pair.
 Reference log-probs (the SFT policy) are computed once and cached in WORKDIR/dpo_pairs.npz.
-Pair-weighted sigmoid loss plus RPO's NLL term on the chosen completion (rpo_alpha=1), with
-exact accumulation over K=2 micro-batches of 32 pairs.
+Pair-weighted sigmoid loss plus RPO's NLL term on the chosen completion (rpo_alpha=1: TRL's 'sft'
+term, the token mean of the chosen completions' NLL over the optimizer-step window), with exact
+accumulation over K=2 micro-batches of 32 pairs.
 Task, model, SFT and eval settings are grpo_arith.py's.
 `--config=configs/dpo_arith.py:smoke` shrinks everything for a test run.
 """
