@@ -37,7 +37,10 @@ def _activation_all_reduces(hlo: str, dims) -> list[str]:
   out = []
   for line in hlo.splitlines():
     m = re.search(r'=\s*(\(?[^=]*?)\s+all-reduce(?:-start)?\(', line)
-    if m and any(int(d) in dims for d in re.findall(r'(\d+)', m.group(1))):
+    if not m:
+      continue
+    shapes = re.findall(r'\[([\d,]*)\]', m.group(1))  # dims only, not the {layout} tiles
+    if any(int(d) in dims for shape in shapes for d in shape.split(',') if d):
       out.append(line.strip()[:200])
   return out
 
