@@ -155,6 +155,13 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   assert sorted(rows) == sorted(SEED003_KS)
   assert max(rows[1]) < 1e-5 and all(r[0] < 1e-5 for r in rows.values())
 
+  # open-instruct's DPO weighting moves with K once lengths vary; ours (token) does not.
+  oi = [[float(x) for x in line.split()] for line in _text(cells['open-instruct']).splitlines()
+        if re.fullmatch(r' *\d+ +\d+( +\S+e[-+]\d+){2}', line)]
+  assert len(oi) == 12 and all(ours < 1e-5 for *_, ours in oi)
+  assert all(err < 1e-5 for spread, k, err, _ in oi if spread == 0 or k == 1)
+  assert max(err for spread, k, err, _ in oi if k == 8) > 1e-2
+
   # DPO started from GRPO's warm start (the finished SFT checkpoint) and logged its metrics.
   dpo = _text(cells['dpo-run'])
   before = re.search(r'DPO on \d+ pairs: held-out accuracy ([\d.]+)% -> [\d.]+%', dpo)
