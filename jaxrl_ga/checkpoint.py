@@ -6,7 +6,7 @@ Usage (every process of a multi-host job runs the same calls):
   with PreemptionGuard() as guard:
     for ...:
       ckpt.save(step, state, meta={'data_position': ...})  # returns at once; writes in background
-      if guard.should_stop:  # SIGTERM / SIGINT arrived
+      if guard.should_stop_at(step):  # SIGTERM / SIGINT arrived
         ckpt.save(step, state, meta=...); ckpt.wait(); break
   ckpt.wait()  # writes are durable after this (also run at interpreter exit)
 
@@ -22,8 +22,8 @@ checkpoint first.
 
 Multi-host: orbax coordinates processes. Each process writes only its addressable shards; the JSON
 ``meta`` and the directory renames are done by the primary process alone; nothing here writes
-files itself. ``PreemptionGuard.should_stop`` all-gathers the flag so every process stops (and
-saves) at the same step: read it at the same point of the loop on every process.
+files itself. ``PreemptionGuard.should_stop_at(step)`` makes every process stop (and save) at the
+same step: ask it at the same point of the loop on every process.
 """
 
 from __future__ import annotations
@@ -361,6 +361,12 @@ class PreemptionGuard:
   The handler only records the signal; the trainer saves and exits at its next check. A second
   SIGINT (Ctrl-C twice) raises KeyboardInterrupt at once. The previous handlers come back on exit.
   Must be entered in the main thread (Python delivers signals there only).
+
+  Several processes (jax.distributed, with jax's preemption service, on by default): SIGTERM is
+  left to that service, which tells every process and agrees on the step at which all of them
+  stop; the training loop asks ``should_stop_at(step)``, a local look-up with no collective, so
+  hosts are not synchronized at every micro-step. SIGINT keeps its default there (Ctrl-C stops
+  at once), and ``should_stop`` (asked between evaluation batches) is False.
   """
 
   def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
@@ -368,10 +374,14 @@ class PreemptionGuard:
     self._previous: dict[int, Any] = {}
     self._received: Optional[int] = None
     self._logged = False
+    self._sync_points = False
 
   def __enter__(self) -> PreemptionGuard:
+    self._sync_points = (jax.process_count() > 1
+                         and bool(getattr(jax.config, 'jax_enable_preemption_service', False)))
     for s in self._signals:
-      self._previous[s] = signal.signal(s, self._handle)
+      if not self._sync_points:
+        self._previous[s] = signal.signal(s, self._handle)
     return self
 
   def __exit__(self, *exc_info):
@@ -393,14 +403,34 @@ class PreemptionGuard:
 
   @property
   def should_stop(self) -> bool:
-    """True once a signal arrived (on any process: a collective when jax.process_count() > 1)."""
+    """True once a signal arrived (on any process: a collective when jax.process_count() > 1,
+    unless the preemption service handles SIGTERM; then False, see the class doc)."""
+    if self._sync_points:
+      return False
     stop = self._received is not None
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
-    if stop and not self._logged:
+    if stop:
+      self._log()
+    return stop
+
+  def should_stop_at(self, step: int) -> bool:
+    """should_stop for a training loop at ``step``, which must take the same increasing values
+    on every process. With the preemption service: True at the step all processes agreed on
+    after one of them got SIGTERM (multihost_utils.reached_preemption_sync_point)."""
+    if not self._sync_points:
+      return self.should_stop
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    if multihost_utils.reached_preemption_sync_point(int(step)):
+      self._received = self._received or signal.SIGTERM
+      self._log()
+      return True
+    return False
+
+  def _log(self):
+    if not self._logged:
       self._logged = True
       name = ('another process' if self._received is None
               else signal.Signals(self._received).name)
       logging.warning('Stop requested (%s): saving a checkpoint and exiting.', name)
-    return stop

@@ -67,9 +67,13 @@ root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to_dict()
 d['stages'] = 'sft,grpo'
 d['sft']['num_steps'] = 2
-d['grpo']['num_steps'] = 3
+d['grpo']['num_steps'] = int(os.environ.get('JAXRL_GA_TEST_GRPO_STEPS', 3))
 d['checkpoint']['every_steps'] = 0
-main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+try:
+  main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+except checkpoint.Preempted as e:  # what jaxrl_ga.main does
+  print(f'stopped early at micro-step {e.micro_step}', flush=True)
+  sys.exit(128 + e.signum)
 
 with open(os.path.join(workdir, f'loaded_{pid}.json'), 'w', encoding='utf-8') as f:
   json.dump(loaded, f)

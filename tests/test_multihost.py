@@ -5,6 +5,8 @@ hosts, and each host loads only its own part of the data."""
 import collections
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -88,3 +90,24 @@ def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
   assert all(p.returncode != 0 for p in procs), [o[-2000:] for o in outs]
   assert 'reward server unreachable (test, process 1)' in outs[1], outs[1][-3000:]
   assert 'failed on process(es) [1]' in outs[0], outs[0][-3000:]
+
+
+def test_sigterm_to_one_host_stops_every_host_at_the_same_step(tmp_path):
+  """The training loop asks jax's preemption service, with no collective per micro-step; SIGTERM
+  to one process stops both at one agreed micro-step, with one checkpoint and status 143."""
+  port = _free_port()
+  extra = {'JAXRL_GA_TEST_GRPO_STEPS': '400'}
+  procs = [_start(i, 2, port, tmp_path, 4, **extra) for i in (0, 1)]
+  metrics = tmp_path / 'run' / 'metrics.jsonl'
+  deadline = time.time() + 300
+  while time.time() < deadline:  # wait until GRPO trains
+    if metrics.exists() and '"phase": "grpo"' in metrics.read_text():
+      break
+    time.sleep(0.5)
+  procs[1].send_signal(signal.SIGTERM)
+  outs = [p.communicate(timeout=240)[0] for p in procs]
+  assert [p.returncode for p in procs] == [143, 143], [o[-2000:] for o in outs]
+  stopped = [re.findall(r'stopped early at micro-step (\d+)', o) for o in outs]
+  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+  steps = os.listdir(tmp_path / 'run' / 'checkpoints' / 'grpo')
+  assert steps == stopped[0], steps

@@ -462,11 +462,12 @@ def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, An
               if int(pending[1]) == 0:
                 ckpt.save(s, state, meta)
                 last_saved = s
-          if guard.should_stop or s == stop_at_micro_step:
+          stop = guard.should_stop_at(s)
+          if stop or s == stop_at_micro_step:
             if last_saved != s:
               ckpt.save(s, state, meta)
             ckpt.wait()
-            if guard.should_stop:
+            if stop:
               raise checkpoint.Preempted(stage, s, guard.signal_received)
             return state, 'stop_at_micro_step'
         if pending is not None:
