@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -265,9 +266,13 @@ def check_workdir(workdir: str) -> None:
   if not os.path.isdir(parent):
     raise ConfigError(f'--workdir={workdir}: {parent} is a file, not a directory; give another '
                       f'path.')
-  if not os.access(parent, os.W_OK | os.X_OK):
-    raise ConfigError(f'--workdir={workdir}: {parent} is not writable; give a directory you can '
-                      f'write to.')
+  try:  # root passes os.access checks; a read-only mount or an immutable directory does not
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ConfigError(f'--workdir={workdir} cannot be written ({e.strerror}); give a directory '
+                      f'you can write to.') from None
 
 
 def run(cfg, workdir: str) -> dict:
