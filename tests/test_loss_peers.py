@@ -342,11 +342,10 @@ def _ref_dpo_peer(cfg):
   """One pass over the window: TRL's per-pair loss (ipo length-normalized) and 'sft' term, or
   open-instruct's micro-batch weighting (micro-batches of 4 pairs), written out."""
   def ref(graphdef, params, b):
-    def seq(side):
-      m = b[f'{side}_loss_mask'][:, 1:].astype(jnp.float32)
-      lp = _logp(graphdef, params, b[f'{side}_tokens'], b[f'{side}_attention_mask'])
-      return jnp.sum(m * lp, 1), jnp.sum(m, 1)
-    (c, nc), (r, nr) = seq('chosen'), seq('rejected')
+    both = lambda key: jnp.concatenate([b[f'chosen_{key}'], b[f'rejected_{key}']])
+    m = both('loss_mask')[:, 1:].astype(jnp.float32)  # [2P, T-1], chosen rows first
+    summed = jnp.sum(m * _logp(graphdef, params, both('tokens'), both('attention_mask')), 1)
+    (c, r), (nc, nr) = jnp.split(summed, 2), jnp.split(jnp.sum(m, 1), 2)
     cs, rs = c - b['ref_chosen_logps'], r - b['ref_rejected_logps']
     if cfg.loss_type == 'ipo':
       per_pair = (cs / jnp.maximum(nc, 1) - rs / jnp.maximum(nr, 1) - 1 / (2 * cfg.beta))**2
