@@ -1,8 +1,10 @@
-r"""GRPO on GSM8K with Qwen2.5-0.5B-Instruct on a TPU VM: `:v5e-8` (one host) or `:v4-32` (4 hosts)
+r"""GRPO on GSM8K on a TPU VM: Qwen2.5-0.5B-Instruct on `:v5e-8` (one host) or `:v4-32` (4 hosts),
+Qwen2.5-1.5B-Instruct on `:qwen1.5b-v5e-8`, Llama-3.1-8B-Instruct on `:llama8b-v5p-8`
 
   python launch/tpu.py run -- python -m jaxrl_ga.main \
       --config=configs/grpo_gsm8k_tpu.py:v5e-8 --workdir=$HOME/runs/gsm8k
   python -m jaxrl_ga.explain --config=configs/grpo_gsm8k_tpu.py:v5e-8 --num_devices=8
+  python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 --topology=v5e:2x4
 
 The policy and its tokenizer come from the hub (`Qwen/Qwen2.5-0.5B-Instruct`, or a local HF
 directory via --config.model.hf_path), GSM8K from the hub (`openai/gsm8k`, needs the [data]
@@ -15,9 +17,11 @@ Schedule (global counts; see README): G = 8 completions per prompt, and K/S = 3/
 issue #5770, so every optimizer-step window of K micro-steps spans two rollouts, and only the
 slices that a newer policy trains pay for old log-probs (the slice rule):
 
-  arg     chips  mesh (data, fsdp)  B   S  K   per micro-step  per rollout        per opt step
-  v5e-8   8      (2, 4)             16  8  12  2 seqs/chip     128 = 16 prompts   192 = 24 prompts
-  v4-32   16     (4, 4)             64  4  6   4 seqs/chip     256 = 32 prompts   384 = 48 prompts
+  arg             chips  mesh (data, fsdp)  B   S  K   per micro-step  per rollout   per opt step
+  v5e-8           8      (2, 4)             32  4  6   4 seqs/chip     128 = 16 pr.  192 = 24 pr.
+  v4-32           16     (4, 4)             64  4  6   4 seqs/chip     256 = 32 pr.  384 = 48 pr.
+  qwen1.5b-v5e-8  8      (1, 8)             16  8  12  2 seqs/chip     128 = 16 pr.  192 = 24 pr.
+  llama8b-v5p-8   4      (1, 4)             16  8  12  4 seqs/chip     128 = 16 pr.  192 = 24 pr.
 
 (v4-32: 32 TensorCores = 16 chips; each megacore chip is one jax device, so 16 devices on 4
 hosts.) `num_steps` covers about one epoch of GSM8K's 7473 training problems. Params are sharded
@@ -30,30 +34,21 @@ not used on purpose: bfloat16 spaces weights of magnitude 0.02 by 2**-13 ~ 1.2e-
 update of ~learning_rate = 1e-6 rounds to zero and the policy never moves (set
 --config.model.param_dtype=bfloat16 only together with a much larger learning rate).
 
-Memory per chip, estimated (P = 494M params; L = 24 layers, D = 896, F = 4864, 14 query / 2 KV
-heads of 64, V = 151936; T = Tp + Tc = 320 + 512 = 832; b = sequences per chip per micro-step):
+Memory per chip, from the TPU compiler (python -m jaxrl_ga.plan, which compiles the rollout and
+learner steps for the topology without a TPU; README, "Will it fit?"): peak GiB per chip.
 
-  item                                              formula                  v5e-8     v4-32
-  params f32 + AdamW mu, nu f32 + f32 accumulator   16 B * P / fsdp          1.98 GB   1.98 GB
-  gradient of one micro-step (f32)                  4 B * P / fsdp           0.49 GB   0.49 GB
-  all-gathered bf16 embedding (= tied lm head)      2 B * V * D              0.27 GB   0.27 GB
-  rollout KV cache, all S*B/dp = 16 rows at once    L*2*2*64*2 B * T = 10.2 MB/row
-                                                                             0.16 GB   0.16 GB
-  learner activations kept for backward, no remat   ~94 MB/seq/layer * L * b  4.5 GB    9.1 GB
-    (per seq and layer: f32 attention logits + bf16 probs 14*T*T*6 B = 58 MB, MLP gate/up/
-    product 3*F*T*2 B = 24 MB, ~8 D-wide bf16 tensors 12 MB)
-  same with per-layer remat (h saved per layer,     (L*D*T*2 B + 94 MB) * b   0.26 GB   0.52 GB
-    one layer recomputed; not implemented yet)
-  completion logits: forward, log-softmax, grad     3 * Tc*V*4 B * b          1.9 GB    3.7 GB
-  total (no remat)                                                           ~9 GB     ~16 GB
-  HBM per chip                                                               16 GiB    32 GiB
+  arg             topology   learner (B)        rollout     HBM
+  v5e-8           v5e:2x4    4.19 (32)          2.32        16 GiB
+  qwen1.5b-v5e-8  v5e:2x4    5.92 (16)          5.41        16 GiB
+  llama8b-v5p-8   v5p:2x2x1  45.10 (16)         19.76       95 GiB
 
-Transients of the rollout step are smaller (prefill attention logits of 16 rows: 0.24 GB per
-layer; one decode step's logits: 10 MB). B = 32 on v5e-8 (b = 4) would need ~15.5 GB of the
-16 GiB: too close without remat. If memory runs out, halve B and double K and S: each optimizer
-step then sees the same completions and, accumulation being exact, applies the same update. A
-0.5B policy could also run without fsdp (data = all chips): ~10 GB of replicated state per chip,
-which fits on v4 (32 GiB) but leaves v5e too little for the activations.
+All use model.remat=full and model.logprob_chunk_size=128. Without them the v5e-8 learner at
+B = 32 needs 16.49 GiB (temporaries 14.64 GiB: every layer's activations kept for the backward,
+and the float32 [b, 512, 151936] logits); with remat=full alone 4.35 GiB, with the chunking alone
+15.95 GiB. Activations are sharded over data x fsdp (the model's activation constraints); before
+that, the compiler rejected even B = 16 (17.16 GB of temporaries). If memory runs out, halve B
+and double K and S: each optimizer step then sees the same completions and, accumulation being
+exact, applies the same update.
 
 Prompts: max_prompt_length = 320 tokens holds the prompt template plus a GSM8K question (they
 are short: typically well under 200 tokens); a longer one stops the run with an error naming
@@ -66,16 +61,33 @@ checkpoint directory must be one that all hosts share (gs://...), see the README
 
 from jaxrl_ga.config import default_config_dict
 
-# Qwen/Qwen2.5-0.5B-Instruct's config.json, in ModelSpec's names.
-QWEN25_05B = dict(architecture='qwen2', vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=True,
-                  max_position_embeddings=32768)
+# model -> (hub id, its config.json in ModelSpec's names). The shapes are for
+# python -m jaxrl_ga.plan, which reads no hub; training takes them from the checkpoint itself.
+MODELS = {
+    'qwen2.5-0.5b': ('Qwen/Qwen2.5-0.5B-Instruct', dict(
+        architecture='qwen2', vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=32768)),
+    'qwen2.5-1.5b': ('Qwen/Qwen2.5-1.5B-Instruct', dict(
+        architecture='qwen2', vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        rope_theta=1000000.0, attention_bias=True, tie_word_embeddings=True,
+        max_position_embeddings=32768)),
+    # rope_scaling (llama3, factor 8) changes no shape; the checkpoint's config carries it.
+    'llama3.1-8b': ('meta-llama/Llama-3.1-8B-Instruct', dict(
+        architecture='llama', vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False,
+        max_position_embeddings=131072)),
+}
 
-# arg -> (mesh data, mesh fsdp, B, S, K, num_steps)
+# arg -> (model, mesh data, mesh fsdp, B, S, K, num_steps, remat, logprob_chunk_size)
 _SHAPES = {
-    'v5e-8': (2, 4, 16, 8, 12, 300),
-    'v4-32': (4, 4, 64, 4, 6, 150),
+    'v5e-8': ('qwen2.5-0.5b', 2, 4, 32, 4, 6, 300, 'full', 128),
+    'v4-32': ('qwen2.5-0.5b', 4, 4, 64, 4, 6, 150, 'full', 128),
+    'qwen1.5b-v5e-8': ('qwen2.5-1.5b', 1, 8, 16, 8, 12, 300, 'full', 128),
+    'llama8b-v5p-8': ('llama3.1-8b', 1, 4, 16, 8, 12, 300, 'full', 128),
 }
 
 
@@ -84,15 +96,14 @@ def get_config(arg: str = 'v5e-8'):
   if arg not in _SHAPES:
     raise ValueError(f'unknown config argument {arg!r}; use one of {", ".join(_SHAPES)} '
                      f'(e.g. --config=configs/grpo_gsm8k_tpu.py:v4-32).')
-  data, fsdp, b, s, k, num_steps = _SHAPES[arg]
+  model, data, fsdp, b, s, k, num_steps, remat, chunk = _SHAPES[arg]
+  hf_path, shapes = MODELS[model]
   c = default_config_dict()
   c.seed = 0
   c.stages = 'grpo'
   c.task.name = 'gsm8k'  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
-  c.model.update(hf_path='Qwen/Qwen2.5-0.5B-Instruct', dtype='bfloat16', param_dtype='float32')
-  # The checkpoint's shapes (its config.json), for python -m jaxrl_ga.plan, which reads no hub;
-  # training takes them from the checkpoint itself.
-  c.model.update(QWEN25_05B)
+  c.model.update(hf_path=hf_path, dtype='bfloat16', param_dtype='float32', remat=remat,
+                 logprob_chunk_size=chunk, **shapes)
   c.mesh.update(data=data, fsdp=fsdp, tensor=1)
   c.grpo.update(num_steps=num_steps, log_every=1, eval_every=100)
   c.grpo.schedule.update(micro_batch_size=b, num_generations=8, steps_per_generation=s,
