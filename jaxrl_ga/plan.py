@@ -160,31 +160,30 @@ def _dtype_bytes(name: str) -> int:
 
 # -- building the steps abstractly ---------------------------------------------------------------
 def model_config(cfg, hf_config: Optional[str] = None):
-  """The policy's transformer.ModelConfig, without weights or the hub (see module doc)."""
+  """The policy's transformer.ModelConfig, without weights or the hub: from ``hf_config`` (an HF
+  config.json or checkpoint directory), else a local ``model.hf_path`` (directory, .gguf file,
+  pkg:), else the config's ``model.*`` fields with ``model.vocab_size``."""
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
   spec = cfg.model
-  source = hf_config or (spec.hf_path if spec.hf_path and os.path.isdir(spec.hf_path) else None)
-  if source:
+  if hf_config:
     import transformers  # pylint: disable=g-import-not-at-top
     try:
-      hf_cfg = transformers.AutoConfig.from_pretrained(source)
+      hf_cfg = transformers.AutoConfig.from_pretrained(hf_config)
       return hf.model_config_from_hf(hf_cfg, dtype=spec.dtype, param_dtype=spec.param_dtype)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f'--hf_config={source}: cannot read an HF config from it ({e}).'.split(
-          '\n')[0]) from None
+    except (OSError, ValueError, KeyError) as e:
+      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ConfigError(f'--hf_config={hf_config}: cannot read an HF config from it '
+                        f'({first}).') from None
+  if spec.hf_path and (os.path.exists(spec.hf_path) or spec.hf_path.startswith('pkg:')):
+    return common.model_config(cfg, 0)
   if not spec.vocab_size:
-    raise ConfigError('model.vocab_size is 0: write the model\'s shapes into model.* (with '
+    raise ConfigError(f'model.hf_path={spec.hf_path!r} is not a local checkpoint and '
+                      'model.vocab_size is 0: write the model\'s shapes into model.* (with '
                       'model.vocab_size) or pass --hf_config=<config.json or checkpoint dir>.')
-  return tfm.ModelConfig(
-      vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-      num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-      rope_theta=spec.rope_theta, attention_bias=spec.attention_bias,
-      tie_word_embeddings=spec.tie_word_embeddings,
-      max_position_embeddings=spec.max_position_embeddings, architecture=spec.architecture,
-      dtype=spec.dtype, param_dtype=spec.param_dtype)
+  written = dataclasses.replace(cfg, model=dataclasses.replace(spec, hf_path=''))
+  return common.model_config(written, spec.vocab_size)
 
 
 @dataclasses.dataclass
