@@ -79,10 +79,11 @@ def load_gsm8k(source: str = DEFAULT_SOURCE, split: str = 'train',
   if _is_local(source):
     if not os.path.isfile(source):
       raise FileNotFoundError(f'GSM8K file {source!r} does not exist.')
+    rows = _read_jsonl(source)  # a malformed line is named (file:line), whatever reads it next
     try:
       datasets = _import_datasets()
     except ImportError:
-      rows = _read_jsonl(source)
+      pass
     else:
       rows = list(datasets.load_dataset('json', data_files={split: source}, split=split))
   else:
