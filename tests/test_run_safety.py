@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import smoke_configs
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import export
@@ -21,15 +22,7 @@ from jaxrl_ga.trainers import common
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _smoke(name='grpo_arith', **overrides) -> RunConfig:
-  d = load_config_file(os.path.join(ROOT, 'configs', f'{name}.py'), 'smoke').to_dict()
-  for key, value in overrides.items():
-    node = d
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return from_mapping(RunConfig, d)
+_smoke = smoke_configs.smoke
 
 
 def _env():

@@ -12,22 +12,15 @@ import time
 import jax
 import numpy as np
 import pytest
+import smoke_configs
 
 from jaxrl_ga import main as main_lib
-from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
+from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _smoke(name: str, **overrides) -> RunConfig:
-  d = load_config_file(os.path.join(ROOT, 'configs', f'{name}.py'), 'smoke').to_dict()
-  for key, value in overrides.items():
-    node = d
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return from_mapping(RunConfig, d)
+_smoke = smoke_configs.smoke
 
 
 def _env():
@@ -161,7 +154,7 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
   script.write_text(textwrap.dedent(f'''
       import sys
       sys.path.insert(0, {ROOT!r})
-      from tests.test_trainers import _smoke
+      from tests.smoke_configs import smoke as _smoke
       from jaxrl_ga import main as main_lib
       from jaxrl_ga.trainers import grpo
       cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 3,
