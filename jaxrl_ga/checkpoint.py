@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import json
 import signal
 import weakref
@@ -355,6 +356,9 @@ def _wait_if_alive(ref: weakref.ref):
     ckpt.wait()
 
 
+_SYNC_POINT_CALLS = itertools.count(1)  # the preemption service's step ids, this process
+
+
 class PreemptionGuard:
   """Context manager turning SIGTERM / SIGINT into a flag, ``should_stop``, polled by the loop.
 
@@ -416,13 +420,15 @@ class PreemptionGuard:
     return stop
 
   def should_stop_at(self, step: int) -> bool:
-    """should_stop for a training loop at ``step``, which must take the same increasing values
-    on every process. With the preemption service: True at the step all processes agreed on
-    after one of them got SIGTERM (multihost_utils.reached_preemption_sync_point)."""
+    """should_stop for a training loop at ``step``; every process must ask it equally often.
+    With the preemption service: True at the call all processes agreed on after one of them got
+    SIGTERM (multihost_utils.reached_preemption_sync_point). The service is given this process's
+    count of such calls, which keeps increasing across stages and guards (``step`` restarts)."""
+    del step
     if not self._sync_points:
       return self.should_stop
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    if multihost_utils.reached_preemption_sync_point(int(step)):
+    if multihost_utils.reached_preemption_sync_point(next(_SYNC_POINT_CALLS)):
       self._received = self._received or signal.SIGTERM
       self._log()
       return True
