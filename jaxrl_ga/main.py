@@ -122,6 +122,10 @@ def validate_rollout_chunks(cfg) -> None:
           f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
 
 
+# The training stream (seed + this) whose prompts validate_lengths measures before any stage.
+LENGTH_CHECK_STREAM = 7907
+
+
 def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set) fit
   each stage's length settings, and the longest sequence fits model.max_position_embeddings."""
@@ -129,7 +133,9 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
-  train = [task.train_example(i, cfg.seed) for i in range(probe)]
+  # A stream of its own: every host checks the same examples, and the training stream's data
+  # positions stay each host's own (tests/test_multihost.py counts who builds which example).
+  train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
   prompt = lambda e: common.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
   prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
@@ -210,7 +216,7 @@ def build_context(cfg, workdir: str):
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
     task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
     task.eval_examples()
-    task.train_example(0, cfg.seed)
+    task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
   except ConfigError:
     raise
   except (ValueError, OSError, ImportError, KeyError) as e:
