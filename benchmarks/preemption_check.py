@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags

@@ -289,7 +289,7 @@ def run(cfg, workdir: str) -> dict:
   """
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common, dpo, grpo, sft  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import dpo, grpo, sft  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
   check_workdir(workdir)
