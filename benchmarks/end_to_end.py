@@ -31,10 +31,11 @@ variable, so both see the same machine load. A period's wall time runs from the 
 its turn to the end of its last optimizer step (jaxrl_ga: the emitting learner step is waited for;
 TRL is synchronous), so each side's host work between steps (logging, data) counts. The first
 ``warmup_periods`` periods (jit compilation for jaxrl_ga, first calls for torch) are reported apart.
-Per-phase times come from wrappers around each side's own functions:
+Per-phase times come from each side's own functions:
 
-  * jaxrl_ga: ``engine.rollout`` (generation and old log-probs, one jitted step), the rest of
-    ``_new_rollout`` (decode, rewards, advantages on the host), ``learner.step`` (each waited for).
+  * jaxrl_ga: GRPOTrainer's public hooks. ``on_rollout`` gives the jitted rollout step's time
+    (generation and old log-probs, waited for) and the host's (decode, rewards, advantages);
+    ``on_micro_step`` times each learner step, waited for.
   * TRL: ``_generate`` (tokenize, ``model.generate``, decode), ``_calculate_rewards``, the no-grad
     calls of ``_get_per_token_logps_and_entropies`` (old log-probs), ``training_step`` minus
     ``_generate_and_score_completions`` (learn).
@@ -179,8 +180,9 @@ class PeriodClock:
     self._phases: dict[str, float] = {}
     self.steps_in_period = 0
 
-  def start(self) -> None:
-    self._start = time.perf_counter()
+  def start(self, at: Optional[float] = None) -> None:
+    """Starts a period now, or at the time.perf_counter() value ``at``."""
+    self._start = time.perf_counter() if at is None else at
     self._phases = {p: 0.0 for p in PHASES}
     self.steps_in_period = 0
 
@@ -252,59 +254,44 @@ class NeverEndingContext(common.RunContext):
 
 # -- jaxrl_ga --------------------------------------------------------------------------------------
 class OurSide:
-  """jaxrl_ga's GRPOTrainer with timing wrappers around its engine, host rollout and learner."""
+  """jaxrl_ga's GRPOTrainer, timed through its public on_rollout and on_micro_step hooks."""
 
   def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int):
     ctx, self.params = main_lib().build_context(cfg, workdir)
     if _FULL_LENGTH.value:
       ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
     self.ctx, self.cfg = ctx, cfg
-    self.trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+    self.trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=self._on_rollout,
+                                    on_micro_step=self._on_micro_step)
     self.turns, self.period_steps, self.total_periods = turns, period_steps, total_periods
     self.clock = PeriodClock()
     self.k = cfg.grpo.schedule.grad_accum_steps
     self.micro_steps = 0
     self.completion_lengths: list[float] = []
     self.rollout_rows: list[int] = []
-    self._rollout_s = 0.0
-    self._wrap()
 
-  def _wrap(self):
-    tr = self.trainer
-    # The engine's jitted rollout step (both of its entry points call it).
-    engine_step, new_rollout, learner_step = tr.engine._step, tr._new_rollout, tr.learner.step
+  def _on_rollout(self, event) -> None:
+    """GRPOTrainer's public on_rollout hook: the rollout's device and host times."""
+    if not self.clock.running:  # the first period starts with the first rollout
+      self.clock.start(at=time.perf_counter() - event.generate_s - event.host_s)
+    self.clock.add('generate', event.generate_s)  # generation + old log-probs: one jitted step
+    self.clock.add('rewards_host', event.host_s)
+    self.rollout_rows.append(int(np.prod(event.buffer.completion_tokens.shape[:2])))
+    self.completion_lengths.append(event.host_stats['rollout/completion_length'])
 
-    def rollout(*args):
-      out, dt = timed_call(engine_step, *args, block=True)
-      self.clock.add('generate', dt)  # generation + old log-probs: one jitted step
-      self._rollout_s = dt
-      self.rollout_rows.append(int(np.prod(out[0].completion_tokens.shape[:2])))
-      return out
-
-    def host_rollout(state, meta):
-      if not self.clock.running:  # the first period starts with the first rollout
-        self.clock.start()
-      (state, stats), dt = timed_call(new_rollout, state, meta)
-      self.clock.add('rewards_host', dt - self._rollout_s)
-      self.completion_lengths.append(stats['rollout/completion_length'])
-      return state, stats
-
-    def step(state, batch):
-      (state, out), dt = timed_call(learner_step, state, batch, block=True)
-      self.clock.add('learn', dt)
-      self.micro_steps += 1
-      if self.micro_steps % self.k == 0:
-        self.clock.steps_in_period += 1
-        if self.clock.steps_in_period == self.period_steps:
-          self.clock.end()
-          self.turns.hand_over('jaxrl_ga', 'trl')
-          if len(self.clock.periods) < self.total_periods:
-            self.clock.start()
-      return state, out
-
-    tr.engine._step = rollout  # pylint: disable=protected-access
-    tr._new_rollout = host_rollout  # pylint: disable=protected-access
-    tr.learner.step = step
+  def _on_micro_step(self, micro_step: int, started: float, out) -> None:
+    """GRPOTrainer's public on_micro_step hook: each learner step, waited for."""
+    del micro_step
+    jax.block_until_ready(out)
+    self.clock.add('learn', time.perf_counter() - started)
+    self.micro_steps += 1
+    if self.micro_steps % self.k == 0:
+      self.clock.steps_in_period += 1
+      if self.clock.steps_in_period == self.period_steps:
+        self.clock.end()
+        self.turns.hand_over('jaxrl_ga', 'trl')
+        if len(self.clock.periods) < self.total_periods:
+          self.clock.start()
 
   def logps(self, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> np.ndarray:
     graphdef = self.ctx.graphdef

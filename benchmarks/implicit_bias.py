@@ -41,7 +41,7 @@ checks they agree. In the sequential arm the learner's diagnostic is per optimiz
 sign-sorted micro-batch, which usually holds one sign only (cosine of a zero vector, logged as 0):
 it is recorded as it comes, but only the per-rollout measure compares the arms.
 
-The one hook: a GRPOTrainer subclass overrides ``_new_rollout`` to read the fresh rollout (its
+The one hook: GRPOTrainer's public ``on_rollout`` callback reads each fresh rollout (its
 micro-batches, advantages, rewards) and the learner's params and optimizer-step counter. Everything
 else is the library's public path (main.build_context, run_sft, GRPOTrainer.run, metrics.jsonl).
 
@@ -155,29 +155,30 @@ def make_alignment_probe(graphdef, task_loss):
 
 
 def _recording_trainer(grpo_lib):
-  """GRPOTrainer that records every rollout: its sample position, the learner's optimizer-step
-  counter, rewards, the advantage signs per micro-batch, and the per-rollout alignment."""
+  """GRPOTrainer that records every rollout through its public ``on_rollout`` hook: its sample
+  position, the learner's optimizer-step counter, rewards, the advantage signs per micro-batch,
+  and the per-rollout alignment."""
 
   class RecordingTrainer(grpo_lib.GRPOTrainer):
 
     def __init__(self, ctx, cfg, probe, console, label: str):
-      super().__init__(ctx, cfg)
+      super().__init__(ctx, cfg, on_rollout=self._record)
       self.records: list[dict[str, Any]] = []
       self._probe, self.console, self.label = probe, console, label
       self.t0 = time.time()
 
-    def _new_rollout(self, state, meta):
+    def _record(self, event):
       import jax  # pylint: disable=g-import-not-at-top
       sched = self.cfg.schedule
-      micro_step = meta['micro_step']
-      state, host = super()._new_rollout(state, meta)
-      batches = [self.engine.micro_batch(state['buffer'], j, state['advantages'])
+      host = event.host_stats
+      batches = [self.engine.micro_batch(event.buffer, j, event.advantages)
                  for j in range(sched.steps_per_generation)]
-      align = jax.device_get(self._probe(state['learner'].params, batches))
-      adv = np.asarray(jax.device_get(state['advantages']))  # [S, B] in training order
+      align = jax.device_get(self._probe(event.learner.params, batches))
+      adv = np.asarray(jax.device_get(event.advantages))  # [S, B] in training order
       self.records.append({
-          'micro_step': micro_step, 'samples_before': micro_step * sched.micro_batch_size,
-          'optimizer_step': int(state['learner'].optimizer_step),
+          'micro_step': event.micro_step,
+          'samples_before': event.micro_step * sched.micro_batch_size,
+          'optimizer_step': int(event.learner.optimizer_step),
           'reward_mean': host['reward/mean'], 'accuracy': host['reward/accuracy'],
           'pos_per_slice': (adv > 0).sum(axis=1).tolist(),
           'neg_per_slice': (adv < 0).sum(axis=1).tolist(),
@@ -187,7 +188,6 @@ def _recording_trainer(grpo_lib):
         print(f'  [{self.label}] rollout {n}: reward {host["reward/mean"]:.3f} accuracy '
               f'{host["reward/accuracy"]:.3f} cosine {float(align["cosine"]):+.3f} '
               f'({time.time() - self.t0:.0f} s)', file=self.console, flush=True)
-      return state, host
 
   return RecordingTrainer
 

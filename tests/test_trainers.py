@@ -225,3 +225,29 @@ def test_cli_rejects_invalid_config_before_compiling(tmp_path):
 def test_run_config_names_unknown_settings():
   with pytest.raises(ConfigError, match=r'grpo\.schedule\.grad_acum_steps'):
     from_mapping(RunConfig, {'grpo': {'schedule': {'grad_acum_steps': 3}}})
+
+
+def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path):
+  """on_rollout gets each rollout (its micro-step, buffer, group-centered advantages, the learner
+  that trains on it, times); on_micro_step gets each learner step."""
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2})
+  ctx, params = main_lib.build_context(cfg, str(tmp_path))
+  events, steps = [], []
+
+  def on_rollout(e):  # read during the call: the next learner step donates e.learner's buffers
+    events.append((e.micro_step, int(e.learner.optimizer_step), np.asarray(e.advantages),
+                   e.buffer.completion_tokens.shape[:2], e))
+
+  trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout,
+                             on_micro_step=lambda s, started, out: steps.append(s))
+  trainer.run(params)
+  sched = cfg.grpo.schedule  # K=3, S=2: 6 micro-steps, a rollout every 2
+  assert steps == list(range(6))
+  assert [e[0] for e in events] == [0, 2, 4]
+  assert [e[1] for e in events] == [0, 0, 1]
+  for _, _, adv, shape, e in events:
+    adv = adv.reshape(-1, sched.num_generations)
+    np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-5)  # centered per group
+    assert shape == (sched.steps_per_generation, sched.micro_batch_size)
+    assert e.generate_s > 0 and e.host_s > 0 and 0 <= e.host_stats['reward/accuracy'] <= 1

@@ -11,8 +11,9 @@ of a rollout or of an accumulation window — resumes bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +37,33 @@ def _abstract(tree, shardings):
                       shardings)
 
 
-class GRPOTrainer:
-  """Builds the engines once; ``run(params)`` trains (resuming if a checkpoint exists)."""
+@dataclasses.dataclass(frozen=True)
+class RolloutEvent:
+  """What ``GRPOTrainer(on_rollout=...)`` receives after each rollout (the public hook for
+  benchmarks and studies: read, don't modify). Read it during the call: the next learner step
+  donates ``learner``'s buffers."""
+  micro_step: int  # the micro-step the rollout was generated at
+  buffer: Any  # rollout_lib.RolloutBuffer, [S, B, ...], in training order
+  advantages: Any  # [S, B]
+  learner: Any  # the learner state that will train on it (its params generated it)
+  host_stats: dict[str, float]  # reward/*, rollout/* metrics
+  generate_s: float  # the jitted rollout step (generation, old and reference log-probs), waited for
+  host_s: float  # decoding, rewards and advantages on the host
 
-  def __init__(self, ctx: common.RunContext, cfg: GRPOConfig):
+
+class GRPOTrainer:
+  """Builds the engines once; ``run(params)`` trains (resuming if a checkpoint exists).
+
+  Hooks (optional): ``on_rollout(RolloutEvent)`` after each rollout; ``on_micro_step(micro_step,
+  started, out)`` after each learner step is dispatched (``started``: time.perf_counter() before
+  it; ``out``: the step's device outputs, not waited for).
+  """
+
+  def __init__(self, ctx: common.RunContext, cfg: GRPOConfig,
+               on_rollout: Optional[Callable[[RolloutEvent], None]] = None,
+               on_micro_step: Optional[Callable[[int, float, dict], None]] = None):
     self.ctx, self.cfg = ctx, cfg
+    self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     sched = cfg.schedule
     schedule.validate(sched, sharding.data_parallel_size(ctx.mesh))
     self.table = schedule.build_table(sched)
@@ -105,7 +128,10 @@ class GRPOTrainer:
       if s % e == 0:
         state, meta['host_stats'] = self._new_rollout(state, meta)
       mb = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
+      started = time.perf_counter()
       state['learner'], out = self.learner.step(state['learner'], mb)
+      if self.on_micro_step is not None:
+        self.on_micro_step(s, started, out)
       host = dict(meta.get('host_stats', {}))
       host['rollout/forward_passes_total'] = state['rollout'].forward_passes
       return state, out, host
@@ -162,8 +188,12 @@ class GRPOTrainer:
                                    'grpo.sampling.max_prompt_length')
     place = lambda x: sharding.from_local(x.reshape(s, len(rows), -1), rows, (s, b, x.shape[-1]),
                                           self.engine.buffer_shardings.prompt_tokens, axis=1)
+    t_start = time.perf_counter()
     buffer, state['rollout'], rmetrics = self.engine.rollout_rows(
         state['learner'].params, state['ref_params'], state['rollout'], place(tokens), place(mask))
+    if self.on_rollout is not None:  # decoding below waits for it anyway
+      jax.block_until_ready(buffer)
+    t_generated = time.perf_counter()
 
     # Rewards of the local rows, then gathered: [fields, S, B] on every process.
     local = lambda x: sharding.local_part(x, axis=1)[1].reshape(s * len(rows), -1)
@@ -207,6 +237,12 @@ class GRPOTrainer:
                   'reward/accuracy': float(correct.mean()),
                   **{f'reward/{k}': float(fields[2 + i].mean()) for i, k in enumerate(names)},
                   **{k: float(np.asarray(v)) for k, v in jax.device_get(rmetrics).items()}}
+    if self.on_rollout is not None:
+      self.on_rollout(RolloutEvent(
+          micro_step=meta['micro_step'],
+          buffer=state['buffer'], advantages=state['advantages'], learner=state['learner'],
+          host_stats=host_stats, generate_s=t_generated - t_start,
+          host_s=time.perf_counter() - t_generated))
     return state, host_stats
 
 
