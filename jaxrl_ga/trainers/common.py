@@ -458,14 +458,14 @@ def run_micro_steps(ctx: RunContext, stage: str, ckpt, state, meta: dict[str, An
             if done_early is not None and done_early(step, state):
               return state, 'done_early'  # the caller's finish() writes the last checkpoint
             if every and step % every == 0 and step < num_steps:
-              _check_finite(stage, pending, max_consecutive_nonfinite)  # never save a bad window
-              if int(pending[1]) == 0:
+              if int(pending[1]) == 0:  # never save a bad window (checked at the next step)
                 ckpt.save(s, state, meta)
                 last_saved = s
           stop = guard.should_stop_at(s)
           if stop or s == stop_at_micro_step:
             if last_saved != s:
               ckpt.save(s, state, meta)
+              last_saved = s
             ckpt.wait()
             if stop:
               raise checkpoint.Preempted(stage, s, guard.signal_received)
