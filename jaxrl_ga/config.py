@@ -7,7 +7,8 @@ itself in ``__post_init__`` so a bad value fails before anything is compiled.
 Every error is a :class:`ConfigError` whose message names the offending setting(s), the value,
 and a concrete fix.
 
-Symbols of ../DESIGN (global counts over the whole mesh, not per device):
+Symbols of the design doc (docs/design, "Symbols"; global counts over the whole mesh, not per
+device):
   B = micro_batch_size, G = num_generations, S = steps_per_generation, mu = num_iterations,
   K = grad_accum_steps, E = S * mu micro-steps between rollouts.
 """
@@ -104,7 +105,7 @@ class ScheduleConfig:
     num_iterations: mu, passes over each rollout.
     grad_accum_steps: K, micro-steps per optimizer step.
     update_mode: 'accumulate' (one optimizer step per K micro-steps) or 'sequential' (one
-      optimizer step per micro-step, learning rate scaled; seed 002).
+      optimizer step per micro-step, learning rate scaled; docs/design, "Implicit bias").
     strict_on_policy: reject any configuration in which some slice is consumed off-policy.
   """
   micro_batch_size: int = 8
@@ -166,7 +167,8 @@ class GRPOLossConfig:
       works"): 'token' (dapo), 'sequence' (grpo: mean over every row, one with an all-zero mask
       too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row) or
       'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
-      seed 003's bug). TRL's names are accepted as aliases.
+      the per-micro-batch normalization bug, docs/design "Why per-micro-batch normalization is
+      wrong"). TRL's names are accepted as aliases.
     epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high].
     delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
@@ -238,7 +240,8 @@ class OptimizerConfig:
     total_steps: optimizer steps the decay spans (needed by 'cosine' and 'linear').
     max_grad_norm: clip the (window-normalized) gradient to this global norm; 0 disables.
     sequential_lr_scale: learning-rate factor in update_mode='sequential'; None means
-      1/sqrt(grad_accum_steps) as in seed 002.
+      1/sqrt(grad_accum_steps) as in the blog post "The Implicit Bias of Gradient Accumulation
+      in RLHF" (docs/design, "Implicit bias").
     max_consecutive_nonfinite: a window whose gradient is not finite is skipped (params and
       AdamW untouched); after this many skipped windows in a row the run stops with an error,
       its last checkpoint being from before the first of them.
@@ -339,7 +342,7 @@ class AdvantageConfig:
     mask_truncated_completions: exclude completions that hit max_completion_length without EOS
       from the loss (DAPO).
     order_by_advantage_sign: reorder each rollout so that positive-advantage completions come
-      first and negative ones last (seed 002's sequential study).
+      first and negative ones last (the sequential study, docs/design "Implicit bias").
   """
   scale_rewards: str = 'group'
   mask_truncated_completions: bool = False
@@ -488,8 +491,8 @@ class GRPOConfig:
   Attributes:
     num_steps: optimizer steps.
     schedule: B, G, S, mu, K (see ScheduleConfig and ``python -m jaxrl_ga.explain``).
-    align_diagnostic: log the alignment of positive- and negative-advantage gradients (seed 002;
-      costs two extra backward passes per micro-step).
+    align_diagnostic: log the alignment of positive- and negative-advantage gradients (docs/design,
+      "Implicit bias"; costs two extra backward passes per micro-step).
     eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
   """
   num_steps: int = 60

@@ -1,4 +1,6 @@
-r"""Prints the schedule of a configuration: the timeline of seed 000, generated.
+r"""Prints the schedule of a configuration: the timeline of TRL PR #3493's diagram, generated.
+
+The rules are in the design doc (docs/design, "Schedule semantics").
 
 One row per micro-step (optimizer step, micro-step, rollout/slice/iteration, policy version,
 ON/OFF-policy), a line where each optimizer step fires, then which rollouts and slices compute old

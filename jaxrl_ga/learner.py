@@ -367,7 +367,8 @@ class Learner:
 
   def _alignment(self, state: TrainState, batch: dict, denom, emit):
     """Gradients of the positive- and negative-advantage samples, accumulated over the window;
-    at the optimizer step their dot product and cosine (seed 002's diagnostic). A window with
+    at the optimizer step their dot product and cosine (the diagnostic of the blog post "The
+    Implicit Bias of Gradient Accumulation in RLHF"; docs/design, "Implicit bias"). A window with
     samples of only one sign has no alignment: its cosine is NaN (logged as null), not 0."""
     adv = batch['advantages']
     parts = []

@@ -6,15 +6,15 @@ Every loss here is a pure function of arrays (no model, no optimizer) that retur
     loss(W) = sum_k numerator_k / sum_k denominator_k,
 
 and the learner differentiates only the numerators, sums their gradients over the window and
-divides once by the summed denominator (see ../DESIGN, "Loss normalization"). Each aggregation
-therefore chooses (numerator, denominator) so that this ratio is exactly the window loss of the
-DESIGN table, whatever K and wherever the micro-batch boundaries fall:
+divides once by the summed denominator (the design doc, docs/design, "Exactness"). Each
+aggregation therefore chooses (numerator, denominator) so that this ratio is exactly the window
+loss of the design doc's table, whatever K and wherever the micro-batch boundaries fall:
 
   aggregation         numerator of a micro-batch          denominator of a micro-batch
   token               sum m*l                             sum m
   sequence            sum_i [sum_t m*l / max(sum_t m, 1)] B (every row, empty ones too)
   constant            sum m*l                             B * max_completion_length
-  microbatch_token    sum m*l / sum m                     1   (the K-dependent bug of seed 003)
+  microbatch_token    sum m*l / sum m                     1   (the K-dependent bug; docs/design)
 
 Each name means what TRL 1.16's GRPOTrainer means by its loss_type (README, "How exactness
 works"): 'token' is dapo (at K = S, where TRL's normalizer is the window's token count),

@@ -131,7 +131,7 @@ class RolloutEngine:
     log-probs of the slices the table marks (an engine built with ``defer_old_logps=True``).
 
     Call it right after ``rollout``, before any learner step: ``params`` must still be the
-    generating policy. Used to order micro-batches by advantage sign (seed 002).
+    generating policy. Used to order micro-batches by advantage sign (docs/design, "Implicit bias").
     """
     if not self.defer_old_logps:
       raise ValueError('reorder() needs an engine built with defer_old_logps=True, so that old '

@@ -2,8 +2,9 @@
 old log-probs must be computed. Pure numpy; built once from the config, it is a compile-time
 constant of the rollout step.
 
-The rules (DESIGN.md, "Schedule semantics"). E = S*mu micro-steps between rollouts, and
-n = cfg.optimizer_every micro-steps between optimizer steps (K, or 1 in update_mode='sequential'):
+The rules (the design doc, docs/design, "Schedule semantics"). E = S*mu micro-steps between
+rollouts, and n = cfg.optimizer_every micro-steps between optimizer steps (K, or 1 in
+update_mode='sequential'):
 
   micro-step s      rollout r(s) = s // E, slice(s) = s % S, iteration(s) = (s % E) // S
   optimizer step    fires after s iff (s + 1) % n == 0; policy version v(s) = s // n
