@@ -80,7 +80,7 @@ def test_strict_on_policy_suggests_aligned_values():
   assert ('make grad_accum_steps a multiple of steps_per_generation*num_iterations = 2: 2 or 4'
           in message)
   assert 'set steps_per_generation to 1 or 3' in message
-  # Seed 000: K=4, S=3.
+  # TRL PR #3493's example: K=4, S=3.
   with pytest.raises(ConfigError, match=r'grad_accum_steps .*= 3: 3 or 6; or set '
                                         r'steps_per_generation to 2 or 4'):
     schedule.check_strict_on_policy(ScheduleConfig(

@@ -142,7 +142,7 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
     ('token', (3, 2, 1), (1, 1, 1)),     # a window spans two rollouts
     ('token', (3, 2, 1), (2, 2, 2)),     # ... sharded over 8 devices
     ('sequence', (3, 2, 1), (2, 2, 2)),
-    ('constant', (4, 3, 1), (2, 2, 2)),  # seed 000's configuration
+    ('constant', (4, 3, 1), (2, 2, 2)),  # TRL PR #3493's example
     ('sequence', (2, 2, 2), (1, 1, 1)),  # aligned, two iterations: every slice on-policy
     ('constant', (3, 1, 2), (1, 1, 1)),  # two iterations, off-policy second passes
 ])

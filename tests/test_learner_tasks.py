@@ -1,5 +1,5 @@
-"""SFT and DPO exactness, seed 003's bug, non-finite skipping, sequential mode, the alignment
-diagnostic. References are one-pass computations written out in the test."""
+"""SFT and DPO exactness, the per-micro-batch normalization bug, non-finite skipping, sequential
+mode, the alignment diagnostic. References are one-pass computations written out in the test."""
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,7 @@
 """notebooks/colab_demo.ipynb runs top to bottom headless (nbclient) at smoke size and shows what
 it claims: the explain counts of its schedule, the learner's gradient equal to the one-pass
-gradient, seed 003's per-micro-batch normalization far from it, and its curves.
+gradient, per-micro-batch normalization (the bug of "Gradient Accumulation (was) busted") far
+from it, and its curves.
 
 Smoke parameters are injected as papermill does: a cell after the one tagged `parameters`. The
 kernel is this interpreter (a private kernel spec), on one CPU device, importing this checkout.
@@ -144,7 +145,7 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
                     _text(cells['exactness']))
   assert exact and float(exact.group(1)) < 1e-5
 
-  # Seed 003: per-micro-batch normalization is far off once lengths vary and K > 1 ...
+  # Per-micro-batch normalization is far off once lengths vary and K > 1 ...
   seed003 = _text(cells['seed003'])
   k, spread = max(SEED003_KS), max(SEED003_SPREADS)
   bug = re.search(rf'relative difference at K={k}, spread={spread}: (\S+)', seed003)
