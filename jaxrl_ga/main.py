@@ -10,6 +10,8 @@ compiled; an invalid one prints ``error: ...`` naming the setting and exits with
 Outputs in --workdir (a local path, or gs://bucket/dir with the [tpu] extra): metrics.jsonl,
 tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
 Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
+The console shows progress, evaluations, warnings and a summary; --verbose adds the INFO log
+lines of orbax, JAX and absl.
 Print the schedule of a config with ``python -m jaxrl_ga.explain --config=...``.
 """
 
@@ -42,6 +44,10 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in a mul
                                       '(with --coordinator_address).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process\'s index, 0 .. '
                                    'num_processes-1 (with --coordinator_address).')
+_VERBOSE = flags.DEFINE_bool(
+    'verbose', False, 'Also print the INFO log lines of orbax, JAX and absl (checkpoint saves and '
+    'restores, backend setup), off by default; the same as --verbosity=0. The run\'s progress, '
+    'evaluations, summary, warnings and errors print either way.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -337,7 +343,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a bad ``--config.<field>`` override (unknown name, wrong type) or
   config file reported as one line naming it, exit status 2, no traceback."""
   try:
-    return flags.FLAGS(argv)
+    remaining = flags.FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError,
           SyntaxError) as e:
     if isinstance(e, KeyError) and e.args:  # ml_collections: "'key'\nDid you mean ...?"
@@ -350,6 +356,16 @@ def parse_flags(argv: list[str]) -> list[str]:
     print(f'error: {where}{msg.rstrip(".")}. Fix the setting (`python -m jaxrl_ga.main --helpfull` lists '
           f'every --config.<field>).', file=sys.stderr)
     sys.exit(2)
+  set_console_verbosity()
+  return remaining
+
+
+def set_console_verbosity() -> None:
+  """absl's verbosity (which the 'absl' logger, orbax's log lines and, through the root logger,
+  JAX's follow): WARNING unless --verbose or an explicit --verbosity/-v asks for more. absl's
+  app.run raises a verbosity left unset to INFO after parsing; setting it here keeps WARNING."""
+  if not flags.FLAGS['verbosity'].present:
+    flags.FLAGS.verbosity = logging.INFO if _VERBOSE.value else logging.WARNING
 
 
 def _config_override_named(argv: list[str], msg: str) -> Optional[str]:
