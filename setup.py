@@ -8,7 +8,10 @@ setuptools.setup(
     description=('RL post-training (GRPO, DPO, SFT) of language models in JAX/Flax NNX with '
                  'exact gradient accumulation and minimal old-log-prob recomputation.'),
     python_requires='>=3.10',
-    packages=setuptools.find_packages(include=['jaxrl_ga', 'jaxrl_ga.*']),
+    # configs/ (top level in the repository) installs as jaxrl_ga/configs, so that
+    # --config=configs/<name>.py works from any directory (jaxrl_ga.config.resolve_config_path).
+    packages=setuptools.find_packages(include=['jaxrl_ga', 'jaxrl_ga.*']) + ['jaxrl_ga.configs'],
+    package_dir={'jaxrl_ga.configs': 'configs'},
     install_requires=[
         # CPU jax by default; pick an accelerator with the [tpu] or [cuda] extra.
         'jax>=0.10.2',

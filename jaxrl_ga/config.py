@@ -619,9 +619,59 @@ def default_config_dict():
   return build(RunConfig())
 
 
+def config_dirs() -> list[str]:
+  """Where the project's configs/ files are besides the current directory: installed with the
+  package (setup.py installs configs/ as jaxrl_ga/configs) and, in a checkout, beside jaxrl_ga/."""
+  package = os.path.dirname(os.path.abspath(__file__))
+  return [d for d in (os.path.join(package, 'configs'),
+                      os.path.join(os.path.dirname(package), 'configs')) if os.path.isdir(d)]
+
+
+def resolve_config_path(path: str) -> str:
+  """``path`` if that file exists; else, for ``configs/<name>.py``, the project's own copy (see
+  :func:`config_dirs`), so ``--config=configs/grpo_arith.py`` works from any directory after a
+  ``pip install``. Raises ConfigError naming the path when neither exists."""
+  if os.path.isfile(path):
+    return path
+  folder, name = os.path.split(os.path.normpath(path))
+  if folder == 'configs':
+    for d in config_dirs():
+      if os.path.isfile(os.path.join(d, name)):
+        return os.path.join(d, name)
+  known = sorted({f'configs/{f}' for d in config_dirs() for f in os.listdir(d)
+                  if f.endswith('.py') and not f.startswith('_')})
+  raise ConfigError(f'config file {path} not found in {os.getcwd()}'
+                    + (f' nor among the project\'s configs ({", ".join(known)})' if known else '')
+                    + '; fix the path.')
+
+
+def resolve_config_argv(argv: list[str], flag: str = 'config') -> list[str]:
+  """``argv`` with the file of ``--config=<file>[:<arg>]`` (or ``--config <file>...``) passed through
+  :func:`resolve_config_path`, for a CLI whose ml_collections flag opens the file itself. A missing
+  file raises ConfigError naming --config."""
+  out = list(argv)
+  for i in range(1, len(out)):
+    for name in (f'--{flag}', f'-{flag}'):
+      if out[i].startswith(name + '='):
+        prefix, value = name + '=', out[i][len(name) + 1:]
+      elif out[i] == name and i + 1 < len(out):
+        prefix, value, i = '', out[i + 1], i + 1
+      else:
+        continue
+      path, sep, arg = value.partition(':')
+      try:
+        out[i] = prefix + resolve_config_path(path) + sep + arg
+      except ConfigError as e:
+        raise ConfigError(f'--{flag}={value}: {e}') from None
+      break
+  return out
+
+
 def load_config_file(path: str, arg: str = ''):
-  """``get_config(arg)`` of an ml_collections config file (configs may build on each other)."""
+  """``get_config(arg)`` of an ml_collections config file (configs may build on each other);
+  ``path`` goes through :func:`resolve_config_path`."""
   import importlib.util  # pylint: disable=g-import-not-at-top
+  path = resolve_config_path(path)
   name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)

@@ -29,7 +29,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxrl_ga import schedule
-from jaxrl_ga.config import UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfig, from_mapping
+from jaxrl_ga.config import (UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfig, from_mapping,
+                             resolve_config_argv)
 
 _SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduleConfig))
 
@@ -265,6 +266,16 @@ def main(argv):
     _print(render_text(table, FLAGS.num_periods, data_parallel_size, note))
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's parser after ``--config=configs/<name>.py`` is resolved as jaxrl_ga.main resolves it
+  (the project's installed copy when the current directory lacks it)."""
+  try:
+    return FLAGS(resolve_config_argv(argv))
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == '__main__':
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

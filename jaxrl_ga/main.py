@@ -341,7 +341,14 @@ def _write_summary(workdir: str, summary: dict) -> None:
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a bad ``--config.<field>`` override (unknown name, wrong type) or
-  config file reported as one line naming it, exit status 2, no traceback."""
+  config file reported as one line naming it, exit status 2, no traceback. A ``--config`` path
+  ``configs/<name>.py`` that the current directory lacks is the project's own (installed) copy."""
+  from jaxrl_ga.config import ConfigError, resolve_config_argv  # pylint: disable=g-import-not-at-top
+  try:
+    argv = resolve_config_argv(argv)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   try:
     remaining = flags.FLAGS(argv)
   except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError,
