@@ -250,7 +250,8 @@ def run_size(size: Size, mesh) -> dict:
       size.model.vocab_size), mesh) for _ in range(k + 1)]
   graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  lrn = learner_lib.Learner(graphdef, task, OPT, sched, mesh, shardings)
+  lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
+                            optimizer_every=sched.optimizer_every)
   # A copy for fwd / fwd+bwd: the learner's params are donated at every step.
   fixed_params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
 

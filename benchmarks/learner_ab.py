@@ -82,7 +82,7 @@ def main(argv):
   for side, mod in modules.items():
     graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
     task = mod.grpo_task_loss(GRPOLossConfig(aggregation='token'), _COMPLETION.value)
-    lrn = mod.Learner(graphdef, task, OPT, sched, mesh, shardings)
+    lrn = mod.Learner(graphdef, task, OPT, mesh, shardings, optimizer_every=sched.optimizer_every)
     state = lrn.init(params, batches[0])
     temp[side] = lrn.step_fn.lower(state, batches[0]).compile().memory_analysis() \
         .temp_size_in_bytes / 2**20

@@ -148,8 +148,8 @@ def run_child(cfg: Config) -> dict:
   sched = ScheduleConfig(micro_batch_size=b, num_generations=1, steps_per_generation=1,
                          num_iterations=1, grad_accum_steps=k)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc),
-                            OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0), sched, mesh,
-                            shardings)
+                            OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0), mesh,
+                            shardings, optimizer_every=sched.optimizer_every)
   example = sharding.shard_batch(host_batches[0], mesh)
   state = lrn.init(params, example)
   del params, example  # the state holds the params now

@@ -119,8 +119,8 @@ def run_size(size: Size, mesh) -> dict:
     # Same seed: identical initial params, born separately (each state is donated on step).
     graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
     n_params = machine.param_count(params)
-    lrn = learner_lib.Learner(graphdef, task, OPT, sched, mesh, shardings,
-                              lazy_inner=(variant == 'lazy'))
+    lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
+                              optimizer_every=sched.optimizer_every, lazy_inner=(variant == 'lazy'))
     state = lrn.init(params, batches[0])
     # The first call is trace + compile + one step.
     (state, _), compile_s[variant] = machine.timed(lrn.step, state, batches[0])

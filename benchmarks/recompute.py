@@ -170,7 +170,7 @@ class RuleRunner:
     sampling_cfg = SamplingConfig(max_prompt_length=_PROMPT_LEN.value,
                                   max_completion_length=_COMPLETION_LEN.value)
     self.engine = rollout_lib.RolloutEngine(
-        graphdef, sched, sampling_cfg, GRPOLossConfig(epsilon_high=0.28), rule_table(table, rule),
+        graphdef, rule_table(table, rule), sampling_cfg, GRPOLossConfig(epsilon_high=0.28),
         mesh, shardings, eos_id=eos_id, pad_id=pad_id)
     self.rstate = self.engine.init_state(SEED)
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)
@@ -242,7 +242,8 @@ def run_schedule(size: Size, k: int, s: int, mu: int, mesh, tokenizer, task) -> 
   learner = learner_lib.Learner(
       graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(epsilon_high=0.28),
                                            _COMPLETION_LEN.value),
-      OptimizerConfig(learning_rate=1e-4), sched, mesh, shardings)
+      OptimizerConfig(learning_rate=1e-4), mesh, shardings,
+      optimizer_every=sched.optimizer_every)
 
   def prompts(rollout: int):
     n = sched.prompts_per_rollout

@@ -352,49 +352,106 @@ class AdvantageConfig:
     _one_of(self, 'scale_rewards', SCALE_REWARDS, 'advantage.')
 
 
+MODEL_DTYPES = ('float32', 'bfloat16')
+ROPE_TYPES = ('default', 'linear', 'llama3')
+REMAT = ('none', 'full', 'save_dots')
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-  """Where the policy comes from: an HF checkpoint (``hf_path``) or a fresh model of this shape.
+class RopeScaling:
+  """Rotary-embedding frequency scaling (HF ``rope_scaling``); ``rope_type`` in ROPE_TYPES."""
+  rope_type: str = 'default'
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_TYPES:
+      raise ValueError(f'rope_scaling.rope_type={self.rope_type!r} is not supported; '
+                       f'supported: {", ".join(ROPE_TYPES)}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Qwen2/Llama-family decoder (``models.transformer``). Field names follow
+  the HF config. ``ModelSpec`` below is the run's ``model.*`` settings: these fields plus where
+  the weights come from."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  rms_norm_eps: float = 1e-6
+  attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 2048
+  architecture: str = 'qwen2'  # 'qwen2' or 'llama': which HF class export writes
+  param_dtype: str = 'float32'
+  dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(
+          f'num_attention_heads={self.num_attention_heads} must be a multiple of '
+          f'num_key_value_heads={self.num_key_value_heads} (grouped-query attention).')
+    for name in ('param_dtype', 'dtype'):
+      if getattr(self, name) not in MODEL_DTYPES:
+        raise ValueError(f'{name}={getattr(self, name)!r}; choose one of '
+                         f'{", ".join(MODEL_DTYPES)}.')
+    if self.architecture not in ('qwen2', 'llama'):
+      raise ValueError(f'architecture={self.architecture!r}; choose qwen2 or llama.')
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec(ModelConfig):
+  """The run's model (``model.*``): where the policy comes from, and ModelConfig's architecture
+  fields with the defaults of a tiny model built from scratch.
 
   Attributes:
-    hf_path: local HF model directory or hub id; empty builds from scratch (vocabulary size from
-      the task's tokenizer) with the architecture fields below.
-    dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
+    hf_path: where the weights, tokenizer and architecture come from: a local HF model directory
+      (or hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
+      package). Empty: a fresh model of the architecture fields, its vocabulary from the task's
+      tokenizer.
+    vocab_size: 0 when training (sized from the checkpoint or the tokenizer); configs for
+      ``python -m jaxrl_ga.plan``, which reads no hub, write it with the checkpoint's shapes.
     remat: per-decoder-layer rematerialization of the training forward: 'none', 'full' (keep
       each layer's input, recompute the layer in the backward) or 'save_dots' (keep the weight
       matmuls' outputs); see models/transformer.py. Measure with ``python -m jaxrl_ga.plan``.
     logprob_chunk_size: completion positions whose float32 logits are computed at once for the
       log-probs, in the learner and the rollout's old-log-prob pass (0: all Tc at once); see
       jaxrl_ga/logprobs.py.
-    remaining fields: the architecture of a model built from scratch (HF names). With a hub
-      ``hf_path`` training takes the checkpoint's own; configs may still write its shapes here
-      (with ``vocab_size``) for ``python -m jaxrl_ga.plan``, which reads no hub.
-    vocab_size: the vocabulary for ``jaxrl_ga.plan`` (0: none written; training sizes it from
-      the checkpoint or the tokenizer).
+    dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
+    the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
+      checkpoint's own architecture and ignores them.
   """
-  hf_path: str = ''
   vocab_size: int = 0
-  remat: str = 'none'
-  logprob_chunk_size: int = 0
-  architecture: str = 'qwen2'
   hidden_size: int = 128
   intermediate_size: int = 256
   num_hidden_layers: int = 2
   num_attention_heads: int = 4
   num_key_value_heads: int = 2
-  rope_theta: float = 10000.0
   attention_bias: bool = True
   tie_word_embeddings: bool = True
   max_position_embeddings: int = 512
-  dtype: str = 'float32'
-  param_dtype: str = 'float32'
+  hf_path: str = ''
+  remat: str = 'none'
+  logprob_chunk_size: int = 0
 
-  def __post_init__(self):
+  def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'
     _one_of(self, 'architecture', ('qwen2', 'llama'), p)
-    _one_of(self, 'dtype', ('float32', 'bfloat16'), p)
-    _one_of(self, 'param_dtype', ('float32', 'bfloat16'), p)
-    _one_of(self, 'remat', ('none', 'full', 'save_dots'), p)
+    _one_of(self, 'dtype', MODEL_DTYPES, p)
+    _one_of(self, 'param_dtype', MODEL_DTYPES, p)
+    _one_of(self, 'remat', REMAT, p)
     _require(isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size >= 0,
              f'{p}logprob_chunk_size={self.logprob_chunk_size!r} must be an integer >= 0 '
              '(0: no chunking).')
@@ -407,6 +464,13 @@ class ModelSpec:
       _require(self.hidden_size % self.num_attention_heads == 0,
                f'{p}hidden_size={self.hidden_size} must be a multiple of '
                f'{p}num_attention_heads={self.num_attention_heads}.')
+
+  def architecture_config(self, vocab_size: Optional[int] = None) -> ModelConfig:
+    """The architecture alone (a plain ModelConfig), with ``vocab_size`` when given."""
+    arch = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
+    if vocab_size is not None:
+      arch['vocab_size'] = vocab_size
+    return ModelConfig(**arch)
 
 
 @dataclasses.dataclass(frozen=True)

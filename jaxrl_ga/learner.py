@@ -132,11 +132,20 @@ def normalize_by_denominator() -> optax.GradientTransformationExtraArgs:
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
 
 
-def learning_rate_schedule(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.Schedule:
-  peak = cfg.learning_rate
-  if sched.update_mode == 'sequential':
-    scale = cfg.sequential_lr_scale
-    peak *= (1.0 / math.sqrt(sched.grad_accum_steps)) if scale is None else scale
+def sequential_lr_scale(cfg: OptimizerConfig, sched: ScheduleConfig) -> float:
+  """GRPO's peak learning-rate factor: 1, or under update_mode='sequential' (an optimizer step
+  per micro-step instead of one per K) optimizer.sequential_lr_scale, default 1/sqrt(K)
+  (docs/design, "Implicit bias")."""
+  if sched.update_mode != 'sequential':
+    return 1.0
+  scale = cfg.sequential_lr_scale
+  return (1.0 / math.sqrt(sched.grad_accum_steps)) if scale is None else scale
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, lr_scale: float = 1.0) -> optax.Schedule:
+  """Warmup, then constant, cosine or linear decay to 0 over optimizer.total_steps; the peak is
+  optimizer.learning_rate * lr_scale."""
+  peak = cfg.learning_rate * lr_scale
   if cfg.lr_schedule == 'constant':
     decay = optax.constant_schedule(peak)
   elif cfg.lr_schedule == 'cosine':
@@ -149,16 +158,19 @@ def learning_rate_schedule(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax
   return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def make_optimizer(cfg: OptimizerConfig, sched: ScheduleConfig) -> optax.MultiSteps:
+def make_optimizer(cfg: OptimizerConfig, optimizer_every: int,
+                   lr_scale: float = 1.0) -> optax.MultiSteps:
+  """MultiSteps over ``optimizer_every`` micro-steps of: divide the summed gradient by the
+  window's denominator, clip, AdamW; a non-finite window is skipped and counted."""
   inner = [normalize_by_denominator()]
   if cfg.max_grad_norm > 0:
     inner.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-  inner.append(optax.adamw(learning_rate_schedule(cfg, sched), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay))
+  inner.append(optax.adamw(learning_rate_schedule(cfg, lr_scale), b1=cfg.b1, b2=cfg.b2,
+                           eps=cfg.eps, weight_decay=cfg.weight_decay))
   # Skip (and count) a window whose gradient is not finite; never give up silently: the trainer
   # stops the run after optimizer.max_consecutive_nonfinite skipped windows in a row.
   robust = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)
-  return optax.MultiSteps(robust, every_k_schedule=sched.optimizer_every, use_grad_mean=False,
+  return optax.MultiSteps(robust, every_k_schedule=optimizer_every, use_grad_mean=False,
                           accumulator_dtype=jnp.float32)
 
 
@@ -254,24 +266,23 @@ class Learner:
   """Owns the optimizer, the state's shardings and the jitted micro-step.
 
   Usage:
-    learner = Learner(graphdef, task_loss, opt_cfg, sched_cfg, mesh, param_shardings)
+    learner = Learner(graphdef, task_loss, opt_cfg, mesh, param_shardings, optimizer_every=k)
     state = learner.init(params, example_batch)
     state, out = learner.step(state, batch)   # one micro-batch; out['stepped'] tells if it fired
   """
 
   def __init__(self, graphdef: nnx.GraphDef, task_loss: TaskLoss, opt_cfg: OptimizerConfig,
-               sched_cfg: ScheduleConfig, mesh, param_shardings, *,
+               mesh, param_shardings, *, optimizer_every: int, lr_scale: float = 1.0,
                align_diagnostic: bool = False, lazy_inner: bool = True):
     self.graphdef = graphdef
     self.task_loss = task_loss
-    self.sched_cfg = sched_cfg
     self.mesh = mesh
     self.param_shardings = param_shardings
     self.align_diagnostic = align_diagnostic
     self.lazy_inner = lazy_inner
-    self.k = sched_cfg.optimizer_every
-    self.optimizer = make_optimizer(opt_cfg, sched_cfg)
-    self.lr_schedule = learning_rate_schedule(opt_cfg, sched_cfg)
+    self.k = optimizer_every  # K: micro-steps per optimizer step
+    self.optimizer = make_optimizer(opt_cfg, optimizer_every, lr_scale)
+    self.lr_schedule = learning_rate_schedule(opt_cfg, lr_scale)
     self._state_shardings = None
     self._step = None
 

@@ -94,17 +94,13 @@ def load_run_config(config_dict):
 def validate_against_mesh(cfg, mesh) -> None:
   """Checks that need the device count (batch sizes vs data parallelism), before compiling."""
   from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import ScheduleConfig  # pylint: disable=g-import-not-at-top
   dp = sharding.data_parallel_size(mesh)
   if 'grpo' in cfg.stages:
     schedule.validate(cfg.grpo.schedule, dp)
-    schedule.build_table(cfg.grpo.schedule)  # strict_on_policy check
   for stage in ('sft', 'dpo'):
     if stage in cfg.stages:
-      sc = getattr(cfg, stage)
-      schedule.validate_for_mesh(ScheduleConfig(micro_batch_size=sc.micro_batch_size,
-                                                num_generations=1, steps_per_generation=1,
-                                                grad_accum_steps=sc.grad_accum_steps), dp)
+      schedule.check_micro_batch(getattr(cfg, stage).micro_batch_size, dp,
+                                 name=f'{stage}.micro_batch_size')
 
 
 def validate_rollout_chunks(cfg) -> None:

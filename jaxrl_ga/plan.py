@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -182,8 +181,7 @@ def model_config(cfg, hf_config: Optional[str] = None):
     raise ConfigError(f'model.hf_path={spec.hf_path!r} is not a local checkpoint and '
                       'model.vocab_size is 0: write the model\'s shapes into model.* (with '
                       'model.vocab_size) or pass --hf_config=<config.json or checkpoint dir>.')
-  written = dataclasses.replace(cfg, model=dataclasses.replace(spec, hf_path=''))
-  return common.model_config(written, spec.vocab_size)
+  return spec.architecture_config()
 
 
 @dataclasses.dataclass
@@ -204,7 +202,6 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   library's own RolloutEngine and Learner; ``remat`` / ``logprob_chunk_size`` override
   ``cfg.model``'s. Inside ``tfm.unrolled_layers()`` the learner's layer loop is unrolled."""
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
@@ -217,44 +214,35 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   pshard = sharding.param_shardings(shapes, axes, mesh)
-  abstract = lambda tree, sh: jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
-  params = abstract(shapes, pshard)
+  params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, pshard)
   ref = params if g.loss.beta > 0 else None
   table = schedule.build_table(sched)
   engine = rollout_lib.RolloutEngine(
-      graphdef, sched, g.sampling, g.loss, table, mesh, pshard, eos_id=0, pad_id=0,
-      mask_truncated_completions=g.advantage.mask_truncated_completions,
+      graphdef, table, g.sampling, g.loss, mesh, pshard, eos_id=0,
+      pad_id=0, mask_truncated_completions=g.advantage.mask_truncated_completions,
       logprob_chunk_size=chunk)
-  rep = sharding.replicated(mesh)
-  rstate = jax.eval_shape(lambda: rollout_lib.RolloutState(
-      counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
-      rng=jax.random.key(0)))
-  rstate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), rstate)
-  s, b, tp = sched.steps_per_generation, sched.micro_batch_size, g.sampling.max_prompt_length
-  prompts = jax.ShapeDtypeStruct((s, b, tp), jnp.int32,
-                                 sharding=engine.buffer_shardings.prompt_tokens)
-  rollout = engine.step_fn.lower(params, ref, rstate, prompts, prompts) \
+  prompts = engine.abstract_prompts()
+  rollout = engine.step_fn.lower(params, ref, engine.abstract_state(), prompts, prompts) \
       if 'rollout' in steps else None
   learner = None
   if 'learner' in steps:
-    buf_shape, _, _ = jax.eval_shape(engine._rollout, params, ref, rstate, prompts, prompts)  # pylint: disable=protected-access
-    buffer = abstract(buf_shape, engine.buffer_shardings)
-    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=engine.advantage_sharding)
-    example = jax.eval_shape(engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)  # pylint: disable=protected-access
-    example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=sharding.batch_sharding(mesh, x.ndim)), example)
+    example = engine.abstract_micro_batch(params, ref)
     lrn = learner_lib.Learner(
         graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                              g.sampling.temperature, remat=remat,
                                              logprob_chunk_size=chunk),
-        g.optimizer, sched, mesh, pshard, align_diagnostic=g.align_diagnostic)
+        g.optimizer, mesh, pshard, optimizer_every=sched.optimizer_every,
+        lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
+        align_diagnostic=g.align_diagnostic)
     state = lrn.abstract_init(params, example)
     learner = lrn.step_fn.lower(state, example)
   marks = int(table.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
+  b = sched.micro_batch_size
   return Steps(mesh=mesh, model_cfg=model_cfg, rollout=rollout, learner=learner,
-               learner_rows=b, rollout_rows=s * b, recompute_rows=marks * b)
+               learner_rows=b, rollout_rows=sched.completions_per_rollout,
+               recompute_rows=marks * b)
 
 
 # -- compiling and reporting ---------------------------------------------------------------------

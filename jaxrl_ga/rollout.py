@@ -59,14 +59,13 @@ class RolloutBuffer:
 class RolloutEngine:
   """Owns the jitted rollout step and the slice extraction for the learner."""
 
-  def __init__(self, graphdef, sched: ScheduleConfig, sampling_cfg: SamplingConfig,
-               loss_cfg: GRPOLossConfig, table: ScheduleTable, mesh, param_shardings, *,
+  def __init__(self, graphdef, table: ScheduleTable, sampling_cfg: SamplingConfig,
+               loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False, logprob_chunk_size: int = 0):
-    if table.config != sched:
-      raise ValueError('the schedule table was built from another ScheduleConfig.')
+    """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...)."""
     self.graphdef = graphdef
-    self.sched = sched
+    self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
     self.use_ref = loss_cfg.beta > 0
     self.table = table
@@ -97,9 +96,7 @@ class RolloutEngine:
 
   def init_state(self, seed: int) -> RolloutState:
     # Built by a jitted function: on several processes each places only its own shards.
-    return jax.jit(lambda: RolloutState(
-        counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
-        rng=jax.random.key(seed)), out_shardings=self._state_shardings)()
+    return jax.jit(lambda: _initial_state(seed), out_shardings=self._state_shardings)()
 
   def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
     """prompts: [S*B/G, Tp] left-padded host arrays, the same on every process.
@@ -150,7 +147,39 @@ class RolloutEngine:
 
   @property
   def step_fn(self):
+    """The jitted rollout step, (params, ref_params, state, prompt_tokens, prompt_mask) ->
+    (buffer, state, metrics), for AOT lowering (``jaxrl_ga.plan``) and compile counting."""
     return self._step
+
+  # -- abstract shapes (ShapeDtypeStructs with their shardings; nothing is computed) ------------
+  def abstract_state(self) -> RolloutState:
+    return _with_shardings(jax.eval_shape(lambda: _initial_state(0)), self._state_shardings)
+
+  def abstract_prompts(self) -> jax.ShapeDtypeStruct:
+    """The [S, B, Tp] prompt rows that ``rollout_rows`` and ``step_fn`` take."""
+    s, b = self.prompt_index.shape
+    return jax.ShapeDtypeStruct((s, b, self.sampling_cfg.max_prompt_length), jnp.int32,
+                                sharding=self._buffer_shardings.prompt_tokens)
+
+  def abstract_buffer(self, params, ref_params=None) -> RolloutBuffer:
+    """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
+    ShapeDtypeStructs."""
+    prompts = self.abstract_prompts()
+    buffer, _, _ = jax.eval_shape(self._rollout, params, ref_params, self.abstract_state(),
+                                  prompts, prompts)
+    return _with_shardings(buffer, self._buffer_shardings)
+
+  def abstract_advantages(self) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(self.prompt_index.shape, jnp.float32,
+                                sharding=self.advantage_sharding)
+
+  def abstract_micro_batch(self, params, ref_params=None) -> dict:
+    """The learner's micro-batch shapes (what ``Learner.init``/``abstract_init`` take), rows
+    sharded over the mesh's data axes."""
+    example = jax.eval_shape(self._micro_batch, self.abstract_buffer(params, ref_params),
+                             jnp.zeros((), jnp.int32), self.abstract_advantages())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), example)
 
   def micro_batch(self, buffer: RolloutBuffer, slice_index, advantages) -> dict:
     """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded)."""
@@ -255,3 +284,13 @@ class RolloutEngine:
     if buffer.ref_logps is not None:
       batch['ref_logps'] = take(buffer.ref_logps)
     return batch
+
+
+def _with_shardings(tree, shardings):
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree,
+                      shardings)
+
+
+def _initial_state(seed: int) -> RolloutState:
+  return RolloutState(counter=jnp.zeros((), jnp.int32), forward_passes=jnp.zeros((), jnp.int32),
+                      rng=jax.random.key(seed))

@@ -158,23 +158,32 @@ def validate_for_mesh(cfg: ScheduleConfig, data_parallel_size: int) -> None:
 
   ``data_parallel_size`` is the mesh's data*fsdp size (the batch is sharded over both).
   """
+  g, s = cfg.num_generations, cfg.steps_per_generation
+  check_micro_batch(cfg.micro_batch_size, data_parallel_size, group_step=g // math.gcd(g, s),
+                    num_generations=g)
+
+
+def check_micro_batch(b: int, data_parallel_size: int, *, name: str = 'micro_batch_size',
+                      group_step: int = 1, num_generations: int = 1) -> None:
+  """Raises ConfigError unless the micro-batch ``b`` (setting ``name``) splits evenly over the
+  data-parallel shards; the fix keeps multiples of ``group_step`` (whole GRPO groups per
+  rollout). SFT and DPO call it with their own ``name`` and no groups."""
   dp = data_parallel_size
   if isinstance(dp, bool) or not isinstance(dp, (int, np.integer)) or dp < 1:
     raise ConfigError(f'the data-parallel size (mesh data*fsdp) must be a positive integer, '
                       f'got {dp!r}.')
-  b, g, s = cfg.micro_batch_size, cfg.num_generations, cfg.steps_per_generation
   if b % dp == 0:
     return
-  step = math.lcm(dp, g // math.gcd(g, s))  # also keeps whole groups inside a rollout
+  step = math.lcm(dp, group_step)
   keeps_groups = '' if step == dp else (
       f' (multiples of {step}, so that a rollout still holds whole groups of '
-      f'num_generations = {g})')
+      f'num_generations = {num_generations})')
   divisors = [d for d in range(1, b + 1) if b % d == 0]
   shards = [d for d in divisors if d < dp][-1:] + [d for d in divisors if d > dp][:1]
   raise ConfigError(
-      f'micro_batch_size = {b} is not divisible by the data-parallel size of the mesh '
-      f'(mesh data*fsdp = {dp}): every data shard must get the same number of completions per '
-      f'micro-step. Fix: set micro_batch_size to {_or(nearest_multiples(b, step))}{keeps_groups}, '
+      f'{name} = {b} is not divisible by the data-parallel size of the mesh '
+      f'(mesh data*fsdp = {dp}): every data shard must get the same number of rows per '
+      f'micro-step. Fix: set {name} to {_or(nearest_multiples(b, step))}{keeps_groups}, '
       f'or use a mesh whose data*fsdp divides {b} (e.g. {_or(shards)}).')
 
 

@@ -83,7 +83,8 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
   mesh = _mesh(mesh_shape)
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   task = learner_lib.grpo_task_loss(loss_cfg, TC)
-  lrn = learner_lib.Learner(graphdef, task, OPT, sched, mesh, shardings)
+  lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
+                            optimizer_every=sched.optimizer_every)
   table = schedule.build_table(sched)
   rng = np.random.default_rng(1)
   bsh = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))

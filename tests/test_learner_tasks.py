@@ -68,7 +68,9 @@ def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, op
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=k, update_mode=update_mode)
-  lrn = learner_lib.Learner(graphdef, task_loss, opt, sched, mesh, shardings)
+  lrn = learner_lib.Learner(graphdef, task_loss, opt, mesh, shardings,
+                            optimizer_every=sched.optimizer_every,
+                            lr_scale=learner_lib.sequential_lr_scale(opt, sched))
   rng = np.random.default_rng(0)
   ref_grad = jax.jit(jax.value_and_grad(lambda p, b: ref_loss(graphdef, p, b)))
   bsh = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))
@@ -167,7 +169,7 @@ def test_nonfinite_window_is_skipped_and_counted():
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=3)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
-                            sched, mesh, shardings)
+                            mesh, shardings, optimizer_every=sched.optimizer_every)
   rng = np.random.default_rng(0)
   state, snapshots = None, []
   for s in range(9):
@@ -202,7 +204,8 @@ def test_alignment_diagnostic_matches_direct_computation():
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=2)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
-                            sched, mesh, shardings, align_diagnostic=True)
+                            mesh, shardings, optimizer_every=sched.optimizer_every,
+                            align_diagnostic=True)
   make = _grpo_batch(False)
   rng = np.random.default_rng(3)
   batches = [make(rng, s) for s in range(2)]
@@ -246,7 +249,8 @@ def test_lazy_inner_optimizer_keeps_multisteps_semantics(k):
   finals = []
   for lazy in (True, False):
     lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
-                              sched, mesh, shardings, lazy_inner=lazy)
+                              mesh, shardings, optimizer_every=sched.optimizer_every,
+                              lazy_inner=lazy)
     state = lrn.init(params, batches[0])
     for b in batches:
       state, _ = lrn.step(state, b)

@@ -60,8 +60,9 @@ def test_learner_has_no_activation_all_reduce_on_cpu_mesh():
                         pshard)
   sched = ScheduleConfig(micro_batch_size=b, num_generations=2, steps_per_generation=1,
                          grad_accum_steps=1)
-  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc), 
-                            OptimizerConfig(), sched, mesh, pshard)
+  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc),
+                            OptimizerConfig(), mesh, pshard,
+                            optimizer_every=sched.optimizer_every)
   row = lambda *shape, dt=jnp.int32: jax.ShapeDtypeStruct(
       (b, *shape), dt, sharding=sharding.batch_sharding(mesh, 1 + len(shape)))
   batch = dict(prompt_tokens=row(tp), prompt_mask=row(tp), completion_tokens=row(tc),

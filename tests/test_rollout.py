@@ -42,10 +42,10 @@ def _run(source, mesh_shape=(1, 1, 1), n_rollouts=6, beta=0.0):
   samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC, temperature=1.0,
                         old_logprob_source=source)
   loss_cfg = GRPOLossConfig(beta=beta)
-  engine = rollout_lib.RolloutEngine(graphdef, sched, samp, loss_cfg, table, mesh, shardings,
+  engine = rollout_lib.RolloutEngine(graphdef, table, samp, loss_cfg, mesh, shardings,
                                      eos_id=EOS, pad_id=PAD)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(loss_cfg, TC), OptimizerConfig(
-      learning_rate=1e-2), sched, mesh, shardings)
+      learning_rate=1e-2), mesh, shardings, optimizer_every=sched.optimizer_every)
   logps_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
       tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
       b['completion_mask'])[0])
@@ -121,7 +121,7 @@ def test_reorder_by_advantage_keeps_old_logps_with_their_slices():
                          grad_accum_steps=3)
   table = schedule.build_table(sched)
   samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC)
-  engine = rollout_lib.RolloutEngine(graphdef, sched, samp, GRPOLossConfig(), table, mesh,
+  engine = rollout_lib.RolloutEngine(graphdef, table, samp, GRPOLossConfig(), mesh,
                                      shardings, eos_id=EOS, pad_id=PAD, defer_old_logps=True)
   logps_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
       tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
@@ -204,7 +204,7 @@ def test_rollout_log_probs_kl_and_agreement_against_numpy(monkeypatch):
   samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC, temperature=temperature,
                         top_k=12, top_p=0.9)
   loss_cfg = GRPOLossConfig(beta=beta, epsilon_low=0.2, epsilon_high=0.28)
-  engine = rollout_lib.RolloutEngine(graphdef, sched, samp, loss_cfg, table, mesh, shardings,
+  engine = rollout_lib.RolloutEngine(graphdef, table, samp, loss_cfg, mesh, shardings,
                                      eos_id=EOS, pad_id=PAD)
   generate = sampling.generate
 
@@ -304,7 +304,7 @@ def test_mask_truncated_completions_leave_the_loss():
   loss_fn = jax.jit(lambda p, mb: learner_lib.grpo_task_loss(loss_cfg, TC)(tfm.merge(graphdef, p),
                                                                            mb))
   for mask_truncated in (True, False):
-    engine = rollout_lib.RolloutEngine(graphdef, sched, samp, loss_cfg, table, mesh, shardings,
+    engine = rollout_lib.RolloutEngine(graphdef, table, samp, loss_cfg, mesh, shardings,
                                        eos_id=EOS, pad_id=PAD,
                                        mask_truncated_completions=mask_truncated)
     for j in range(2):

@@ -29,7 +29,6 @@ the rest (attention, norms, activations).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from typing import Any, Callable, Optional
 
@@ -39,8 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_ga.config import ModelConfig, RopeScaling  # pylint: disable=unused-import
+
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-_ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT_POLICIES = {
     'none': None,
     'full': jax.checkpoint_policies.nothing_saveable,
@@ -89,57 +89,6 @@ def unrolled_layers():
 def check_remat(remat: str) -> None:
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r}; choose one of {", ".join(REMAT_POLICIES)}.')
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Rotary-embedding frequency scaling (HF ``rope_scaling``); ``rope_type`` in _ROPE_TYPES."""
-  rope_type: str = 'default'
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-
-  def __post_init__(self):
-    if self.rope_type not in _ROPE_TYPES:
-      raise ValueError(f'rope_scaling.rope_type={self.rope_type!r} is not supported; '
-                       f'supported: {", ".join(_ROPE_TYPES)}.')
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of a Qwen2/Llama-family decoder. Field names follow the HF config."""
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
-  num_key_value_heads: int
-  head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
-  rope_theta: float = 10000.0
-  rope_scaling: Optional[RopeScaling] = None
-  rms_norm_eps: float = 1e-6
-  attention_bias: bool = False  # q/k/v biases (Qwen2: True)
-  tie_word_embeddings: bool = False
-  max_position_embeddings: int = 2048
-  architecture: str = 'qwen2'  # 'qwen2' or 'llama': which HF class export writes
-  param_dtype: str = 'float32'
-  dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
-
-  def __post_init__(self):
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(
-          f'num_attention_heads={self.num_attention_heads} must be a multiple of '
-          f'num_key_value_heads={self.num_key_value_heads} (grouped-query attention).')
-    for name in ('param_dtype', 'dtype'):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f'{name}={getattr(self, name)!r}; choose one of {", ".join(_DTYPES)}.')
-    if self.architecture not in ('qwen2', 'llama'):
-      raise ValueError(f'architecture={self.architecture!r}; choose qwen2 or llama.')
-
-  @property
-  def head_size(self) -> int:
-    return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
 @flax.struct.dataclass

@@ -102,14 +102,7 @@ def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
       first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise ConfigError(f'model.hf_path={spec.hf_path}: {first} (supported: Qwen2ForCausalLM '
                         f'and LlamaForCausalLM checkpoints, or a llama GGUF file)') from None
-  return tfm.ModelConfig(
-      vocab_size=vocab_size, hidden_size=spec.hidden_size,
-      intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-      num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-      rope_theta=spec.rope_theta, attention_bias=spec.attention_bias,
-      tie_word_embeddings=spec.tie_word_embeddings,
-      max_position_embeddings=spec.max_position_embeddings, architecture=spec.architecture,
-      dtype=spec.dtype, param_dtype=spec.param_dtype)
+  return spec.architecture_config(vocab_size)
 
 
 def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):

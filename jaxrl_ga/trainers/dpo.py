@@ -19,7 +19,7 @@ from jaxrl_ga import losses
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, DPOConfig, ScheduleConfig
+from jaxrl_ga.config import ConfigError, DPOConfig
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.trainers import common
 
@@ -112,11 +112,11 @@ def _load_or_build_pairs(ctx, cfg, params):
 
 def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
-  sched = ScheduleConfig(micro_batch_size=cfg.micro_batch_size, num_generations=1,
-                         steps_per_generation=1, grad_accum_steps=cfg.grad_accum_steps)
-  schedule.validate_for_mesh(sched, sharding.data_parallel_size(ctx.mesh))
+  schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
+                             name='dpo.micro_batch_size')
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
-                                sched, ctx.mesh, ctx.param_shardings)
+                                ctx.mesh, ctx.param_shardings,
+                                optimizer_every=cfg.grad_accum_steps)
   evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)
   n_pairs = len(pairs['ref_chosen_logps'])

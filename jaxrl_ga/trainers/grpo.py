@@ -32,11 +32,6 @@ _LOG_KEYS = ('loss', 'reward/mean', 'reward/accuracy', 'kl', 'clip_ratio/region_
              'grad_norm')
 
 
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                      shardings)
-
-
 @dataclasses.dataclass(frozen=True)
 class RolloutEvent:
   """What ``GRPOTrainer(on_rollout=...)`` receives after each rollout (the public hook for
@@ -64,11 +59,10 @@ class GRPOTrainer:
                on_micro_step: Optional[Callable[[int, float, dict], None]] = None):
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
-    sched = cfg.schedule
-    schedule.validate(sched, sharding.data_parallel_size(ctx.mesh))
+    sched = cfg.schedule  # validated against the mesh by main.validate_against_mesh
     self.table = schedule.build_table(sched)
     self.engine = rollout_lib.RolloutEngine(
-        ctx.graphdef, sched, cfg.sampling, cfg.loss, self.table, ctx.mesh, ctx.param_shardings,
+        ctx.graphdef, self.table, cfg.sampling, cfg.loss, ctx.mesh, ctx.param_shardings,
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
         mask_truncated_completions=cfg.advantage.mask_truncated_completions,
         defer_old_logps=cfg.advantage.order_by_advantage_sign,
@@ -78,28 +72,21 @@ class GRPOTrainer:
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
                                    cfg.sampling.temperature, remat=ctx.cfg.model.remat,
                                    logprob_chunk_size=ctx.cfg.model.logprob_chunk_size),
-        cfg.optimizer, sched, ctx.mesh, ctx.param_shardings,
+        cfg.optimizer, ctx.mesh, ctx.param_shardings, optimizer_every=sched.optimizer_every,
+        lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
         align_diagnostic=cfg.align_diagnostic)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = sched.prompts_per_rollout
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def _fresh_state(self, params) -> dict[str, Any]:
-    s, b = self.cfg.schedule.steps_per_generation, self.cfg.schedule.micro_batch_size
-    tp = self.cfg.sampling.max_prompt_length
-    rstate = self.engine.init_state(self.ctx.cfg.seed)
     ref = params if self.cfg.loss.beta > 0 else None
-    prompt_shape = jax.ShapeDtypeStruct((s, b, tp), jnp.int32)
-    buf_shape, _, _ = jax.eval_shape(self.engine._rollout, params, ref, rstate, prompt_shape,
-                                     prompt_shape)
-    buffer = _abstract(buf_shape, self.engine.buffer_shardings)
-    adv = jax.ShapeDtypeStruct((s, b), jnp.float32, sharding=self.engine.advantage_sharding)
-    example = jax.eval_shape(self.engine._micro_batch, buffer, jnp.zeros((), jnp.int32), adv)
-    lstate = self.learner.init(params, example)
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
     zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
-    return {'learner': lstate, 'rollout': rstate, 'buffer': jax.tree.map(zeros, buffer),
-            'advantages': zeros(adv), 'ref_params': ref}
+    return {'learner': self.learner.init(params, self.engine.abstract_micro_batch(params, ref)),
+            'rollout': self.engine.init_state(self.ctx.cfg.seed),
+            'buffer': jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)),
+            'advantages': zeros(self.engine.abstract_advantages()), 'ref_params': ref}
 
   def run(self, params, stop_at_micro_step: Optional[int] = None
           ) -> tuple[Any, dict[str, Any]]:

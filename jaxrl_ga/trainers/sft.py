@@ -9,7 +9,7 @@ import numpy as np
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, ScheduleConfig, SFTConfig
+from jaxrl_ga.config import ConfigError, SFTConfig
 from jaxrl_ga.trainers import common
 
 
@@ -33,11 +33,11 @@ def sft_batch(ctx: common.RunContext, examples, max_length: int) -> dict[str, np
 
 def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
-  sched = ScheduleConfig(micro_batch_size=cfg.micro_batch_size, num_generations=1,
-                         steps_per_generation=1, grad_accum_steps=cfg.grad_accum_steps)
-  schedule.validate_for_mesh(sched, sharding.data_parallel_size(ctx.mesh))
-  learner = learner_lib.Learner(ctx.graphdef, learner_lib.sft_task_loss(), cfg.optimizer, sched,
-                                ctx.mesh, ctx.param_shardings)
+  schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
+                             name='sft.micro_batch_size')
+  learner = learner_lib.Learner(ctx.graphdef, learner_lib.sft_task_loss(), cfg.optimizer,
+                                ctx.mesh, ctx.param_shardings,
+                                optimizer_every=cfg.grad_accum_steps)
   b, seed = cfg.micro_batch_size, ctx.cfg.seed
 
   def batch_at(position):  # each process builds only its own rows
