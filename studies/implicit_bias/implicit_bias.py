@@ -1,11 +1,13 @@
-r"""Seed 002's study: do sequential updates keep the positive/negative gradient alignment up?
+r"""The implicit-bias study: do sequential updates keep the positive/negative gradient alignment
+up?
 
-  python benchmarks/implicit_bias.py --seeds=0,1,2 --rollouts=200 --eval_every=25 \
+  python studies/implicit_bias/implicit_bias.py --seeds=0,1,2 --rollouts=200 --eval_every=25 \
       --runs_dir=/tmp/implicit_bias_runs200   # ~19 min on a shared 2-core CPU
 
-Results and verdict: docs/implicit_bias.md.
+Results and verdict: studies/implicit_bias/README.md (this folder); the smoke test is smoke_test.py
+here, which tests/test_implicit_bias.py collects into the suite.
 
-The claim under test (the seed-002 blog post, "The Implicit Bias of Gradient Accumulation in
+The claim under test (the blog post "The Implicit Bias of Gradient Accumulation in
 RLHF"): splitting one accumulated update into sequential steps, the positive-advantage samples'
 step first and then the negative-advantage samples' step, adds an implicit term to the update that
 rewards the alignment grad L+ . grad L- of the two parts' losses, so that this scalar product, which
@@ -62,9 +64,11 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import machine  # benchmarks/machine.py
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+import machine  # pylint: disable=g-import-not-at-top,wrong-import-position  # benchmarks/machine.py
 ARMS = ('accumulate', 'sequential')
 
 
@@ -105,8 +109,8 @@ class Study:
   smooth: int = 15
   runs_dir: str = ''
   compilation_cache: bool = True
-  out: str = os.path.join(ROOT, 'benchmarks', 'results', 'implicit_bias.json')
-  plot: str = os.path.join(ROOT, 'docs', 'implicit_bias.png')
+  out: str = os.path.join(HERE, 'results.json')
+  plot: str = os.path.join(HERE, 'implicit_bias.png')
 
   def __post_init__(self):
     k = self.grad_accum_steps
@@ -555,7 +559,7 @@ def plot(results: dict, path: str, smooth: int) -> None:
     ax.legend(fontsize=7)
   lr_scale = seeds[0]['arms']['sequential']['learning_rate'] / study['learning_rate']
   fig.suptitle(
-      f'Seed 002 on 2-digit addition: accumulate (K={k} micro-batches of {b} per step) vs '
+      f'Implicit bias on 2-digit addition: accumulate (K={k} micro-batches of {b} per step) vs '
       f'sequential (one step per sign-sorted micro-batch, lr x {lr_scale:.3f}); seeds '
       f'{", ".join(str(s["seed"]) for s in seeds)}.\nOne rollout = {k * b} completions = '
       f'1 accumulate step = {k} sequential steps; both arms see the same prompts in the same '
