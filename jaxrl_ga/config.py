@@ -82,7 +82,7 @@ def _or(values: list[int]) -> str:
 
 UPDATE_MODES = ('accumulate', 'sequential')
 GRPO_AGGREGATIONS = ('token', 'sequence', 'constant', 'microbatch_token')
-# TRL's loss_type names for the same aggregations (DESIGN, "Loss normalization").
+# TRL's loss_type names for the same aggregations (docs/design, "Loss normalization").
 TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'constant',
                          'bnpo': 'microbatch_token'}
 DPO_AGGREGATIONS = ('pair', 'token', 'microbatch_token')

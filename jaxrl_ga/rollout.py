@@ -2,10 +2,10 @@
 
 One call generates one rollout: ``S*B/G`` prompts, each repeated G times, sampled by the current
 policy. Old log-probs are computed only for the slices that the static schedule table marks
-(DESIGN's slice rule): the table is a compile-time constant of the step, indexed by the rollout
-counter that lives in device state, and each slice's forward pass sits in a ``lax.cond`` inside a
-``lax.map`` over slices, so an unmarked slice costs nothing. The device state also counts those
-forward passes (in slice units), which tests and metrics read.
+(the slice rule of docs/design, "Schedule semantics"): the table is a compile-time constant of
+the step, indexed by the rollout counter that lives in device state, and each slice's forward
+pass sits in a ``lax.cond`` inside a ``lax.map`` over slices, so an unmarked slice costs nothing.
+The device state also counts those forward passes (in slice units), which tests and metrics read.
 
 With ``old_logprob_source='sampler'`` the sampler's own log-probs (free with generation) serve as
 old log-probs for the marked slices and no forward pass runs. With 'recompute', the agreement of

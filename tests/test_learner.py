@@ -1,9 +1,9 @@
 """The learner step applies, at every optimizer step, the update of the one-pass window loss.
 
 The reference in each test is computed independently of the accumulation machinery: the window's
-micro-batches are concatenated and the window loss is written out from DESIGN's table (per-token
-objective, then token / sequence / constant normalization over the whole window), differentiated
-in one pass, clipped, and applied with a plain optax AdamW.
+micro-batches are concatenated and the window loss is written out from the design doc's table
+(per-token objective, then token / sequence / constant normalization over the whole window),
+differentiated in one pass, clipped, and applied with a plain optax AdamW.
 """
 
 
@@ -56,7 +56,7 @@ def _rollout(rng, n):
 
 
 def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
-  """DESIGN's window loss over the concatenated window, written out directly."""
+  """The design doc's window loss over the concatenated window, written out directly."""
   model = tfm.merge(graphdef, params)
   tokens = jnp.concatenate([batch['prompt_tokens'], batch['completion_tokens']], 1)
   mask = jnp.concatenate([batch['prompt_mask'], batch['completion_mask']], 1)

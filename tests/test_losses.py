@@ -1,10 +1,10 @@
 """Tests of jaxrl_ga.losses against independent float64 numpy references written as loops.
 
 The references below never call the code under test: per-token GRPO objectives, the window
-losses of DESIGN's table, DPO per-pair losses, and their gradients (central finite differences
-of the float64 references). The exactness tests split a batch with variable-length masks into K
-micro-batches and combine them the way the learner does: sum the numerator gradients, divide once
-by the summed denominator.
+losses of the design doc's table (docs/design.md, "Loss normalization"), DPO per-pair losses,
+and their gradients (central finite differences of the float64 references). The exactness tests
+split a batch with variable-length masks into K micro-batches and combine them the way the learner
+does: sum the numerator gradients, divide once by the summed denominator.
 """
 
 import dataclasses
@@ -68,7 +68,8 @@ def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None):
 
 
 def ref_window_loss(per_token, mask, aggregation, bounds=None):
-  """DESIGN's one-pass window loss; bounds (micro-batch row ranges) only for microbatch_token."""
+  """The design doc's one-pass window loss; bounds (micro-batch row ranges) only for
+  microbatch_token."""
   rows = range(per_token.shape[0])
   cells = lambda i: [t for t in range(per_token.shape[1]) if mask[i, t] > 0]
   total = sum(per_token[i, t] for i in rows for t in cells(i))

@@ -1,4 +1,4 @@
-"""The static schedule table (DESIGN, "Schedule semantics") and the explain CLI.
+"""The static schedule table (docs/design.md, "Schedule semantics") and the explain CLI.
 
 The reference is a brute-force walk: counters for slice, iteration and rollout advance one
 micro-step at a time, a policy-version counter increments when an optimizer step fires, and each
@@ -123,7 +123,7 @@ def test_seed_001_rollout_rule_recomputes_2_of_6_rollouts_trl_6_of_6():
   assert rollout_rule.sum() == 2
   trl_units_per_rollout = table.counts['trl_static'] / table.period_rollouts
   assert trl_units_per_rollout == 2  # S units: every rollout recomputes, 6 of 6
-  assert table.counts == dict(trl_static=6, rollout_rule=2, slice_rule=1)  # DESIGN's example
+  assert table.counts == dict(trl_static=6, rollout_rule=2, slice_rule=1)  # design doc example
   np.testing.assert_array_equal(table.slice_recompute, [[0, 0], [0, 1], [0, 0]])
 
 
