@@ -23,14 +23,14 @@ KERNEL_NAME = 'jaxrl-ga-test'
 # The README's second example (TRL PR #3493's diagram): K = 4 is not a multiple of S*mu = 3.
 EXPLAIN = dict(micro_batch_size=6, num_generations=2, steps_per_generation=3, num_iterations=1,
                grad_accum_steps=4)
-SEED003_KS, SEED003_SPREADS = (1, 2, 8), (0, 4, 16)
+BUG_KS, BUG_SPREADS = (1, 2, 8), (0, 4, 16)
 
 
 def _smoke_parameters(workdir: str) -> str:
   values = dict(SMOKE=True, WORKDIR=workdir, HIDDEN_SIZE=32, INTERMEDIATE_SIZE=64, NUM_LAYERS=2,
                 SFT_STEPS=4, SFT_TARGET_ACCURACY=0.0, GRPO_STEPS=4, DPO_STEPS=4, DPO_PROMPTS=32,
-                EVAL_EXAMPLES=16, EXPLAIN_SCHEDULE=EXPLAIN, SEED003_KS=SEED003_KS,
-                SEED003_SPREADS=SEED003_SPREADS)
+                EVAL_EXAMPLES=16, EXPLAIN_SCHEDULE=EXPLAIN, BUG_KS=BUG_KS,
+                BUG_SPREADS=BUG_SPREADS)
   return '# Parameters injected by tests/test_notebook.py\n' + ''.join(
       f'{name} = {value!r}\n' for name, value in values.items())
 
@@ -146,14 +146,14 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   assert exact and float(exact.group(1)) < 1e-5
 
   # Per-micro-batch normalization is far off once lengths vary and K > 1 ...
-  seed003 = _text(cells['seed003'])
-  k, spread = max(SEED003_KS), max(SEED003_SPREADS)
-  bug = re.search(rf'relative difference at K={k}, spread={spread}: (\S+)', seed003)
+  bug_text = _text(cells['microbatch-bug'])
+  k, spread = max(BUG_KS), max(BUG_SPREADS)
+  bug = re.search(rf'relative difference at K={k}, spread={spread}: (\S+)', bug_text)
   assert bug and float(bug.group(1)) > 1e-2
   # ... and equal to the token mean with equal lengths (spread 0) or a single micro-batch.
   rows = {int(line.split()[0]): [float(x) for x in line.split()[1:]]
-          for line in seed003.splitlines() if re.fullmatch(r' *\d+( +\S+e[-+]\d+)+', line)}
-  assert sorted(rows) == sorted(SEED003_KS)
+          for line in bug_text.splitlines() if re.fullmatch(r' *\d+( +\S+e[-+]\d+)+', line)}
+  assert sorted(rows) == sorted(BUG_KS)
   assert max(rows[1]) < 1e-5 and all(r[0] < 1e-5 for r in rows.values())
 
   # open-instruct's DPO weighting moves with K once lengths vary; ours (token) does not.
@@ -177,7 +177,7 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   assert re.search(r'after GRPO:  ([\'"]).*\1  \(checkpoint \S+/checkpoints/grpo/2\)', sm), sm
 
   # The curves were drawn as PNG images.
-  for cell_id in ('grpo-curves', 'seed003', 'dpo-run'):
+  for cell_id in ('grpo-curves', 'microbatch-bug', 'dpo-run'):
     pngs = _pngs(cells[cell_id])
     assert pngs, cell_id
     assert all(p[:8] == b'\x89PNG\r\n\x1a\n' and len(p) > 5000 for p in pngs), cell_id
