@@ -2,7 +2,7 @@ r"""Compiles per step function over a real SFT + GRPO run: each step function co
 
   python benchmarks/compile_count.py --out=benchmarks/results/compile_count.json
 
-Runs ``jaxrl_ga.main.run`` on ``configs/grpo_arith.py:smoke`` (SFT warm start, then GRPO with the
+Runs the stages of ``configs/grpo_arith.py:smoke`` (SFT warm start, then GRPO with the
 non-aligned schedule K=3, S=2, B=8, G=4) stretched to ``--grpo_steps`` optimizer steps (36
 micro-steps = 18 rollouts by default: several schedule periods, one off-policy slice in every
 six micro-steps), with held-out evaluation every ``--eval_every`` steps, orbax checkpoints every 2
@@ -10,10 +10,10 @@ steps, on ``--num_cpu_devices`` simulated CPU devices (mesh data=-1: the batch-s
 
 jax's compile log (``jax.log_compiles``: one "Compiling jit(NAME) ..." record per XLA compile,
 then "Finished XLA compilation of jit(NAME) in S sec") is captured by a logging handler, as in
-``tests/conftest.py``. The script wraps, from the outside, the stage entry points (to know which
-stage a compile belongs to) and ``Learner.step`` / ``RolloutEngine.rollout(_rows)`` /
-``Evaluator.accuracy`` (to know after how many calls it happened). Nothing in the library
-changes.
+``tests/conftest.py``. The stages run through the public API (``main.build_context``,
+``sft.run_sft``, ``GRPOTrainer``), so the script knows which stage a compile belongs to, and
+GRPOTrainer's ``on_rollout`` / ``on_micro_step`` hooks count the rollouts and learner steps
+before it. Nothing in the library is wrapped or patched.
 
 Checks (the script exits non-zero if one fails):
 
@@ -29,7 +29,6 @@ Checks (the script exits non-zero if one fails):
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 import os
@@ -71,7 +70,7 @@ class CompileLog(logging.Handler):
       self.records.append({'name': msg.split()[1], 'stage': self.stage,
                            'learner_steps_before': self.calls[self.stage, 'learner_step'],
                            'rollouts_before': self.calls[self.stage, 'rollout'],
-                           'evals_before': self.calls[self.stage, 'eval'], 'seconds': None})
+                           'seconds': None})
     elif msg.startswith('Finished XLA compilation of '):
       name, seconds = msg.split()[4], float(msg.split()[-2])
       for r in reversed(self.records):
@@ -80,54 +79,33 @@ class CompileLog(logging.Handler):
           break
 
 
-def instrument(log: CompileLog) -> None:
-  """Wraps the stage entry points and the per-step calls, from the outside, to label compiles."""
-  from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common, grpo, sft  # pylint: disable=g-import-not-at-top
-
-  def in_stage(stage, fn):
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-      previous, log.stage = log.stage, stage
-      try:
-        return fn(*args, **kwargs)
-      finally:
-        log.stage = previous
-    return wrapped
-
-  def counted(what, fn):
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-      out = fn(*args, **kwargs)
-      log.calls[log.stage, what] += 1
-      return out
-    return wrapped
-
-  sft.run_sft = in_stage('sft', sft.run_sft)
-  grpo.GRPOTrainer.run = in_stage('grpo', grpo.GRPOTrainer.run)
-  learner_lib.Learner.step = counted('learner_step', learner_lib.Learner.step)
-  for name in ('rollout', 'rollout_rows'):  # the trainer calls one of them per rollout
-    if hasattr(rollout_lib.RolloutEngine, name):
-      setattr(rollout_lib.RolloutEngine, name,
-              counted('rollout', getattr(rollout_lib.RolloutEngine, name)))
-  common.Evaluator.accuracy = counted('eval', common.Evaluator.accuracy)
-
-
-def run_config(workdir: str):
-  import importlib.util  # pylint: disable=g-import-not-at-top
+def run_config(workdir: str, log: CompileLog):
+  """The smoke config's SFT and GRPO stages, run through the public API (``main.build_context``,
+  ``sft.run_sft``, ``GRPOTrainer`` with its ``on_rollout`` / ``on_micro_step`` hooks) so that
+  every compile is labelled with its stage and with the GRPO calls made before it."""
   from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs',
-                      'grpo_arith.py')
-  spec = importlib.util.spec_from_file_location('grpo_arith_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config('smoke')
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo, sft  # pylint: disable=g-import-not-at-top
+  c = load_config_file('configs/grpo_arith.py', 'smoke')
   c.sft.num_steps = _SFT_STEPS.value
   c.grpo.num_steps = _GRPO_STEPS.value
   c.grpo.eval_every = _EVAL_EVERY.value
   cfg = main_lib.load_run_config(c)
-  return cfg, main_lib.run(cfg, workdir), c.to_dict()
+
+  def count(what):
+    def hook(*_):
+      log.calls[log.stage, what] += 1
+    return hook
+
+  ctx, params = main_lib.build_context(cfg, workdir)
+  log.stage = 'sft'
+  params, summary = sft.run_sft(ctx, cfg.sft, params)
+  log.stage = 'grpo'
+  trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=count('rollout'),
+                             on_micro_step=count('learner_step'))
+  _, grpo_summary = trainer.run(params)
+  ctx.writer.close()
+  return cfg, summary | grpo_summary, c.to_dict()
 
 
 def summarize(log: CompileLog, cfg) -> dict:
@@ -151,7 +129,7 @@ def summarize(log: CompileLog, cfg) -> dict:
                      'ok': n == 1})
   steady = [r for r in log.records
             if r['stage'] == 'grpo' and r['learner_steps_before'] >= period]
-  grpo_calls = {what: log.calls['grpo', what] for what in ('learner_step', 'rollout', 'eval')}
+  grpo_calls = {what: log.calls['grpo', what] for what in ('learner_step', 'rollout')}
   return {
       'per_function': [{'stage': s, 'name': n, **d} for (s, n), d in sorted(per.items())],
       'checks': checks,
@@ -181,7 +159,7 @@ def tables(s: dict) -> str:
                  f"{'ok' if c['ok'] else 'FAIL'} |")
   st = s['steady_state']
   lines += ['', f"GRPO: {s['grpo_calls']['learner_step']} learner micro-steps, "
-            f"{s['grpo_calls']['rollout']} rollouts, {s['grpo_calls']['eval']} evaluations; "
+            f"{s['grpo_calls']['rollout']} rollouts; "
             f"compiles after micro-step {st['after_learner_steps']} (one schedule period): "
             f"{len(st['compiles'])}"
             f"{' ' + str(st['compiles']) if st['compiles'] else ''}.", '',
@@ -202,14 +180,13 @@ def run() -> int:
   info = machine_info()
   print(json.dumps(info), flush=True)
   log = CompileLog()
-  instrument(log)
   logger = logging.getLogger('jax')
   logger.addHandler(log)
   logger.setLevel(logging.DEBUG)
   logger.propagate = False  # the records go to the handler only, not to the console
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir, jax.log_compiles(True):
-    cfg, summary, config_dict = run_config(workdir)
+    cfg, summary, config_dict = run_config(workdir, log)
   wall = time.perf_counter() - t0
   logger.removeHandler(log)
   s = summarize(log, cfg)

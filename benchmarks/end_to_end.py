@@ -84,8 +84,9 @@ from jaxrl_ga import learner as learner_lib
 from jaxrl_ga.config import load_config_file
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import grpo
+from jaxrl_ga.trainers import text
 import machine  # benchmarks/machine.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,7 +244,7 @@ def export_random_model(config_dict, model_dir: str, workdir: str) -> None:
 
 
 @dataclasses.dataclass
-class NeverEndingContext(common.RunContext):
+class NeverEndingContext(context.RunContext):
   """A RunContext whose sampler EOS id lies outside the vocabulary: every completion runs to
   max_completion_length (the sampler's documented 'never stops' id)."""
 
@@ -452,8 +453,8 @@ def logp_check(ours: OurSide, theirs: TrlSide, task, cfg) -> dict[str, float]:
   tok = ours.ctx.tokenizer
   sampling = cfg.grpo.sampling
   examples = [task.train_example(i, cfg.seed + 1) for i in range(8)]
-  prompts = [common.encode(tok, e.prompt) for e in examples]
-  pt, pm = common.left_pad(prompts, sampling.max_prompt_length, ours.ctx.pad_id, 'prompt')
+  prompts = [text.encode(tok, e.prompt) for e in examples]
+  pt, pm = text.left_pad(prompts, sampling.max_prompt_length, ours.ctx.pad_id, 'prompt')
   rng = np.random.default_rng(0)
   ct = rng.integers(3, len(tok), (len(prompts), sampling.max_completion_length)).astype(np.int32)
   cm = np.ones_like(ct)

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
@@ -245,7 +246,7 @@ def run_size(size: Size, mesh) -> dict:
                          steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
   task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
-  batches = [sharding.shard_batch(machine.random_grpo_batch(
+  batches = [placement.shard_batch(machine.random_grpo_batch(
       rng, size.micro_batch_size, size.prompt_length, size.completion_length,
       size.model.vocab_size), mesh) for _ in range(k + 1)]
   graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)

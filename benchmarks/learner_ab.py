@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxrl_ga import learner as after_lib
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
@@ -63,7 +64,7 @@ def load_before(root: str):
 
 
 def micro_batches(rng: np.random.Generator, k: int, mesh) -> list[dict]:
-  return [sharding.shard_batch(machine.random_grpo_batch(
+  return [placement.shard_batch(machine.random_grpo_batch(
       rng, _BATCH.value, _PROMPT.value, _COMPLETION.value, MODEL.vocab_size), mesh)
           for _ in range(k)]
 

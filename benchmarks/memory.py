@@ -117,7 +117,7 @@ def run_child(cfg: Config) -> dict:
   import jax  # pylint: disable=g-import-not-at-top  (child only)
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import placement, sharding  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
   from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 
@@ -150,13 +150,13 @@ def run_child(cfg: Config) -> dict:
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc),
                             OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0), mesh,
                             shardings, optimizer_every=sched.optimizer_every)
-  example = sharding.shard_batch(host_batches[0], mesh)
+  example = placement.shard_batch(host_batches[0], mesh)
   state = lrn.init(params, example)
   del params, example  # the state holds the params now
   jax.block_until_ready(state)
   rss['after_learner_init'] = _rss_mib()
   t0 = time.perf_counter()
-  compiled = lrn.step_fn.lower(state, sharding.shard_batch(host_batches[0], mesh)).compile()
+  compiled = lrn.step_fn.lower(state, placement.shard_batch(host_batches[0], mesh)).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   xla = {name: int(getattr(mem, name)) for name in (
@@ -165,7 +165,7 @@ def run_child(cfg: Config) -> dict:
   rss['after_compile'] = _rss_mib()
 
   def step(state, i):
-    batch = sharding.shard_batch(host_batches[i % len(host_batches)], mesh)
+    batch = placement.shard_batch(host_batches[i % len(host_batches)], mesh)
     state, out = compiled(state, batch)
     return jax.block_until_ready(state), out
 

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
@@ -111,7 +112,7 @@ def run_size(size: Size, mesh) -> dict:
                          steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
   task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
-  put = lambda tree: sharding.shard_batch(tree, mesh)
+  put = lambda tree: placement.shard_batch(tree, mesh)
   batches = [put(random_batch(rng, size)) for _ in range(2 * k + 1)]
 
   learners, states, compile_s, n_params = {}, {}, {}, 0

@@ -52,12 +52,13 @@ import numpy as np
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, SamplingConfig,
                              ScheduleConfig, load_config_file)
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import arithmetic
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import text
 import machine  # benchmarks/machine.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +192,7 @@ class RuleRunner:
     tokens, mask = self.prompts(0)
     buffer, _, _ = self.engine.rollout(self._init_params, None, self.engine.init_state(SEED),
                                        tokens, mask)
-    adv = sharding.put(np.zeros((s, b), np.float32), self.engine.advantage_sharding)
+    adv = placement.put(np.zeros((s, b), np.float32), self.engine.advantage_sharding)
     return self.engine.micro_batch(buffer, 0, adv)
 
   def run_period(self, period_micro_steps: int) -> dict[str, float]:
@@ -207,7 +208,7 @@ class RuleRunner:
                                                   self.rstate, tokens, mask)
         t_rollout += dt
         adv = self._adv_rng.normal(size=(s, sched.micro_batch_size)).astype(np.float32)
-        self.advantages = sharding.put(adv, self.engine.advantage_sharding)
+        self.advantages = placement.put(adv, self.engine.advantage_sharding)
       t1 = time.perf_counter()
       batch = self.engine.micro_batch(self.buffer, self.micro_step % s, self.advantages)
       self.lstate, out = self.learner.step(self.lstate, batch)
@@ -247,9 +248,9 @@ def run_schedule(size: Size, k: int, s: int, mu: int, mesh, tokenizer, task) -> 
 
   def prompts(rollout: int):
     n = sched.prompts_per_rollout
-    ids = [common.encode(tokenizer, task.train_example(rollout * n + i, SEED).prompt)
+    ids = [text.encode(tokenizer, task.train_example(rollout * n + i, SEED).prompt)
            for i in range(n)]
-    return common.left_pad(ids, _PROMPT_LEN.value, tokenizer.pad_token_id, 'max_prompt_length')
+    return text.left_pad(ids, _PROMPT_LEN.value, tokenizer.pad_token_id, 'max_prompt_length')
 
   runners = {rule: RuleRunner(rule, sched, table, size, mesh, graphdef, shardings, params,
                               learner, prompts, eos_id=size.model.vocab_size,

@@ -76,7 +76,8 @@ def nearest_multiples(value: int, step: int) -> list[int]:
   return [m for m in (below, below + step) if m > 0]
 
 
-def _or(values: list[int]) -> str:
+def or_join(values: list[int]) -> str:
+  """[3, 6] -> '3 or 6' (the suggestions of an error message)."""
   return ' or '.join(str(v) for v in values)
 
 
@@ -127,13 +128,13 @@ class ScheduleConfig:
              f'strict_on_policy must be True or False, got {self.strict_on_policy!r}.')
     b, g, s = self.micro_batch_size, self.num_generations, self.steps_per_generation
     if (s * b) % g:
-      fixes = [f'micro_batch_size to {_or(nearest_multiples(b, g // math.gcd(g, s)))}',
-               f'steps_per_generation to {_or(nearest_multiples(s, g // math.gcd(g, b)))}']
+      fixes = [f'micro_batch_size to {or_join(nearest_multiples(b, g // math.gcd(g, s)))}',
+               f'steps_per_generation to {or_join(nearest_multiples(s, g // math.gcd(g, b)))}']
       divisors = [d for d in range(2, s * b + 1) if (s * b) % d == 0]
       if divisors:
         below = [d for d in divisors if d < g][-1:]
         above = [d for d in divisors if d > g][:1]
-        fixes.append(f'num_generations to {_or(below + above)}')
+        fixes.append(f'num_generations to {or_join(below + above)}')
       raise ConfigError(
           f'steps_per_generation*micro_batch_size = {s}*{b} = {s * b} completions per rollout '
           f'is not divisible by num_generations = {g}: the G completions of one prompt (a group) '
@@ -372,6 +373,45 @@ class RopeScaling:
                        f'supported: {", ".join(ROPE_TYPES)}.')
 
 
+LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685) on the decoder layers' weight
+  matrices: ``model.lora.*``. With ``rank`` > 0 only the adapters train; the base weights are
+  frozen (``jaxrl_ga.lora``). Adapters and their optimizer state are float32 whatever
+  ``model.param_dtype`` (which then sets the frozen base weights' storage: 'bfloat16' halves it).
+
+  Attributes:
+    rank: r, the adapters' rank; 0 disables LoRA (full fine-tuning).
+    alpha: the adapters' output is scaled by alpha / rank (PEFT's ``lora_alpha``).
+    targets: comma-separated projections to adapt, among q, k, v, o (attention) and gate, up,
+      down (MLP): PEFT's ``target_modules`` q_proj, ..., down_proj.
+    dropout: 0 only (PEFT's ``lora_dropout``; the learner step draws no dropout randomness).
+  """
+  rank: int = 0
+  alpha: float = 16.0
+  targets: tuple[str, ...] = LORA_TARGETS
+  dropout: float = 0.0
+
+  def __post_init__(self):
+    p = 'model.lora.'
+    targets = self.targets.split(',') if isinstance(self.targets, str) else self.targets
+    object.__setattr__(self, 'targets', tuple(t.strip() for t in targets if t.strip()))
+    _require(_is_int(self.rank) and self.rank >= 0,
+             f'{p}rank={self.rank!r} must be an integer >= 0 (0: no LoRA, full fine-tuning).')
+    object.__setattr__(self, 'rank', int(self.rank))
+    _require(isinstance(self.alpha, numbers.Real) and math.isfinite(self.alpha)
+             and self.alpha > 0, f'{p}alpha={self.alpha!r} must be a finite number > 0.')
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    _require(self.targets and not bad and len(set(self.targets)) == len(self.targets),
+             f'{p}targets={",".join(self.targets)!r}: give distinct names among '
+             f'{",".join(LORA_TARGETS)} (e.g. {p}targets=q,v).')
+    _require(self.dropout == 0, f'{p}dropout={self.dropout!r} is not supported (the learner '
+             f'step draws no dropout randomness); set {p}dropout=0.')
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of a Qwen2/Llama-family decoder (``models.transformer``). Field names follow
@@ -393,6 +433,9 @@ class ModelConfig:
   architecture: str = 'qwen2'  # 'qwen2' or 'llama': which HF class export writes
   param_dtype: str = 'float32'
   dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
+  # Low-rank adapters on the layers' projections (rank 0: none). Part of the architecture: the
+  # module's params include them (jaxrl_ga.lora). HF configs carry none (PEFT's are separate).
+  lora: LoRAConfig = LoRAConfig()
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -430,6 +473,7 @@ class ModelSpec(ModelConfig):
       log-probs, in the learner and the rollout's old-log-prob pass (0: all Tc at once); see
       jaxrl_ga/logprobs.py.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
+    lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (README, "LoRA").
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
       checkpoint's own architecture and ignores them.
   """

@@ -132,20 +132,20 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set) fit
   each stage's length settings, and the longest sequence fits model.max_position_embeddings."""
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
-  prompt = lambda e: common.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
+  prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
   prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
     sft = cfg.sft
-    example = longest(train, lambda e: prompt(e) + common.encode(
+    example = longest(train, lambda e: prompt(e) + text.encode(
         tokenizer, task.sft_completion(e))) + 1  # + eos
     needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
     positions += [('sft.max_length + eval.max_completion_length',
@@ -205,13 +205,13 @@ def check_model_source(hf_path: str) -> None:
 
 def build_context(cfg, workdir: str):
   """Mesh, task, tokenizer (saved to workdir/tokenizer), model and metric writer of a run,
-  checked against the mesh and against the workdir's checkpoints (common.check_resume) before
+  checked against the mesh and against the workdir's checkpoints (stage.check_resume) before
   any weight is read or anything compiles. -> (RunContext, initial params)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import fileio, sharding, tasks  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import context, reporting, stage  # pylint: disable=g-import-not-at-top
 
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
@@ -225,7 +225,7 @@ def build_context(cfg, workdir: str):
     raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
                       f'{e}') from None
   check_model_source(cfg.model.hf_path)
-  model_cfg = common.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
+  model_cfg = context.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
   try:
     tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
                  else task.tokenizer())
@@ -240,17 +240,17 @@ def build_context(cfg, workdir: str):
   fileio.makedirs(workdir)
   if jax.process_index() == 0:
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
-  model_cfg = model_cfg or common.model_config(cfg, len(tokenizer))
+  model_cfg = model_cfg or context.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   validate_lengths(cfg, task, tokenizer, model_cfg)
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
-  ctx = common.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
+  ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
-                          writer=common.MetricWriter(workdir))
-  common.check_resume(ctx)  # before any weight is read or any step compiles
+                          writer=reporting.MetricWriter(workdir))
+  stage.check_resume(ctx)  # before any weight is read or any step compiles
   try:
-    graphdef, params, ctx.param_shardings = common.build_model(cfg, model_cfg, mesh)
+    graphdef, params, ctx.param_shardings = context.build_model(cfg, model_cfg, mesh)
   except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)
     if isinstance(e, ConfigError):
       raise
@@ -387,7 +387,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers.common import NonFiniteError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
     cfg = load_run_config(_CONFIG.value)
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

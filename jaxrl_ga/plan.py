@@ -164,7 +164,7 @@ def model_config(cfg, hf_config: Optional[str] = None):
   pkg:), else the config's ``model.*`` fields with ``model.vocab_size``."""
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import context  # pylint: disable=g-import-not-at-top
   spec = cfg.model
   if hf_config:
     import transformers  # pylint: disable=g-import-not-at-top
@@ -176,7 +176,7 @@ def model_config(cfg, hf_config: Optional[str] = None):
       raise ConfigError(f'--hf_config={hf_config}: cannot read an HF config from it '
                         f'({first}).') from None
   if spec.hf_path and (os.path.exists(spec.hf_path) or spec.hf_path.startswith('pkg:')):
-    return common.model_config(cfg, 0)
+    return context.model_config(cfg, 0)
   if not spec.vocab_size:
     raise ConfigError(f'model.hf_path={spec.hf_path!r} is not a local checkpoint and '
                       'model.vocab_size is 0: write the model\'s shapes into model.* (with '
@@ -485,9 +485,12 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, with a bad flag (or config file) as one ``error:`` line and status 2."""
+  """absl's parser, with a bad flag (or config file) as one ``error:`` line and status 2;
+  ``--config=configs/<name>.py`` is resolved as jaxrl_ga.main resolves it (the installed copy
+  when the current directory lacks it)."""
+  from jaxrl_ga.config import resolve_config_argv  # pylint: disable=g-import-not-at-top
   try:
-    return flags.FLAGS(argv)
+    return flags.FLAGS(resolve_config_argv(argv))
   except (flags.Error, ValueError, FileNotFoundError) as e:
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     # a config file's own exception is the message's last line

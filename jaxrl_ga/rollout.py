@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sampling
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, SamplingConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
@@ -102,14 +103,14 @@ class RolloutEngine:
     """prompts: [S*B/G, Tp] left-padded host arrays, the same on every process.
     -> (buffer, state, metrics)."""
     g = self.sched.num_generations
-    slab = lambda x: sharding.put(np.repeat(np.asarray(x), g, axis=0).reshape(
+    slab = lambda x: placement.put(np.repeat(np.asarray(x), g, axis=0).reshape(
         *self.prompt_index.shape, -1), self._buffer_shardings.prompt_tokens)
     return self._step(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask))
 
   def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
     """As ``rollout`` with the prompts already laid out per row: [S, B, Tp] global arrays on
     ``buffer_shardings.prompt_tokens``, row (j, i) holding prompt ``prompt_index[j, i]``. Each
-    process builds only its own rows (``sharding.local_indices(..., axis=1)``, ``from_local``)."""
+    process builds only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``)."""
     return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
 
   @property
@@ -121,7 +122,7 @@ class RolloutEngine:
 
   def local_rows(self) -> np.ndarray:
     """The row indices i (of B) of a rollout's [S, B] arrays that this process's devices hold."""
-    return sharding.local_indices(self.prompt_index.shape, self.advantage_sharding, axis=1)
+    return placement.local_indices(self.prompt_index.shape, self.advantage_sharding, axis=1)
 
   def reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
     """Permutes the rollout's S*B rows (slice-major) by ``order`` and only then computes the old

@@ -54,14 +54,14 @@ def _is_checkpoint(path: str) -> bool:
 
 def load(model: str, param_dtype: str = 'float32'):
   """(graphdef, params, tokenizer, description) of any --model source."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   if _is_checkpoint(model):
     cfg, params, tokenizer, src = export.load_checkpoint(model)
     if tokenizer is None:
       raise ValueError(f'--model={model}: no tokenizer beside the checkpoint (WORKDIR/tokenizer).')
-    graphdef, _ = nnx.split(hf._abstract_model(cfg))  # pylint: disable=protected-access
+    graphdef, _, _ = sharding.abstract_model(cfg)
     return graphdef, params, tokenizer, f'checkpoint {src}'
   tokenizer = hf.load_tokenizer(model)
   _, graphdef, params = hf.load_model(model, param_dtype=param_dtype)
@@ -75,18 +75,18 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
   if tokenizer.eos_token_id is None:
     raise ValueError('the tokenizer has no eos token; set eos_token in its tokenizer_config.json.')
   eos = int(tokenizer.eos_token_id)
   pad = eos if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
   ids = [chat_lib.prompt_ids(tokenizer, p, chat) for p in prompts]
   rows = [x for x in ids for _ in range(num_samples)]
-  tokens, mask = common.left_pad(rows, max(len(x) for x in rows), pad, 'prompt length')
+  tokens, mask = text.left_pad(rows, max(len(x) for x in rows), pad, 'prompt length')
   sampler = sampling.Sampler(max_completion_length=max_new_tokens, eos_id=eos, pad_id=pad)
   generate = sampling.make_generate_fn(graphdef, sampler, greedy=temperature == 0)
   out = generate(params, tokens, mask, jax.random.PRNGKey(seed), max(temperature, 1e-6), top_p)
-  texts = common.decode_completions(tokenizer, out.tokens, out.mask)
+  texts = text.decode_completions(tokenizer, out.tokens, out.mask)
   return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
 
 

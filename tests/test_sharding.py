@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, MeshConfig
 from jaxrl_ga.models import transformer as tfm
@@ -81,10 +82,10 @@ def test_per_host_row_helpers_round_trip():
   # On one process every row is local; the helpers must still place, read back and gather rows
   # exactly as a plain device_put of the global array does, also for a [S, B] layout (axis 1).
   mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
-  rows = sharding.local_indices((8,), sharding.batch_sharding(mesh, 1))
+  rows = placement.local_indices((8,), sharding.batch_sharding(mesh, 1))
   np.testing.assert_array_equal(rows, np.arange(8))
   built = []
-  batch = sharding.shard_rows(lambda r: built.append(list(r)) or
+  batch = placement.shard_rows(lambda r: built.append(list(r)) or
                               {'x': np.arange(8 * 3).reshape(8, 3)[r] * 10}, 8, mesh)
   assert built == [list(range(8))]
   assert batch['x'].sharding.spec == sharding.batch_sharding(mesh, 2).spec
@@ -93,11 +94,11 @@ def test_per_host_row_helpers_round_trip():
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ('data', 'fsdp')))
   # Rows handed over in another order are put where they belong.
   perm = np.array([3, 1, 0, 2, 7, 6, 5, 4])
-  x = sharding.from_local(slab[:, perm], perm, slab.shape, sh, axis=1)
+  x = placement.from_local(slab[:, perm], perm, slab.shape, sh, axis=1)
   np.testing.assert_array_equal(np.asarray(x), slab)
-  idx, vals = sharding.local_part(x, axis=1)
+  idx, vals = placement.local_part(x, axis=1)
   np.testing.assert_array_equal(idx, np.arange(8))
   np.testing.assert_array_equal(vals, slab)
-  np.testing.assert_array_equal(sharding.gather_rows(slab[0][perm], perm, 8, mesh), slab[0])
+  np.testing.assert_array_equal(placement.gather_rows(slab[0][perm], perm, 8, mesh), slab[0])
   with pytest.raises(ValueError, match='its devices hold row'):
-    sharding.from_local(slab[:, :4], np.arange(4), slab.shape, sh, axis=1)
+    placement.from_local(slab[:, :4], np.arange(4), slab.shape, sh, axis=1)

@@ -213,14 +213,12 @@ def hf_tensors(path: str, cfg: transformer.ModelConfig
 def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
                param_dtype: str = 'float32', shardings_fn: Optional[Callable] = None):
   """(cfg, graphdef, params) of a GGUF source; like ``hf.load_model`` (same arguments)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   path = resolve(source)
   cfg = model_config(path, dtype=dtype, param_dtype=param_dtype)
-  graphdef, state = nnx.split(hf._abstract_model(cfg))  # pylint: disable=protected-access
-  shardings = None
-  if shardings_fn is not None:
-    shardings = shardings_fn(nnx.to_pure_dict(state), transformer.logical_axes(state))
+  graphdef, shapes, axes = sharding.abstract_model(cfg)
+  shardings = shardings_fn(shapes, axes) if shardings_fn is not None else None
   get_tensor, available = hf_tensors(path, cfg)
   params = hf.params_from_tensors(get_tensor, available, cfg, source=path, shardings=shardings)
   return cfg, graphdef, params

@@ -36,15 +36,16 @@ from typing import Any, Callable, Optional, Union
 
 from absl import logging
 from flax import nnx
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
 import numpy as np
 import safetensors
 import safetensors.numpy
 import transformers
 
+from jaxrl_ga import placement
 from jaxrl_ga import sharding as shd
 from jaxrl_ga.models import transformer
 
@@ -246,21 +247,6 @@ def _hf_names(path: tuple[str, ...], num_layers: int) -> tuple[list[str], bool]:
   return [name], transposed
 
 
-def _abstract_model(cfg: transformer.ModelConfig) -> transformer.Transformer:
-  """The model with ShapeDtypeStruct params: structure, shapes and metadata, no memory."""
-  return nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
-
-
-def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, prefix + (key,)))
-    else:
-      out[prefix + (key,)] = value
-  return out
-
-
 def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
   out: dict = {}
   for path, value in flat.items():
@@ -311,8 +297,8 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
   is the set of names it can return; ``source`` names them in errors. Shared by the safetensors
   reader above and ``jaxrl_ga.models.gguf`` (which dequantizes GGUF tensors into HF names).
   """
-  expected = _flatten(nnx.to_pure_dict(nnx.state(_abstract_model(cfg))))
-  flat_shardings = _flatten(shardings) if shardings is not None else {}
+  expected = traverse_util.flatten_dict(shd.abstract_model(cfg)[1])
+  flat_shardings = traverse_util.flatten_dict(shardings) if shardings is not None else {}
   names = {path: _hf_names(path, cfg.num_hidden_layers) for path in expected}
 
   wanted = {name for hf_names, _ in names.values() for name in hf_names}
@@ -337,7 +323,7 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
                        f'fit the config, which wants {spec.shape}.')
     host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
     sharding = flat_shardings.get(path)
-    out[path] = shd.put(host, sharding) if sharding is not None else jax.device_put(host)
+    out[path] = placement.put(host, sharding) if sharding is not None else jax.device_put(host)
     del host, layers
   return _unflatten(out)
 
@@ -367,10 +353,8 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
                            shardings_fn=shardings_fn)
   model_dir = _local_dir(path_or_id)
   cfg = model_config_from_hf(model_dir, dtype=dtype, param_dtype=param_dtype)
-  graphdef, state = nnx.split(_abstract_model(cfg))
-  shardings = None
-  if shardings_fn is not None:
-    shardings = shardings_fn(nnx.to_pure_dict(state), transformer.logical_axes(state))
+  graphdef, shapes, axes = shd.abstract_model(cfg)
+  shardings = shardings_fn(shapes, axes) if shardings_fn is not None else None
   return cfg, graphdef, load_params(model_dir, cfg, shardings=shardings)
 
 
@@ -428,12 +412,6 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
   return _HF_CONFIG_CLASSES[arch](**kwargs)
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(x)
-
-
 def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.PathLike], *,
            tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None,
            weights_dtype: Optional[str] = None) -> None:
@@ -456,9 +434,9 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
   np_dtype = jnp.dtype(weights_dtype)  # a numpy dtype; bfloat16 is ml_dtypes'
   config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer)
   tensors = {}
-  for path, value in _flatten(params).items():
+  for path, value in traverse_util.flatten_dict(params).items():
     hf_names, transposed = _hf_names(path, cfg.num_hidden_layers)
-    host = _to_host(value).astype(np_dtype, copy=False)
+    host = placement.to_host(value).astype(np_dtype, copy=False)
     per_name = list(host) if path[0] == 'layers' else [host]
     for name, x in zip(hf_names, per_name):
       tensors[name] = np.ascontiguousarray(x.T if transposed else x)

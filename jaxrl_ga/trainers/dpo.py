@@ -16,34 +16,23 @@ import numpy as np
 from jaxrl_ga import fileio
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import losses
+from jaxrl_ga import placement
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, DPOConfig
+from jaxrl_ga.config import DPOConfig
 from jaxrl_ga.models import transformer as tfm
-from jaxrl_ga.trainers import common
+from jaxrl_ga.trainers import context
+from jaxrl_ga.trainers import evaluation
+from jaxrl_ga.trainers import reporting
+from jaxrl_ga.trainers import stage
+from jaxrl_ga.trainers import text
 
 GENERATION_PROMPTS = 32  # prompts per generation call (fixed shape: one compile)
 _LOG_KEYS = ('loss', 'rewards/accuracies', 'rewards/margins', 'grad_norm')
 
 
-def _rows(ctx, prompt_ids, completion_ids, max_length):
-  """Right-padded prompt+completion(+eos) rows with the loss on the completion."""
-  n = len(prompt_ids)
-  tokens = np.full((n, max_length), ctx.pad_id, np.int32)
-  attn = np.zeros((n, max_length), np.int32)
-  loss = np.zeros((n, max_length), np.int32)
-  for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-    if len(p) + len(c) > max_length:
-      raise ConfigError(f'a DPO sequence of {len(p) + len(c)} tokens exceeds '
-                        f'dpo.max_length={max_length}; raise dpo.max_length.')
-    tokens[i, :len(p) + len(c)] = list(p) + list(c)
-    attn[i, :len(p) + len(c)] = 1
-    loss[i, len(p):len(p) + len(c)] = 1
-  return tokens, attn, loss
-
-
-def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
+def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
   """Samples completions, pairs a correct with an incorrect one per prompt, adds ref log-probs."""
   spp = cfg.samples_per_prompt
   sampler = sampling.Sampler.from_config(cfg.sampling, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
@@ -55,14 +44,14 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
   for start in range(0, len(examples), GENERATION_PROMPTS):
     chunk = examples[start:start + GENERATION_PROMPTS]
     chunk = chunk + [chunk[0]] * (GENERATION_PROMPTS - len(chunk))
-    ids = [common.encode_prompt(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
-    tokens, mask = common.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
+    ids = [text.encode_prompt(ctx.tokenizer, ex.prompt) for ex in chunk for _ in range(spp)]
+    tokens, mask = text.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'dpo.sampling.max_prompt_length')
-    out = generate(params, *sharding.shard_batch((tokens, mask), ctx.mesh),
+    out = generate(params, *placement.shard_batch((tokens, mask), ctx.mesh),
                    jax.random.PRNGKey(seed * 1000 + start), cfg.sampling.temperature,
                    cfg.sampling.top_p)
-    c_tok, c_mask = common.to_host(out.tokens), common.to_host(out.mask)
-    texts = common.decode_completions(ctx.tokenizer, c_tok, c_mask)
+    c_tok, c_mask = placement.to_host(out.tokens), placement.to_host(out.mask)
+    texts = text.decode_completions(ctx.tokenizer, c_tok, c_mask)
     for j, ex in enumerate(chunk[:len(examples[start:start + GENERATION_PROMPTS])]):
       good = bad = None
       for r in range(j * spp, (j + 1) * spp):
@@ -72,30 +61,30 @@ def build_pairs(ctx: common.RunContext, cfg: DPOConfig, params) -> dict[str, np.
         else:
           bad = row if bad is None else bad
       if good is None and bad is not None and cfg.reference_as_chosen:
-        good = common.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
+        good = text.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
       if good is not None and bad is not None:
         chosen.append(good)
         rejected.append(bad)
-        prompts.append(common.encode_prompt(ctx.tokenizer, ex.prompt))
+        prompts.append(text.encode_prompt(ctx.tokenizer, ex.prompt))
   if len(chosen) < cfg.micro_batch_size:
     raise RuntimeError(f'only {len(chosen)} (correct, incorrect) pairs from {cfg.num_prompts} '
                        f'prompts; raise dpo.num_prompts or dpo.samples_per_prompt, or start from '
                        f'a policy whose accuracy is neither 0 nor 1.')
   pairs = {}
   for side, comps in (('chosen', chosen), ('rejected', rejected)):
-    t, a, l = _rows(ctx, prompts, comps, cfg.max_length)
-    pairs.update({f'{side}_tokens': t, f'{side}_attention_mask': a, f'{side}_loss_mask': l})
+    rows = text.right_padded_rows(prompts, comps, cfg.max_length, ctx.pad_id, 'dpo.max_length')
+    pairs.update({f'{side}_{key}': value for key, value in rows.items()})
   # Reference log-probs, once, with the policy at the start of the stage.
   ref_fn = jax.jit(lambda p, t, a, l: learner_lib.sequence_logps(tfm.merge(ctx.graphdef, p), t,
                                                                  a, l)[0])
-  bs = common.round_up(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh))
+  bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(chosen)
   for side in ('chosen', 'rejected'):
     vals = []
     for start in range(0, n, bs):
       idx = np.arange(start, start + bs) % n
       args = [pairs[f'{side}_{k}'][idx] for k in ('tokens', 'attention_mask', 'loss_mask')]
-      vals.append(common.to_host(ref_fn(params, *sharding.shard_batch(args, ctx.mesh))))
+      vals.append(placement.to_host(ref_fn(params, *placement.shard_batch(args, ctx.mesh))))
     pairs[f'ref_{side}_logps'] = np.concatenate(vals)[:n].astype(np.float32)
   return pairs
 
@@ -110,14 +99,14 @@ def _load_or_build_pairs(ctx, cfg, params):
   return pairs
 
 
-def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
+def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='dpo.micro_batch_size')
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
                                 ctx.mesh, ctx.param_shardings,
                                 optimizer_every=cfg.grad_accum_steps)
-  evaluator = common.Evaluator(ctx, cfg.sampling.max_prompt_length)
+  evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)
   n_pairs = len(pairs['ref_chosen_logps'])
   b = cfg.micro_batch_size
@@ -149,34 +138,39 @@ def run_dpo(ctx: common.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[s
     extra = {}
     if cfg.loss.rpo_alpha:
       extra['rpo_scale'] = np.full(b, rpo_scale(position), np.float32)
-    return sharding.shard_rows(
+    return placement.shard_rows(
         lambda rows: {k: v[idx[rows]] for k, v in pairs.items()} |
         {k: v[rows] for k, v in extra.items()}, b, ctx.mesh)
 
   ckpt = ctx.checkpointer('dpo')
   k = cfg.grad_accum_steps
-  state, meta = common.restore(ctx, ckpt, 'dpo', learner.init(params, batch_at(0)), k)
-  if not common.trains_on('dpo', meta, cfg.num_steps, k):
+  state, meta = stage.restore(ctx, ckpt, 'dpo', learner.init(params, batch_at(0)), k)
+  if not stage.trains_on('dpo', meta, cfg.num_steps, k):
     return state.params, meta['summary']
   summary = meta['summary']
   if 'eval/accuracy_before' not in summary:
-    summary['eval/accuracy_before'] = common.evaluate_or_save(
+    summary['eval/accuracy_before'] = stage.evaluate_or_save(
         ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
-    common.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
-                           f'before DPO ({n_pairs} pairs)')
+    reporting.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
+                              f'before DPO ({n_pairs} pairs)')
   summary['dpo/pairs'] = n_pairs
 
-  def step_fn(state, meta):
-    state, out = learner.step(state, batch_at(meta['data_position']))
-    meta['data_position'] += b
-    return state, out, {}
+  with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
+                       log_every=cfg.log_every, log_keys=_LOG_KEYS,
+                       max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
+    while not loop.done:
+      state, out = learner.step(state, batch_at(meta['data_position']))
+      meta['data_position'] += b
+      step = loop.micro_step_done(state, out)
+      if step:  # an optimizer step fired
+        loop.log(step, out, {})
+        loop.save_if_due(step, state)
+      if loop.stop_requested(state):
+        break
 
-  state, _ = common.run_micro_steps(
-      ctx, 'dpo', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
-      step_fn=step_fn, log_keys=_LOG_KEYS,
-      max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite)
-  summary['eval/accuracy_after'] = common.evaluate_or_save(
+  summary['eval/accuracy_after'] = stage.evaluate_or_save(
       ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
-  common.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'], 'after DPO')
-  common.finish(ckpt, state, meta, summary)
+  reporting.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'],
+                            'after DPO')
+  stage.finish(ckpt, state, meta, summary)
   return state.params, summary

@@ -7,83 +7,86 @@ from typing import Any
 import numpy as np
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import placement
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, SFTConfig
-from jaxrl_ga.trainers import common
+from jaxrl_ga.config import SFTConfig
+from jaxrl_ga.trainers import context
+from jaxrl_ga.trainers import evaluation
+from jaxrl_ga.trainers import reporting
+from jaxrl_ga.trainers import stage
+from jaxrl_ga.trainers import text
 
 
-def sft_batch(ctx: common.RunContext, examples, max_length: int) -> dict[str, np.ndarray]:
+def sft_batch(ctx: context.RunContext, examples, max_length: int) -> dict[str, np.ndarray]:
   """Right-padded prompt+completion+eos rows; the loss covers the completion and the eos."""
-  n = len(examples)
-  tokens = np.full((n, max_length), ctx.pad_id, np.int32)
-  attn = np.zeros((n, max_length), np.int32)
-  loss = np.zeros((n, max_length), np.int32)
-  for i, ex in enumerate(examples):
-    p = common.encode_prompt(ctx.tokenizer, ex.prompt)
-    c = common.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
-    if len(p) + len(c) > max_length:
-      raise ConfigError(f'an SFT example of {len(p) + len(c)} tokens exceeds '
-                        f'sft.max_length={max_length}; raise sft.max_length.')
-    tokens[i, :len(p) + len(c)] = p + c
-    attn[i, :len(p) + len(c)] = 1
-    loss[i, len(p):len(p) + len(c)] = 1
-  return {'tokens': tokens, 'attention_mask': attn, 'loss_mask': loss}
+  return text.right_padded_rows(
+      [text.encode_prompt(ctx.tokenizer, ex.prompt) for ex in examples],
+      [text.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id] for ex in examples],
+      max_length, ctx.pad_id, 'sft.max_length')
 
 
-def run_sft(ctx: common.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
+def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='sft.micro_batch_size')
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.sft_task_loss(), cfg.optimizer,
                                 ctx.mesh, ctx.param_shardings,
                                 optimizer_every=cfg.grad_accum_steps)
-  b, seed = cfg.micro_batch_size, ctx.cfg.seed
+  b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
   def batch_at(position):  # each process builds only its own rows
-    return sharding.shard_rows(lambda rows: sft_batch(
+    return placement.shard_rows(lambda rows: sft_batch(
         ctx, [ctx.task.train_example(position + int(i), seed) for i in rows], cfg.max_length),
         b, ctx.mesh)
 
   ckpt = ctx.checkpointer('sft')
-  k = cfg.grad_accum_steps
-  state, meta = common.restore(ctx, ckpt, 'sft', learner.init(params, batch_at(0)), k)
-  if not common.trains_on('sft', meta, cfg.num_steps, k):
+  state, meta = stage.restore(ctx, ckpt, 'sft', learner.init(params, batch_at(0)), k)
+  if not stage.trains_on('sft', meta, cfg.num_steps, k):
     return state.params, meta['summary']
+  evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
+  # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
+  # 7919), checked every probe_every steps; the warm start ends when they are solved.
+  probe = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
+      ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
+      if cfg.target_accuracy else None
 
-  def step_fn(state, meta):
-    state, out = learner.step(state, batch_at(meta['data_position']))
-    meta['data_position'] += b
-    return state, out, {}
+  reached_target = False
+  with stage.StageLoop(ctx, 'sft', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
+                       log_every=cfg.log_every, log_keys=('loss', 'grad_norm'),
+                       eval_every=cfg.eval_every,
+                       max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
+    while not loop.done:
+      state, out = learner.step(state, batch_at(meta['data_position']))
+      meta['data_position'] += b
+      step = loop.micro_step_done(state, out)
+      if step:  # an optimizer step fired
+        loop.log(step, out, {})
+        if loop.eval_due(step):
+          loop.report_eval(step, evaluator.accuracy(state.params))
+        if probe is not None and step % cfg.probe_every == 0:
+          reached_target = _probe_reaches_target(ctx, cfg, probe, step, state.params)
+          if reached_target:
+            break  # finish() below writes the last checkpoint
+        loop.save_if_due(step, state)
+      if loop.stop_requested(state):
+        break
 
-  evaluator = common.Evaluator(ctx, max_prompt_length=cfg.max_length)
-  stop_at_target = None
-  if cfg.target_accuracy:
-    # Training problems from a stream the run never trains on (seed + 7919).
-    probe = common.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
-        ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)])
-
-    def stop_at_target(step, st):
-      if step % cfg.probe_every:
-        return False
-      acc = probe.accuracy(st.params)
-      ctx.writer.write('sft_probe', step, {'accuracy': acc})
-      if acc >= cfg.target_accuracy:
-        print(f'[sft] step {step}: probe accuracy {acc:.3f} >= sft.target_accuracy='
-              f'{cfg.target_accuracy}; warm start done', flush=True)
-        return True
-      return False
-
-  state, ended = common.run_micro_steps(
-      ctx, 'sft', ckpt, state, meta, num_steps=cfg.num_steps, k=k, log_every=cfg.log_every,
-      step_fn=step_fn, log_keys=('loss', 'grad_norm'), eval_every=cfg.eval_every,
-      evaluate=lambda st: evaluator.accuracy(st.params), done_early=stop_at_target,
-      max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite)
-  summary = {'eval/accuracy_after_sft': common.evaluate_or_save(
+  summary = {'eval/accuracy_after_sft': stage.evaluate_or_save(
                  ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params)),
              'sft/optimizer_steps': meta['micro_step'] // k,
-             'sft/stopped_at_target': ended == 'done_early'}
-  common.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
-                         summary['eval/accuracy_after_sft'], 'after SFT')
-  common.finish(ckpt, state, meta, summary)
+             'sft/stopped_at_target': reached_target}
+  reporting.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
+                            summary['eval/accuracy_after_sft'], 'after SFT')
+  stage.finish(ckpt, state, meta, summary)
   return state.params, summary
+
+
+def _probe_reaches_target(ctx, cfg: SFTConfig, probe, step: int, params) -> bool:
+  accuracy = probe.accuracy(params)
+  ctx.writer.write('sft_probe', step, {'accuracy': accuracy})
+  if accuracy < cfg.target_accuracy:
+    return False
+  print(f'[sft] step {step}: probe accuracy {accuracy:.3f} >= sft.target_accuracy='
+        f'{cfg.target_accuracy}; warm start done', flush=True)
+  return True

@@ -238,7 +238,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
   from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import plot as plot_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import common  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import reporting  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo as grpo_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import sft as sft_lib  # pylint: disable=g-import-not-at-top
 
@@ -277,7 +277,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
         contextlib.redirect_stdout(log):
       # The SFT run's mesh, task, tokenizer and model, with the arm's config and directories.
       arm_ctx = dataclasses.replace(ctx, cfg=cfg, workdir=arm_dir,
-                                    writer=common.MetricWriter(arm_dir))
+                                    writer=reporting.MetricWriter(arm_dir))
       trainer = trainer_cls(arm_ctx, cfg.grpo, probe, console, f'seed {seed} {arm}')
       _, summary = trainer.run(jax.device_put(warm_start, ctx.param_shardings))
       arm_ctx.writer.close()

@@ -1,0 +1,109 @@
+"""What a run reports: metrics.jsonl and TensorBoard rows, the progress line, and the held-out
+accuracy lines."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from jaxrl_ga import fileio
+
+
+class MetricWriter:
+  """metrics.jsonl (one object per logged step: phase, step, metrics) and TensorBoard events.
+  Only process 0 writes. The workdir may be a bucket (gs://...)."""
+
+  def __init__(self, workdir: str):
+    self._active = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = None
+    if self._active:
+      fileio.makedirs(workdir)
+      self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
+      self._jsonl = fileio.TextAppender(self._jsonl_path)
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
+
+  def write(self, phase: str, step: int, metrics: dict[str, Any]):
+    if not self._active:
+      return
+    clean = {k: _to_float(v) for k, v in metrics.items()}
+    self._jsonl.write(json.dumps({'phase': phase, 'step': int(step), **clean}) + '\n')
+    for k, v in clean.items():
+      if v is not None:
+        self._tb.add_scalar(f'{phase}/{k}', v, int(step))
+
+  def drop_after(self, stage: str, step: int):
+    """Drops the rows of ``stage`` (and its eval and probe rows) logged after optimizer step
+    ``step``: a run resumed from that step logs them again. (TensorBoard keeps both; its
+    viewer shows the later point.)"""
+    if not self._active:
+      return
+    path = self._jsonl_path
+    self._jsonl.close()  # flushes lines still buffered (a bucket's appender buffers)
+    self._jsonl = None
+    try:
+      if not fileio.exists(path):
+        return
+      phases = {stage, f'{stage}_eval', f'{stage}_probe'}
+      lines = fileio.read_text(path).splitlines(keepends=True)
+      keep = [l for l in lines if not _logged_after(l, phases, step)]
+      if len(keep) != len(lines):
+        fileio.write_text(path, ''.join(keep))
+    finally:
+      self._jsonl = fileio.TextAppender(path)
+    if len(keep) == len(lines):
+      return
+    logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
+                 len(lines) - len(keep), stage, step)
+
+  def close(self):
+    if self._active:
+      self._jsonl.close()
+      self._tb.close()
+
+def _logged_after(line: str, phases: set[str], step: int) -> bool:
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError:
+    return not line.strip()  # a row cut short by a kill goes too
+  return row.get('phase') in phases and int(row.get('step', 0)) > step
+
+def _to_float(v) -> Optional[float]:
+  v = float(np.asarray(v))
+  return v if np.isfinite(v) else None
+
+class Progress:
+  """A progress line with rate and ETA, printed by process 0 at most every ``min_interval`` s."""
+
+  def __init__(self, phase: str, total: int, start: int = 0, min_interval: float = 2.0):
+    self.phase, self.total, self.start = phase, total, start
+    self.t0 = time.time()
+    self.min_interval = min_interval
+    self._last = 0.0
+
+  def update(self, done: int, extra: str = '', force: bool = False):
+    now = time.time()
+    if jax.process_index() != 0 or (not force and now - self._last < self.min_interval):
+      return
+    self._last = now
+    rate = (now - self.t0) / max(done - self.start, 1)
+    eta = rate * (self.total - done)
+    print(f'[{self.phase}] {done}/{self.total} ({100 * done / max(self.total, 1):.0f}%) '
+          f'{rate:.2f} s/step, ETA {_fmt_s(eta)}{"  " + extra if extra else ""}', flush=True)
+
+def _fmt_s(s: float) -> str:
+  s = int(round(s))
+  return f'{s // 60}m{s % 60:02d}s' if s >= 60 else f'{s}s'
+
+def fmt_metrics(m: dict[str, Any], keys: Sequence[str]) -> str:
+  return '  '.join(f'{k} {float(np.asarray(m[k])):.4g}' for k in keys if k in m)
+
+def report_accuracy(ctx, stage: str, step: int, accuracy: float, when: str):
+  ctx.writer.write(f'{stage}_eval', step, {'accuracy': accuracy})
+  print(f'[{stage}] held-out accuracy {when}: {accuracy:.3f}', flush=True)

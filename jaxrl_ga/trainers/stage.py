@@ -1,0 +1,288 @@
+"""A stage's life around its own training loop: restore or start, the bookkeeping of each
+micro-step (``StageLoop``: logging, periodic evaluation, checkpoints, non-finite windows, a clean
+stop on SIGTERM), the final evaluation and the finished checkpoint.
+
+Each stage module (``sft``, ``grpo``, ``dpo``) writes its loop itself, top to bottom::
+
+    state, meta = stage.restore(ctx, ckpt, 'grpo', fresh_state, k)
+    with stage.StageLoop(ctx, 'grpo', ckpt, meta, ...) as loop:
+      while not loop.done:
+        ...                                  # rollout when due, micro-batch, learner step
+        step = loop.micro_step_done(state, out)  # the optimizer step that fired, or 0
+        if step:
+          loop.log(step, out, host_metrics)
+          if loop.eval_due(step):
+            loop.report_eval(step, evaluator.accuracy(params))
+          loop.save_if_due(step, state)
+        if loop.stop_requested(state):       # SIGTERM: saves, raises Preempted
+          break
+    accuracy = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
+    stage.finish(ckpt, state, meta, summary)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from absl import logging
+import jax
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga.config import ConfigError, RunConfig
+from jaxrl_ga.trainers import reporting
+
+
+class NonFiniteError(RuntimeError):
+  """Too many optimizer-step windows in a row had a non-finite gradient."""
+
+
+def fresh_meta() -> dict[str, Any]:
+  """Host-side progress saved with every checkpoint."""
+  return {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
+
+
+def restore(ctx, ckpt, stage: str, state, k: int) -> tuple[Any, dict[str, Any]]:
+  """The latest readable checkpoint of the stage onto ``state``'s shardings, or (state, fresh
+  meta). Metrics rows the run logged after that checkpoint are dropped from metrics.jsonl, so a
+  resumed run logs each step once."""
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  restored = ckpt.restore_latest(abstract)
+  if restored is None:
+    ctx.writer.drop_after(stage, 0)
+    return state, fresh_meta()
+  meta = restored[1]
+  if not meta['done']:
+    print(f'[{stage}] resumed at micro-step {meta["micro_step"]} (optimizer step '
+          f'{meta["micro_step"] // k}) from {ckpt.directory}', flush=True)
+  logging.info('%s: resumed at micro-step %d', stage, meta['micro_step'])
+  ctx.writer.drop_after(stage, meta['micro_step'] // k)
+  return restored
+
+
+def trains_on(stage: str, meta: dict[str, Any], num_steps: int, k: int) -> bool:
+  """Whether a restored stage has work left: False for a finished stage (it is skipped), True
+  for an unfinished one or for a finished one whose num_steps was raised since (it trains on, as
+  one longer run would; a stage ended by its target accuracy stays finished)."""
+  if not meta['done']:
+    return True
+  done_steps = meta['micro_step'] // k
+  if meta['summary'].get(f'{stage}/stopped_at_target') or num_steps <= done_steps:
+    print(f'[{stage}] already finished ({done_steps} optimizer steps); skipping', flush=True)
+    return False
+  print(f'[{stage}] finished at step {done_steps}; {stage}.num_steps={num_steps}: training on',
+        flush=True)
+  meta['done'] = False
+  return True
+
+
+def check_resume(ctx) -> None:
+  """Before any stage runs or compiles: every stage checkpoint of the workdir fits this run.
+
+  Raises ConfigError (one line naming each changed setting, old and new value) if a checkpoint
+  was written with settings that change what its state means, if an unfinished stage has
+  trained past its num_steps, or if a finished stage's num_steps was raised after a later stage
+  started from its result.
+  """
+  cfg = ctx.cfg
+  records = {}
+  for stage in cfg.stages:
+    ckpt = ctx.checkpointer(stage)
+    try:
+      record = ckpt.latest_record()
+      if record is not None:
+        step, fingerprint, meta = record
+        try:
+          ckpt.check_fingerprint(step, fingerprint)
+        except checkpoint.CheckpointMismatchError as e:
+          raise ConfigError(str(e)) from None
+        records[stage] = meta
+    finally:
+      ckpt.close()
+  for i, stage in enumerate(cfg.stages):
+    if stage not in records:
+      continue
+    meta, k = records[stage], optimizer_every(cfg, stage)
+    steps, num_steps = meta['micro_step'] // k, getattr(cfg, stage).num_steps
+    if not meta['done'] and meta['micro_step'] > num_steps * k:
+      raise ConfigError(
+          f'{stage}.num_steps={num_steps}, but the {stage} checkpoint in {ctx.workdir} is at '
+          f'optimizer step {steps}; set {stage}.num_steps to {steps} or more, or use a fresh '
+          f'--workdir.')
+    later = [s for s in cfg.stages[i + 1:] if s in records]
+    if (meta['done'] and num_steps > steps and later
+        and not meta['summary'].get(f'{stage}/stopped_at_target')):
+      raise ConfigError(
+          f'{stage}.num_steps={num_steps}, but {stage} finished at step {steps} and {later[0]} '
+          f'has already trained from that result; set {stage}.num_steps back to {steps}, or '
+          f'use a fresh --workdir to train a longer {stage}.')
+
+
+def optimizer_every(cfg: RunConfig, stage: str) -> int:
+  """K of a stage: micro-steps per optimizer step."""
+  if stage == 'grpo':
+    return cfg.grpo.schedule.optimizer_every
+  return getattr(cfg, stage).grad_accum_steps
+
+
+# -- the loop's bookkeeping ---------------------------------------------------------------------
+class StageLoop:
+  """The bookkeeping between a stage's micro-steps, called by name from the stage's own loop.
+
+  A context manager: inside it SIGTERM/SIGINT set a flag (``ctx.guard``, or a guard of its
+  own), never kill a step half-way. On the way out: after a normal end, the last window's
+  finiteness is checked; after a Preempted, the stop's checkpoint is written; on every way out,
+  errors included, the checkpoint writes already started are finished first.
+
+  ``meta['micro_step']`` is the progress (saved with every checkpoint); ``micro_step_done``
+  advances it. The non-finite status of a window is fetched one optimizer step late, so the host
+  never waits for the device; a checkpoint is written only after a finite window.
+  """
+
+  def __init__(self, ctx, stage: str, ckpt, meta: dict[str, Any], *, num_steps: int,
+               optimizer_every: int, log_every: int, log_keys: Sequence[str],
+               max_consecutive_nonfinite: int, eval_every: int = 0,
+               stop_at_micro_step: Optional[int] = None):
+    self.ctx, self.stage, self.ckpt, self.meta = ctx, stage, ckpt, meta
+    self.num_steps, self.k = num_steps, optimizer_every
+    self.log_every, self.log_keys, self.eval_every = log_every, log_keys, eval_every
+    self.max_consecutive_nonfinite = max_consecutive_nonfinite
+    self.stop_at_micro_step = stop_at_micro_step  # the test hook of an interrupted run
+    self.stopped = False  # stop_at_micro_step was reached (checkpointed)
+    self._progress = reporting.Progress(stage, num_steps, start=meta['micro_step'] // self.k)
+    self._every = ctx.cfg.checkpoint.every_steps
+    self._own_guard = ctx.guard is None
+    self._guard = checkpoint.PreemptionGuard() if self._own_guard else ctx.guard
+    self._pending = None  # (optimizer step, its device-side count of non-finite windows)
+    self._last_saved = None
+    self._state = None  # the state after the last counted micro-step
+
+  @property
+  def micro_step(self) -> int:
+    return self.meta['micro_step']
+
+  @property
+  def done(self) -> bool:
+    """All ``num_steps`` optimizer steps are done."""
+    return self.micro_step >= self.num_steps * self.k
+
+  def __enter__(self) -> 'StageLoop':
+    if self._own_guard:
+      self._guard.__enter__()
+    return self
+
+  def micro_step_done(self, state, out: dict[str, Any]) -> int:
+    """Counts the micro-step that produced ``state`` (what a stop checkpoints) and learner
+    outputs ``out``. -> the optimizer step (1-based) that fired after it, or 0. Raises
+    NonFiniteError when the previous window made ``max_consecutive_nonfinite`` skipped windows
+    in a row."""
+    self._state = state
+    self.meta['micro_step'] += 1
+    if self.micro_step % self.k:
+      return 0
+    step = self.micro_step // self.k
+    if self._pending is not None:
+      _check_finite(self.stage, self._pending, self.max_consecutive_nonfinite)
+    self._pending = (step, out['nonfinite_consecutive'])
+    return step
+
+  def log(self, step: int, out: dict[str, Any], host_metrics: dict[str, Any]) -> None:
+    """Every ``log_every`` steps and at the last: the window's metrics to metrics.jsonl and
+    TensorBoard, and the progress line."""
+    if step % self.log_every and step != self.num_steps:
+      return
+    metrics = jax.device_get(out) | host_metrics
+    metrics.pop('stepped', None)
+    self.ctx.writer.write(self.stage, step, metrics)
+    self._progress.update(step, reporting.fmt_metrics(metrics, self.log_keys), force=True)
+
+  def eval_due(self, step: int) -> bool:
+    return bool(self.eval_every) and step % self.eval_every == 0 and step < self.num_steps
+
+  def report_eval(self, step: int, accuracy: float) -> None:
+    reporting.report_accuracy(self.ctx, self.stage, step, accuracy, f'at step {step}')
+
+  def save_if_due(self, step: int, state) -> None:
+    """Every ``checkpoint.every_steps`` optimizer steps (not the last: ``finish`` writes it),
+    unless the window just ended was not finite (it is checked at the next step)."""
+    if (self._every and step % self._every == 0 and step < self.num_steps
+        and int(self._pending[1]) == 0):
+      self._save(state)
+
+  def stop_requested(self, state) -> bool:
+    """After a SIGTERM/SIGINT (agreed by every process): checkpoints and raises
+    checkpoint.Preempted. At ``stop_at_micro_step``: checkpoints and returns True."""
+    stop = self._guard.should_stop_at(self.micro_step)
+    if not stop and self.micro_step != self.stop_at_micro_step:
+      return False
+    self._save(state)
+    self.ckpt.wait()
+    if stop:
+      raise checkpoint.Preempted(self.stage, self.micro_step, self._guard.signal_received)
+    self.stopped = True
+    return True
+
+  def _save(self, state) -> None:
+    if self._last_saved != self.micro_step:
+      self.ckpt.save(self.micro_step, state, self.meta)
+      self._last_saved = self.micro_step
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    try:
+      if exc_type is None and not self.stopped and self._pending is not None:
+        _check_finite(self.stage, self._pending, self.max_consecutive_nonfinite)
+      elif (exc_type is not None and issubclass(exc_type, checkpoint.Preempted)
+            and self._state is not None):  # e.g. a SIGTERM during a periodic evaluation
+        self._save(self._state)
+        self.ckpt.wait()
+    finally:
+      try:
+        if self._own_guard:
+          self._guard.__exit__(exc_type, exc, tb)
+      finally:
+        wait_quietly(self.ckpt)
+
+
+def _check_finite(stage: str, pending, limit: int) -> None:
+  step, consecutive = pending
+  consecutive = int(consecutive)
+  if consecutive:
+    logging.warning('%s: the gradient of optimizer step %d was not finite; the window was '
+                    'skipped (%d in a row)', stage, step, consecutive)
+  if consecutive >= limit:
+    raise NonFiniteError(
+        f'{stage}: {consecutive} optimizer-step windows in a row had a non-finite gradient (the '
+        f'last at step {step}); stopping. The last checkpoint is from before them. Lower '
+        f'{stage}.optimizer.learning_rate, check the data, or raise '
+        f'{stage}.optimizer.max_consecutive_nonfinite.')
+
+
+def wait_quietly(ckpt) -> None:
+  """Finishes the checkpoint writes in flight; on an error path, a failing write is logged
+  instead of hiding the error that is on its way out."""
+  try:
+    ckpt.wait()
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('a checkpoint write failed')
+
+
+def evaluate_or_save(ctx, ckpt, state, meta: dict[str, Any], evaluate) -> float:
+  """``evaluate(state)`` at the end of a stage; a stop requested meanwhile checkpoints the
+  stage (not marked done: a re-run evaluates again and finishes) and raises Preempted."""
+  try:
+    accuracy = evaluate(state)
+    if ctx.guard is not None and ctx.guard.should_stop:
+      raise checkpoint.Preempted('', meta['micro_step'], ctx.guard.signal_received)
+    return accuracy
+  except checkpoint.Preempted as e:
+    if ckpt.latest_step() != meta['micro_step']:
+      ckpt.save(meta['micro_step'], state, meta)
+    ckpt.wait()
+    raise checkpoint.Preempted(ckpt.directory.name, meta['micro_step'], e.signum) from None
+
+
+def finish(ckpt, state, meta: dict[str, Any], summary: dict[str, Any]) -> None:
+  """The stage's last checkpoint, marked done with its summary (a re-run skips the stage)."""
+  meta.update(done=True, summary=summary)
+  ckpt.save(meta['micro_step'], state, meta, replace=True)
+  ckpt.wait()
