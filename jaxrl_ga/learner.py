@@ -17,6 +17,12 @@ unchanged and ``total_notfinite`` counts them. Metrics are accumulated in the st
 is the last; with ``lazy_inner=True`` (default) a ``lax.cond`` runs it, and the param update, only
 when an optimizer step fires, keeping MultiSteps' state and semantics bit for bit (measured in
 benchmarks/multisteps_overhead.py).
+
+LoRA (``frozen_shardings``): the state's params are the trainable ones only (the adapters,
+``jaxrl_ga.lora.split``); the frozen rest (the base weights) is an argument of every step, never
+donated nor part of the state (so never in a checkpoint), and the model is
+``transformer.merge(graphdef, params, frozen)``. Gradients, the accumulator and AdamW's moments
+exist for the trainable params only; the accumulation is exact in the same way.
 """
 
 from __future__ import annotations
@@ -269,12 +275,17 @@ class Learner:
     learner = Learner(graphdef, task_loss, opt_cfg, mesh, param_shardings, optimizer_every=k)
     state = learner.init(params, example_batch)
     state, out = learner.step(state, batch)   # one micro-batch; out['stepped'] tells if it fired
+
+  LoRA: ``param_shardings`` are the adapters', ``frozen_shardings`` the base weights'; ``init``,
+  ``abstract_init`` and ``step`` then take the base params as a third argument ``frozen``.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, task_loss: TaskLoss, opt_cfg: OptimizerConfig,
                mesh, param_shardings, *, optimizer_every: int, lr_scale: float = 1.0,
-               align_diagnostic: bool = False, lazy_inner: bool = True):
+               align_diagnostic: bool = False, lazy_inner: bool = True,
+               frozen_shardings: Any = None):
     self.graphdef = graphdef
+    self.frozen_shardings = frozen_shardings
     self.task_loss = task_loss
     self.mesh = mesh
     self.param_shardings = param_shardings
@@ -286,30 +297,37 @@ class Learner:
     self._state_shardings = None
     self._step = None
 
-  # The loss of one micro-batch at `params`, and (optionally) its split by advantage sign.
-  def _terms(self, params, batch):
-    return self.task_loss(tfm.merge(self.graphdef, params), batch)
+  # The loss of one micro-batch at `params` (with the frozen params, if any), and (optionally)
+  # its split by advantage sign. Gradients are taken with respect to `params` only.
+  def _terms(self, params, batch, frozen=None):
+    return self.task_loss(tfm.merge(self.graphdef, params, frozen), batch)
 
-  def _grads(self, params, batch):
+  def _grads(self, params, batch, frozen=None):
     def numerator(p, b):
-      terms = self._terms(p, b)
+      terms = self._terms(p, b, frozen)
       return terms.numerator, terms
     return jax.value_and_grad(numerator, has_aux=True)(params, batch)
 
-  def init(self, params, example_batch) -> TrainState:
-    init_fn = self._setup(params, example_batch)
+  def _check_frozen(self, frozen) -> None:
+    if (frozen is None) != (self.frozen_shardings is None):
+      raise ValueError('pass the frozen params exactly when the Learner was built with '
+                       'frozen_shardings (LoRA: the base weights).')
+
+  def init(self, params, example_batch, frozen=None) -> TrainState:
+    init_fn = self._setup(params, example_batch, frozen)
     return jax.jit(init_fn, out_shardings=self._state_shardings)(params)
 
-  def abstract_init(self, params, example_batch) -> TrainState:
+  def abstract_init(self, params, example_batch, frozen=None) -> TrainState:
     """As ``init`` without computing anything: ``params`` may be ShapeDtypeStructs. -> the state
     as ShapeDtypeStructs with their shardings (for ``step_fn.lower``; see jaxrl_ga.plan)."""
-    init_fn = self._setup(params, example_batch)
+    init_fn = self._setup(params, example_batch, frozen)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         jax.eval_shape(init_fn, params), self._state_shardings)
 
-  def _setup(self, params, example_batch):
+  def _setup(self, params, example_batch, frozen=None):
     """The state's shardings and the jitted micro-step; -> the state's init function."""
-    terms_shape = jax.eval_shape(self._terms, params, example_batch)
+    self._check_frozen(frozen)
+    terms_shape = jax.eval_shape(self._terms, params, example_batch, frozen)
 
     def init_fn(params):
       f32 = lambda p: jnp.zeros(p.shape, jnp.float32)
@@ -329,24 +347,33 @@ class Learner:
         micro_step=rep, params=self.param_shardings, opt_state=opt_shardings,
         window=jax.tree.map(lambda _: rep, abstract.window),
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
+    frozen_in = () if self.frozen_shardings is None else (self.frozen_shardings,)
     self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
-                         in_shardings=(self._state_shardings, None),
+                         in_shardings=(self._state_shardings, None, *frozen_in),
                          out_shardings=(self._state_shardings, None), donate_argnums=(0,))
     return init_fn
 
-  def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+  def step(self, state: TrainState, batch: dict, frozen=None) -> tuple[TrainState, dict]:
     """Consumes one micro-batch (global arrays, batch-sharded). Returns (state, outputs):
     outputs['stepped'] is True when an optimizer step fired after this micro-step; then the other
-    entries are the exact window metrics of that step (device scalars; fetch when stepped)."""
-    return self._step(state, batch)
+    entries are the exact window metrics of that step (device scalars; fetch when stepped).
+    ``frozen``: the frozen params (LoRA's base weights), read, never donated."""
+    self._check_frozen(frozen)
+    return self._step(state, batch) if frozen is None else self._step(state, batch, frozen)
 
   @property
   def step_fn(self):
     """The jitted micro-step (for compile counting and AOT inspection)."""
     return self._step
 
-  def _micro_step(self, state: TrainState, batch: dict):
-    (_, terms), grads = self._grads(state.params, batch)
+  @property
+  def traced_step(self):
+    """The micro-step before ``jax.jit`` (what ``step_fn`` compiles), for a caller that traces
+    it itself: e.g. FLOP counts with the layer scan unrolled (benchmarks/learner.py)."""
+    return self._micro_step
+
+  def _micro_step(self, state: TrainState, batch: dict, frozen=None):
+    (_, terms), grads = self._grads(state.params, batch, frozen)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     window = losses.combine(state.window, terms)
     emit = state.opt_state.mini_step == self.k - 1
@@ -367,7 +394,7 @@ class Learner:
 
     align = state.align
     if self.align_diagnostic:
-      align, align_out = self._alignment(state, batch, denom, emit)
+      align, align_out = self._alignment(state, batch, denom, emit, frozen)
       out.update(align_out)
 
     reset = lambda x, zero: jnp.where(emit, zero, x)
@@ -376,7 +403,7 @@ class Learner:
                            window=window, align=align)
     return new_state, out
 
-  def _alignment(self, state: TrainState, batch: dict, denom, emit):
+  def _alignment(self, state: TrainState, batch: dict, denom, emit, frozen=None):
     """Gradients of the positive- and negative-advantage samples, accumulated over the window;
     at the optimizer step their dot product and cosine (the diagnostic of the blog post "The
     Implicit Bias of Gradient Accumulation in RLHF"; docs/design, "Implicit bias"). A window with
@@ -385,7 +412,7 @@ class Learner:
     parts = []
     for keep in (adv > 0, adv < 0):
       sub = dict(batch, completion_mask=batch['completion_mask'] * keep[:, None])
-      (_, _), g = self._grads(state.params, sub)
+      (_, _), g = self._grads(state.params, sub, frozen)
       parts.append(g)
     g_pos = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.align[0], parts[0])
     g_neg = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.align[1], parts[1])

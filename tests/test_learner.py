@@ -77,21 +77,30 @@ def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
   return jnp.sum(m * per_tok) / (n_seq * TC)
 
 
-def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt_steps):
+def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt_steps,
+              model=MODEL, trainable=None, keep=None):
   """Drives the learner through the schedule with table-driven old log-probs; checks every
-  optimizer step against the one-pass reference. Returns the max relative errors."""
+  optimizer step against the one-pass reference. Returns the max relative errors.
+
+  ``trainable(params, shardings)`` -> ((params, frozen), (shardings, frozen shardings)): train
+  part of the params (LoRA: the adapters, tests/test_lora.py); ``keep`` (a dict) receives the
+  final state and the frozen params."""
   mesh = _mesh(mesh_shape)
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  graphdef, params, shardings = sharding.init_params(model, seed=0, mesh=mesh)
+  frozen = frozen_sh = None
+  if trainable is not None:
+    (params, frozen), (shardings, frozen_sh) = trainable(params, shardings)
   task = learner_lib.grpo_task_loss(loss_cfg, TC)
   lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
-                            optimizer_every=sched.optimizer_every)
+                            optimizer_every=sched.optimizer_every, frozen_shardings=frozen_sh)
   table = schedule.build_table(sched)
   rng = np.random.default_rng(1)
   bsh = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))
   old_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
-      tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
-      b['completion_mask'])[0])
-  ref_grad_fn = jax.jit(jax.grad(lambda p, b: _ref_grpo_window_loss(graphdef, p, b, loss_cfg)))
+      tfm.merge(graphdef, p, frozen), b['prompt_tokens'], b['prompt_mask'],
+      b['completion_tokens'], b['completion_mask'])[0])
+  ref_loss_fn = lambda p, b: _ref_grpo_window_loss(graphdef, tfm.combine(p, frozen), b, loss_cfg)
+  ref_grad_fn = jax.jit(jax.grad(ref_loss_fn))
   ref_opt = optax.chain(optax.clip_by_global_norm(OPT.max_grad_norm),
                         optax.adamw(OPT.learning_rate, b1=OPT.b1, b2=OPT.b2, eps=OPT.eps,
                                     weight_decay=OPT.weight_decay))
@@ -116,12 +125,12 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
     assert (s // k != gen_version) <= bool(mb['has_old'][0])
     mb = {kk: bsh(v) for kk, v in mb.items()}
     if state is None:
-      state = lrn.init(params, mb)
+      state = lrn.init(params, mb, frozen)
     if s % k == 0:
       theta = jax.device_get(state.params)
       window = []
     window.append(mb)
-    state, out = lrn.step(state, mb)
+    state, out = lrn.step(state, mb, frozen)
     assert bool(out['stepped']) == ((s + 1) % k == 0)
     if (s + 1) % k == 0:
       full = {kk: np.concatenate([np.asarray(w[kk]) for w in window]) for kk in window[0]}
@@ -134,8 +143,10 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
       want_delta = jax.tree.map(lambda a, b: np.asarray(a) - b, want, theta)
       param_errs.append(_rel_err(delta, want_delta))
       # The window's loss metric is the one-pass window loss.
-      ref_loss = _ref_grpo_window_loss(graphdef, theta, full, loss_cfg)
+      ref_loss = ref_loss_fn(theta, full)
       np.testing.assert_allclose(float(out['loss']), float(ref_loss), rtol=1e-5, atol=1e-7)
+  if keep is not None:
+    keep.update(state=state, frozen=frozen)
   return max(grad_errs), max(param_errs)
 
 

@@ -19,6 +19,14 @@ too (``activation_batch``, ``activation_length``, ``activation_embed``, ``activa
 over the data-parallel axes (fsdp included) and fsdp gathers weights instead of sharding the
 activations' hidden dimension; outside it (one device, tests) the constraints are no-ops.
 
+LoRA (``cfg.lora.rank`` > 0; Hu et al. 2021, arXiv:2106.09685): each targeted projection W [L, in,
+out] gets float32 adapters ``<name>_lora_a`` [L, in, r] (PEFT's init: uniform +-1/sqrt(in)) and
+``<name>_lora_b`` [L, r, out] (zeros), ``nnx.LoRAParam`` variables with logical axes (``layers``,
+W's input axis or None, W's output axis), and the layer computes ``x @ W + (x @ A) @ B * alpha /
+r``, PEFT's LoRA forward. ``nnx.LoRA`` computes the same for one unstacked [in, out] weight; the
+layer scan here runs on stacked arrays, so the adapters are stacked arrays beside W. Inside
+``adapters_disabled()`` (at trace time) the layers skip the adapters: the base model exactly.
+
 Memory knobs of the training forward (``hidden(..., remat=)``): ``REMAT_POLICIES``, a
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
 'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
@@ -71,6 +79,20 @@ def constrain(x: jax.Array, *axes: Optional[str]) -> jax.Array:
 
 
 _unroll_flag = [False]
+_adapters_off = [False]
+
+
+@contextlib.contextmanager
+def adapters_disabled():
+  """While active (at trace time), the layers skip their LoRA adapters: the frozen base model
+  (the reference policy of a LoRA run: no second copy of the weights). Enter it inside the
+  function being traced: a jitted function traced outside it keeps its adapters."""
+  prev = _adapters_off[0]
+  _adapters_off[0] = True
+  try:
+    yield
+  finally:
+    _adapters_off[0] = prev
 
 
 @contextlib.contextmanager
@@ -201,6 +223,24 @@ class DecoderStack(nnx.Module):
     self.up_proj = weight((d, f), ('embed', 'mlp'))
     self.down_proj = weight((f, d), ('mlp', 'embed'))
 
+  def add_adapters(self, lora, rngs: nnx.Rngs):
+    """LoRA adapters (float32 nnx.LoRAParams) on the targeted projections. Called after every
+    base weight is drawn, so that the base weights do not depend on the LoRA settings."""
+    n_layers = self.q_proj.shape[0]
+    if lora.rank:
+      # PEFT's lora_A init, kaiming_uniform(a=sqrt(5)): uniform(+-1/sqrt(in)); per layer (axis 0).
+      init_a = jax.nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform', batch_axis=(0,))
+      for target in lora.targets:
+        w = getattr(self, f'{target}_proj')
+        _, w_in, w_out = tuple(w.get_metadata()['logical_axes'])
+        _, n_in, n_out = w.shape
+        setattr(self, f'{target}_proj_lora_a', nnx.LoRAParam(
+            init_a(rngs.params(), (n_layers, n_in, lora.rank), jnp.float32),
+            logical_axes=('layers', w_in, None)))
+        setattr(self, f'{target}_proj_lora_b', nnx.LoRAParam(
+            jnp.zeros((n_layers, lora.rank, n_out), jnp.float32),
+            logical_axes=('layers', None, w_out)))
+
   def arrays(self) -> dict[str, jax.Array]:
     return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
@@ -213,10 +253,15 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   b, t, _ = h.shape
   hs = cfg.head_size
 
-  def proj(x, name):
+  def proj(x, name):  # x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r)
     y = x @ p[name].astype(dt)
     bias = p.get(name.replace('proj', 'bias'))
-    return y if bias is None else y + bias.astype(dt)
+    y = y if bias is None else y + bias.astype(dt)
+    a = p.get(f'{name}_lora_a')
+    if a is None or _adapters_off[0]:
+      return y
+    scale = jnp.asarray(cfg.lora.alpha / cfg.lora.rank, dt)
+    return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
 
   heads = ('activation_batch', 'activation_length', 'activation_heads', None)
   x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps)
@@ -236,11 +281,11 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   attn = attn.reshape(b, t, -1)
   embed = ('activation_batch', 'activation_length', 'activation_embed')
   mlp = ('activation_batch', 'activation_length', 'activation_mlp')
-  h = constrain(h + attn @ p['o_proj'].astype(dt), *embed)
+  h = constrain(h + proj(attn, 'o_proj'), *embed)
   x = _rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps)
-  gate = constrain(x @ p['gate_proj'].astype(dt), *mlp)
-  up = constrain(x @ p['up_proj'].astype(dt), *mlp)
-  h = constrain(h + (jax.nn.silu(gate) * up) @ p['down_proj'].astype(dt), *embed)
+  gate = constrain(proj(x, 'gate_proj'), *mlp)
+  up = constrain(proj(x, 'up_proj'), *mlp)
+  h = constrain(h + proj(jax.nn.silu(gate) * up, 'down_proj'), *embed)
   return h, new_kv
 
 
@@ -259,6 +304,7 @@ class Transformer(nnx.Module):
       self.lm_head = nnx.Param(
           nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt),
           logical_axes=('embed', 'vocab'))
+    self.layers.add_adapters(cfg.lora, rngs)
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
@@ -387,6 +433,24 @@ def split(model: Transformer) -> tuple[nnx.GraphDef, dict]:
   return graphdef, nnx.to_pure_dict(state)
 
 
-def merge(graphdef: nnx.GraphDef, params: dict) -> Transformer:
-  """Rebuilds the module from a graphdef and a params dict (works on tracers inside jit)."""
-  return nnx.merge(graphdef, params)
+def combine(*trees: Optional[dict]) -> dict:
+  """The union of nested params dicts with disjoint leaves (e.g. a LoRA model's frozen base
+  params and its adapters, ``jaxrl_ga.lora.split``); None entries are skipped. No array is
+  copied."""
+  out: dict = {}
+  for tree in trees:
+    for key, value in (tree or {}).items():
+      if isinstance(value, dict) and isinstance(out.get(key), dict):
+        out[key] = combine(out[key], value)
+      elif key in out:
+        raise ValueError(f'combine: {key!r} is in two of the params trees.')
+      else:
+        out[key] = value
+  return out
+
+
+def merge(graphdef: nnx.GraphDef, params: dict, *more: Optional[dict]) -> Transformer:
+  """Rebuilds the module from a graphdef and a params dict, or several disjoint ones (a LoRA
+  model's base params and adapters; see ``combine``). Works on tracers inside jit."""
+  more = [m for m in more if m is not None]
+  return nnx.merge(graphdef, combine(params, *more) if more else params)

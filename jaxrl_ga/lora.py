@@ -1,0 +1,145 @@
+"""LoRA: the adapters of a ``model.lora.rank`` > 0 model, apart from its frozen base weights.
+
+The model (``models/transformer.py``) holds both: its params pure dict has, beside each targeted
+``layers/<t>_proj`` [L, in, out], the float32 ``nnx.LoRAParam`` arrays ``layers/<t>_proj_lora_a``
+[L, in, r] and ``layers/<t>_proj_lora_b`` [L, r, out]. ``split`` separates the two (params,
+ShapeDtypeStructs, shardings or logical axes alike) and ``transformer.merge(graphdef, base,
+adapters)`` rebuilds the model from both, copying nothing. The learner trains the adapters only
+(``Learner(..., frozen_shardings=)``): its state, optimizer moments, MultiSteps accumulator and
+checkpoints hold no base weight.
+
+Export: ``merged`` folds the adapters into the base weights, W + (alpha / r) A @ B in float32 (an
+HF directory of the plain architecture, ``jaxrl_ga.export``); ``save_peft`` writes the adapters
+alone in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``; PEFT's
+``LoraLayer``: delta W = scaling * lora_B.weight @ lora_A.weight with torch's [out, in] weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_ga.config import LoRAConfig
+from jaxrl_ga.models import transformer as tfm
+
+_SUFFIXES = ('_lora_a', '_lora_b')
+
+
+def is_adapter(key: str) -> bool:
+  return key.endswith(_SUFFIXES)
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+  """(adapters, base) of a params-shaped nested dict: the ``*_lora_a`` / ``*_lora_b`` leaves and
+  all the others (``transformer.combine`` / ``merge`` put them back together)."""
+  adapters, base = {}, {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      a, b = split(value)
+      if a:
+        adapters[key] = a
+      if b:
+        base[key] = b
+    else:
+      (adapters if is_adapter(key) else base)[key] = value
+  return adapters, base
+
+
+def base_config(cfg: tfm.ModelConfig) -> tfm.ModelConfig:
+  """``cfg`` without adapters (the architecture an HF export of the merged weights has)."""
+  return dataclasses.replace(cfg, lora=LoRAConfig())
+
+
+def with_lora(cfg: tfm.ModelConfig, lora: LoRAConfig) -> tfm.ModelConfig:
+  return dataclasses.replace(cfg, lora=lora)
+
+
+def init_adapters(cfg: tfm.ModelConfig, seed: int, shardings=None) -> dict:
+  """The adapters of a fresh ``cfg`` model (A random, B zero), born with ``shardings`` (the
+  adapters' part of the model's, or None). The base weights' initialization is dead code in the
+  jitted function: XLA computes and allocates none of it."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  def init():
+    return split(tfm.split(tfm.Transformer(cfg, rngs=nnx.Rngs(seed)))[1])[0]
+
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def merged(params: dict, cfg: tfm.ModelConfig) -> tuple[dict, tfm.ModelConfig]:
+  """(params with every adapter folded into its base weight, ``base_config(cfg)``):
+  W' = W + (alpha / r) A @ B per layer, computed in float32 and stored in W's dtype. ``params``:
+  base and adapters together (``transformer.combine``). Without adapters: (params, cfg)."""
+  if not cfg.lora.rank:
+    return params, cfg
+  adapters, base = split(params)
+  layers = dict(base['layers'])
+  scale = cfg.lora.alpha / cfg.lora.rank
+  fold = jax.jit(lambda w, a, b: (w.astype(jnp.float32) + scale * jnp.einsum(
+      'lir,lro->lio', a.astype(jnp.float32), b.astype(jnp.float32),
+      precision=jax.lax.Precision.HIGHEST)).astype(w.dtype))
+  for target in cfg.lora.targets:
+    name = f'{target}_proj'
+    layers[name] = fold(layers[name], adapters['layers'][f'{name}_lora_a'],
+                        adapters['layers'][f'{name}_lora_b'])
+  return dict(base, layers=layers), base_config(cfg)
+
+
+# PEFT module names of our targets (transformers' Qwen2/Llama modules).
+_PEFT_MODULES = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
+                 'o': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj',
+                 'down': 'mlp.down_proj'}
+
+
+def peft_tensors(adapters: dict, cfg: tfm.ModelConfig) -> dict[str, np.ndarray]:
+  """The adapters as PEFT names them in adapter_model.safetensors, float32 host arrays:
+  ``base_model.model.model.layers.{i}.<module>.lora_A.weight`` [r, in] (our A transposed) and
+  ``...lora_B.weight`` [out, r] (B transposed)."""
+  out = {}
+  for target in cfg.lora.targets:
+    a = np.asarray(_gather(adapters['layers'][f'{target}_proj_lora_a']), np.float32)
+    b = np.asarray(_gather(adapters['layers'][f'{target}_proj_lora_b']), np.float32)
+    for i in range(cfg.num_hidden_layers):
+      prefix = f'base_model.model.model.layers.{i}.{_PEFT_MODULES[target]}'
+      out[f'{prefix}.lora_A.weight'] = np.ascontiguousarray(a[i].T)
+      out[f'{prefix}.lora_B.weight'] = np.ascontiguousarray(b[i].T)
+  return out
+
+
+def peft_config(cfg: tfm.ModelConfig, base_model: Optional[str] = None) -> dict[str, Any]:
+  """PEFT's adapter_config.json for ``cfg.lora`` (a LoraConfig; keys as PEFT writes them)."""
+  return {
+      'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'base_model_name_or_path': base_model,
+      'r': cfg.lora.rank, 'lora_alpha': cfg.lora.alpha, 'lora_dropout': cfg.lora.dropout,
+      'target_modules': sorted(f'{t}_proj' for t in cfg.lora.targets), 'bias': 'none',
+      'fan_in_fan_out': False, 'use_rslora': False, 'use_dora': False,
+      'init_lora_weights': True, 'inference_mode': True, 'modules_to_save': None,
+  }
+
+
+def save_peft(adapters: dict, cfg: tfm.ModelConfig, out_dir: str,
+              base_model: Optional[str] = None) -> None:
+  """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's file layout; load
+  with ``peft.PeftModel.from_pretrained(base, out_dir)``). Only process 0 writes."""
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+  tensors = peft_tensors(adapters, cfg)
+  if jax.process_index() != 0:
+    return
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'adapter_config.json'), 'w') as f:
+    json.dump(peft_config(cfg, base_model), f, indent=2)
+  safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'adapter_model.safetensors'),
+                              metadata={'format': 'pt'})
+
+
+def _gather(x):
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)

@@ -1,0 +1,180 @@
+"""LoRA (jaxrl_ga.lora, model.lora.*): the adapters' forward against an independently merged
+float64 weight, the base model exactly when the adapters are off or zero, exact accumulation of
+the adapter update (the one-pass reference of tests/test_learner.py, on the adapter params only),
+and the merged HF export / PEFT files reloading with the LoRA model's logits.
+"""
+
+import dataclasses
+import json
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+from jaxrl_ga import lora
+from jaxrl_ga import sharding
+from jaxrl_ga.config import ConfigError, GRPOLossConfig, LoRAConfig, RunConfig, ScheduleConfig
+from jaxrl_ga.config import from_mapping, default_config_dict
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+from test_learner import MODEL, _run_grpo
+
+LORA = LoRAConfig(rank=4, alpha=8.0, targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'))
+FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'qwen2_tiny')
+
+
+def _random_b(adapters, seed=1, std=0.05):
+  """Adapters with B drawn at random (B = 0 at init would leave A's gradient zero)."""
+  leaves, tree = jax.tree.flatten_with_path(adapters)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = [x + std * jax.random.normal(k, x.shape, x.dtype) if path[-1].key.endswith('_lora_b')
+         else x for (path, x), k in zip(leaves, keys)]
+  return jax.tree.unflatten(tree, out)
+
+
+def _tokens(n=3, t=9, vocab=MODEL.vocab_size, seed=0):
+  rng = np.random.default_rng(seed)
+  mask = (np.arange(t)[None] >= rng.integers(0, 3, (n, 1))).astype(np.int32)  # left padding
+  return jnp.asarray(rng.integers(0, vocab, (n, t)).astype(np.int32) * mask), jnp.asarray(mask)
+
+
+def test_config_errors_name_the_setting():
+  d = default_config_dict().to_dict()
+  for key, value, words in [('rank', -1, 'model.lora.rank'), ('targets', 'q,qkv', 'targets'),
+                            ('dropout', 0.1, 'model.lora.dropout=0'),
+                            ('alpha', 0.0, 'model.lora.alpha')]:
+    bad = json.loads(json.dumps(d))
+    bad['model']['lora'][key] = value
+    with pytest.raises(ConfigError, match=words):
+      from_mapping(RunConfig, bad)
+  d['model']['lora'].update(rank=8, targets='q,v')
+  assert from_mapping(RunConfig, d).model.architecture_config(10).lora == LoRAConfig(
+      rank=8, targets=('q', 'v'))
+
+
+def test_adapters_off_or_zero_is_the_base_model_bitwise():
+  base_g, base_p = tfm.split(tfm.Transformer(MODEL, rngs=nnx.Rngs(0)))
+  cfg = lora.with_lora(MODEL, LORA)
+  g, p = tfm.split(tfm.Transformer(cfg, rngs=nnx.Rngs(0)))
+  adapters, frozen = lora.split(p)
+  # the base weights do not depend on the LoRA settings; adapters are float32 LoRAParams
+  jax.tree.map(np.testing.assert_array_equal, frozen, base_p)
+  assert len(jax.tree.leaves(adapters)) == 2 * len(LORA.targets)
+  assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype('float32')}
+  tokens, mask = _tokens()
+  base = jax.jit(lambda p: tfm.merge(base_g, p)(tokens, mask))(base_p)
+
+  def logits(p, off=False):
+    if off:
+      with tfm.adapters_disabled():
+        return tfm.merge(g, p)(tokens, mask)
+    return tfm.merge(g, p)(tokens, mask)
+
+  f, f_off = jax.jit(logits), jax.jit(lambda p: logits(p, off=True))
+  np.testing.assert_array_equal(f(p), base)  # B = 0 at init
+  trained = tfm.combine(frozen, _random_b(adapters))
+  assert np.abs(np.asarray(f(trained)) - np.asarray(base)).max() > 1e-3  # adapters act
+  np.testing.assert_array_equal(f_off(trained), base)  # disabled: the base model, bitwise
+
+
+def test_adapter_forward_equals_float64_merged_weights():
+  """The LoRA model's full forward and its prefill/decode (the sampler's path) equal the plain
+  model whose weights are W + alpha/r * A @ B, merged here in float64 with numpy."""
+  cfg = lora.with_lora(MODEL, dataclasses.replace(LORA, targets=('q', 'v', 'o', 'down')))
+  g, p = tfm.split(tfm.Transformer(cfg, rngs=nnx.Rngs(0)))
+  adapters, frozen = lora.split(p)
+  adapters = _random_b(adapters, std=0.2)
+  merged = jax.tree.map(np.asarray, frozen)
+  for t in cfg.lora.targets:
+    a = np.asarray(adapters['layers'][f'{t}_proj_lora_a'], np.float64)
+    b = np.asarray(adapters['layers'][f'{t}_proj_lora_b'], np.float64)
+    w = merged['layers'][f'{t}_proj'].astype(np.float64) + cfg.lora.alpha / cfg.lora.rank * (
+        np.einsum('lir,lro->lio', a, b))
+    merged['layers'][f'{t}_proj'] = w.astype(np.float32)
+  base_g = tfm.split(tfm.Transformer(MODEL, rngs=nnx.Rngs(0)))[0]
+  tokens, mask = _tokens()
+  want = tfm.merge(base_g, merged)(tokens, mask)
+  model = tfm.merge(g, frozen, adapters)
+  np.testing.assert_allclose(model(tokens, mask), want, rtol=0, atol=2e-5)
+  first, cache = model.prefill(tokens, mask, cache_length=tokens.shape[1] + 1)
+  np.testing.assert_allclose(first, want[:, -1], rtol=0, atol=2e-5)
+  nxt, _ = model.decode(jnp.argmax(first, -1), cache)
+  full = tfm.merge(base_g, merged)(jnp.concatenate([tokens, jnp.argmax(first, -1)[:, None]], 1),
+                                   jnp.concatenate([mask, jnp.ones_like(mask[:, :1])], 1))
+  np.testing.assert_allclose(nxt, full[:, -1], rtol=0, atol=2e-5)
+
+
+def _adapters_of(params, shardings):
+  """The learner trains the adapters (B drawn at random: B = 0 leaves A's gradient zero)."""
+  (adapters, base), (a_sh, base_sh) = lora.split(params), lora.split(shardings)
+  return (jax.device_put(_random_b(adapters), a_sh), base), (a_sh, base_sh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mesh,base_dtype', [((1, 1, 1), 'bfloat16'), ((2, 2, 2), 'float32')])
+def test_accumulated_adapter_update_is_exact(mesh, base_dtype, compile_log):
+  """On 1 device with the base stored in bfloat16, on 8 (data, fsdp, tensor = 2, 2, 2) in
+  float32; the adapters, their accumulator and AdamW moments are float32 either way."""
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         grad_accum_steps=3)  # a window spans two rollouts
+  model = lora.with_lora(dataclasses.replace(MODEL, param_dtype=base_dtype), LORA)
+  keep = {}
+  grad_err, upd_err = _run_grpo(sched, GRPOLossConfig(aggregation='token'), mesh, n_opt_steps=2,
+                                model=model, trainable=_adapters_of, keep=keep)
+  state, base = keep['state'], keep['frozen']
+  assert compile_log.count('_micro_step') == 1
+  assert grad_err <= 1e-5 and upd_err <= 1e-5, (grad_err, upd_err)
+  # The state (params, AdamW moments, MultiSteps accumulator) holds the adapters only.
+  adapter_keys = {f'{t}_proj_lora_{ab}' for t in LORA.targets for ab in 'ab'}
+  assert set(state.params) == {'layers'} and set(state.params['layers']) == adapter_keys
+  for tree in (state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu'),
+               optax.tree.get(state.opt_state, 'nu')):
+    assert jax.tree.structure(tree) == jax.tree.structure(state.params)
+  # Bytes: params, accumulator, mu and nu of the adapters, and scalars (counters, window sums).
+  adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+  other = sum(x.nbytes for x in jax.tree.leaves(state)) - 4 * adapter_bytes
+  assert 0 <= other < 1024, other
+  assert not {x.shape for x in jax.tree.leaves(base)} & {x.shape for x in jax.tree.leaves(state)}
+  assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(base_dtype)}
+  for tree in (state.params, state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu')):
+    assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype('float32')}
+
+
+def test_merged_export_reloads_with_the_lora_logits_and_peft_files(tmp_path):
+  """A real HF base (the Qwen2 fixture) with trained-like adapters: the merged HF directory,
+  reloaded by the loader, gives the LoRA model's logits (float32 merge: |diff| <= 1e-5 on logits
+  of size ~1; the unmerged model rounds x@W + (x@A)@B differently); PEFT's files hold
+  delta W = alpha/r * lora_B.weight @ lora_A.weight (PEFT's LoraLayer, torch's [out, in])."""
+  base_cfg, base_g, base = hf.load_model(FIXTURE)
+  cfg = lora.with_lora(base_cfg, LORA)
+  graphdef = sharding.abstract_model(cfg)[0]
+  adapters = _random_b(lora.init_adapters(cfg, seed=3), std=0.3)
+  tokens, mask = _tokens(vocab=cfg.vocab_size)
+  want = np.asarray(tfm.merge(graphdef, base, adapters)(tokens, mask))
+  merged, out_cfg = lora.merged(tfm.combine(base, adapters), cfg)
+  assert out_cfg == base_cfg
+  hf.export(merged, out_cfg, tmp_path / 'hf')
+  re_cfg, re_g, re_params = hf.load_model(tmp_path / 'hf')
+  got = np.asarray(tfm.merge(re_g, re_params)(tokens, mask))
+  assert np.abs(want - np.asarray(tfm.merge(base_g, base)(tokens, mask))).max() > 1e-2
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+  lora.save_peft(adapters, cfg, tmp_path / 'peft', base_model='qwen2_tiny')
+  conf = json.load(open(tmp_path / 'peft' / 'adapter_config.json'))
+  assert conf['peft_type'] == 'LORA' and conf['r'] == 4 and conf['lora_alpha'] == 8.0
+  tensors = safetensors.numpy.load_file(tmp_path / 'peft' / 'adapter_model.safetensors')
+  assert len(tensors) == 2 * len(LORA.targets) * cfg.num_hidden_layers
+  hf_base = safetensors.numpy.load_file(os.path.join(FIXTURE, 'model.safetensors'))
+  hf_merged = safetensors.numpy.load_file(tmp_path / 'hf' / 'model.safetensors')
+  scaling = conf['lora_alpha'] / conf['r']
+  for name in ('self_attn.q_proj', 'mlp.down_proj'):
+    prefix = f'model.layers.1.{name}'
+    a = tensors[f'base_model.model.{prefix}.lora_A.weight'].astype(np.float64)
+    b = tensors[f'base_model.model.{prefix}.lora_B.weight'].astype(np.float64)
+    np.testing.assert_allclose(hf_base[f'{prefix}.weight'] + scaling * b @ a,
+                               hf_merged[f'{prefix}.weight'], rtol=0, atol=1e-6)
