@@ -192,6 +192,9 @@ class Checkpointer:
       multihost_utils.sync_global_devices(name)
 
   def all_steps(self) -> list[int]:
+    """The steps this checkpointer's orbax manager knows, a save in flight included (the
+    module-level ``all_steps(directory)`` reads complete ones from the directory, for readers
+    that hold no manager: export, sample)."""
     return sorted(self._manager.all_steps())
 
   def latest_step(self) -> Optional[int]:
