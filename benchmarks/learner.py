@@ -269,7 +269,7 @@ def run_size(size: Size, mesh) -> dict:
   flops = {
       'model_fwd_bwd': counts['total'], 'model_fwd': counts['forward_total'],
       'model_breakdown': counts,
-      'xla_step': xla_flops(lrn._micro_step, state, batches[0]),  # pylint: disable=protected-access
+      'xla_step': xla_flops(lrn.traced_step, state, batches[0]),
       'xla_fwd': xla_flops(loss_fn, fixed_params, batches[0]),
       'xla_fwd_bwd': xla_flops(jax.value_and_grad(loss_fn), fixed_params, batches[0]),
       'matmul_chain': chain_flops, 'peak': peak_flops,
