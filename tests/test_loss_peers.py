@@ -320,6 +320,7 @@ def _ref_grpo_on_policy(cfg):
   return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('aggregation', ['sequence', 'constant'])
 def test_learner_grpo_with_empty_rows_is_exact(aggregation):
   cfg = GRPOLossConfig(aggregation=aggregation)
@@ -363,6 +364,7 @@ def _ref_dpo_peer(cfg):
   return ref
 
 
+@pytest.mark.slow
 def test_learner_dpo_peer_losses_are_exact():
   # The three changed DPO definitions in one learner run: IPO length-normalized, RPO's window
   # token mean, open-instruct's micro-batch weighting (its value depends on the micro-batches,

@@ -14,6 +14,9 @@ import threading
 import time
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # two-process runs: tens of seconds each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, 'tests', 'multihost_worker.py')

@@ -16,6 +16,7 @@ import sys
 
 import nbclient
 import nbformat
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, 'notebooks', 'colab_demo.ipynb')
@@ -104,6 +105,7 @@ def test_notebook_is_stored_without_outputs():
   assert len(tagged) == 1 and 'SMOKE = False' in tagged[0].source
 
 
+@pytest.mark.slow
 def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   _inject(nb, _smoke_parameters(str(tmp_path / 'work')))

@@ -92,6 +92,7 @@ def _tpu_config(**model):
   return from_mapping(RunConfig, c.to_dict())
 
 
+@pytest.mark.slow
 def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   _libtpu()
   plan.quiet_libtpu_env()

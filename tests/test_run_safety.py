@@ -87,6 +87,7 @@ def test_a_misspelled_override_is_one_line_with_status_2(tmp_path):
   assert 'Traceback' not in done.stderr and 'Compiling' not in done.stderr
 
 
+@pytest.mark.slow
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path):
   workdir = tmp_path / 'run'
   shutil.copytree(finished_run, workdir)

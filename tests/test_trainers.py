@@ -29,6 +29,7 @@ def _env():
   return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['sft_arith', 'grpo_arith', 'dpo_arith'])
 def test_each_config_runs_end_to_end(name, tmp_path):
   summary = main_lib.run(_smoke(name), str(tmp_path))
@@ -70,6 +71,7 @@ def test_each_config_runs_end_to_end(name, tmp_path):
       assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
 
 
+@pytest.mark.slow
 def test_grpo_resume_is_bitwise_exact(tmp_path):
   """Stopped after optimizer step 1 (micro-step 3: the middle of rollout 1, K=3, S=2) and again
   one micro-step into the next window, then resumed: same params as an uninterrupted run, and
@@ -100,6 +102,7 @@ def test_grpo_resume_is_bitwise_exact(tmp_path):
       if r['phase'] == 'grpo']
 
 
+@pytest.mark.slow
 def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
   """A finished 2-step GRPO stage re-run with num_steps=4 trains on: the same params as one
   4-step run, bit for bit; a finished stage with the same num_steps is skipped."""
@@ -131,6 +134,7 @@ def _cli(workdir, *overrides, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path):
   first = _cli(tmp_path, '--config.grpo.num_steps=2')
   assert first.returncode == 0, first.stderr[-3000:]
@@ -146,6 +150,7 @@ def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path):
   assert '[grpo] already finished (2 optimizer steps); skipping' in ok.stdout
 
 
+@pytest.mark.slow
 def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
   """The reward function raises at the rollout right after the step-1 checkpoint started writing
   (in the background); the process dies of the error. The save must still land, and a re-run
@@ -180,6 +185,7 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
   assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in resumed.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_a_restorable_checkpoint(tmp_path):
   cmd = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
          f'--workdir={tmp_path}', '--config.stages=grpo', '--config.grpo.num_steps=400',
@@ -227,6 +233,7 @@ def test_run_config_names_unknown_settings():
     from_mapping(RunConfig, {'grpo': {'schedule': {'grad_acum_steps': 3}}})
 
 
+@pytest.mark.slow
 def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path):
   """on_rollout gets each rollout (its micro-step, buffer, group-centered advantages, the learner
   that trains on it, times); on_micro_step gets each learner step."""
