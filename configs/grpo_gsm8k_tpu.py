@@ -80,6 +80,11 @@ MODELS = {
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         rope_theta=500000.0, attention_bias=False, tie_word_embeddings=False,
         max_position_embeddings=131072)),
+    'llama3.2-1b': ('meta-llama/Llama-3.2-1B-Instruct', dict(
+        architecture='llama', vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rope_theta=500000.0, attention_bias=False, tie_word_embeddings=True,
+        max_position_embeddings=131072)),
 }
 
 # arg -> (model, mesh data, mesh fsdp, B, S, K, num_steps, remat, logprob_chunk_size)
@@ -88,7 +93,12 @@ _SHAPES = {
     'v4-32': ('qwen2.5-0.5b', 4, 4, 64, 4, 6, 150, 'full', 128),
     'qwen1.5b-v5e-8': ('qwen2.5-1.5b', 1, 8, 16, 8, 12, 300, 'full', 128),
     'llama8b-v5p-8': ('llama3.1-8b', 1, 4, 16, 8, 12, 300, 'full', 128),
+    # LoRA (model.lora): the base weights frozen in bfloat16, rank-64 adapters on every
+    # projection trained in float32 (README, "LoRA").
+    'lora-llama8b-v5e-8': ('llama3.1-8b', 1, 8, 16, 8, 12, 300, 'full', 128),
+    'lora-llama1b-v5e-1': ('llama3.2-1b', 1, 1, 8, 8, 12, 300, 'full', 128),
 }
+LORA = dict(rank=64, alpha=64.0, targets='q,k,v,o,gate,up,down')
 
 
 def get_config(arg: str = 'v5e-8'):
@@ -116,5 +126,10 @@ def get_config(arg: str = 'v5e-8'):
   c.grpo.optimizer.update(learning_rate=1e-6, lr_schedule='constant', warmup_steps=0,
                           weight_decay=0.0, max_grad_norm=1.0)
   c.eval.update(num_examples=0, batch_size=128, max_completion_length=512)
+  if arg.startswith('lora-'):
+    c.model.lora.update(**LORA)
+    c.model.param_dtype = 'bfloat16'  # the frozen base; adapters and AdamW stay float32
+    c.grpo.optimizer.learning_rate = 1e-5
+    c.eval.batch_size = 64
   c.checkpoint.update(every_steps=25, max_to_keep=2)
   return c

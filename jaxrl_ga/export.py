@@ -7,6 +7,12 @@ r"""Exports a trained policy from a checkpoint to a Hugging Face model directory
 config comes from the checkpoint; the tokenizer (its chat template included) from --tokenizer, or
 WORKDIR/tokenizer when the checkpoint lies in WORKDIR/checkpoints/<stage>.
 The output loads with transformers.AutoModelForCausalLM.from_pretrained(out).
+
+LoRA checkpoints (model.lora.rank > 0) hold the adapters only: the base weights are rebuilt as
+the run built them (model.hf_path's weights, or the seed's initialization; both in the
+fingerprint) and the adapters merged into them (W + alpha/r A @ B in float32; jaxrl_ga.lora), so
+--out is a plain HF model. --adapter_out also writes the adapters alone in PEFT's layout
+(adapter_config.json + adapter_model.safetensors).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ def _define_flags():
                       'WORKDIR/tokenizer next to the checkpoints).')
   flags.DEFINE_enum('weights_dtype', None, ['float32', 'bfloat16'],
                     'dtype of the written tensors (default: the params dtype).')
+  flags.DEFINE_string('adapter_out', None, 'LoRA checkpoints: also write the adapters alone '
+                      'to this directory in PEFT\'s layout (adapter_config.json, '
+                      'adapter_model.safetensors).')
   flags.DEFINE_bool('overwrite', False, 'Replace --out when it is a non-empty directory (the '
                     'whole directory: no file of an earlier export is left behind).')
   flags.mark_flags_as_required(['checkpoint', 'out'])
@@ -39,6 +48,9 @@ def model_config_from_dict(d: dict):
   d = dict(d)
   if d.get('rope_scaling'):
     d['rope_scaling'] = tfm.RopeScaling(**d['rope_scaling'])
+  if d.get('lora'):
+    from jaxrl_ga.config import LoRAConfig  # pylint: disable=g-import-not-at-top
+    d['lora'] = LoRAConfig(**d['lora'])
   fields = {f.name for f in dataclasses.fields(tfm.ModelConfig)}
   return tfm.ModelConfig(**{k: v for k, v in d.items() if k in fields})
 
@@ -76,11 +88,37 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
                      f'by jaxrl_ga.main?')
   cfg = model_config_from_dict(fingerprint['model'])
   params = state['learner']['params'] if 'learner' in state else state['params']
+  if cfg.lora.rank:  # the adapters only: on the base weights the run started from
+    from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+    params = tfm.combine(base_params(cfg, fingerprint), params)
   tokenizer = None
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
   if tokenizer_path or os.path.isdir(tok_path):
     tokenizer = hf.load_tokenizer(tok_path)
   return cfg, params, tokenizer, f'{path}/{step}'
+
+
+def base_params(cfg, fingerprint: dict) -> dict:
+  """The frozen base weights of a LoRA run, rebuilt as the run built them
+  (trainers/context.build_model): model.hf_path's weights, or the seed's initialization."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  if fingerprint.get('model_source'):
+    return hf.load_model(fingerprint['model_source'], dtype=cfg.dtype,
+                         param_dtype=cfg.param_dtype)[2]
+  # The adapters are drawn after every base weight: the base model of the same seed.
+  return tfm.split(tfm.Transformer(lora.base_config(cfg),
+                                   rngs=nnx.Rngs(fingerprint['seed'])))[1]
+
+
+def _model_source(step_dir: str) -> str | None:
+  """model.hf_path of the run that wrote checkpoint ``step_dir`` (DIR/STEP), or None."""
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir)).read_record(
+      int(os.path.basename(step_dir)))
+  return fingerprint.get('model_source') or None
 
 
 def check_out_dir(out_dir: str, overwrite: bool = False) -> None:
@@ -93,8 +131,10 @@ def check_out_dir(out_dir: str, overwrite: bool = False) -> None:
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | None = None,
-                      weights_dtype: str | None = None, overwrite: bool = False) -> str:
-  """Writes the HF directory; returns the checkpoint step directory it read.
+                      weights_dtype: str | None = None, overwrite: bool = False,
+                      adapter_out: str | None = None) -> str:
+  """Writes the HF directory (LoRA: the merged weights; ``adapter_out``: PEFT's adapter files
+  too); returns the checkpoint step directory it read.
 
   The model is written into a new sibling directory that then takes ``out_dir``'s place, so a
   replaced export leaves no stale file (an old shard index would win over the new weights) and
@@ -102,10 +142,19 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   """
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   out_dir = os.path.abspath(out_dir)
   check_out_dir(out_dir, overwrite)
+  if adapter_out:
+    check_out_dir(adapter_out, overwrite)
   cfg, params, tokenizer, src = load_checkpoint(checkpoint_dir, tokenizer_path)
+  if adapter_out and not cfg.lora.rank:
+    raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
+  if cfg.lora.rank:
+    if adapter_out:
+      lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
+    params, cfg = lora.merged(params, cfg)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
@@ -135,7 +184,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
   try:
-    src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite)
+    src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite,
+                            f.adapter_out)
   except (FileNotFoundError, ValueError, PermissionError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

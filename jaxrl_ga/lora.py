@@ -51,6 +51,12 @@ def split(tree: dict) -> tuple[dict, dict]:
   return adapters, base
 
 
+def partition(tree: dict, cfg: tfm.ModelConfig) -> tuple[dict, Optional[dict]]:
+  """(trained, frozen) parts of a params-shaped tree for the learner: (adapters, base) with LoRA,
+  else (tree, None) (full fine-tuning)."""
+  return split(tree) if cfg.lora.rank else (tree, None)
+
+
 def base_config(cfg: tfm.ModelConfig) -> tfm.ModelConfig:
   """``cfg`` without adapters (the architecture an HF export of the merged weights has)."""
   return dataclasses.replace(cfg, lora=LoRAConfig())

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -92,6 +93,9 @@ def topology_devices(topology: str, num_slices: int = 1):
         'v4', 'v5', 'v5p') else {}
     if num_slices > 1:
       kwargs['num_slices'] = num_slices
+    dims = [int(x) for x in topology.split(':')[1].split('x')]
+    if math.prod(dims) < 4:  # fewer chips than libtpu's default host (2x2x1), e.g. v5e:1x1
+      kwargs['chips_per_host_bounds'] = tuple(dims) + (1,) * (3 - len(dims))
     desc = topologies.get_topology_desc(platform='tpu', topology_name=topology, **kwargs)
   except Exception as e:  # pylint: disable=broad-except
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -112,7 +116,19 @@ def forward_flops(m, rows: int, t_q: int, t_kv: int, logit_positions: int) -> fl
   dense = 2 * d * (q_dim + 2 * kv_dim) + 2 * q_dim * d + 3 * 2 * d * f  # per token, per layer
   attention = 2 * 2 * t_kv * q_dim  # scores and the probabilities' product, per token, layer
   return float(rows) * (t_q * m.num_hidden_layers * (dense + attention)
-                        + logit_positions * 2 * d * v)
+                        + logit_positions * 2 * d * v) + lora_flops(m, rows * t_q)
+
+
+def lora_flops(m, tokens: int) -> float:
+  """Flops of the LoRA adapters' (x @ A) @ B over ``tokens`` positions, all layers (0 without)."""
+  r = m.lora.rank
+  if not r:
+    return 0.0
+  d, f = m.hidden_size, m.intermediate_size
+  q_dim, kv_dim = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+  sizes = {'q': d + q_dim, 'k': d + kv_dim, 'v': d + kv_dim, 'o': q_dim + d, 'gate': d + f,
+           'up': d + f, 'down': f + d}
+  return float(tokens) * m.num_hidden_layers * sum(2 * r * sizes[t] for t in m.lora.targets)
 
 
 def attention_flops(m, rows: int, t_q: int, t_kv: int) -> float:
@@ -130,10 +146,15 @@ def param_count(m) -> int:
 
 def learner_flops(m, rows: int, tp: int, tc: int, remat: str, chunk: int) -> tuple[float, float]:
   """(flops executed, model flops) of one micro-step over ``rows`` sequences: forward plus a
-  backward of twice its matmuls, plus what remat and log-prob chunking recompute."""
+  backward of twice its matmuls, plus what remat and log-prob chunking recompute. With LoRA the
+  frozen weights get no gradient: the backward computes their matmuls' input gradients only
+  (once more the forward's dense matmuls; the weightless attention products still twice), and
+  the adapters' twice."""
   t = tp + tc
   fwd = forward_flops(m, rows, t, t, tc)
   model = 3 * fwd
+  if m.lora.rank:
+    model = 2 * fwd + attention_flops(m, rows, t, t) + lora_flops(m, rows * t)
   head = forward_flops(m, rows, 0, 0, tc)
   extra = 0.0
   if remat == 'full':
@@ -204,6 +225,7 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
 
   remat = cfg.model.remat if remat is None else remat
@@ -216,7 +238,8 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   pshard = sharding.param_shardings(shapes, axes, mesh)
   params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         shapes, pshard)
-  ref = params if g.loss.beta > 0 else None
+  # LoRA: the reference is the policy with its adapters disabled (no ref_params).
+  ref = params if g.loss.beta > 0 and not model_cfg.lora.rank else None
   table = schedule.build_table(sched)
   engine = rollout_lib.RolloutEngine(
       graphdef, table, g.sampling, g.loss, mesh, pshard, eos_id=0,
@@ -228,15 +251,18 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   learner = None
   if 'learner' in steps:
     example = engine.abstract_micro_batch(params, ref)
+    # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
+    (trained, frozen), (t_shard, f_shard) = (lora.partition(params, model_cfg),
+                                             lora.partition(pshard, model_cfg))
     lrn = learner_lib.Learner(
         graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                              g.sampling.temperature, remat=remat,
                                              logprob_chunk_size=chunk),
-        g.optimizer, mesh, pshard, optimizer_every=sched.optimizer_every,
+        g.optimizer, mesh, t_shard, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
-        align_diagnostic=g.align_diagnostic)
-    state = lrn.abstract_init(params, example)
-    learner = lrn.step_fn.lower(state, example)
+        align_diagnostic=g.align_diagnostic, frozen_shardings=f_shard)
+    state = lrn.abstract_init(trained, example, frozen)
+    learner = lrn.step_fn.lower(state, example, *([] if frozen is None else [frozen]))
   marks = int(table.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
   b = sched.micro_batch_size
@@ -306,7 +332,7 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                       'include grpo in --config.stages.')
   devices = devices or topology_devices(topology, num_slices)
   chip = chip_spec(devices)
-  m = model_config(cfg, hf_config)
+  m = dataclasses.replace(model_config(cfg, hf_config), lora=cfg.model.lora)
   steps = lower_grpo(cfg, m, devices)
   n = len(devices)
   hosts = len({d.process_index for d in devices})
@@ -354,7 +380,10 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
       'model': {'params': param_count(m), 'layers': m.num_hidden_layers,
                 'hidden_size': m.hidden_size, 'vocab_size': m.vocab_size,
                 'dtype': m.dtype, 'param_dtype': m.param_dtype,
-                'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size},
+                'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size,
+                'lora': None if not m.lora.rank else {
+                    'rank': m.lora.rank, 'alpha': m.lora.alpha, 'targets': list(m.lora.targets),
+                    'trainable_params': int(lora_flops(m, 1) / 2)}},
       'optimizer_step_seconds_estimate': opt_seconds,
       'mfu_estimate': (micro_per_opt * lr['model_flops'] + rollouts_per_opt * r['model_flops'])
                       / (opt_seconds * chip['peak_flops']),
@@ -409,7 +438,12 @@ def render_text(rep: dict[str, Any]) -> str:
   lines = [f'topology {rep["topology"]}: {rep["chips"]} x {rep["chip"]} on {rep["hosts"]} '
            f'host(s), {rep["slices"]} slice(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
            f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}, '
-           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}', '']
+           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}'
+           + ('' if not rep['model']['lora'] else
+              f'; LoRA rank {rep["model"]["lora"]["rank"]} on '
+              f'{",".join(rep["model"]["lora"]["targets"])}: '
+              f'{rep["model"]["lora"]["trainable_params"] / 1e6:.1f}M trained params, '
+              f'base weights {rep["model"]["param_dtype"]}, frozen'), '']
   for name, s in rep['steps'].items():
     status = 'fits' if s['fits'] else ('DOES NOT FIT' if s['compiled'] else
                                        'REJECTED by the compiler')

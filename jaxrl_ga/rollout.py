@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import lora
 from jaxrl_ga import sampling
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
@@ -69,6 +70,9 @@ class RolloutEngine:
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
     self.use_ref = loss_cfg.beta > 0
+    # LoRA (adapters among the params): the reference is the policy with its adapters disabled,
+    # the frozen base weights themselves; the step takes no ref_params (pass None).
+    self.ref_is_base = self.use_ref and bool(lora.split(param_shardings)[0])
     self.table = table
     self.mesh = mesh
     self.mask_truncated = mask_truncated_completions
@@ -84,7 +88,8 @@ class RolloutEngine:
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
     self._step = jax.jit(
         sharding.with_activation_sharding(self._rollout, mesh),
-        in_shardings=(param_shardings, param_shardings if self.use_ref else None,
+        in_shardings=(param_shardings,
+                      param_shardings if self.use_ref and not self.ref_is_base else None,
                       self._state_shardings, self._buffer_shardings.prompt_tokens,
                       self._buffer_shardings.prompt_mask),
         out_shardings=(self._buffer_shardings, self._state_shardings, rep))
@@ -214,8 +219,10 @@ class RolloutEngine:
 
     ref = None
     if self.use_ref:
-      ref_model = tfm.merge(self.graphdef, ref_params)
-      ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs), (p_tok, p_mask, c_tok, c_mask))
+      ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
+      with tfm.adapters_disabled():  # a no-op without LoRA adapters
+        ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs),
+                          (p_tok, p_mask, c_tok, c_mask))
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     weight = (c_mask * marks[:, None, None]).astype(jnp.float32)

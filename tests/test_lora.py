@@ -178,3 +178,52 @@ def test_merged_export_reloads_with_the_lora_logits_and_peft_files(tmp_path):
     b = tensors[f'base_model.model.{prefix}.lora_B.weight'].astype(np.float64)
     np.testing.assert_allclose(hf_base[f'{prefix}.weight'] + scaling * b @ a,
                                hf_merged[f'{prefix}.weight'], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
+  """A GRPO run with model.lora (beta > 0: the reference is the base, adapters disabled): its
+  checkpoint stores the adapters (params, accumulator, AdamW moments) and no base weight; a
+  resume with another model.lora is refused before anything runs; the exported merged model
+  reloads with the logits of the checkpoint's base + adapters, computed here from the stored
+  arrays and a fresh base of the run's seed."""
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import checkpoint, export, main  # pylint: disable=g-import-not-at-top
+  overrides = {'stages': ('grpo',), 'model.lora.rank': 4, 'model.lora.targets': 'q,v,down',
+               'grpo.loss.beta': 0.04, 'grpo.num_steps': 2}
+  cfg = smoke_configs.smoke('grpo_arith', **overrides)
+  summary = main.run(cfg, str(tmp_path / 'wd'))
+  assert summary['grpo/optimizer_steps'] == 2 and not summary['stopped_early']
+
+  ckpt_dir = tmp_path / 'wd' / 'checkpoints' / 'grpo'
+  step = checkpoint.all_steps(str(ckpt_dir))[-1]
+  # The checkpoint's own index of stored arrays: under params and the optimizer state only
+  # adapters; no base weight (embed, norms, q_proj ...) anywhere.
+  stored = json.load(open(ckpt_dir / str(step) / 'state' / '_METADATA'))['tree_metadata']
+  weights = [k for k in stored if "'params'" in k or "'mu'" in k or "'nu'" in k
+             or "'acc_grads'" in k]
+  assert weights and all(k.endswith(("_lora_a')", "_lora_b')")) for k in weights), weights
+  assert not [k for k in stored if any(f"'{n}'" in k for n in (
+      'embed', 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'down_proj', 'final_norm', 'attn_norm'))]
+  state, _, fingerprint = checkpoint.Checkpointer(str(ckpt_dir)).restore_raw(step)
+  assert state.get('ref_params') is None  # no reference copy of the weights
+  adapters = state['learner']['params']
+  assert sorted(adapters['layers']) == sorted(f'{t}_proj_lora_{x}' for t in ('q', 'v', 'down')
+                                              for x in 'ab')
+  assert np.abs(adapters['layers']['q_proj_lora_b']).max() > 0  # trained
+
+  bad = smoke_configs.smoke('grpo_arith', **{**overrides, 'model.lora.rank': 8})
+  with pytest.raises(ConfigError, match='lora'):
+    main.run(bad, str(tmp_path / 'wd'))
+
+  export.export_checkpoint(str(tmp_path / 'wd'), str(tmp_path / 'hf'),
+                           adapter_out=str(tmp_path / 'peft'))
+  re_cfg, re_g, re_params = hf.load_model(tmp_path / 'hf')
+  run_cfg = export.model_config_from_dict(fingerprint['model'])
+  base = tfm.split(tfm.Transformer(lora.base_config(run_cfg), rngs=nnx.Rngs(cfg.seed)))[1]
+  tokens, mask = _tokens(vocab=run_cfg.vocab_size)
+  want = tfm.merge(sharding.abstract_model(run_cfg)[0], base, adapters)(tokens, mask)
+  np.testing.assert_allclose(tfm.merge(re_g, re_params)(tokens, mask), want, rtol=0, atol=1e-5)
+  assert re_cfg == lora.base_config(run_cfg)
+  assert sorted(os.listdir(tmp_path / 'peft')) == ['adapter_config.json',
+                                                   'adapter_model.safetensors']

@@ -12,6 +12,7 @@ import jax
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
+from jaxrl_ga import lora
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig
 from jaxrl_ga.models import hf
@@ -76,7 +77,11 @@ def _jsonable(x):
 # -- the policy ------------------------------------------------------------------------------------
 def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
   """The policy's architecture, read from ``model.hf_path``'s config (no weights) or built from
-  the ``model.*`` fields with the tokenizer's ``vocab_size``."""
+  the ``model.*`` fields with the tokenizer's ``vocab_size``; with ``model.lora``'s adapters."""
+  return dataclasses.replace(_base_model_config(cfg, vocab_size), lora=cfg.model.lora)
+
+
+def _base_model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
   spec = cfg.model
   if spec.hf_path:
     from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
@@ -93,12 +98,17 @@ def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
   return spec.architecture_config(vocab_size)
 
 def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
-  """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised."""
+  """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised.
+  With LoRA the params hold the base weights and fresh adapters (``jaxrl_ga.lora``); the same
+  base on every call (a resumed run rebuilds it so)."""
   shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
   if cfg.model.hf_path:
-    _, graphdef, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
-                                        param_dtype=cfg.model.param_dtype,
-                                        shardings_fn=shardings_fn)
-    _, shapes, axes = sharding.abstract_model(model_cfg)
-    return graphdef, params, shardings_fn(shapes, axes)
+    _, _, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
+                                 param_dtype=cfg.model.param_dtype, shardings_fn=shardings_fn)
+    graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+    shardings = shardings_fn(shapes, axes)
+    if model_cfg.lora.rank:
+      params = tfm.combine(params, lora.init_adapters(model_cfg, cfg.seed,
+                                                      lora.split(shardings)[0]))
+    return graphdef, params, shardings
   return sharding.init_params(model_cfg, cfg.seed, mesh)

@@ -8,6 +8,11 @@ slices get old log-probs. A checkpoint holds the learner state (MultiSteps mid-a
 included), the rollout state (counter, forward passes, RNG), the current rollout buffer and its
 advantages, the reference params and the data position, so a run stopped anywhere — in the middle
 of a rollout or of an accumulation window — resumes bitwise.
+
+LoRA (model.lora): the learner trains the adapters of the stage's input params; its base weights
+are frozen, held by the trainer (never in a checkpoint: a resumed run gets them from its input
+params again) and passed to every step; the reference policy (beta > 0) is the policy with its
+adapters disabled, so no reference params are held either.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import lora
 from jaxrl_ga import placement
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
 from jaxrl_ga.config import GRPOConfig
+from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
@@ -72,23 +79,32 @@ class GRPOTrainer:
         mask_truncated_completions=cfg.advantage.mask_truncated_completions,
         defer_old_logps=cfg.advantage.order_by_advantage_sign,
         logprob_chunk_size=ctx.cfg.model.logprob_chunk_size)
+    # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
+    trained_shardings, frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
     self.learner = learner_lib.Learner(
         ctx.graphdef,
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
                                    cfg.sampling.temperature, remat=ctx.cfg.model.remat,
                                    logprob_chunk_size=ctx.cfg.model.logprob_chunk_size),
-        cfg.optimizer, ctx.mesh, ctx.param_shardings, optimizer_every=sched.optimizer_every,
+        cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
-        align_diagnostic=cfg.align_diagnostic)
+        align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)
+    self.frozen = None  # LoRA: the base weights of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = sched.prompts_per_rollout
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
+  def policy(self, state) -> Any:
+    """The policy's params: the learner's, with the frozen base weights under LoRA."""
+    return tfm.combine(self.frozen, state['learner'].params)
+
   def _fresh_state(self, params) -> dict[str, Any]:
-    ref = params if self.cfg.loss.beta > 0 else None
+    ref = params if self.cfg.loss.beta > 0 and not self.engine.ref_is_base else None
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
     zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
-    return {'learner': self.learner.init(params, self.engine.abstract_micro_batch(params, ref)),
+    trained, _ = lora.partition(params, self.ctx.model_cfg)
+    example = self.engine.abstract_micro_batch(params, ref)
+    return {'learner': self.learner.init(trained, example, self.frozen),
             'rollout': self.engine.init_state(self.ctx.cfg.seed),
             'buffer': jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)),
             'advantages': zeros(self.engine.abstract_advantages()), 'ref_params': ref}
@@ -104,15 +120,16 @@ class GRPOTrainer:
     sched = cfg.schedule
     k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
     ckpt = ctx.checkpointer('grpo')
+    self.frozen = lora.partition(params, ctx.model_cfg)[1]
     state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
-      return state['learner'].params, meta['summary']
+      return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
     resumed_from = meta['micro_step']
     evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
     if 'eval/accuracy_before' not in summary:
       summary['eval/accuracy_before'] = stage.evaluate_or_save(
-          ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st['learner'].params))
+          ctx, ckpt, state, meta, lambda st: evaluator.accuracy(self.policy(st)))
       reporting.report_accuracy(ctx, 'grpo', 0, summary['eval/accuracy_before'], 'before GRPO')
 
     t_start = time.time()
@@ -127,7 +144,7 @@ class GRPOTrainer:
           meta['host_stats'] = self._new_rollout(state, meta)
         batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
         started = time.perf_counter()
-        state['learner'], out = self.learner.step(state['learner'], batch)
+        state['learner'], out = self.learner.step(state['learner'], batch, self.frozen)
         if self.on_micro_step is not None:
           self.on_micro_step(s, started, out)
         step = loop.micro_step_done(state, out)
@@ -135,18 +152,18 @@ class GRPOTrainer:
           loop.log(step, out, meta.get('host_stats', {}) | {
               'rollout/forward_passes_total': state['rollout'].forward_passes})
           if loop.eval_due(step):
-            loop.report_eval(step, evaluator.accuracy(state['learner'].params))
+            loop.report_eval(step, evaluator.accuracy(self.policy(state)))
           loop.save_if_due(step, state)
         if loop.stop_requested(state):
           break
 
-    params = state['learner'].params
+    params = self.policy(state)
     this_run = {'grpo/resumed_from_micro_step': resumed_from,
                 'grpo/micro_steps_this_run': meta['micro_step'] - resumed_from}
     if loop.stopped:
       return params, summary | this_run | {'stopped_at_micro_step': meta['micro_step']}
     summary['eval/accuracy_after'] = stage.evaluate_or_save(
-        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st['learner'].params))
+        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(self.policy(st)))
     reporting.report_accuracy(ctx, 'grpo', cfg.num_steps, summary['eval/accuracy_after'],
                               'after GRPO')
     rollouts = int(state['rollout'].counter)
@@ -174,7 +191,7 @@ class GRPOTrainer:
     meta['data_position'] += self.prompts_per_rollout
     t_start = time.perf_counter()
     buffer, state['rollout'], rollout_metrics = self.engine.rollout_rows(
-        state['learner'].params, state['ref_params'], state['rollout'], tokens, mask)
+        self.policy(state), state['ref_params'], state['rollout'], tokens, mask)
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()
@@ -259,7 +276,7 @@ class GRPOTrainer:
       return buffer, adv_dev
     order = np.argsort(-adv, kind='stable')  # positive first, negative last
     buffer, state['rollout'], adv_dev = self.engine.reorder(
-        state['learner'].params, buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
+        self.policy(state), buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
     return buffer, adv_dev
 
 
