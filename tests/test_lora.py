@@ -181,30 +181,31 @@ def test_merged_export_reloads_with_the_lora_logits_and_peft_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
-  """A GRPO run with model.lora (beta > 0: the reference is the base, adapters disabled): its
-  checkpoint stores the adapters (params, accumulator, AdamW moments) and no base weight; a
+def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
+  """An SFT then GRPO run with model.lora (GRPO's beta > 0: the reference is the base, adapters
+  disabled): each stage's checkpoint stores the adapters (params, accumulator, AdamW moments) and no base weight; a
   resume with another model.lora is refused before anything runs; the exported merged model
   reloads with the logits of the checkpoint's base + adapters, computed here from the stored
   arrays and a fresh base of the run's seed."""
   import smoke_configs  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint, export, main  # pylint: disable=g-import-not-at-top
-  overrides = {'stages': ('grpo',), 'model.lora.rank': 4, 'model.lora.targets': 'q,v,down',
+  overrides = {'stages': ('sft', 'grpo'), 'sft.num_steps': 2, 'model.lora.rank': 4, 'model.lora.targets': 'q,v,down',
                'grpo.loss.beta': 0.04, 'grpo.num_steps': 2}
   cfg = smoke_configs.smoke('grpo_arith', **overrides)
   summary = main.run(cfg, str(tmp_path / 'wd'))
   assert summary['grpo/optimizer_steps'] == 2 and not summary['stopped_early']
 
-  ckpt_dir = tmp_path / 'wd' / 'checkpoints' / 'grpo'
-  step = checkpoint.all_steps(str(ckpt_dir))[-1]
-  # The checkpoint's own index of stored arrays: under params and the optimizer state only
-  # adapters; no base weight (embed, norms, q_proj ...) anywhere.
-  stored = json.load(open(ckpt_dir / str(step) / 'state' / '_METADATA'))['tree_metadata']
-  weights = [k for k in stored if "'params'" in k or "'mu'" in k or "'nu'" in k
-             or "'acc_grads'" in k]
-  assert weights and all(k.endswith(("_lora_a')", "_lora_b')")) for k in weights), weights
-  assert not [k for k in stored if any(f"'{n}'" in k for n in (
-      'embed', 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'down_proj', 'final_norm', 'attn_norm'))]
+  for stage in ('sft', 'grpo'):
+    ckpt_dir = tmp_path / 'wd' / 'checkpoints' / stage
+    step = checkpoint.all_steps(str(ckpt_dir))[-1]
+    # The checkpoint's own index of stored arrays: under params and the optimizer state only
+    # adapters; no base weight (embed, norms, q_proj ...) anywhere.
+    stored = json.load(open(ckpt_dir / str(step) / 'state' / '_METADATA'))['tree_metadata']
+    weights = [k for k in stored if "'params'" in k or "'mu'" in k or "'nu'" in k
+               or "'acc_grads'" in k]
+    assert weights and all(k.endswith(("_lora_a')", "_lora_b')")) for k in weights), weights
+    assert not [k for k in stored if any(f"'{n}'" in k for n in (
+        'embed', 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'down_proj', 'final_norm', 'attn_norm'))]
   state, _, fingerprint = checkpoint.Checkpointer(str(ckpt_dir)).restore_raw(step)
   assert state.get('ref_params') is None  # no reference copy of the weights
   adapters = state['learner']['params']

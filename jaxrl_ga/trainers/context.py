@@ -74,6 +74,20 @@ def _jsonable(x):
   return json.loads(json.dumps(x, default=str))
 
 
+class TrainedPart:
+  """What a stage's learner trains of its input ``params`` and what stays frozen: with LoRA
+  (``model.lora``) the adapters and the base weights (held here, passed to every learner step,
+  never checkpointed: a resumed run rebuilds them from its input), else all params and None."""
+
+  def __init__(self, ctx: RunContext, params):
+    self.trained, self.frozen = lora.partition(params, ctx.model_cfg)
+    self.shardings, self.frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
+
+  def policy(self, trained) -> Any:
+    """The whole policy's params from the learner's (``state.params``)."""
+    return tfm.combine(self.frozen, trained)
+
+
 # -- the policy ------------------------------------------------------------------------------------
 def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
   """The policy's architecture, read from ``model.hf_path``'s config (no weights) or built from

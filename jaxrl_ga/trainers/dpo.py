@@ -103,9 +103,10 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='dpo.micro_batch_size')
+  part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
-                                ctx.mesh, ctx.param_shardings,
-                                optimizer_every=cfg.grad_accum_steps)
+                                ctx.mesh, part.shardings, optimizer_every=cfg.grad_accum_steps,
+                                frozen_shardings=part.frozen_shardings)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)
   n_pairs = len(pairs['ref_chosen_logps'])
@@ -144,13 +145,14 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
 
   ckpt = ctx.checkpointer('dpo')
   k = cfg.grad_accum_steps
-  state, meta = stage.restore(ctx, ckpt, 'dpo', learner.init(params, batch_at(0)), k)
+  fresh = learner.init(part.trained, batch_at(0), part.frozen)
+  state, meta = stage.restore(ctx, ckpt, 'dpo', fresh, k)
   if not stage.trains_on('dpo', meta, cfg.num_steps, k):
-    return state.params, meta['summary']
+    return part.policy(state.params), meta['summary']
   summary = meta['summary']
   if 'eval/accuracy_before' not in summary:
     summary['eval/accuracy_before'] = stage.evaluate_or_save(
-        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
+        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params)))
     reporting.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
                               f'before DPO ({n_pairs} pairs)')
   summary['dpo/pairs'] = n_pairs
@@ -159,7 +161,7 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
                        log_every=cfg.log_every, log_keys=_LOG_KEYS,
                        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
     while not loop.done:
-      state, out = learner.step(state, batch_at(meta['data_position']))
+      state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
       meta['data_position'] += b
       step = loop.micro_step_done(state, out)
       if step:  # an optimizer step fired
@@ -169,8 +171,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
         break
 
   summary['eval/accuracy_after'] = stage.evaluate_or_save(
-      ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params))
+      ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params)))
   reporting.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'],
                             'after DPO')
   stage.finish(ckpt, state, meta, summary)
-  return state.params, summary
+  return part.policy(state.params), summary

@@ -30,9 +30,10 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
   """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='sft.micro_batch_size')
+  part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
   learner = learner_lib.Learner(ctx.graphdef, learner_lib.sft_task_loss(), cfg.optimizer,
-                                ctx.mesh, ctx.param_shardings,
-                                optimizer_every=cfg.grad_accum_steps)
+                                ctx.mesh, part.shardings, optimizer_every=cfg.grad_accum_steps,
+                                frozen_shardings=part.frozen_shardings)
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
   def batch_at(position):  # each process builds only its own rows
@@ -41,9 +42,10 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
         b, ctx.mesh)
 
   ckpt = ctx.checkpointer('sft')
-  state, meta = stage.restore(ctx, ckpt, 'sft', learner.init(params, batch_at(0)), k)
+  fresh = learner.init(part.trained, batch_at(0), part.frozen)
+  state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
   if not stage.trains_on('sft', meta, cfg.num_steps, k):
-    return state.params, meta['summary']
+    return part.policy(state.params), meta['summary']
   evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
   # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
   # 7919), checked every probe_every steps; the warm start ends when they are solved.
@@ -57,15 +59,16 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
                        eval_every=cfg.eval_every,
                        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
     while not loop.done:
-      state, out = learner.step(state, batch_at(meta['data_position']))
+      state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
       meta['data_position'] += b
       step = loop.micro_step_done(state, out)
       if step:  # an optimizer step fired
         loop.log(step, out, {})
         if loop.eval_due(step):
-          loop.report_eval(step, evaluator.accuracy(state.params))
+          loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
         if probe is not None and step % cfg.probe_every == 0:
-          reached_target = _probe_reaches_target(ctx, cfg, probe, step, state.params)
+          reached_target = _probe_reaches_target(ctx, cfg, probe, step,
+                                                 part.policy(state.params))
           if reached_target:
             break  # finish() below writes the last checkpoint
         loop.save_if_due(step, state)
@@ -73,13 +76,13 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
         break
 
   summary = {'eval/accuracy_after_sft': stage.evaluate_or_save(
-                 ctx, ckpt, state, meta, lambda st: evaluator.accuracy(st.params)),
+                 ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params))),
              'sft/optimizer_steps': meta['micro_step'] // k,
              'sft/stopped_at_target': reached_target}
   reporting.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
                             summary['eval/accuracy_after_sft'], 'after SFT')
   stage.finish(ckpt, state, meta, summary)
-  return state.params, summary
+  return part.policy(state.params), summary
 
 
 def _probe_reaches_target(ctx, cfg: SFTConfig, probe, step: int, params) -> bool:
