@@ -154,11 +154,12 @@ def test_number_questions_examples_and_split():
   replies = [e.answer, f'It is {smaller}.', 'To solve this problem, we', f'{e.answer}.']
   assert wrong.fn([e.prompt] * 4, replies, answer=[e.answer] * 4) == [0.0, 1.0, 0.0, 0.0]
   assert wrong.weight == 0.0  # a metric unless asked for
-  penalized = tasks.get_task('number_questions', question='larger', num_digits=2,
-                             wrong_weight=-1.0)
-  total, _ = rewards.compute_rewards(penalized.reward_functions(), [e.prompt] * 4, replies,
-                                     {'answer': [e.answer] * 4})
-  assert total.tolist() == pytest.approx([1.1, -1.0, 0.0, 1.1])
+  for fw, expected in ((None, [1.1, -1.0, 0.0, 1.1]), (0.5, [1.5, -1.0, 0.0, 1.5])):
+    penalized = tasks.get_task('number_questions', question='larger', num_digits=2,
+                               wrong_weight=-1.0, **({} if fw is None else {'format_weight': fw}))
+    total, _ = rewards.compute_rewards(penalized.reward_functions(), [e.prompt] * 4, replies,
+                                       {'answer': [e.answer] * 4})
+    assert total.tolist() == pytest.approx(expected)
   with pytest.raises(ValueError, match='wrong_weight=0.5'):
     tasks.get_task('number_questions', question='larger', wrong_weight=0.5)
 
