@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import transformers
 from flax import nnx
+from flax import traverse_util
 
 from jaxrl_ga import export
 from jaxrl_ga import main
@@ -96,6 +97,7 @@ def test_greedy_tokens_match_transformers(smollm2):
   assert 'Paris' in tok.decode(np.asarray(out.tokens[0]))
 
 
+@pytest.mark.slow
 def test_sample_cli_says_paris():
   run = subprocess.run(
       [sys.executable, '-m', 'jaxrl_ga.sample', f'--model={SOURCE}', '--chat',
@@ -199,6 +201,7 @@ def trained(tmp_path_factory):
   return workdir, main.run(cfg, workdir)
 
 
+@pytest.mark.slow
 def test_grpo_smoke_run_trains_the_real_model(trained, smollm2):
   workdir, summary = trained
   assert summary['grpo/optimizer_steps'] == 2
@@ -215,6 +218,7 @@ def test_grpo_smoke_run_trains_the_real_model(trained, smollm2):
   assert text and '<|im' not in text
 
 
+@pytest.mark.slow
 def test_export_of_the_trained_model_round_trips(trained, tmp_path):
   """The trained checkpoint exported to an HF dir: LlamaForCausalLM config, tokenizer with the
   chat template, and weights that our loader reads back to the same logits (transformers would
@@ -231,8 +235,9 @@ def test_export_of_the_trained_model_round_trips(trained, tmp_path):
   assert reloaded_tok.eos_token == '<|im_end|>'
   cfg2, graphdef2, params2 = hf.load_model(out)
   assert cfg2 == cfg
-  for path, value in hf._flatten(params).items():  # pylint: disable=protected-access
-    np.testing.assert_array_equal(np.asarray(hf._flatten(params2)[path]), np.asarray(value))
+  reloaded = traverse_util.flatten_dict(params2)
+  for path, value in traverse_util.flatten_dict(params).items():
+    np.testing.assert_array_equal(np.asarray(reloaded[path]), np.asarray(value))
   # The checkpoint's params come back fsdp-sharded over the 8 simulated devices (a sharded
   # forward sums in another order): compare both on one device.
   graphdef = nnx.split(hf._abstract_model(cfg))[0]  # pylint: disable=protected-access
