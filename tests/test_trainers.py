@@ -72,13 +72,16 @@ def test_each_config_runs_end_to_end(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_resume_is_bitwise_exact(tmp_path):
+@pytest.mark.parametrize('lora', [{}, {'model.lora.rank': 4, 'grpo.loss.beta': 0.04}])
+def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
   """Stopped after optimizer step 1 (micro-step 3: the middle of rollout 1, K=3, S=2) and again
   one micro-step into the next window, then resumed: same params as an uninterrupted run, and
-  each resumed run really started from the checkpoint (it ran only the micro-steps left)."""
+  each resumed run really started from the checkpoint (it ran only the micro-steps left). Also
+  with LoRA, whose checkpoints hold the adapters only (the base is rebuilt on resume) and whose
+  reference (beta > 0) is the base with the adapters disabled."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 3,
-                                               'checkpoint.every_steps': 0})
+                                               'checkpoint.every_steps': 0, **lora})
 
   def trainer(workdir):
     ctx, params = main_lib.build_context(cfg, str(workdir))
