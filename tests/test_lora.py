@@ -57,6 +57,7 @@ def test_config_errors_name_the_setting():
       rank=8, targets=('q', 'v'))
 
 
+@pytest.mark.slow
 def test_adapters_off_or_zero_is_the_base_model_bitwise():
   base_g, base_p = tfm.split(tfm.Transformer(MODEL, rngs=nnx.Rngs(0)))
   cfg = lora.with_lora(MODEL, LORA)
@@ -82,6 +83,7 @@ def test_adapters_off_or_zero_is_the_base_model_bitwise():
   np.testing.assert_array_equal(f_off(trained), base)  # disabled: the base model, bitwise
 
 
+@pytest.mark.slow
 def test_adapter_forward_equals_float64_merged_weights():
   """The LoRA model's full forward and its prefill/decode (the sampler's path) equal the plain
   model whose weights are W + alpha/r * A @ B, merged here in float64 with numpy."""
@@ -127,6 +129,8 @@ def test_accumulated_adapter_update_is_exact(mesh, base_dtype, compile_log):
   grad_err, upd_err = _run_grpo(sched, GRPOLossConfig(aggregation='token'), mesh, n_opt_steps=2,
                                 model=model, trainable=_adapters_of, keep=keep)
   state, base = keep['state'], keep['frozen']
+  print(f'mesh {mesh}, base {base_dtype}: max relative error of the applied gradient '
+        f'{grad_err:.2e}, of the adapter update {upd_err:.2e}')
   assert compile_log.count('_micro_step') == 1
   assert grad_err <= 1e-5 and upd_err <= 1e-5, (grad_err, upd_err)
   # The state (params, AdamW moments, MultiSteps accumulator) holds the adapters only.
@@ -145,6 +149,7 @@ def test_accumulated_adapter_update_is_exact(mesh, base_dtype, compile_log):
     assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype('float32')}
 
 
+@pytest.mark.slow
 def test_merged_export_reloads_with_the_lora_logits_and_peft_files(tmp_path):
   """A real HF base (the Qwen2 fixture) with trained-like adapters: the merged HF directory,
   reloaded by the loader, gives the LoRA model's logits (float32 merge: |diff| <= 1e-5 on logits
