@@ -140,8 +140,11 @@ def save_peft(adapters: dict, cfg: tfm.ModelConfig, out_dir: str,
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, 'adapter_config.json'), 'w') as f:
     json.dump(peft_config(cfg, base_model), f, indent=2)
-  safetensors.numpy.save_file(tensors, os.path.join(out_dir, 'adapter_model.safetensors'),
-                              metadata={'format': 'pt'})
+  path = os.path.join(out_dir, 'adapter_model.safetensors')
+  safetensors.numpy.save_file(tensors, path, metadata={'format': 'pt'})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)  # safetensors writes it owner-only
 
 
 def _gather(x):
