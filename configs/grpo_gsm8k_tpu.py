@@ -22,6 +22,8 @@ slices that a newer policy trains pay for old log-probs (the slice rule):
   v4-32           16     (4, 4)             64  4  6   4 seqs/chip     256 = 32 pr.  384 = 48 pr.
   qwen1.5b-v5e-8  8      (1, 8)             16  8  12  2 seqs/chip     128 = 16 pr.  192 = 24 pr.
   llama8b-v5p-8   4      (1, 4)             16  8  12  4 seqs/chip     128 = 16 pr.  192 = 24 pr.
+  lora-llama8b-v5e-8   8 (1, 1, tensor 8) 16  8  12  16 seqs, tp     128 = 16 pr.  192 = 24 pr.
+  lora-llama1b-v5e-1   1 (1, 1)           8   8  12  8 seqs/chip     64 = 8 pr.    96 = 12 pr.
 
 (v4-32: 32 TensorCores = 16 chips; each megacore chip is one jax device, so 16 devices on 4
 hosts.) `num_steps` covers about one epoch of GSM8K's 7473 training problems. Params are sharded
@@ -41,6 +43,13 @@ learner steps for the topology without a TPU; README, "Will it fit?"): peak GiB 
   v5e-8           v5e:2x4    4.19 (32)          2.32        16 GiB
   qwen1.5b-v5e-8  v5e:2x4    5.92 (16)          5.41        16 GiB
   llama8b-v5p-8   v5p:2x2x1  45.10 (16)         19.76       95 GiB
+  lora-llama8b-v5e-8  v5e:2x4  8.84 (16)     4.94        16 GiB
+  lora-llama1b-v5e-1  v5e:1x1  5.51 (8)      8.02        16 GiB
+
+The lora-* args train LoRA adapters (model.lora: rank 64, alpha 64, every projection; float32
+adapters and AdamW state) on a frozen bfloat16 base (model.param_dtype=bfloat16), lr 1e-5:
+Llama-3.1-8B-Instruct on a v5e-8 with tensor parallelism (mesh.tensor=8: with fsdp the decode loop
+would hold every layer's gathered weights, 13 GiB per chip), Llama-3.2-1B-Instruct on one v5e chip.
 
 All use model.remat=full and model.logprob_chunk_size=128. Without them the v5e-8 learner at
 B = 32 needs 16.49 GiB (temporaries 14.64 GiB: every layer's activations kept for the backward,
@@ -95,7 +104,7 @@ _SHAPES = {
     'llama8b-v5p-8': ('llama3.1-8b', 1, 4, 16, 8, 12, 300, 'full', 128),
     # LoRA (model.lora): the base weights frozen in bfloat16, rank-64 adapters on every
     # projection trained in float32 (README, "LoRA").
-    'lora-llama8b-v5e-8': ('llama3.1-8b', 1, 8, 16, 8, 12, 300, 'full', 128),
+    'lora-llama8b-v5e-8': ('llama3.1-8b', 1, 1, 16, 8, 12, 300, 'full', 128),  # tensor=8
     'lora-llama1b-v5e-1': ('llama3.2-1b', 1, 1, 8, 8, 12, 300, 'full', 128),
 }
 LORA = dict(rank=64, alpha=64.0, targets='q,k,v,o,gate,up,down')
@@ -131,7 +140,10 @@ def get_config(arg: str = 'v5e-8'):
     c.model.param_dtype = 'bfloat16'  # the frozen base; adapters and AdamW stay float32
     c.grpo.optimizer.learning_rate = 1e-5
     c.eval.batch_size = 64
-    if model == 'llama3.1-8b':  # the KV cache of all 128 rows at once: 17.16 GiB per chip
+    if model == 'llama3.1-8b':
+      # Tensor parallelism: with mesh.fsdp=8 the decode loop holds every layer's gathered
+      # weights (13 GiB of bfloat16 per chip) and the rollout does not fit in 16 GiB.
+      c.mesh.update(fsdp=1, tensor=8)
       c.grpo.sampling.rollout_micro_batch_size = 32
   c.checkpoint.update(every_steps=25, max_to_keep=2)
   return c

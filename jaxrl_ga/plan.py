@@ -30,6 +30,10 @@ numbers and estimates, not a measurement:
   * ``mfu_estimate``: model flops (no recompute) / (roofline time * peak): an upper bound, as the
     roofline assumes perfect overlap of compute and memory traffic.
 
+With ``model.lora`` the learner is the LoRA one (adapters trained, the frozen base a step
+argument; ``jaxrl_ga.lora``), its flops count no gradient of the base weights, and the report
+names the adapters' rank, targets and trained params.
+
 A step fits when its peak is at most (1 - --headroom) of the chip's HBM (default: 10% to spare);
 when one does not, the tool prints the knobs that lower memory and exits with status 1. A bad
 flag or config prints one ``error:`` line and exits with status 2.
