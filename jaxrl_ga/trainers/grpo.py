@@ -32,7 +32,6 @@ from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
 from jaxrl_ga.config import GRPOConfig
-from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
@@ -89,22 +88,21 @@ class GRPOTrainer:
         cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
         align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)
-    self.frozen = None  # LoRA: the base weights of the params being trained (set by run)
+    self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = sched.prompts_per_rollout
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:
     """The policy's params: the learner's, with the frozen base weights under LoRA."""
-    return tfm.combine(self.frozen, state['learner'].params)
+    return self.part.policy(state['learner'].params)
 
   def _fresh_state(self, params) -> dict[str, Any]:
     ref = params if self.cfg.loss.beta > 0 and not self.engine.ref_is_base else None
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
     zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
-    trained, _ = lora.partition(params, self.ctx.model_cfg)
     example = self.engine.abstract_micro_batch(params, ref)
-    return {'learner': self.learner.init(trained, example, self.frozen),
+    return {'learner': self.learner.init(self.part.trained, example, self.part.frozen),
             'rollout': self.engine.init_state(self.ctx.cfg.seed),
             'buffer': jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)),
             'advantages': zeros(self.engine.abstract_advantages()), 'ref_params': ref}
@@ -120,7 +118,7 @@ class GRPOTrainer:
     sched = cfg.schedule
     k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
     ckpt = ctx.checkpointer('grpo')
-    self.frozen = lora.partition(params, ctx.model_cfg)[1]
+    self.part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
     state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
@@ -144,7 +142,7 @@ class GRPOTrainer:
           meta['host_stats'] = self._new_rollout(state, meta)
         batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
         started = time.perf_counter()
-        state['learner'], out = self.learner.step(state['learner'], batch, self.frozen)
+        state['learner'], out = self.learner.step(state['learner'], batch, self.part.frozen)
         if self.on_micro_step is not None:
           self.on_micro_step(s, started, out)
         step = loop.micro_step_done(state, out)
