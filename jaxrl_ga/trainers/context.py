@@ -65,10 +65,12 @@ class RunContext:
                       'model_source': self.cfg.model.hf_path,
                       'task': dataclasses.asdict(self.cfg.task)})
 
+
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
 RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
                       'probe_examples')
+
 
 def _jsonable(x):
   return json.loads(json.dumps(x, default=str))
@@ -110,6 +112,7 @@ def _base_model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
       raise ConfigError(f'model.hf_path={spec.hf_path}: {first} (supported: Qwen2ForCausalLM '
                         f'and LlamaForCausalLM checkpoints, or a llama GGUF file)') from None
   return spec.architecture_config(vocab_size)
+
 
 def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
   """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised.
