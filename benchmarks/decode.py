@@ -31,6 +31,20 @@ the per-layer weight slices taken from the stacked params inside the layer scan,
 rest) and divided by the new tokens: where a decode step's time goes, and how many ops it
 executes.
 
+Roofline (the same run's machine, ``machine.Roofline``): in every round, after the four calls, one
+sample of the matmul peak (float32 [2048, 2048]^2) and of the weight-streaming bandwidth (the best
+of a skinny matmul and a plain sum over 403 MB of distinct float32 [512, 1536] matrices); the
+medians over the rounds give each decode step two lower bounds:
+
+  * weight streaming: the bytes of the weights every step reads (the matmul weights: the seven
+    projections of every layer and lm_head; norms and the one embedding row per token are
+    negligible, the KV cache is not counted) / the bandwidth;
+  * FLOPs: 2 x (params in those matmuls) x batch / the matmul peak.
+
+The binding bound is the larger; each side's time per decode step (one call's median / new
+tokens, prefill included) is reported as the fraction of it reached (bound / time; 1 = at the
+bound). Both sides are measured against the same bounds.
+
 Sanity column: the greedy tokens of both sides, compared position by position (float32 on both
 sides; a mismatch would come from a near-tie of the top two logits or from a real bug).
 
@@ -66,6 +80,7 @@ import time  # noqa: E402
 from absl import app
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -207,7 +222,19 @@ def op_profile(run, reps: int, steps_per_call: int) -> dict:
           'kinds_ms_per_step': dict(ms), 'kinds_executions_per_step': dict(count)}
 
 
-def run_size(size: Size, mesh) -> dict:
+def bounds(size: Size, roofline: dict) -> dict:
+  """Per decode step: weight-streaming and FLOP lower bounds (s) from the measured rates."""
+  n = machine.decode_matmul_params(size.model)
+  weight_bytes = n * jnp.dtype(size.model.param_dtype).itemsize
+  stream_s = weight_bytes / roofline['bandwidth_bytes_per_s']
+  flop_s = 2 * n * size.batch_size / roofline['peak_flops_per_s']
+  return {'matmul_params': n, 'weight_bytes_per_step': weight_bytes,
+          'flops_per_step': 2 * n * size.batch_size, 'weight_stream_s': stream_s,
+          'flop_s': flop_s, 'binding_s': max(stream_s, flop_s),
+          'binding': 'weight streaming' if stream_s >= flop_s else 'FLOPs'}
+
+
+def run_size(size: Size, mesh, roof: machine.Roofline) -> dict:
   rng = np.random.default_rng(_SEED.value)
   tokens, mask = random_prompts(rng, size)
   with tempfile.TemporaryDirectory() as model_dir:
@@ -238,29 +265,32 @@ def run_size(size: Size, mesh) -> dict:
 
   calls = [(side, mode) for mode in modes for side in sides]
   times = {c: [] for c in calls}
+  roof.samples = []
   loads = []
   t_start = time.perf_counter()
   for r in range(size.rounds):
     for side, mode in (calls if r % 2 == 0 else calls[::-1]):
       _, dt = machine.timed(sides[side], mode, r + 1)
       times[side, mode].append(dt)
+    roof.measure()
     loads.append(os.getloadavg()[0])
   timing_s = time.perf_counter() - t_start
-  result = summarize(size, n_params, times, first_call_s, check, loads, timing_s)
+  result = summarize(size, n_params, times, first_call_s, check, loads, timing_s, roof.summary())
   result['profile_ours_greedy'] = (op_profile(
       lambda: sides['ours']('greedy', 0), _PROFILE_REPS.value, size.new_tokens)
                                    if _PROFILE_REPS.value and 'greedy' in _MODES.value else {})
   return result
 
 
-def summarize(size, n_params, times, first_call_s, check, loads, timing_s) -> dict:
+def summarize(size, n_params, times, first_call_s, check, loads, timing_s, roofline) -> dict:
   new = size.batch_size * size.new_tokens
+  bound = bounds(size, roofline)
   out = {'size': size.name, 'model': dataclasses.asdict(size.model), 'param_count': n_params,
          'batch_size': size.batch_size, 'prompt_length': size.prompt_length,
          'new_tokens': size.new_tokens, 'rounds': size.rounds, 'timing_wall_s': timing_s,
          'first_call_s': first_call_s, 'check': check,
          'load_avg_1min': {'median': statistics.median(loads), 'max': max(loads)},
-         'modes': {}}
+         'roofline': roofline, 'bounds_per_step': bound, 'modes': {}}
   for mode in sorted({m for _, m in times}):
     ours, theirs = np.asarray(times['ours', mode]), np.asarray(times['hf', mode])
     paired = theirs / ours
@@ -274,6 +304,10 @@ def summarize(size, n_params, times, first_call_s, check, loads, timing_s) -> di
                                    float(np.percentile(paired, 75))],
         'raw_ours_s': ours.round(5).tolist(), 'raw_hf_s': theirs.round(5).tolist(),
     }
+    for side, t in (('ours', ours), ('hf', theirs)):
+      step_s = float(np.median(t)) / size.new_tokens
+      out['modes'][mode][f'{side}_s_per_step'] = step_s
+      out['modes'][mode][f'{side}_fraction_of_bound'] = bound['binding_s'] / step_s
   return out
 
 
@@ -305,6 +339,18 @@ def table(results: list[dict]) -> str:
           f"{1e3 * d['hf_s_median']:.1f} | {d['ours_tokens_per_s']:.0f} | "
           f"{d['hf_tokens_per_s']:.0f} | {d['speedup_from_medians']:.2f}× "
           f"({d['speedup_paired_median']:.2f}×, {lo:.2f}..{hi:.2f}) | {eq} |")
+  lines += ['', '| size | mode | matmul peak GFLOP/s | weight streaming GB/s | weights MB per '
+            'step | streaming bound ms | FLOP bound ms | ours ms / step | HF ms / step | ours of '
+            'bound | HF of bound |', '|' + '---|' * 11]
+  for r in results:
+    rf, b = r['roofline'], r['bounds_per_step']
+    for mode, d in r['modes'].items():
+      lines.append(
+          f"| {r['size']} | {label(mode)} | {rf['peak_flops_per_s'] / 1e9:.1f} | "
+          f"{rf['bandwidth_bytes_per_s'] / 1e9:.1f} | {b['weight_bytes_per_step'] / 1e6:.1f} | "
+          f"{1e3 * b['weight_stream_s']:.3f} | {1e3 * b['flop_s']:.3f} | "
+          f"{1e3 * d['ours_s_per_step']:.3f} | {1e3 * d['hf_s_per_step']:.3f} | "
+          f"{100 * d['ours_fraction_of_bound']:.0f}% | {100 * d['hf_fraction_of_bound']:.0f}% |")
   lines += ['', '| size | rounds | load avg (median, max) | HF warm-up call s |',
             '|---|---|---|---|']
   for r in results:
@@ -335,11 +381,13 @@ def main(argv):
   info = machine_info()
   print(json.dumps(info))
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  roof = machine.Roofline()
   results = []
   for size in sizes():
     print(f'== {size.name}: {size.model}', flush=True)
-    results.append(run_size(size, mesh))
+    results.append(run_size(size, mesh, roof))
     print(f"   greedy check: {json.dumps(results[-1]['check'])}", flush=True)
+    print(f"   {machine.roofline_text(results[-1]['roofline'])}", flush=True)
   info['load_avg_end'] = os.getloadavg()
   print()
   print(table(results))

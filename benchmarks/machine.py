@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: the machine facts every JSON records, the XLA ops a call ran
-(a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
+"""What the benchmark scripts share: the machine facts every JSON records, the machine's roofline
+(matmul peak and weight-streaming bandwidth, measured in the running process), the XLA ops a call
+ran (a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
 Imported by the scripts in this directory, which run as ``python benchmarks/NAME.py``."""
 
 import datetime
@@ -10,6 +11,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -118,6 +120,131 @@ def timed(fn, *args):
   t0 = time.perf_counter()
   out = jax.block_until_ready(fn(*args))
   return out, time.perf_counter() - t0
+
+
+# -- FLOPs of a decoder (Qwen2 / Llama layout), one count for every script ---------------------------
+def layer_matmul_params(m) -> int:
+  """Weights of one layer's seven projections (q, k, v, o, gate, up, down) of a
+  ``transformer.ModelConfig`` ``m``."""
+  dq, dkv = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
+  return m.hidden_size * (dq + 2 * dkv) + dq * m.hidden_size + 3 * m.hidden_size * \
+      m.intermediate_size
+
+
+def decode_matmul_params(m) -> int:
+  """Weights a decode step multiplies by: every layer's projections and lm_head (norms and the one
+  embedding row gathered per token are negligible)."""
+  return m.num_hidden_layers * layer_matmul_params(m) + m.hidden_size * m.vocab_size
+
+
+def forward_flops(m, rows: int, length: int, logit_positions: int) -> dict:
+  """Matmul FLOPs of one forward pass over ``rows`` sequences of ``length`` tokens, lm_head on
+  ``logit_positions`` positions per row: the projections 2 x params x tokens, lm_head
+  2 x d x V x rows x logit_positions, attention 4 x L x rows x length^2 x (heads * head_dim) (the
+  score and value products over the full, masked T x T matrix)."""
+  dq = m.num_attention_heads * m.head_size
+  projections = 2 * m.num_hidden_layers * layer_matmul_params(m) * rows * length
+  lm_head = 2 * m.hidden_size * m.vocab_size * rows * logit_positions
+  attention = 4 * m.num_hidden_layers * rows * length * length * dq
+  return {'projections': projections, 'lm_head': lm_head, 'attention': attention,
+          'total': projections + lm_head + attention}
+
+
+def fwd_bwd_flops(m, rows: int, prompt_length: int, completion_length: int) -> dict:
+  """Matmul FLOPs of a learner's forward + backward (3x the forward: the input and the weight
+  gradient of every product) on prompt + completion rows, logits at the completion positions;
+  'forward_total' is the forward alone."""
+  f = forward_flops(m, rows, prompt_length + completion_length, completion_length)
+  out = {k: 3 * v for k, v in f.items()}
+  out['forward_total'] = f['total']
+  return out
+
+
+# -- the roofline: matmul peak and weight-streaming bandwidth, measured in this process ------------
+def peak_matmul_fn(n: int = 2048):
+  """(fn, args, flops): one jitted float32 ``[n, n] @ [n, n]`` (2 n^3 FLOPs), the machine's
+  matmul peak. ``fn(*args)`` returns the product (block on it to time it)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+  return jax.jit(jnp.matmul), (a, b), 2 * n ** 3
+
+
+class Roofline:
+  """The two rates a step is bounded by, measured with jitted float32 XLA programs in this
+  process (so under the load the timings of the same run see):
+
+    * ``peak_flops_per_s``: the matmul peak, ``[n, n] @ [n, n]`` (``peak_matmul_fn``), 2 n^3 /
+      the best of ``reps`` calls;
+    * ``bandwidth_bytes_per_s``: the rate weights can be streamed from memory: ``count`` distinct
+      float32 ``[d, f]`` matrices (``count * d * f * 4`` bytes, several times the last-level
+      cache, so every matrix is read cold: the others evicted it since its last read), read by
+      one jitted program in two ways, each the best of ``reps`` calls: ``stream_matmul`` = the
+      skinny products ``[rows, d] @ [d, f]`` with every matrix (what a decode step does with
+      its weights), ``stream_sum`` = the sum of every matrix's elements (a plain read). The
+      bandwidth is the larger of the two: the best weight-read rate seen.
+
+  ``measure()`` takes one sample of each (call it in every round of a benchmark, interleaved
+  with the timed calls); ``summary()`` gives the medians over the samples, the numbers the
+  bounds use, with the samples. Defaults: n = 2048 (17.2 GFLOP), d x f = 512 x 1536 (a d=512
+  model's MLP matrix), 128 matrices = 403 MB, rows = 8.
+  """
+
+  def __init__(self, n: int = 2048, d: int = 512, f: int = 1536, count: int = 128, rows: int = 8,
+               reps: int = 3):
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    self.n, self.d, self.f, self.count, self.rows, self.reps = n, d, f, count, rows, reps
+    self._peak, self._peak_args, self.peak_flops = peak_matmul_fn(n)
+    key = jax.random.key(3)
+    self._ws = [jax.random.normal(jax.random.fold_in(key, i), (d, f), jnp.float32)
+                for i in range(count)]
+    self._x = jax.random.normal(jax.random.fold_in(key, count), (rows, d), jnp.float32)
+    self.stream_bytes = count * d * f * 4
+    self._stream_matmul = jax.jit(lambda x, ws: [x @ w for w in ws])
+    self._stream_sum = jax.jit(lambda ws: [jnp.sum(w) for w in ws])
+    self.samples: list[dict] = []
+    self.measure()  # compiles the three programs; the first sample is dropped
+    self.samples = []
+
+  def _best(self, fn, *args) -> float:
+    best = float('inf')
+    for _ in range(self.reps):
+      best = min(best, timed(fn, *args)[1])
+    return best
+
+  def measure(self) -> dict:
+    """One sample: {'peak_flops_per_s', 'stream_matmul_bytes_per_s', 'stream_sum_bytes_per_s',
+    'bandwidth_bytes_per_s'} (each the best of ``reps`` calls)."""
+    mm = self.stream_bytes / self._best(self._stream_matmul, self._x, self._ws)
+    sm = self.stream_bytes / self._best(self._stream_sum, self._ws)
+    s = {'peak_flops_per_s': self.peak_flops / self._best(self._peak, *self._peak_args),
+         'stream_matmul_bytes_per_s': mm, 'stream_sum_bytes_per_s': sm,
+         'bandwidth_bytes_per_s': max(mm, sm), 'load_avg_1min': os.getloadavg()[0]}
+    self.samples.append(s)
+    return s
+
+  def summary(self) -> dict:
+    """Medians over the samples (``measure()`` is called first if there are none), the settings
+    and the samples."""
+    if not self.samples:
+      self.measure()
+    keys = ('peak_flops_per_s', 'stream_matmul_bytes_per_s', 'stream_sum_bytes_per_s',
+            'bandwidth_bytes_per_s')
+    return {**{k: statistics.median(s[k] for s in self.samples) for k in keys},
+            'settings': {'peak_matmul_n': self.n, 'stream_matrix': [self.d, self.f],
+                         'stream_matrices': self.count, 'stream_bytes': self.stream_bytes,
+                         'stream_matmul_rows': self.rows, 'reps_per_sample': self.reps},
+            'samples': self.samples}
+
+
+def roofline_text(r: dict) -> str:
+  """One line for a script's output: the measured peak and bandwidth."""
+  return (f"matmul peak {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, weight streaming "
+          f"{r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (skinny matmul "
+          f"{r['stream_matmul_bytes_per_s'] / 1e9:.1f}, sum {r['stream_sum_bytes_per_s'] / 1e9:.1f});"
+          f" medians of {len(r['samples'])} samples")
 
 
 def write_json(path: str, payload: dict, default=str) -> None:
