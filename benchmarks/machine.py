@@ -122,7 +122,7 @@ def timed(fn, *args):
   return out, time.perf_counter() - t0
 
 
-# -- FLOPs of a decoder (Qwen2 / Llama layout), one count for every script ---------------------------
+# -- FLOPs of a decoder (Qwen2 / Llama layout), one count for every script -------------------------
 def layer_matmul_params(m) -> int:
   """Weights of one layer's seven projections (q, k, v, o, gate, up, down) of a
   ``transformer.ModelConfig`` ``m``."""
@@ -243,7 +243,8 @@ def roofline_text(r: dict) -> str:
   """One line for a script's output: the measured peak and bandwidth."""
   return (f"matmul peak {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, weight streaming "
           f"{r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (skinny matmul "
-          f"{r['stream_matmul_bytes_per_s'] / 1e9:.1f}, sum {r['stream_sum_bytes_per_s'] / 1e9:.1f});"
+          f"{r['stream_matmul_bytes_per_s'] / 1e9:.1f}, "
+          f"sum {r['stream_sum_bytes_per_s'] / 1e9:.1f});"
           f" medians of {len(r['samples'])} samples")
 
 
