@@ -7,7 +7,8 @@ and the gradient added to the accumulator (``optax.MultiSteps``, K micro-steps p
 step; the K-th also runs the inner optimizer, AdamW). Random-init models, random on-policy
 micro-batches (ragged left-padded prompts, ragged right-padded completions), one CPU device.
 
-Timed side by side, in interleaved rounds (medians reported; compile times apart):
+Timed side by side, in interleaved rounds (medians reported; compile times apart; ``--warmup_rounds``
+untimed rounds first):
 
   * step: ``Learner.step``, one K-micro-step window per round; *accumulate* = the micro-steps that
     only accumulate, *emit* = the one that also steps AdamW;
@@ -118,6 +119,9 @@ _SMOL_PROMPT = flags.DEFINE_integer('smollm2_prompt_length', 56, 'SmolLM2: promp
 _SMOL_COMPLETION = flags.DEFINE_integer('smollm2_completion_length', 64,
                                         'SmolLM2: completion tokens.')
 _SMOL_ROUNDS = flags.DEFINE_integer('smollm2_rounds', 3, 'Timed rounds, SmolLM2.')
+_WARMUP_ROUNDS = flags.DEFINE_integer(
+    'warmup_rounds', 1, 'Untimed rounds of every variant before the timed ones (the first '
+    'window after the compiles ran ~2x slower in short runs).')
 _PROFILE_REPS = flags.DEFINE_integer(
     'profile_reps', 2, 'Calls of the step and of fwd+bwd traced with jax.profiler after the timed '
     'rounds, for the time per kind of XLA op; 0 skips the profile.')
@@ -366,27 +370,31 @@ def run_size(size: Size, mesh) -> dict:
             'matmul_chain': (chain, chain_args), 'peak': (peak, peak_args),
             'torch_fwd_bwd': (peer, ())}
   t_start = time.perf_counter()
-  for r in range(size.rounds):
+  for r in range(-_WARMUP_ROUNDS.value, size.rounds):  # r < 0: warm-up rounds, not recorded
     order = variants if r % 2 == 0 else variants[::-1]
     for variant in order:
       if variant == 'step':
-        window = []
+        window, faults_window = [], []
         for _ in range(k):
           faults = minor_faults()
           (state, out), dt = machine.timed(lrn.step, state, batches[n_steps % len(batches)])
-          step_faults.append(minor_faults() - faults)
+          faults_window.append(minor_faults() - faults)
           n_steps += 1
           window.append(dt)
         assert bool(out['stepped'])
-        step_times.append(window)
+        if r >= 0:
+          step_times.append(window)
+          step_faults.extend(faults_window)
       else:
         fn, args = others[variant]
-        if variant == 'fwd_bwd':
-          faults = minor_faults()
-        times[variant].append(machine.timed(fn, *args)[1])
-        if variant == 'fwd_bwd':
-          fwd_bwd_faults.append(minor_faults() - faults)
-    loads.append(os.getloadavg()[0])
+        faults = minor_faults()
+        dt = machine.timed(fn, *args)[1]
+        if r >= 0:
+          times[variant].append(dt)
+          if variant == 'fwd_bwd':
+            fwd_bwd_faults.append(minor_faults() - faults)
+    if r >= 0:
+      loads.append(os.getloadavg()[0])
   timing_s = time.perf_counter() - t_start
 
   profile = {}
@@ -533,7 +541,7 @@ def main(argv):
       'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
       'smollm2_source', 'smollm2_micro_batch_size', 'smollm2_prompt_length',
-      'smollm2_completion_length', 'smollm2_rounds', 'profile_reps', 'dtype', 'torch_peer',
+      'smollm2_completion_length', 'smollm2_rounds', 'warmup_rounds', 'profile_reps', 'dtype', 'torch_peer',
       'torch_threads')}, 'results': results})
 
 
