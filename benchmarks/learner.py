@@ -7,8 +7,8 @@ and the gradient added to the accumulator (``optax.MultiSteps``, K micro-steps p
 step; the K-th also runs the inner optimizer, AdamW). Random-init models, random on-policy
 micro-batches (ragged left-padded prompts, ragged right-padded completions), one CPU device.
 
-Timed side by side, in interleaved rounds (medians reported; compile times apart; ``--warmup_rounds``
-untimed rounds first):
+Timed side by side, in interleaved rounds (medians reported; compile times apart;
+``--warmup_rounds`` untimed rounds first):
 
   * step: ``Learner.step``, one K-micro-step window per round; *accumulate* = the micro-steps that
     only accumulate, *emit* = the one that also steps AdamW;
@@ -541,7 +541,8 @@ def main(argv):
       'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
       'smollm2_source', 'smollm2_micro_batch_size', 'smollm2_prompt_length',
-      'smollm2_completion_length', 'smollm2_rounds', 'warmup_rounds', 'profile_reps', 'dtype', 'torch_peer',
+      'smollm2_completion_length', 'smollm2_rounds', 'warmup_rounds', 'profile_reps', 'dtype',
+      'torch_peer',
       'torch_threads')}, 'results': results})
 
 
