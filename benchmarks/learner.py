@@ -542,8 +542,7 @@ def main(argv):
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
       'smollm2_source', 'smollm2_micro_batch_size', 'smollm2_prompt_length',
       'smollm2_completion_length', 'smollm2_rounds', 'warmup_rounds', 'profile_reps', 'dtype',
-      'torch_peer',
-      'torch_threads')}, 'results': results})
+      'torch_peer', 'torch_threads')}, 'results': results})
 
 
 if __name__ == '__main__':
