@@ -38,7 +38,8 @@ medians over the rounds give each decode step two lower bounds:
 
   * weight streaming: the bytes of the weights every step reads (the matmul weights: the seven
     projections of every layer and lm_head; norms and the one embedding row per token are
-    negligible, the KV cache is not counted) / the bandwidth;
+    negligible; the KV cache is not counted: its bytes per step, over the filled slots and over
+    the whole cache, are in the JSON) / the bandwidth;
   * FLOPs: 2 x (params in those matmuls) x batch / the matmul peak.
 
 The binding bound is the larger; each side's time per decode step (one call's median / new
@@ -250,7 +251,14 @@ def bounds(size: Size, roofline: dict) -> dict:
   weight_bytes = n * jnp.dtype(size.model.param_dtype).itemsize
   stream_s = weight_bytes / roofline['bandwidth_bytes_per_s']
   flop_s = 2 * n * size.batch_size / roofline['peak_flops_per_s']
-  return {'matmul_params': n, 'weight_bytes_per_step': weight_bytes,
+  item = jnp.dtype(size.model.dtype).itemsize
+  # Not in the bounds: the KV cache one step's attention reads, over the filled slots (mean over
+  # the steps) and over the whole cache (prompt + new tokens).
+  kv = {'kv_cache_bytes_per_step_filled_mean': machine.kv_cache_bytes(
+            size.model, size.batch_size, size.prompt_length + (size.new_tokens + 1) / 2, item),
+        'kv_cache_bytes_per_step_whole': machine.kv_cache_bytes(
+            size.model, size.batch_size, size.prompt_length + size.new_tokens, item)}
+  return {**kv, 'matmul_params': n, 'weight_bytes_per_step': weight_bytes,
           'flops_per_step': 2 * n * size.batch_size, 'weight_stream_s': stream_s,
           'flop_s': flop_s, 'binding_s': max(stream_s, flop_s),
           'binding': 'weight streaming' if stream_s >= flop_s else 'FLOPs'}

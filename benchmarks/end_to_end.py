@@ -662,7 +662,12 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
   n = machine.decode_matmul_params(m)
   weight_bytes = n * jax.numpy.dtype(m.param_dtype).itemsize
   step_stream_s, step_flop_s = weight_bytes / bw, 2 * n * rows / peak
-  out = {'decode_matmul_params': n, 'weight_bytes_per_decode_step': weight_bytes,
+  item = jax.numpy.dtype(m.dtype).itemsize
+  whole = sampling.max_prompt_length + tc  # jaxrl_ga's cache; not in the bound (see decode.py)
+  out = {'kv_cache_bytes_per_decode_step': {
+             'filled_mean': machine.kv_cache_bytes(m, rows, whole - (tc - 1) / 2, item),
+             'whole': machine.kv_cache_bytes(m, rows, whole, item)},
+         'decode_matmul_params': n, 'weight_bytes_per_decode_step': weight_bytes,
          'decode_step_weight_stream_s': step_stream_s, 'decode_step_flop_s': step_flop_s,
          'decode_step_binding': 'weight streaming' if step_stream_s >= step_flop_s else 'FLOPs',
          'sides': {}}

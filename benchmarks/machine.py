@@ -137,6 +137,13 @@ def decode_matmul_params(m) -> int:
   return m.num_hidden_layers * layer_matmul_params(m) + m.hidden_size * m.vocab_size
 
 
+def kv_cache_bytes(m, rows: int, positions: float, itemsize: int = 4) -> float:
+  """Bytes of keys and values of ``positions`` cache slots for ``rows`` rows, every layer: what
+  one decode step's attention reads when it attends over that many slots."""
+  return 2 * m.num_hidden_layers * rows * m.num_key_value_heads * m.head_size * positions * \
+      itemsize
+
+
 def forward_flops(m, rows: int, length: int, logit_positions: int) -> dict:
   """Matmul FLOPs of one forward pass over ``rows`` sequences of ``length`` tokens, lm_head on
   ``logit_positions`` positions per row: the projections 2 x params x tokens, lm_head
