@@ -7,6 +7,14 @@ _flag = '--xla_force_host_platform_device_count=8'
 if _flag not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
+# One persistent compilation cache for this test session, shared by the subprocesses the tests
+# start (CLI runs, multi-process runs, the notebook's kernel): they compile the same smoke-size
+# step functions again and again. A fresh directory per session, so no run reuses another's.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  import tempfile  # noqa: E402
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='jaxrl_ga_test_xla_cache_')
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+
 import jax  # noqa: E402  (after the environment is set)
 
 jax.config.update('jax_default_matmul_precision', 'highest')
