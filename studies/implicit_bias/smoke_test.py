@@ -7,7 +7,7 @@ backend optimizations off: the run is compile-bound (two learner steps with the 
 diagnostic, two rollout steps, the probe): 31-35 s of CPU, 39-52 s wall on the shared 2-core CPU
 at load average 3-5.
 
-CI runs it through tests/test_implicit_bias.py (python -m pytest -q tests); here it can also run
+CI runs it through tests/test_implicit_bias.py (the README's test command); here it can also run
 alone: python -m pytest -q studies/implicit_bias/smoke_test.py.
 """
 
