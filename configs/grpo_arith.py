@@ -24,6 +24,8 @@ def get_config(arg: str = ''):
   c.task.options.update(num_digits=2, operations='+', reverse_answer=True, num_eval=500)
   c.model.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+  # Two layers: unrolled, the learner's forward + backward is ~13% faster on CPU than scanned.
+  c.model.scan_layers = False
   c.mesh.update(data=-1, fsdp=1, tensor=1)
   # SFT stops once greedy accuracy on 200 training problems reaches 40% (checked every 25
   # steps), so GRPO starts in the middle whatever the seed; at most 800 steps.

@@ -48,37 +48,40 @@ TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
 # -- log-probs shared by the learner and the rollout step -----------------------------------------
 def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
                      completion_mask, with_entropy: bool = False, temperature=1.0, *,
-                     remat: str = 'none', chunk_size: int = 0):
+                     remat: str = 'none', chunk_size: int = 0, scan_layers: bool = True):
   """Per-token log-probs (and entropies) of the completion tokens. -> [B, Tc] float32.
 
   prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
   the Tc positions that predict completion tokens, ``chunk_size`` positions at a time
   (``logprobs.completion_token_stats``; 0: all at once). The policy is softmax(logits /
   temperature), the distribution the sampler draws from (as in TRL), so ratios compare like with
-  like. ``remat``: the per-layer rematerialization policy of the forward (model.remat).
+  like. ``remat``: the per-layer rematerialization policy of the forward (model.remat);
+  ``scan_layers``: the layers scanned or unrolled (model.scan_layers).
   """
   tp = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-  h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
+  h = model.hidden(tokens, mask, remat=remat, scan_layers=scan_layers)[:, tp - 1:-1]  # [B, Tc, D]
   return logprobs.completion_token_stats(model, h, completion_tokens, temperature=temperature,
                                          chunk_size=chunk_size, with_entropy=with_entropy)
 
 
-def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask):
+def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask, *,
+                   scan_layers: bool = True):
   """Summed log-probs of the tokens where loss_mask is 1 ([B, T] inputs). -> ([B], token counts)."""
-  logits = model(tokens, attention_mask)[:, :-1]
+  logits = model(tokens, attention_mask, scan_layers=scan_layers)[:, :-1]
   logps = losses.token_logps(logits, tokens[:, 1:])
   m = loss_mask[:, 1:].astype(jnp.float32)
   return jnp.sum(logps * m, axis=-1), jnp.sum(m, axis=-1)
 
 
 # -- task losses --------------------------------------------------------------------------------
-def sft_task_loss() -> TaskLoss:
-  """Batch: tokens, attention_mask, loss_mask [B, T] (loss_mask marks the target tokens)."""
+def sft_task_loss(*, scan_layers: bool = True) -> TaskLoss:
+  """Batch: tokens, attention_mask, loss_mask [B, T] (loss_mask marks the target tokens).
+  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
 
   def task_loss(model, batch):
-    logits = model(batch['tokens'], batch['attention_mask'])[:, :-1]
+    logits = model(batch['tokens'], batch['attention_mask'], scan_layers=scan_layers)[:, :-1]
     logps = losses.token_logps(logits, batch['tokens'][:, 1:])
     return losses.sft_loss(logps, batch['loss_mask'][:, 1:].astype(jnp.float32))
 
@@ -87,17 +90,18 @@ def sft_task_loss() -> TaskLoss:
 
 def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
                    temperature: float = 1.0, *, remat: str = 'none',
-                   logprob_chunk_size: int = 0) -> TaskLoss:
+                   logprob_chunk_size: int = 0, scan_layers: bool = True) -> TaskLoss:
   """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
   their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0.
-  remat, logprob_chunk_size: memory knobs (model.remat, model.logprob_chunk_size)."""
+  remat, logprob_chunk_size: memory knobs (model.remat, model.logprob_chunk_size);
+  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
 
   def task_loss(model, batch):
     logps, entropy = completion_logps(
         model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
         batch['completion_mask'], with_entropy=True, temperature=temperature, remat=remat,
-        chunk_size=logprob_chunk_size)
+        chunk_size=logprob_chunk_size, scan_layers=scan_layers)
     if cfg.entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
@@ -108,15 +112,17 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
   return task_loss
 
 
-def dpo_task_loss(cfg: DPOLossConfig) -> TaskLoss:
+def dpo_task_loss(cfg: DPOLossConfig, *, scan_layers: bool = True) -> TaskLoss:
   """Batch: {chosen,rejected}_{tokens,attention_mask,loss_mask} [P, T] and
   ref_{chosen,rejected}_logps [P] (summed over the response, cached once); with rpo_alpha > 0,
-  rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers)."""
+  rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers).
+  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
 
   def task_loss(model, batch):
     n = batch['chosen_tokens'].shape[0]
     cat = lambda k: jnp.concatenate([batch[f'chosen_{k}'], batch[f'rejected_{k}']], axis=0)
-    logps, counts = sequence_logps(model, cat('tokens'), cat('attention_mask'), cat('loss_mask'))
+    logps, counts = sequence_logps(model, cat('tokens'), cat('attention_mask'), cat('loss_mask'),
+                                   scan_layers=scan_layers)
     lengths = jnp.sum(cat('attention_mask').astype(jnp.float32), axis=-1)  # open-instruct's
     return losses.dpo_loss(logps[:n], logps[n:], batch['ref_chosen_logps'],
                            batch['ref_rejected_logps'], counts[:n], counts[n:], cfg,

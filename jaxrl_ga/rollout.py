@@ -64,8 +64,10 @@ class RolloutEngine:
   def __init__(self, graphdef, table: ScheduleTable, sampling_cfg: SamplingConfig,
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
-               defer_old_logps: bool = False, logprob_chunk_size: int = 0):
-    """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...)."""
+               defer_old_logps: bool = False, logprob_chunk_size: int = 0,
+               scan_layers: bool = True):
+    """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
+    ``logprob_chunk_size``, ``scan_layers``: model.* settings of the old-log-prob pass."""
     self.graphdef = graphdef
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
@@ -78,6 +80,7 @@ class RolloutEngine:
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
     self.logprob_chunk_size = logprob_chunk_size  # model.logprob_chunk_size (jaxrl_ga.logprobs)
+    self.scan_layers = scan_layers
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -251,7 +254,8 @@ class RolloutEngine:
     pt, pm, ct, cm = xs
     return learner_lib.completion_logps(model, pt, pm, ct, cm,
                                         temperature=self.sampling_cfg.temperature,
-                                        chunk_size=self.logprob_chunk_size)[0]
+                                        chunk_size=self.logprob_chunk_size,
+                                        scan_layers=self.scan_layers)[0]
 
   def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes

@@ -78,19 +78,20 @@ def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
 
 
 def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt_steps,
-              model=MODEL, trainable=None, keep=None):
+              model=MODEL, trainable=None, keep=None, scan_layers=True):
   """Drives the learner through the schedule with table-driven old log-probs; checks every
   optimizer step against the one-pass reference. Returns the max relative errors.
 
   ``trainable(params, shardings)`` -> ((params, frozen), (shardings, frozen shardings)): train
   part of the params (LoRA: the adapters, tests/test_lora.py); ``keep`` (a dict) receives the
-  final state and the frozen params."""
+  final state and the frozen params. ``scan_layers``: the learner's layers scanned or unrolled
+  (model.scan_layers); the reference's forward always scans."""
   mesh = _mesh(mesh_shape)
   graphdef, params, shardings = sharding.init_params(model, seed=0, mesh=mesh)
   frozen = frozen_sh = None
   if trainable is not None:
     (params, frozen), (shardings, frozen_sh) = trainable(params, shardings)
-  task = learner_lib.grpo_task_loss(loss_cfg, TC)
+  task = learner_lib.grpo_task_loss(loss_cfg, TC, scan_layers=scan_layers)
   lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
                             optimizer_every=sched.optimizer_every, frozen_shardings=frozen_sh)
   table = schedule.build_table(sched)
@@ -167,3 +168,21 @@ def test_grpo_accumulation_is_exact(aggregation, ksm, mesh, compile_log):
   assert compile_log.count('_micro_step') == 1  # one compile over the whole run
   assert grad_err <= 1e-5
   assert param_err <= 1e-5
+
+
+def test_unrolled_layers_accumulate_exactly(compile_log):
+  """model.scan_layers=False (the CPU configs' unrolled layer loop) against the same one-pass
+  reference, on a window that spans two rollouts and 8 devices."""
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         num_iterations=1, grad_accum_steps=3)
+  grad_err, param_err = _run_grpo(sched, GRPOLossConfig(aggregation='token'), (2, 2, 2),
+                                  n_opt_steps=2, scan_layers=False)
+  assert compile_log.count('_micro_step') == 1
+  assert grad_err <= 1e-5
+  assert param_err <= 1e-5
+  # And the knob does unroll: the scanned forward lowers to a while loop, the unrolled one not.
+  graphdef, params, _ = sharding.init_params(MODEL, seed=0, mesh=_mesh((1, 1, 1)))
+  rows = _rollout(np.random.default_rng(0), 2)
+  hlo = lambda scan: jax.jit(lambda p, t, m: tfm.merge(graphdef, p).hidden(
+      t, m, scan_layers=scan)).lower(params, rows['prompt_tokens'], rows['prompt_mask']).as_text()
+  assert 'stablehlo.while' in hlo(True) and 'stablehlo.while' not in hlo(False)

@@ -308,13 +308,13 @@ class Transformer(nnx.Module):
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
-             remat: str = 'none'):
+             remat: str = 'none', scan_layers: bool = True):
     """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise a ``lax.scan`` runs over the stacked params, each layer under
-    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none' (fully
-    unrolled under ``unrolled_layers()``).
+    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none', fully
+    unrolled with ``scan_layers=False`` or under ``unrolled_layers()``.
     """
     cfg = self.cfg
     check_remat(remat)
@@ -338,7 +338,8 @@ class Transformer(nnx.Module):
 
     if remat != 'none':
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv), unroll=_unroll_flag[0])
+    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv),
+                             unroll=_unroll_flag[0] or not scan_layers)
     return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), new_kv
 
   def _logits(self, h: jax.Array) -> jax.Array:
@@ -351,23 +352,27 @@ class Transformer(nnx.Module):
 
   # -- training path -----------------------------------------------------------------------------
   def hidden(self, tokens: jax.Array, attention_mask: jax.Array, *,
-             remat: str = 'none') -> jax.Array:
+             remat: str = 'none', scan_layers: bool = True) -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
-    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES)."""
+    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES). ``scan_layers``: the
+    layers as one ``lax.scan`` (compile time independent of depth) or, False, unrolled (no
+    per-layer slices of the stacked params and their gradients; model.scan_layers)."""
     t = tokens.shape[1]
     valid = attention_mask.astype(bool)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :]  # [B, T, T]
-    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat)
+    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat,
+                       scan_layers=scan_layers)
     return h
 
   def logits(self, h: jax.Array) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits."""
     return self._logits(h)
 
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array, *,
+               scan_layers: bool = True) -> jax.Array:
     """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
-    return self._logits(self.hidden(tokens, attention_mask))
+    return self._logits(self.hidden(tokens, attention_mask, scan_layers=scan_layers))
 
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> KVCache:

@@ -75,8 +75,8 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
     rows = text.right_padded_rows(prompts, comps, cfg.max_length, ctx.pad_id, 'dpo.max_length')
     pairs.update({f'{side}_{key}': value for key, value in rows.items()})
   # Reference log-probs, once, with the policy at the start of the stage.
-  ref_fn = jax.jit(lambda p, t, a, l: learner_lib.sequence_logps(tfm.merge(ctx.graphdef, p), t,
-                                                                 a, l)[0])
+  ref_fn = jax.jit(lambda p, t, a, l: learner_lib.sequence_logps(
+      tfm.merge(ctx.graphdef, p), t, a, l, scan_layers=ctx.cfg.model.scan_layers)[0])
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(chosen)
   for side in ('chosen', 'rejected'):
@@ -104,8 +104,9 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='dpo.micro_batch_size')
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner = learner_lib.Learner(ctx.graphdef, learner_lib.dpo_task_loss(cfg.loss), cfg.optimizer,
-                                ctx.mesh, part.shardings, optimizer_every=cfg.grad_accum_steps,
+  task_loss = learner_lib.dpo_task_loss(cfg.loss, scan_layers=ctx.cfg.model.scan_layers)
+  learner = learner_lib.Learner(ctx.graphdef, task_loss, cfg.optimizer, ctx.mesh, part.shardings,
+                                optimizer_every=cfg.grad_accum_steps,
                                 frozen_shardings=part.frozen_shardings)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)

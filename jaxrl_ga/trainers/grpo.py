@@ -77,14 +77,16 @@ class GRPOTrainer:
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
         mask_truncated_completions=cfg.advantage.mask_truncated_completions,
         defer_old_logps=cfg.advantage.order_by_advantage_sign,
-        logprob_chunk_size=ctx.cfg.model.logprob_chunk_size)
+        logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
+        scan_layers=ctx.cfg.model.scan_layers)
     # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
     trained_shardings, frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
     self.learner = learner_lib.Learner(
         ctx.graphdef,
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
                                    cfg.sampling.temperature, remat=ctx.cfg.model.remat,
-                                   logprob_chunk_size=ctx.cfg.model.logprob_chunk_size),
+                                   logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
+                                   scan_layers=ctx.cfg.model.scan_layers),
         cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
         align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)

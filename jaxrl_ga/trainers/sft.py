@@ -31,8 +31,9 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
   schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
                              name='sft.micro_batch_size')
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner = learner_lib.Learner(ctx.graphdef, learner_lib.sft_task_loss(), cfg.optimizer,
-                                ctx.mesh, part.shardings, optimizer_every=cfg.grad_accum_steps,
+  task_loss = learner_lib.sft_task_loss(scan_layers=ctx.cfg.model.scan_layers)
+  learner = learner_lib.Learner(ctx.graphdef, task_loss, cfg.optimizer, ctx.mesh, part.shardings,
+                                optimizer_every=cfg.grad_accum_steps,
                                 frozen_shardings=part.frozen_shardings)
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
