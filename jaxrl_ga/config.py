@@ -476,8 +476,9 @@ class ModelSpec(ModelConfig):
       layers as one ``lax.scan`` over the stacked params (True: compile time independent of
       depth, the choice for deep models and TPUs) or unrolled (False: no per-layer slices of the
       stacked params and gradient buffers; on this project's 2-core CPU a GRPO learner window
-      was 1.24x faster at 2 layers, 1.10x at 8 and 1.03x at SmolLM2's 30, with bitwise-equal
-      params: benchmarks/scan_layers.py). The CPU arithmetic configs set False.
+      was 1.24x faster at 2 layers, 1.10x at 8 and 1.03x at SmolLM2's 30, see
+      benchmarks/scan_layers.py). Same arithmetic, but XLA may round the two programs
+      differently. The CPU arithmetic configs set False.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (README, "LoRA").
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
