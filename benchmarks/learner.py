@@ -137,18 +137,7 @@ LOSS = GRPOLossConfig(aggregation='token')
 VARIANTS = ('step', 'fwd', 'fwd_bwd', 'torch_fwd_bwd', 'matmul_chain', 'peak')
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-  name: str
-  model: tfm.ModelConfig
-  micro_batch_size: int
-  prompt_length: int
-  completion_length: int
-  rounds: int
-
-  @property
-  def tokens(self) -> int:
-    return self.micro_batch_size * (self.prompt_length + self.completion_length)
+Size = machine.Size
 
 
 def sizes() -> list[Size]:

@@ -3,6 +3,7 @@
 ran (a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
 Imported by the scripts in this directory, which run as ``python benchmarks/NAME.py``."""
 
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -15,6 +16,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,6 +109,22 @@ def random_grpo_batch(rng, b: int, tp: int, tc: int, vocab: int, nonfinite: bool
   if nonfinite:
     batch['advantages'][0] = np.nan
   return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  """A model and the learner micro-batch shape a script times it at (B x (prompt + completion)),
+  with its timed rounds."""
+  name: str
+  model: Any  # jaxrl_ga.models.transformer.ModelConfig
+  micro_batch_size: int
+  prompt_length: int
+  completion_length: int
+  rounds: int
+
+  @property
+  def tokens(self) -> int:
+    return self.micro_batch_size * (self.prompt_length + self.completion_length)
 
 
 def param_count(params) -> int:

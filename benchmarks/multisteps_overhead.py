@@ -76,14 +76,7 @@ OPT = OptimizerConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
 LOSS = GRPOLossConfig(aggregation='token')
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-  name: str
-  model: tfm.ModelConfig
-  micro_batch_size: int
-  prompt_length: int
-  completion_length: int
-  rounds: int
+Size = machine.Size
 
 
 def sizes() -> list[Size]:
