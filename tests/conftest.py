@@ -10,9 +10,12 @@ if _flag not in os.environ.get('XLA_FLAGS', ''):
 # One persistent compilation cache for this test session, shared by the subprocesses the tests
 # start (CLI runs, multi-process runs, the notebook's kernel): they compile the same smoke-size
 # step functions again and again. A fresh directory per session, so no run reuses another's.
+# The process that makes the directory (pytest's, or xdist's controller) removes it at the end.
+_OWN_CACHE_DIR = None
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   import tempfile  # noqa: E402
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='jaxrl_ga_test_xla_cache_')
+  _OWN_CACHE_DIR = tempfile.mkdtemp(prefix='jaxrl_ga_test_xla_cache_')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _OWN_CACHE_DIR
   os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 import jax  # noqa: E402  (after the environment is set)
@@ -62,6 +65,13 @@ def pytest_collection_modifyitems(config, items):
   del config
   slow_files = {item.path for item in items if item.get_closest_marker('slow')}
   items.sort(key=lambda item: item.path not in slow_files)  # stable: file order kept otherwise
+
+
+def pytest_unconfigure(config):
+  del config
+  if _OWN_CACHE_DIR:
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_configure(config):
