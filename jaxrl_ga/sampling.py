@@ -17,7 +17,8 @@ Sampling distribution (the order HF's logits warpers use): ``logits / temperatur
 (keep tokens whose scaled logit is >= the k-th largest; ties at the threshold are kept), then
 top-p on the renormalized result (sort descending, keep a token iff the probability mass strictly
 before it is < top_p, so the most likely token is always kept; top_p >= 1 keeps everything).
-Dropped tokens get logit -inf; ``jax.random.categorical`` samples from what is left.
+Dropped tokens get logit -inf; what is left is sampled as ``jax.random.categorical`` does
+(the Gumbel-max trick, the same draws for the same key).
 
 Log-probs: ``Completions.logps`` is ``log_softmax(logits / temperature)[token]``, the log-prob of
 the token under the tempered but untruncated softmax, 0 at masked positions, whatever top-k / top-p
@@ -182,13 +183,25 @@ def _top_p_full_vocab(x: jax.Array, top_p: jax.Array) -> jax.Array:
   return jnp.where(key >= lo[:, None], x, -jnp.inf)
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+  """``jnp.argmax(x, axis=-1)`` for x [B, V] (the first index of the maximum; the first NaN if
+  there is one) as two plain reductions, a max and a min over indices. XLA:CPU runs argmax's
+  single (value, index) reduction element by element: 7 ms per decode step over SmolLM2's
+  49,152-token vocabulary at 8 rows, 8% of the step (BENCHMARKS.md, issue 15)."""
+  top = jnp.max(x, axis=-1, keepdims=True)
+  hit = (x == top) | jnp.isnan(x)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  return jnp.min(jnp.where(hit, index, x.shape[-1]), axis=-1)
+
+
 def _choose(logits, key, temperature, top_p, top_k: int, greedy: bool):
   """logits [B, V] -> (token [B] int32, its log-prob under the tempered, untruncated softmax
   [B]): the token is drawn from the warped distribution, its log-prob is the learner's."""
   if greedy:
-    token = jnp.argmax(logits, axis=-1)
-  else:
-    token = jax.random.categorical(key, warp_logits(logits, temperature, top_p, top_k), axis=-1)
+    token = _argmax(logits)
+  else:  # jax.random.categorical's Gumbel-max, with the faster argmax
+    warped = warp_logits(logits, temperature, top_p, top_k)
+    token = _argmax(warped + jax.random.gumbel(key, warped.shape, warped.dtype))
   token = token.astype(jnp.int32)
   scaled = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)  # [B, V]
   chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]

@@ -17,6 +17,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -310,6 +311,25 @@ def test_sampled_logps_equal_learner_logps(tiny):
     want = np.asarray(learner_logps(params, tokens, mask, temperature))
     np.testing.assert_allclose(np.asarray(out.logps)[m], want[m], atol=1e-4, rtol=0)
   assert fn._cache_size() == 1
+
+
+def test_sampled_tokens_are_jax_categorical_draws(tiny):
+  """The RNG contract of the module docstring, against jax's own sampler: completion position s
+  is ``jax.random.categorical(fold_in(rng, s), logits / T)`` of the full forward's logits given
+  the tokens before it (EOS never stops these rows: its id is outside the vocabulary)."""
+  sampler = sampling.Sampler(L, eos_id=CFG.vocab_size, pad_id=PAD)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler)
+  params, (prompt_tokens, prompt_mask) = tiny['params'], tiny['prompts']
+  temperature, key = 20.0, jax.random.key(7)  # hot enough to undo SHARPEN: real draws
+  out = fn(params, prompt_tokens, prompt_mask, key, temperature, 1.0)
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  assert (mask == 1).all()
+  logits = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens, mask)
+  want = np.stack([np.asarray(jax.random.categorical(
+      jax.random.fold_in(key, s), jnp.asarray(logits[:, s] / temperature, jnp.float32)))
+      for s in range(L)], 1)
+  assert (logits.argmax(-1) != tokens).any()  # really sampled, not all argmax
+  np.testing.assert_array_equal(tokens, want)
 
 
 @pytest.mark.parametrize('top_k,temperature,top_p', [(5, 1.0, 1.0), (0, 1.3, 0.7),

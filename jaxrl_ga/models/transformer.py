@@ -188,7 +188,14 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   logits = logits / np.sqrt(h).astype(np.float32)
   logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum(f'BKGTS,{kv}->BTKGH', probs, v)
+  if heads_first:
+    # Batch dims, then the rows and columns of one [G*T, S] x [S, H] product: XLA:CPU runs this
+    # as a library matmul. Asked for BTKGH directly, it ran a [H, S] x [S, G] product in its own
+    # dot loop: 42% of a tiny decode step's op time, 10% of SmolLM2's (BENCHMARKS.md, issue 15).
+    # The training path keeps BTKGH: there the other form was not faster with its backward.
+    out = jnp.einsum('BKGTS,BKSH->BKGTH', probs, v).transpose(0, 3, 1, 2, 4)
+  else:
+    out = jnp.einsum(f'BKGTS,{kv}->BTKGH', probs, v)
   return out.reshape(b, t, n, h)
 
 
