@@ -29,7 +29,9 @@ Profile (``--profile_reps``, with greedy among the modes): after the rounds, our
 under ``jax.profiler``; the trace's XLA op events are summed per kind (matmuls, KV-cache writes,
 the per-layer weight slices taken from the stacked params inside the layer scan, copies, the
 rest) and divided by the new tokens: where a decode step's time goes, and how many ops it
-executes.
+executes. The ten most expensive single ops are listed too, each with its result shape and the
+jax operation that emitted it (from the compiled program's text): the table that found the
+attention product and the argmax of issue 15 (BENCHMARKS.md).
 
 Roofline (the same run's machine, ``machine.Roofline``): in every round, after the four calls, one
 sample of the matmul peak (float32 [2048, 2048]^2) and of the weight-streaming bandwidth (the best
@@ -232,17 +234,37 @@ OP_KINDS = (  # (kind, pattern on the op name without its numeric suffix), first
     ('copy / transpose', r'copy|transpose'),
     ('other (elementwise, reductions, sampling)', r'.'),
 )
-def op_profile(run, reps: int, steps_per_call: int) -> dict:
-  """Traces `reps` calls of run(); per decode step: ms and op executions of each kind."""
+def hlo_ops(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """Instruction name -> (result shape, the jax op that emitted it) from a compiled module's
+  text (``jax.jit(f).lower(...).compile().as_text()``)."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r'\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?op_name="([^"]*)"', line)
+    if m:
+      out[m.group(1)] = (m.group(2), m.group(3))
+  return out
+
+
+def op_profile(run, reps: int, steps_per_call: int, hlo_text: str = '', top: int = 10) -> dict:
+  """Traces `reps` calls of run(); per decode step: ms and op executions of each kind, and the
+  `top` single XLA ops by time (with shape and jax op from `hlo_text`, the compiled program)."""
   wall, ops = machine.traced_ops(run, reps)
   ms, count = collections.Counter(), collections.Counter()
-  for _, base, dur in ops:
+  per_op, per_op_count = collections.Counter(), collections.Counter()
+  for name, base, dur in ops:
     kind = next(k for k, pat in OP_KINDS if re.search(pat, base))
     ms[kind] += dur / reps / steps_per_call
     count[kind] += 1 / reps / steps_per_call
+    per_op[name] += dur / reps / steps_per_call
+    per_op_count[name] += 1 / reps / steps_per_call
+  info = hlo_ops(hlo_text)
+  top_ops = [{'op': name, 'ms_per_step': t, 'executions_per_step': per_op_count[name],
+              'shape': info.get(name, ('?', '?'))[0], 'jax_op': info.get(name, ('?', '?'))[1]}
+             for name, t in per_op.most_common(top)]
   return {'wall_ms_per_step_traced': 1e3 * wall / steps_per_call,
           'ops_ms_per_step': sum(ms.values()), 'op_executions_per_step': sum(count.values()),
-          'kinds_ms_per_step': dict(ms), 'kinds_executions_per_step': dict(count)}
+          'kinds_ms_per_step': dict(ms), 'kinds_executions_per_step': dict(count),
+          'top_ops': top_ops}
 
 
 def bounds(size: Size, roofline: dict) -> dict:
@@ -311,9 +333,12 @@ def run_size(size: Size, mesh, roof: machine.Roofline) -> dict:
     loads.append(os.getloadavg()[0])
   timing_s = time.perf_counter() - t_start
   result = summarize(size, n_params, times, first_call_s, check, loads, timing_s, roof.summary())
-  result['profile_ours_greedy'] = (op_profile(
-      lambda: sides['ours']('greedy', 0), _PROFILE_REPS.value, size.new_tokens)
-                                   if _PROFILE_REPS.value and 'greedy' in _MODES.value else {})
+  result['profile_ours_greedy'] = {}
+  if _PROFILE_REPS.value and 'greedy' in _MODES.value:
+    hlo_text = ours.fns['greedy'].lower(ours.params, tokens, mask, jax.random.key(0), 1.0,
+                                        1.0).compile().as_text()
+    result['profile_ours_greedy'] = op_profile(
+        lambda: sides['ours']('greedy', 0), _PROFILE_REPS.value, size.new_tokens, hlo_text)
   return result
 
 
@@ -406,6 +431,14 @@ def table(results: list[dict]) -> str:
                      f"{p['ops_ms_per_step']:.2f} | {p['op_executions_per_step']:.0f} | " +
                      ' | '.join(f"{p['kinds_ms_per_step'].get(k, 0.0):.2f}" for k in kinds) +
                      ' |')
+    for r in results:
+      p = r['profile_ours_greedy']
+      if p:
+        lines += ['', f"{r['size']}: the most expensive XLA ops of ours (greedy), per decode step "
+                  '(traced; a loop body op runs once per step, a prefill op once per call)', '',
+                  '| ms / step | executions / step | op | shape | jax op |', '|---|---|---|---|---|']
+        lines += [f"| {o['ms_per_step']:.3f} | {o['executions_per_step']:.2f} | {o['op']} | "
+                  f"`{o['shape']}` | `{o['jax_op'][-60:]}` |" for o in p['top_ops']]
   return '\n'.join(lines)
 
 
