@@ -61,7 +61,8 @@ def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, complet
   tp = prompt_tokens.shape[1]
   tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
   mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-  h = model.hidden(tokens, mask, remat=remat, scan_layers=scan_layers)[:, tp - 1:-1]  # [B, Tc, D]
+  with tfm.unrolled_layers(not scan_layers):
+    h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
   return logprobs.completion_token_stats(model, h, completion_tokens, temperature=temperature,
                                          chunk_size=chunk_size, with_entropy=with_entropy)
 
@@ -69,7 +70,8 @@ def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, complet
 def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask, *,
                    scan_layers: bool = True):
   """Summed log-probs of the tokens where loss_mask is 1 ([B, T] inputs). -> ([B], token counts)."""
-  logits = model(tokens, attention_mask, scan_layers=scan_layers)[:, :-1]
+  with tfm.unrolled_layers(not scan_layers):
+    logits = model(tokens, attention_mask)[:, :-1]
   logps = losses.token_logps(logits, tokens[:, 1:])
   m = loss_mask[:, 1:].astype(jnp.float32)
   return jnp.sum(logps * m, axis=-1), jnp.sum(m, axis=-1)
@@ -81,7 +83,8 @@ def sft_task_loss(*, scan_layers: bool = True) -> TaskLoss:
   scan_layers: the layers scanned or unrolled (model.scan_layers)."""
 
   def task_loss(model, batch):
-    logits = model(batch['tokens'], batch['attention_mask'], scan_layers=scan_layers)[:, :-1]
+    with tfm.unrolled_layers(not scan_layers):
+      logits = model(batch['tokens'], batch['attention_mask'])[:, :-1]
     logps = losses.token_logps(logits, batch['tokens'][:, 1:])
     return losses.sft_loss(logps, batch['loss_mask'][:, 1:].astype(jnp.float32))
 

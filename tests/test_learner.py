@@ -183,6 +183,7 @@ def test_unrolled_layers_accumulate_exactly(compile_log):
   # And the knob does unroll: the scanned forward lowers to a while loop, the unrolled one not.
   graphdef, params, _ = sharding.init_params(MODEL, seed=0, mesh=_mesh((1, 1, 1)))
   rows = _rollout(np.random.default_rng(0), 2)
-  hlo = lambda scan: jax.jit(lambda p, t, m: tfm.merge(graphdef, p).hidden(
-      t, m, scan_layers=scan)).lower(params, rows['prompt_tokens'], rows['prompt_mask']).as_text()
+  hlo = lambda scan: jax.jit(lambda p, t, m: learner_lib.completion_logps(
+      tfm.merge(graphdef, p), t, m, t, m, scan_layers=scan)).lower(
+          params, rows['prompt_tokens'], rows['prompt_mask']).as_text()
   assert 'stablehlo.while' in hlo(True) and 'stablehlo.while' not in hlo(False)

@@ -96,12 +96,15 @@ def adapters_disabled():
 
 
 @contextlib.contextmanager
-def unrolled_layers():
-  """While active (at trace time), the training forward's layer loop is fully unrolled: the
-  compiler's cost analysis counts a loop body once, so ``jaxrl_ga.plan`` checks its flops on an
-  unrolled compile. Compile time grows with depth."""
+def unrolled_layers(enabled: bool = True):
+  """While active (at trace time), the training forward's layer loop is fully unrolled instead
+  of one ``lax.scan`` over the stacked params; ``enabled=False`` changes nothing. Used for
+  ``model.scan_layers=False`` (the learners' and log-prob passes' forwards; no per-layer slices
+  of the stacked params and their gradients) and by ``jaxrl_ga.plan``, whose flop check needs an
+  unrolled compile (the compiler's cost analysis counts a loop body once). Compile time grows
+  with depth. Enter it inside the function being traced."""
   prev = _unroll_flag[0]
-  _unroll_flag[0] = True
+  _unroll_flag[0] = prev or enabled
   try:
     yield
   finally:
@@ -315,13 +318,13 @@ class Transformer(nnx.Module):
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
-             remat: str = 'none', scan_layers: bool = True):
+             remat: str = 'none'):
     """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise a ``lax.scan`` runs over the stacked params, each layer under
-    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none', fully
-    unrolled with ``scan_layers=False`` or under ``unrolled_layers()``.
+    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none' (fully
+    unrolled under ``unrolled_layers()``).
     """
     cfg = self.cfg
     check_remat(remat)
@@ -345,8 +348,7 @@ class Transformer(nnx.Module):
 
     if remat != 'none':
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv),
-                             unroll=_unroll_flag[0] or not scan_layers)
+    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv), unroll=_unroll_flag[0])
     return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), new_kv
 
   def _logits(self, h: jax.Array) -> jax.Array:
@@ -359,27 +361,23 @@ class Transformer(nnx.Module):
 
   # -- training path -----------------------------------------------------------------------------
   def hidden(self, tokens: jax.Array, attention_mask: jax.Array, *,
-             remat: str = 'none', scan_layers: bool = True) -> jax.Array:
+             remat: str = 'none') -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
-    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES). ``scan_layers``: the
-    layers as one ``lax.scan`` (compile time independent of depth) or, False, unrolled (no
-    per-layer slices of the stacked params and their gradients; model.scan_layers)."""
+    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES)."""
     t = tokens.shape[1]
     valid = attention_mask.astype(bool)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :]  # [B, T, T]
-    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat,
-                       scan_layers=scan_layers)
+    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat)
     return h
 
   def logits(self, h: jax.Array) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits."""
     return self._logits(h)
 
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array, *,
-               scan_layers: bool = True) -> jax.Array:
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
     """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
-    return self._logits(self.hidden(tokens, attention_mask, scan_layers=scan_layers))
+    return self._logits(self.hidden(tokens, attention_mask))
 
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
