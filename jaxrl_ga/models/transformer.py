@@ -274,7 +274,14 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
     return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
 
   heads = ('activation_batch', 'activation_length', 'activation_heads', None)
-  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps)
+  embed = ('activation_batch', 'activation_length', 'activation_embed')
+  mlp = ('activation_batch', 'activation_length', 'activation_mlp')
+  # The projections and the elementwise work between them run on [B*T, features] rows: with
+  # [B, T, F] operands XLA:CPU wrote the SwiGLU gradient transposed for the weight gradient's
+  # product (issue 15, BENCHMARKS.md); the reshapes are free (row-major bitcasts).
+  rows = lambda y: y.reshape(b * t, y.shape[-1])
+  named = lambda y, axes: rows(constrain(y.reshape(b, t, -1), *axes))
+  x = rows(_rms_norm(h, p['attn_norm'], cfg.rms_norm_eps))
   q = constrain(proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *heads)
   k = constrain(proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
   v = constrain(proj(x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
@@ -288,14 +295,11 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
     attn = _attention(q, new_kv[0].astype(dt), new_kv[1].astype(dt), mask, heads_first=True)
   else:
     attn = _attention(q, k, v, mask)
-  attn = attn.reshape(b, t, -1)
-  embed = ('activation_batch', 'activation_length', 'activation_embed')
-  mlp = ('activation_batch', 'activation_length', 'activation_mlp')
-  h = constrain(h + proj(attn, 'o_proj'), *embed)
-  x = _rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps)
-  gate = constrain(proj(x, 'gate_proj'), *mlp)
-  up = constrain(proj(x, 'up_proj'), *mlp)
-  h = constrain(h + proj(jax.nn.silu(gate) * up, 'down_proj'), *embed)
+  h = constrain(h + proj(attn.reshape(b * t, -1), 'o_proj').reshape(b, t, -1), *embed)
+  x = rows(_rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps))
+  gate = named(proj(x, 'gate_proj'), mlp)
+  up = named(proj(x, 'up_proj'), mlp)
+  h = constrain(h + proj(jax.nn.silu(gate) * up, 'down_proj').reshape(b, t, -1), *embed)
   return h, new_kv
 
 
