@@ -42,10 +42,9 @@ def completion_token_stats(model, h: jax.Array, targets: jax.Array, *, temperatu
   def stats(hc, tc):
     # On [B*c] rows: with [B, c, V] logits XLA:CPU wrote the logits' gradient transposed for the
     # output projection's weight gradient (issue 15, BENCHMARKS.md); the reshapes are free.
-    rows, c = hc.shape[0] * hc.shape[1], hc.shape[1]
-    logits = model.logits(hc.reshape(rows, -1)) / temperature  # [B*c, V] float32
-    lp = losses.token_logps(logits, tc.reshape(rows)).reshape(-1, c)
-    return lp, (losses.token_entropy(logits).reshape(-1, c) if with_entropy else None)
+    logits = model.logits(hc.reshape(tc.size, -1)) / temperature  # [B*c, V] float32
+    lp = losses.token_logps(logits, tc.reshape(-1)).reshape(tc.shape)
+    return lp, (losses.token_entropy(logits).reshape(tc.shape) if with_entropy else None)
 
   b, t = targets.shape
   if chunk_size <= 0 or chunk_size >= t:

@@ -279,8 +279,8 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   # The projections and the elementwise work between them run on [B*T, features] rows: with
   # [B, T, F] operands XLA:CPU wrote the SwiGLU gradient transposed for the weight gradient's
   # product (issue 15, BENCHMARKS.md); the reshapes are free (row-major bitcasts).
-  rows = lambda y: y.reshape(b * t, y.shape[-1])
-  named = lambda y, axes: rows(constrain(y.reshape(b, t, -1), *axes))
+  rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
+  per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
   x = rows(_rms_norm(h, p['attn_norm'], cfg.rms_norm_eps))
   q = constrain(proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *heads)
   k = constrain(proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
@@ -295,11 +295,11 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
     attn = _attention(q, new_kv[0].astype(dt), new_kv[1].astype(dt), mask, heads_first=True)
   else:
     attn = _attention(q, k, v, mask)
-  h = constrain(h + proj(attn.reshape(b * t, -1), 'o_proj').reshape(b, t, -1), *embed)
+  h = constrain(h + per_token(proj(rows(attn), 'o_proj')), *embed)
   x = rows(_rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps))
-  gate = named(proj(x, 'gate_proj'), mlp)
-  up = named(proj(x, 'up_proj'), mlp)
-  h = constrain(h + proj(jax.nn.silu(gate) * up, 'down_proj').reshape(b, t, -1), *embed)
+  gate = rows(constrain(per_token(proj(x, 'gate_proj')), *mlp))
+  up = rows(constrain(per_token(proj(x, 'up_proj')), *mlp))
+  h = constrain(h + per_token(proj(jax.nn.silu(gate) * up, 'down_proj')), *embed)
   return h, new_kv
 
 
