@@ -77,6 +77,14 @@ import os
 # generate 5-7x slower here; PASSIVE lets them sleep. Set OMP_WAIT_POLICY=ACTIVE to override.
 os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
 
+import sys  # noqa: E402
+
+import machine  # noqa: E402  benchmarks/machine.py (no torch or JAX at import)
+
+# glibc's malloc keeps freed memory for reuse, before torch and JAX start threads (both sides;
+# jaxrl_ga.host_memory). --noreuse_freed_memory keeps glibc's defaults.
+machine.reuse_freed_memory(sys.argv)
+
 import collections  # noqa: E402  (after the environment is set)
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -99,7 +107,6 @@ from jaxrl_ga.config import MeshConfig
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
-import machine  # benchmarks/machine.py
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
                            'smollm2.')
@@ -132,6 +139,7 @@ _PROFILE_REPS = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer('seed', 0, 'Model init and prompts.')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sampled mode: nucleus top-p on both sides (1 = off).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/decode.json', 'JSON output.')
+flags.DEFINE_bool('reuse_freed_memory', True, machine.REUSE_FLAG_HELP)
 
 PAD_ID = 0  # prompts are left-padded with it; also HF's pad_token_id
 

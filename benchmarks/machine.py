@@ -20,6 +20,26 @@ from typing import Any
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# What reuse_freed_memory() set (recorded by machine_info); {} when it was off or not called.
+_MALLOC_SETTINGS: dict = {}
+
+REUSE_FLAG_HELP = (
+    'glibc\'s malloc keeps freed memory for reuse in this process, for both sides '
+    '(jaxrl_ga.host_memory, as the CLI does on a CPU host): set at import, before torch and JAX '
+    'start their threads. --noreuse_freed_memory runs with glibc\'s defaults.')
+
+
+def reuse_freed_memory(argv: list[str]) -> dict:
+  """Applies the scripts' ``--[no]reuse_freed_memory`` (default on) at import time. It has to
+  run before torch and JAX start threads, before absl parses the flags, so it reads argv; the
+  script still defines the flag (``REUSE_FLAG_HELP``) for absl."""
+  if {'--noreuse_freed_memory', '--reuse_freed_memory=false'} & set(argv):
+    return {}
+  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  _MALLOC_SETTINGS.update(host_memory.reuse_freed_memory())
+  return dict(_MALLOC_SETTINGS)
+
+
 _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'transformers', 'torch', 'trl',
              'accelerate')
 
@@ -66,7 +86,8 @@ def machine_info(**extra) -> dict:
           'cpus_usable': len(os.sched_getaffinity(0)), 'mem_total_gib': mem_gib,
           'python': platform.python_version(), **versions,
           'device': f'{dev.platform}:{dev.device_kind}', 'device_count': jax.device_count(),
-          'load_avg_start': os.getloadavg(), **git_state(), **extra}
+          'load_avg_start': os.getloadavg(), 'malloc_reuse_freed_memory': dict(_MALLOC_SETTINGS),
+          **git_state(), **extra}
 
 
 # Trace events that are not XLA ops, or that contain other ops (loops, conditionals).

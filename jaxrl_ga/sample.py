@@ -39,6 +39,9 @@ def _define_flags():
   flags.DEFINE_integer('seed', 0, 'PRNG seed of the sampler.')
   flags.DEFINE_enum('param_dtype', 'float32', ['float32', 'bfloat16'],
                     'dtype the weights are loaded in (HF / GGUF models).')
+  flags.DEFINE_enum('reuse_freed_memory', 'auto', ['auto', 'true', 'false'],
+                    'glibc\'s malloc keeps freed memory for reuse (jaxrl_ga.host_memory); auto: '
+                    'on unless an accelerator is expected.')
   flags.mark_flags_as_required(['model', 'prompt'])
 
 
@@ -104,6 +107,8 @@ def main(argv):
     name, why = bad[0]
     print(f'error: --{name}={getattr(f, name)} {why}.', file=sys.stderr)
     sys.exit(2)
+  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.apply_flag(f.reuse_freed_memory)  # before JAX's backend starts its threads
   try:
     graphdef, params, tokenizer, what = load(f.model, f.param_dtype)
     if f.chat and not chat_lib.has_chat_template(tokenizer):

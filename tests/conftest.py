@@ -45,6 +45,20 @@ class CompileLog(logging.Handler):
 
 
 @pytest.fixture
+def fake_pci(tmp_path):
+  """fake_pci(['0x8086', '0x1ae0']) -> the root of a fake PCI bus (/sys/bus/pci/devices) with a
+  device of each vendor id."""
+  def make(vendors):
+    root = tmp_path / 'pci'
+    for i, v in enumerate(vendors):
+      d = root / f'0000:00:{i:02x}.0'
+      d.mkdir(parents=True)
+      (d / 'vendor').write_text(v + '\n')
+    return str(root)
+  return make
+
+
+@pytest.fixture
 def compile_log():
   """Yields a CompileLog; compile logging is on only inside the test."""
   log = CompileLog()

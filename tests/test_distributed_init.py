@@ -1,6 +1,6 @@
 """main.init_distributed: explicit flags, automatic on a Cloud TPU VM (recognized by a Google TPU,
 PCI vendor 0x1ae0, on the PCI bus), nothing otherwise. jax.distributed.initialize is recorded,
-not called; the PCI bus is a fake directory tree."""
+not called; the PCI bus is a fake directory tree (conftest.fake_pci)."""
 
 from absl import app
 import jax
@@ -17,28 +17,20 @@ def calls(monkeypatch):
   return seen
 
 
-def _pci(tmp_path, vendors):
-  for i, v in enumerate(vendors):
-    d = tmp_path / f'0000:00:0{i}.0'
-    d.mkdir()
-    (d / 'vendor').write_text(v + '\n')
-  return str(tmp_path)
-
-
-def test_tpu_vm_is_initialized_automatically(tmp_path, calls):
-  root = _pci(tmp_path, ['0x8086', '0x1ae0'])  # an Intel bridge and a Google TPU
+def test_tpu_vm_is_initialized_automatically(fake_pci, calls):
+  root = fake_pci(['0x8086', '0x1ae0'])  # an Intel bridge and a Google TPU
   assert main.init_distributed(pci_root=root) == 'tpu_vm'
   assert calls == [{}]  # no arguments: jax reads the workers from the TPU VM metadata
 
 
-def test_other_machines_stay_single_process(tmp_path, calls):
-  root = _pci(tmp_path, ['0x8086', '0x10de'])  # Intel, NVIDIA
+def test_other_machines_stay_single_process(fake_pci, calls):
+  root = fake_pci(['0x8086', '0x10de'])  # Intel, NVIDIA
   assert main.init_distributed(pci_root=root) == 'none'
   assert calls == []
 
 
-def test_explicit_flags_win_and_are_checked(tmp_path, calls):
-  root = _pci(tmp_path, ['0x1ae0'])
+def test_explicit_flags_win_and_are_checked(fake_pci, calls):
+  root = fake_pci(['0x1ae0'])
   assert main.init_distributed('10.0.0.1:1234', 4, 2, pci_root=root) == 'explicit'
   assert calls == [('jax_cpu_collectives_implementation', 'gloo'),
                    {'coordinator_address': '10.0.0.1:1234', 'num_processes': 4,
