@@ -82,7 +82,7 @@ import sys  # noqa: E402
 import machine  # noqa: E402  benchmarks/machine.py (no torch or JAX at import)
 
 # glibc's malloc keeps freed memory for reuse, before torch and JAX start threads (both sides;
-# jaxrl_ga.host_memory). --noreuse_freed_memory keeps glibc's defaults.
+# jaxrl_ga.host_memory). --system_malloc keeps glibc's defaults.
 machine.reuse_freed_memory(sys.argv)
 
 import collections  # noqa: E402  (after the environment is set)
@@ -139,7 +139,7 @@ _PROFILE_REPS = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer('seed', 0, 'Model init and prompts.')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sampled mode: nucleus top-p on both sides (1 = off).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/decode.json', 'JSON output.')
-flags.DEFINE_bool('reuse_freed_memory', True, machine.REUSE_FLAG_HELP)
+flags.DEFINE_bool('system_malloc', False, machine.SYSTEM_MALLOC_HELP)
 
 PAD_ID = 0  # prompts are left-padded with it; also HF's pad_token_id
 

@@ -99,7 +99,7 @@ import sys
 import machine  # benchmarks/machine.py (no torch or JAX at import)
 
 # glibc's malloc keeps freed memory for reuse, before torch and JAX start threads (both sides;
-# jaxrl_ga.host_memory). --noreuse_freed_memory keeps glibc's defaults.
+# jaxrl_ga.host_memory). --system_malloc keeps glibc's defaults.
 machine.reuse_freed_memory(sys.argv)
 
 import dataclasses  # noqa: E402  (after the allocator is set)
@@ -173,7 +173,7 @@ _TORCH_THREADS = flags.DEFINE_integer('torch_threads', None,
                                       'torch.set_num_threads; default: the usable CPU cores.')
 _WORKDIR = flags.DEFINE_string('scratch_dir', None, 'Scratch directory (default: a temporary one).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/end_to_end.json', 'JSON output.')
-flags.DEFINE_bool('reuse_freed_memory', True, machine.REUSE_FLAG_HELP)
+flags.DEFINE_bool('system_malloc', False, machine.SYSTEM_MALLOC_HELP)
 
 SIDES = ('jaxrl_ga', 'trl')
 PHASES = ('generate', 'rewards_host', 'old_logps', 'learn')

@@ -72,7 +72,7 @@ import sys  # noqa: E402
 import machine  # noqa: E402  benchmarks/machine.py (no torch or JAX at import)
 
 # glibc's malloc keeps freed memory for reuse, before torch and JAX start threads (both sides;
-# jaxrl_ga.host_memory). --noreuse_freed_memory keeps glibc's defaults.
+# jaxrl_ga.host_memory). --system_malloc keeps glibc's defaults.
 machine.reuse_freed_memory(sys.argv)
 
 import collections  # noqa: E402  (after the environment is set)
@@ -138,7 +138,7 @@ _TORCH_THREADS = flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads
                                       'usable cores.')
 _DTYPE = flags.DEFINE_string('dtype', 'float32', 'Compute dtype of the model (float32, bfloat16).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/learner.json', 'JSON output.')
-flags.DEFINE_bool('reuse_freed_memory', True, machine.REUSE_FLAG_HELP)
+flags.DEFINE_bool('system_malloc', False, machine.SYSTEM_MALLOC_HELP)
 
 OPT = OptimizerConfig(learning_rate=1e-4, weight_decay=0.01, max_grad_norm=1.0)
 LOSS = GRPOLossConfig(aggregation='token')

@@ -23,17 +23,17 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What reuse_freed_memory() set (recorded by machine_info); {} when it was off or not called.
 _MALLOC_SETTINGS: dict = {}
 
-REUSE_FLAG_HELP = (
-    'glibc\'s malloc keeps freed memory for reuse in this process, for both sides '
-    '(jaxrl_ga.host_memory, as the CLI does on a CPU host): set at import, before torch and JAX '
-    'start their threads. --noreuse_freed_memory runs with glibc\'s defaults.')
+SYSTEM_MALLOC_HELP = (
+    'Keep glibc\'s malloc defaults. Without it the script sets malloc to keep freed memory for '
+    'reuse in this process, for both sides (jaxrl_ga.host_memory.reuse_freed_memory, as the CLI '
+    'does on a CPU host), at import, before torch and JAX start their threads.')
 
 
 def reuse_freed_memory(argv: list[str]) -> dict:
-  """Applies the scripts' ``--[no]reuse_freed_memory`` (default on) at import time. It has to
-  run before torch and JAX start threads, before absl parses the flags, so it reads argv; the
-  script still defines the flag (``REUSE_FLAG_HELP``) for absl."""
-  if {'--noreuse_freed_memory', '--reuse_freed_memory=false'} & set(argv):
+  """``jaxrl_ga.host_memory.reuse_freed_memory()`` unless argv has the scripts' ``--system_malloc``.
+  It has to run at import, before torch and JAX start threads and before absl parses the flags,
+  so it reads argv; the script still defines the flag (``SYSTEM_MALLOC_HELP``) for absl."""
+  if {'--system_malloc', '--system_malloc=true', '--system_malloc=True'} & set(argv):
     return {}
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   _MALLOC_SETTINGS.update(host_memory.reuse_freed_memory())
