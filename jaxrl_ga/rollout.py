@@ -239,6 +239,9 @@ class RolloutEngine:
         'rollout/logp_agreement_max_abs': jnp.where(has_recompute, jnp.max(diff), jnp.nan),
         'rollout/recomputed_slices': passes,
         'rollout/completion_length': jnp.mean(jnp.sum(c_mask, -1).astype(jnp.float32)),
+        # Real prompt tokens of the rows, against the padded width (max_prompt_length).
+        'rollout/prompt_length': jnp.mean(jnp.sum(p_mask, -1).astype(jnp.float32)),
+        'rollout/prompt_length_max': jnp.max(jnp.sum(p_mask, -1)).astype(jnp.float32),
         'rollout/eos_fraction': jnp.mean(comps.ended_with_eos.astype(jnp.float32)),
         'rollout/decode_steps': comps.num_decode_steps,
     }

@@ -237,10 +237,12 @@ def test_run_config_names_unknown_settings():
 
 
 @pytest.mark.slow
-def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path):
+def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path, capsys):
   """on_rollout gets each rollout (its micro-step, buffer, group-centered advantages, the learner
-  that trains on it, times); on_micro_step gets each learner step."""
+  that trains on it, times, and its prompts' real lengths); on_micro_step gets each learner step;
+  the first rollout's prompt lengths against max_prompt_length are printed once."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
   cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2})
   ctx, params = main_lib.build_context(cfg, str(tmp_path))
   events, steps = [], []
@@ -261,3 +263,19 @@ def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path):
     np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-5)  # centered per group
     assert shape == (sched.steps_per_generation, sched.micro_batch_size)
     assert e.generate_s > 0 and e.host_s > 0 and 0 <= e.host_stats['reward/accuracy'] <= 1
+  # The prompt lengths, from the task's own prompts (each rollout takes the next S*B/G of them,
+  # every one G times): tokenized here, not read from the buffer.
+  per_rollout = sched.steps_per_generation * sched.micro_batch_size // sched.num_generations
+  for r, (*_, e) in enumerate(events):
+    lengths = [len(text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, cfg.seed).prompt))
+               for i in range(r * per_rollout, (r + 1) * per_rollout)]
+    assert e.host_stats['rollout/prompt_length'] == pytest.approx(np.mean(lengths))
+    assert e.host_stats['rollout/prompt_length_max'] == max(lengths)
+  width = cfg.grpo.sampling.max_prompt_length
+  first = [len(text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, cfg.seed).prompt))
+           for i in range(per_rollout)]
+  lines = [l for l in capsys.readouterr().out.splitlines() if 'prompts:' in l]
+  assert lines == [f"[grpo] the first rollout's prompts: {np.mean(first):.0f} tokens on average, "
+                   f'{max(first)} at most, left-padded to grpo.sampling.max_prompt_length='
+                   f'{width} ({1 - np.mean(first) / width:.0%} of the prompt positions are '
+                   'padding)']
