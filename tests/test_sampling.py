@@ -467,6 +467,51 @@ def test_greedy_equals_full_forward_argmax_hf(name):
   np.testing.assert_array_equal(np.asarray(mesh_out.mask), np.asarray(out.mask))
 
 
+# -- the tied head at decode time: split into vocabulary blocks on CPU ---------------------------
+TIED_CFG = tfm.ModelConfig(vocab_size=16384, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=True)
+
+
+def test_tied_head_at_decode_is_split_on_cpu_only_and_matches_full_forward():
+  """With tied embeddings, 2-64 rows and a vocabulary of 16k or more, the prefill's and each
+  decode step's head run as 32 vocabulary blocks when compiled for CPU
+  (``Transformer._next_token_logits``); the same function lowered for TPU keeps the plain
+  product. The greedy tokens are the full forward's argmax (the plain product over every
+  position) and the log-probs its log-softmax, unsharded and on a (2, 2, 2) mesh."""
+  mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
+  graphdef, shapes, axes = sharding.abstract_model(TIED_CFG)
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(  # N(0, 1) embeddings: logits spread over tens of units
+      lambda s, a: ((1.0 + 0.1 * rng.standard_normal(s.shape)) if a[-1] == 'norm' else
+                    (1.0 if a[0] == 'vocab' else 0.2) * rng.standard_normal(s.shape)
+                    ).astype(np.float32), shapes, axes)
+  prompts = _prompts(3, TIED_CFG.vocab_size)
+  sampler = sampling.Sampler(L, eos_id=TIED_CFG.vocab_size - 1, pad_id=PAD)
+  fn = sampling.make_generate_fn(graphdef, sampler, greedy=True)
+  args = (params, *prompts, jax.random.key(0), 1.0, 1.0)
+  split = 'bd,cvd->cbv'  # the blocked product's einsum, in the ops' names
+  assert split in fn.lower(*args).compile().as_text()
+  assert split not in fn.trace(*args).lower(lowering_platforms=('tpu',)).as_text(
+      debug_info=True)
+
+  out = fn(*args)
+  mask = np.asarray(out.mask) == 1
+  logits = _assert_greedy_argmax(_forward(graphdef), params, *prompts, out, atol=1e-4)
+  want = np.take_along_axis(_log_softmax(logits), np.asarray(out.tokens)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logps)[mask], want[mask], atol=1e-4, rtol=0)
+
+  shardings = sharding.param_shardings(shapes, axes, mesh)
+  mesh_fn = sampling.make_generate_fn(graphdef, sampler, greedy=True, mesh=mesh,
+                                      param_shardings=shardings)
+  rows = sharding.batch_sharding(mesh)
+  mesh_out = mesh_fn(jax.device_put(params, shardings),
+                     *[jax.device_put(x, rows) for x in prompts], jax.random.key(0), 1.0, 1.0)
+  np.testing.assert_array_equal(np.asarray(mesh_out.tokens), np.asarray(out.tokens))
+  np.testing.assert_allclose(np.asarray(mesh_out.logps), np.asarray(out.logps), atol=1e-4,
+                             rtol=0)
+
+
 # -- validation ----------------------------------------------------------------------------------
 def test_sampler_validation():
   cfg = SamplingConfig(max_completion_length=12, top_k=5, rollout_micro_batch_size=4)
