@@ -479,6 +479,12 @@ class ModelSpec(ModelConfig):
       was 1.24x faster at 2 layers, 1.10x at 8 and 1.03x at SmolLM2's 30, see
       benchmarks/scan_layers.py). Same arithmetic, but XLA may round the two programs
       differently. The CPU arithmetic configs set False.
+    share_prompt_prefix: GRPO's G completions of one prompt share its forward: in the learner and
+      the old- and reference-log-prob passes each prompt's positions run once per R rows that
+      hold it (R = gcd(G, B / data-parallel shards), ``rollout.prompt_share``), and the rollout
+      prefills each prompt once. The same values (float32 rounding aside); the prompt positions'
+      share of the work is divided by R. Off with advantage.order_by_advantage_sign's reordered
+      rows (learner and old log-probs only).
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (README, "LoRA").
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
@@ -497,6 +503,7 @@ class ModelSpec(ModelConfig):
   remat: str = 'none'
   logprob_chunk_size: int = 0
   scan_layers: bool = True
+  share_prompt_prefix: bool = True
 
   def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'
@@ -504,8 +511,9 @@ class ModelSpec(ModelConfig):
     _one_of(self, 'dtype', MODEL_DTYPES, p)
     _one_of(self, 'param_dtype', MODEL_DTYPES, p)
     _one_of(self, 'remat', REMAT, p)
-    _require(isinstance(self.scan_layers, bool),
-             f'{p}scan_layers={self.scan_layers!r} must be True or False.')
+    for name in ('scan_layers', 'share_prompt_prefix'):
+      _require(isinstance(getattr(self, name), bool),
+               f'{p}{name}={getattr(self, name)!r} must be True or False.')
     _require(isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size >= 0,
              f'{p}logprob_chunk_size={self.logprob_chunk_size!r} must be an integer >= 0 '
              '(0: no chunking).')

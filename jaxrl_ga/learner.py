@@ -48,7 +48,8 @@ TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
 # -- log-probs shared by the learner and the rollout step -----------------------------------------
 def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
                      completion_mask, with_entropy: bool = False, temperature=1.0, *,
-                     remat: str = 'none', chunk_size: int = 0, scan_layers: bool = True):
+                     remat: str = 'none', chunk_size: int = 0, scan_layers: bool = True,
+                     share_prompts: int = 1):
   """Per-token log-probs (and entropies) of the completion tokens. -> [B, Tc] float32.
 
   prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
@@ -57,12 +58,26 @@ def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, complet
   temperature), the distribution the sampler draws from (as in TRL), so ratios compare like with
   like. ``remat``: the per-layer rematerialization policy of the forward (model.remat);
   ``scan_layers``: the layers scanned or unrolled (model.scan_layers).
+
+  ``share_prompts`` = R > 1: rows ``i*R .. i*R+R-1`` hold the same prompt (R completions of one
+  prompt; the caller guarantees it, ``rollout.prompt_share``), so the prompt's forward runs once
+  for them (``Transformer.hidden_after_prefix``): the same values, with the prompt positions'
+  work divided by R (model.share_prompt_prefix).
   """
   tp = prompt_tokens.shape[1]
-  tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
-  mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
   with tfm.unrolled_layers(not scan_layers):
-    h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
+    if share_prompts > 1:
+      # [B, Tp] -> [P, R, Tp] -> the first of each R rows (a local reshape under batch sharding)
+      first = lambda x: x.reshape(-1, share_prompts, tp)[:, 0]
+      prompt_h, h = model.hidden_after_prefix(first(prompt_tokens), first(prompt_mask),
+                                              completion_tokens, completion_mask, remat=remat)
+      # The prompt's last position predicts completion token 0 of each of its R rows.
+      last = jnp.repeat(prompt_h[:, -1:], share_prompts, axis=0)  # [B, 1, D]
+      h = jnp.concatenate([last, h[:, :-1]], axis=1)  # [B, Tc, D]
+    else:
+      tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+      mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+      h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
   return logprobs.completion_token_stats(model, h, completion_tokens, temperature=temperature,
                                          chunk_size=chunk_size, with_entropy=with_entropy)
 
@@ -93,18 +108,20 @@ def sft_task_loss(*, scan_layers: bool = True) -> TaskLoss:
 
 def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
                    temperature: float = 1.0, *, remat: str = 'none',
-                   logprob_chunk_size: int = 0, scan_layers: bool = True) -> TaskLoss:
+                   logprob_chunk_size: int = 0, scan_layers: bool = True,
+                   share_prompts: int = 1) -> TaskLoss:
   """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
   their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0.
   remat, logprob_chunk_size: memory knobs (model.remat, model.logprob_chunk_size);
-  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
+  scan_layers: the layers scanned or unrolled (model.scan_layers); share_prompts: R, rows
+  ``i*R .. i*R+R-1`` of every micro-batch share their prompt (``completion_logps``)."""
 
   def task_loss(model, batch):
     logps, entropy = completion_logps(
         model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
         batch['completion_mask'], with_entropy=True, temperature=temperature, remat=remat,
-        chunk_size=logprob_chunk_size, scan_layers=scan_layers)
+        chunk_size=logprob_chunk_size, scan_layers=scan_layers, share_prompts=share_prompts)
     if cfg.entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))

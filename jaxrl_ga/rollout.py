@@ -19,6 +19,7 @@ devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import flax
@@ -65,9 +66,11 @@ class RolloutEngine:
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False, logprob_chunk_size: int = 0,
-               scan_layers: bool = True):
+               scan_layers: bool = True, share_prompts: int = 1):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
-    ``logprob_chunk_size``, ``scan_layers``: model.* settings of the old-log-prob pass."""
+    ``logprob_chunk_size``, ``scan_layers``: model.* settings of the old-log-prob pass.
+    ``share_prompts``: R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the old- and
+    reference-log-prob passes run each prompt's forward once per R rows."""
     self.graphdef = graphdef
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
@@ -81,6 +84,13 @@ class RolloutEngine:
     self.defer_old_logps = defer_old_logps
     self.logprob_chunk_size = logprob_chunk_size  # model.logprob_chunk_size (jaxrl_ga.logprobs)
     self.scan_layers = scan_layers
+    b, g = self.sched.micro_batch_size, self.sched.num_generations
+    if share_prompts < 1 or b % share_prompts or g % share_prompts:
+      raise ValueError(f'share_prompts={share_prompts} must divide micro_batch_size={b} and '
+                       f'num_generations={g} (rollout.prompt_share computes it).')
+    self.share_prompts = share_prompts
+    chunk = sampling_cfg.rollout_micro_batch_size  # generation shares R rows inside a chunk
+    self.gen_share = math.gcd(share_prompts, chunk) if chunk else share_prompts
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -200,17 +210,24 @@ class RolloutEngine:
     cfg = self.sampling_cfg
     model = tfm.merge(self.graphdef, params)
 
-    # Rollout row j*B + i (slice j, row i; prompt (j*B + i) // G) is generated at position
-    # i*S + j, so that after generation the [S, B] view keeps B sharded without moving rows.
-    def gen_rows(x):  # [S, B, Tp] prompts per row -> [B*S, Tp] in generation order
-      x = jnp.swapaxes(x, 0, 1).reshape(b * s, *x.shape[2:])
+    # Rows i*R .. i*R+R-1 of a slice share a prompt (R = self.gen_share, 1 without sharing),
+    # prefilled once. Rollout row j*B + i*R + k (slice j; prompt (j*B + i*R) // G) is generated
+    # at position (i*S + j)*R + k, so that after generation the [S, B] view keeps B sharded
+    # without moving rows.
+    r = self.gen_share
+
+    def gen_prompts(x):  # [S, B, Tp] prompts per row -> [B/R*S, Tp] in generation order
+      x = jnp.swapaxes(x.reshape(s, b // r, r, *x.shape[2:])[:, :, 0], 0, 1)
+      x = x.reshape(b // r * s, *x.shape[2:])
       return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.mesh, x.ndim))
 
-    slab = lambda x: jnp.swapaxes(x.reshape(b, s, *x.shape[1:]), 0, 1)  # -> [S, B, ...]
-    p_tok, p_mask = gen_rows(prompt_tokens), gen_rows(prompt_mask)
-    comps = sampling.generate(model, p_tok, p_mask, jax.random.fold_in(state.rng, state.counter),
-                              self.sampler, temperature=cfg.temperature, top_p=cfg.top_p)
-    p_tok, p_mask = slab(p_tok), slab(p_mask)
+    # [B/R*S*R, ...] in generation order -> [S, B, ...]
+    slab = lambda x: jnp.swapaxes(x.reshape(b // r, s, r, *x.shape[1:]), 0, 1).reshape(
+        s, b, *x.shape[1:])
+    comps = sampling.generate(model, gen_prompts(prompt_tokens), gen_prompts(prompt_mask),
+                              jax.random.fold_in(state.rng, state.counter), self.sampler,
+                              temperature=cfg.temperature, top_p=cfg.top_p, share=r)
+    p_tok, p_mask = prompt_tokens, prompt_mask
     c_tok, c_mask, c_logps = slab(comps.tokens), slab(comps.mask), slab(comps.logps)
     marks = jnp.asarray(self.table.slice_recompute)[state.counter % self.table.period_rollouts]
 
@@ -218,13 +235,14 @@ class RolloutEngine:
       old = jnp.zeros(c_logps.shape, jnp.float32)
       passes = jnp.zeros((), jnp.int32)
     else:
-      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
+      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks,
+                                    self.share_prompts)
 
     ref = None
     if self.use_ref:
       ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
       with tfm.adapters_disabled():  # a no-op without LoRA adapters
-        ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs),
+        ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self.share_prompts),
                           (p_tok, p_mask, c_tok, c_mask))
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
@@ -253,14 +271,15 @@ class RolloutEngine:
                              passes, rng=state.rng)
     return buffer, new_state, metrics
 
-  def _logps_of(self, model, xs):
+  def _logps_of(self, model, xs, share_prompts: int):
     pt, pm, ct, cm = xs
     return learner_lib.completion_logps(model, pt, pm, ct, cm,
                                         temperature=self.sampling_cfg.temperature,
                                         chunk_size=self.logprob_chunk_size,
-                                        scan_layers=self.scan_layers)[0]
+                                        scan_layers=self.scan_layers,
+                                        share_prompts=share_prompts)[0]
 
-  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
+  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks, share_prompts: int):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes
     paid (slice units). Each slice's pass is a lax.cond: an unmarked slice costs nothing."""
     if self.sampling_cfg.old_logprob_source == 'sampler':
@@ -268,7 +287,7 @@ class RolloutEngine:
 
     def one_slice(xs):
       mark, *rest = xs
-      return jax.lax.cond(mark, lambda: self._logps_of(model, rest),
+      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, share_prompts),
                           lambda: jnp.zeros(rest[2].shape, jnp.float32))
 
     old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
@@ -280,9 +299,10 @@ class RolloutEngine:
     buffer = jax.tree.map(perm, buffer)
     marks = jnp.asarray(self.table.slice_recompute)[
         (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
+    # The rows are permuted: a slice's rows no longer come in runs that share a prompt.
     old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,
                                   buffer.prompt_mask, buffer.completion_tokens,
-                                  buffer.completion_mask, buffer.sampler_logps, marks)
+                                  buffer.completion_mask, buffer.sampler_logps, marks, 1)
     buffer = buffer.replace(old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)))
     state = state.replace(forward_passes=state.forward_passes + passes)
     return buffer, state, perm(advantages)
@@ -299,6 +319,21 @@ class RolloutEngine:
     if buffer.ref_logps is not None:
       batch['ref_logps'] = take(buffer.ref_logps)
     return batch
+
+
+def prompt_share(sched: ScheduleConfig, data_parallel_size: int, enabled: bool = True) -> int:
+  """R, the rows of a micro-batch that share one prompt's forward (model.share_prompt_prefix).
+
+  Rows ``g*G .. g*G+G-1`` of a rollout are the G completions of prompt g, and a micro-batch is B
+  consecutive rows, so runs of R = gcd(G, B) rows share a prompt. Under a mesh each of the
+  ``data_parallel_size`` shards holds B / shards consecutive rows; R also divides that, so a
+  shard's prompts are its own rows (no rows cross devices) and the P = B / R prompt rows are
+  sharded evenly. 1 (no sharing) when disabled or when nothing is shared.
+  """
+  b, g = sched.micro_batch_size, sched.num_generations
+  if not enabled or b % data_parallel_size:
+    return 1
+  return math.gcd(g, b // data_parallel_size)
 
 
 def _with_shardings(tree, shardings):

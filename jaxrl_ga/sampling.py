@@ -40,6 +40,10 @@ Chunking (``Sampler.chunk_size``, the rollout micro-batch): rows are generated `
 time under ``lax.map`` to bound the KV cache. Chunk ``j`` holds rows ``j, j + C, j + 2C, ...``
 (C = N / chunk_size chunks), so a batch sharded over the data-parallel mesh axes gives every
 device an equal share of every chunk; outputs are returned in the original row order.
+
+Shared prompts (``generate(share=R)``, GRPO's G completions of one prompt): N / R prompts are
+prefilled once each and every prompt's logits and KV cache are repeated for its R rows, which
+then decode as any other rows; chunks then hold prompts ``j, j + C, ...`` with their R rows.
 """
 
 from __future__ import annotations
@@ -227,12 +231,18 @@ def _write(state: SamplingState, sampled, logp, sampler: Sampler) -> SamplingSta
 
 
 def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
-                   temperature, top_p, greedy: bool) -> Completions:
-  """All rows at once: prefill, first token, then the while-loop decode."""
-  b, tp = prompt_tokens.shape
+                   temperature, top_p, greedy: bool, share: int) -> Completions:
+  """All rows at once: prefill (each prompt once), first token, then the while-loop decode."""
+  n, tp = prompt_tokens.shape
+  b = n * share
   length = sampler.max_completion_length
   # Slots for the prompt and every fed-back token (the last sampled token is never decoded).
   logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1)
+  if share > 1:  # prompt i's logits and cache for rows i*share .. i*share+share-1
+    rows = lambda x, axis: jnp.repeat(x, share, axis=axis)
+    logits = rows(logits, 0)
+    cache = cache.replace(k=rows(cache.k, 1), v=rows(cache.v, 1), valid=rows(cache.valid, 0),
+                          positions=rows(cache.positions, 0))
   # Sliced once here, not at every token inside the loop (see Transformer.unstacked_layers).
   layers, cache = model.unstacked_layers(), cache.per_layer()
 
@@ -264,18 +274,22 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
 
 def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.Array,
              rng: jax.Array, sampler: Sampler, *, temperature: Any = 1.0, top_p: Any = 1.0,
-             greedy: bool = False) -> Completions:
-  """Samples a completion for every left-padded prompt. Traceable (call it inside jit).
+             greedy: bool = False, share: int = 1) -> Completions:
+  """Samples ``share`` completions for every left-padded prompt. Traceable (call it inside jit).
 
   Args:
     model: the policy (e.g. ``transformer.merge(graphdef, params)`` inside the caller's jit).
-    prompt_tokens: [N, Tp] int, left-padded (every row needs at least one real token).
-    prompt_mask: [N, Tp] 0/1.
+    prompt_tokens: [N / share, Tp] int, left-padded (every row needs at least one real token).
+    prompt_mask: [N / share, Tp] 0/1.
     rng: a PRNG key.
     sampler: the static settings.
     temperature: f32 scalar (> 0), may be traced: new values do not recompile.
     top_p: f32 scalar in (0, 1], may be traced; >= 1 disables.
     greedy: static; argmax decoding (see the module docstring for its log-probs).
+    share: static; completion rows per prompt. Each prompt is prefilled once and its cache serves
+      rows ``i*share .. i*share+share-1``: the same logits and draws as ``share`` copies of the
+      prompt (GRPO's G completions of a prompt), a ``share``-th of the prefill's work. With
+      chunking, ``share`` must divide ``Sampler.chunk_size``.
 
   Returns:
     Completions with N rows of max_completion_length positions.
@@ -284,26 +298,28 @@ def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.
   top_p = jnp.asarray(top_p, jnp.float32)
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
-  n = prompt_tokens.shape[0]
+  n = prompt_tokens.shape[0] * share
   size = sampler.chunk_size
   if size == 0 or size >= n:
     return _generate_rows(model, prompt_tokens, prompt_mask, rng, sampler, temperature, top_p,
-                          greedy)
-  if n % size:
-    raise ValueError(f'Sampler.chunk_size={size} must divide the number of prompts {n}; '
-                     f'choose a divisor of {n} (or 0 for all rows at once).')
+                          greedy, share)
+  if n % size or size % share:
+    raise ValueError(f'Sampler.chunk_size={size} must divide the number of completions {n} and '
+                     f'be a multiple of share={share}; choose a divisor of {n} (or 0 for all '
+                     'rows at once).')
   num_chunks = n // size
 
-  def to_chunks(x):  # [N, ...] -> [C, size, ...]; chunk j holds rows j, j + C, ...
-    return jnp.swapaxes(x.reshape(size, num_chunks, *x.shape[1:]), 0, 1)
+  def to_chunks(x):  # [N/share, ...] -> [C, size/share, ...]; chunk j: prompts j, j + C, ...
+    return jnp.swapaxes(x.reshape(size // share, num_chunks, *x.shape[1:]), 0, 1)
 
-  def from_chunks(x):  # [C, size, ...] -> [N, ...]
-    return jnp.swapaxes(x, 0, 1).reshape(n, *x.shape[2:])
+  def from_chunks(x):  # [C, size, ...], rows (prompt, copy) -> [N, ...], row prompt*share + copy
+    x = x.reshape(num_chunks, size // share, share, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(n, *x.shape[3:])
 
   def one_chunk(xs):
     tokens, mask, index = xs
     return _generate_rows(model, tokens, mask, jax.random.fold_in(rng, index), sampler,
-                          temperature, top_p, greedy)
+                          temperature, top_p, greedy, share)
 
   out = jax.lax.map(one_chunk, (to_chunks(prompt_tokens), to_chunks(prompt_mask),
                                 jnp.arange(num_chunks)))

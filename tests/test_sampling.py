@@ -332,6 +332,54 @@ def test_sampled_tokens_are_jax_categorical_draws(tiny):
   np.testing.assert_array_equal(tokens, want)
 
 
+@pytest.mark.parametrize('chunk_size,on_mesh', [(0, False), (4, False), (0, True)])
+def test_shared_prompts_are_prefilled_once_and_sample_as_copies(tiny, chunk_size, on_mesh):
+  """``generate(share=R)``: N/R prompts, R rows each, one prefill per prompt. Every row's tokens
+  are ``jax.random.categorical`` draws of the full forward's logits of its prompt and the tokens
+  before it (the RNG contract, as for R copies of the prompt), its log-probs numpy's float64
+  log_softmax of those logits; greedy rows are the full forward's argmax. Chunked (chunks of 4
+  rows: 2 prompts) and on a (2, 2, 2) mesh as well; and the prefill runs on N/R rows."""
+  r = 2
+  sampler = sampling.Sampler(L, eos_id=CFG.vocab_size, pad_id=PAD, chunk_size=chunk_size)
+  prompt_tokens, prompt_mask = (x[:N // r] for x in tiny['prompts'])
+  rows_tokens, rows_mask = (np.repeat(x, r, axis=0) for x in (prompt_tokens, prompt_mask))
+  mesh = tiny['mesh'] if on_mesh else None
+  params = tiny['mesh_params'] if on_mesh else tiny['params']
+
+  def make(greedy):
+    fn = lambda p, t, m, key, temp: sampling.generate(
+        tfm.merge(tiny['graphdef'], p), t, m, key, sampler, temperature=temp, greedy=greedy,
+        share=r)
+    if not on_mesh:
+      return jax.jit(fn)
+    rows = sharding.batch_sharding(mesh)
+    return jax.jit(fn, in_shardings=(tiny['shardings'], rows, rows, None, None))
+
+  temperature, key = 20.0, jax.random.key(7)  # hot enough to undo SHARPEN: real draws
+  out = make(False)(params, prompt_tokens, prompt_mask, key, temperature)
+  tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
+  assert tokens.shape == (N, L) and (mask == 1).all()
+  logits = _completion_logits(tiny['fwd'], tiny['params'], rows_tokens, rows_mask, tokens, mask)
+  assert (logits.argmax(-1) != tokens).any()  # really sampled, not all argmax
+  assert (tokens[0::r] != tokens[1::r]).any()  # a prompt's rows draw their own tokens
+  if chunk_size == 0:  # chunks derive their own keys (the module docstring)
+    want = np.stack([np.asarray(jax.random.categorical(
+        jax.random.fold_in(key, s), jnp.asarray(logits[:, s] / temperature, jnp.float32)))
+        for s in range(L)], 1)
+    np.testing.assert_array_equal(tokens, want)
+  full = np.take_along_axis(_log_softmax(logits / temperature), tokens[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logps), full, atol=1e-4, rtol=0)
+  greedy_out = make(True)(params, prompt_tokens, prompt_mask, key, 1.0)
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], rows_tokens, rows_mask, greedy_out)
+  np.testing.assert_array_equal(np.asarray(greedy_out.tokens)[0::r],
+                                np.asarray(greedy_out.tokens)[1::r])
+  if not on_mesh:  # the prefill's projections run on the N/R prompts' rows, not on N rows
+    hlo = make(True).lower(params, prompt_tokens, prompt_mask, key, 1.0).as_text()
+    rows = chunk_size or N  # completions generated at once
+    assert f'tensor<{rows // r * TP}x{CFG.hidden_size}xf32>' in hlo
+    assert f'tensor<{rows * TP}x{CFG.hidden_size}xf32>' not in hlo
+
+
 @pytest.mark.parametrize('top_k,temperature,top_p', [(5, 1.0, 1.0), (0, 1.3, 0.7),
                                                      (6, 0.8, 0.9)])
 def test_sampler_logps_are_untruncated_with_top_k_and_top_p(top_k, temperature, top_p):

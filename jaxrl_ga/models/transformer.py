@@ -257,52 +257,117 @@ class DecoderStack(nnx.Module):
     return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
+def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) -> jax.Array:
+  """x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r); x [rows, in]."""
+  dt = x.dtype
+  y = x @ p[name].astype(dt)
+  bias = p.get(name.replace('proj', 'bias'))
+  y = y if bias is None else y + bias.astype(dt)
+  a = p.get(f'{name}_lora_a')
+  if a is None or _adapters_off[0]:
+    return y
+  scale = jnp.asarray(cfg.lora.alpha / cfg.lora.rank, dt)
+  return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
+
+
+_HEADS = ('activation_batch', 'activation_length', 'activation_heads', None)
+_EMBED = ('activation_batch', 'activation_length', 'activation_embed')
+_MLP = ('activation_batch', 'activation_length', 'activation_mlp')
+
+
+# The projections and the elementwise work between them run on [B*T, features] rows: with
+# [B, T, F] operands XLA:CPU wrote the SwiGLU gradient transposed for the weight gradient's
+# product (issue 15, BENCHMARKS.md); the reshapes are free (row-major bitcasts). The residual
+# stream and the sharding constraints keep [B, T, ...].
+def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
+         inv_freq: jax.Array):
+  """The attention inputs of one layer. h: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H],
+  rotary embeddings applied to q and k."""
+  b, t, _ = h.shape
+  hs = cfg.head_size
+  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps).reshape(b * t, -1)
+  q = constrain(_proj(cfg, p, x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
+  k = constrain(_proj(cfg, p, x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  v = constrain(_proj(cfg, p, x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
+
+
+def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
+                     attn: jax.Array) -> jax.Array:
+  """The rest of the layer: the output projection's residual, then the SwiGLU MLP's.
+  h: [B, T, D] (the layer's input); attn: [B, T, N, H]."""
+  b, t, _ = h.shape
+  rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
+  per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
+  h = constrain(h + per_token(_proj(cfg, p, rows(attn), 'o_proj')), *_EMBED)
+  x = rows(_rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps))
+  gate = rows(constrain(per_token(_proj(cfg, p, x, 'gate_proj')), *_MLP))
+  up = rows(constrain(per_token(_proj(cfg, p, x, 'up_proj')), *_MLP))
+  return constrain(h + per_token(_proj(cfg, p, jax.nn.silu(gate) * up, 'down_proj')), *_EMBED)
+
+
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
            mask: jax.Array, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
            write_index: Optional[jax.Array]):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None)."""
-  dt = h.dtype
-  b, t, _ = h.shape
-  hs = cfg.head_size
-
-  def proj(x, name):  # x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r)
-    y = x @ p[name].astype(dt)
-    bias = p.get(name.replace('proj', 'bias'))
-    y = y if bias is None else y + bias.astype(dt)
-    a = p.get(f'{name}_lora_a')
-    if a is None or _adapters_off[0]:
-      return y
-    scale = jnp.asarray(cfg.lora.alpha / cfg.lora.rank, dt)
-    return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
-
-  heads = ('activation_batch', 'activation_length', 'activation_heads', None)
-  embed = ('activation_batch', 'activation_length', 'activation_embed')
-  mlp = ('activation_batch', 'activation_length', 'activation_mlp')
-  # The projections and the elementwise work between them run on [B*T, features] rows: with
-  # [B, T, F] operands XLA:CPU wrote the SwiGLU gradient transposed for the weight gradient's
-  # product (issue 15, BENCHMARKS.md); the reshapes are free (row-major bitcasts).
-  rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
-  per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
-  x = rows(_rms_norm(h, p['attn_norm'], cfg.rms_norm_eps))
-  q = constrain(proj(x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *heads)
-  k = constrain(proj(x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
-  v = constrain(proj(x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *heads)
-  q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
+  q, k, v = _qkv(cfg, p, h, positions, inv_freq)
   new_kv = None
   if kv is not None:
     def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
       x = jnp.swapaxes(x, 1, 2).astype(cache.dtype)
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
     new_kv = (write(kv[0], k), write(kv[1], v))
-    attn = _attention(q, new_kv[0].astype(dt), new_kv[1].astype(dt), mask, heads_first=True)
+    attn = _attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
+                      heads_first=True)
   else:
     attn = _attention(q, k, v, mask)
-  h = constrain(h + per_token(proj(rows(attn), 'o_proj')), *embed)
-  x = rows(_rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps))
-  gate = rows(constrain(per_token(proj(x, 'gate_proj')), *mlp))
-  up = rows(constrain(per_token(proj(x, 'up_proj')), *mlp))
-  h = constrain(h + per_token(proj(jax.nn.silu(gate) * up, 'down_proj')), *embed)
-  return h, new_kv
+  return _after_attention(cfg, p, h, attn), new_kv
+
+
+def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
+                            prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
+                            mask: jax.Array) -> jax.Array:
+  """Grouped-query attention of a suffix over a shared prefix and itself: ``_attention`` over the
+  keys [prefix; suffix] without repeating the prefix for every row.
+
+  q: [B, T, N, H] suffix queries, rows ``i*R .. i*R+R-1`` sharing prefix row i; prefix_kv: k, v
+  [P, S, K, H] with B = P*R; prefix_valid: [P, S] bool (every suffix position sees every valid
+  prefix slot); k, v: [B, T, K, H] the suffix's own; mask: [B, T, T] bool (suffix to suffix).
+  The logits against the prefix broadcast over the R rows (no copy); in the backward the prefix's
+  key and value gradients sum over them. One softmax over both parts, the keys in the order of the
+  unshared sequence, so the values are ``_attention``'s on the concatenated rows.
+  """
+  b, t, n, h = q.shape
+  pk, pv = prefix_kv
+  p, s, kv_heads, _ = pk.shape
+  r = b // p
+  q = q.reshape(p, r, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
+  scale = np.sqrt(h).astype(np.float32)
+  on_prefix = jnp.einsum('PRTKGH,PSKH->PRKGTS', q, pk, preferred_element_type=jnp.float32) / scale
+  on_prefix = jnp.where(prefix_valid[:, None, None, None, None, :], on_prefix,
+                        jnp.finfo(jnp.float32).min)
+  on_self = jnp.einsum('BTKGH,BSKH->BKGTS', q.reshape(b, t, kv_heads, n // kv_heads, h), k,
+                       preferred_element_type=jnp.float32) / scale
+  on_self = jnp.where(mask[:, None, None, :, :], on_self, jnp.finfo(jnp.float32).min)
+  logits = jnp.concatenate([on_prefix, on_self.reshape(on_prefix.shape[:-1] + (t,))], axis=-1)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [P, R, K, G, T, S + T]
+  from_self = jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., s:].reshape(b, *probs.shape[2:-1], t), v)
+  out = jnp.einsum('PRKGTS,PSKH->PRTKGH', probs[..., :s], pv).reshape(from_self.shape) + from_self
+  return out.reshape(b, t, n, h)
+
+
+def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array, hs: jax.Array,
+                        positions: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, ...],
+                        inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
+  [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
+  themselves as ``_layer`` does; the suffix rows to their prefix and themselves."""
+  prefix_mask, prefix_valid, suffix_mask = masks
+  qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
+  qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
+  attn_p = _attention(qp, kp, vp, prefix_mask)
+  attn_s = _attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask)
+  return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
 
 class Transformer(nnx.Module):
@@ -406,6 +471,57 @@ class Transformer(nnx.Module):
     mask = causal[None] & valid[:, None, :]  # [B, T, T]
     h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat)
     return h
+
+  def hidden_after_prefix(self, prefix_tokens: jax.Array, prefix_mask: jax.Array,
+                          tokens: jax.Array, attention_mask: jax.Array, *,
+                          remat: str = 'none') -> tuple[jax.Array, jax.Array]:
+    """The full forward of rows that share their prefixes, each prefix computed once.
+
+    Row ``i*R + j`` (j < R) is the sequence ``[prefix_tokens[i], tokens[i*R + j]]``; with R = 1
+    this is ``hidden`` of the concatenated rows. GRPO's G completions of one prompt are such rows:
+    the prompt's forward (and in the backward its gradient, summed over the R rows) is paid once
+    per prompt instead of once per completion. The values are ``hidden``'s on the concatenated
+    rows (the same positions, masks and keys, in the same order; only float32 rounding of the
+    products can differ).
+
+    Args:
+      prefix_tokens, prefix_mask: [P, Tp], left-padded (each prefix needs one real token).
+      tokens, attention_mask: [P*R, T], the suffixes (right-padded completions).
+      remat: the per-layer rematerialization policy (REMAT_POLICIES).
+
+    Returns:
+      Final (normed) hidden states: the prefixes' [P, Tp, D] and the suffixes' [P*R, T, D].
+    """
+    cfg = self.cfg
+    check_remat(remat)
+    p, tp = prefix_tokens.shape
+    b, t = tokens.shape
+    if b % p:
+      raise ValueError(f'hidden_after_prefix: {b} suffix rows are not a multiple of {p} prefixes.')
+    r = b // p
+    dt = _DTYPES[cfg.dtype]
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    prefix_valid = prefix_mask.astype(bool)
+    valid = attention_mask.astype(bool)
+    # Positions and masks as ``hidden`` derives them from the concatenated rows' mask.
+    full_mask = jnp.concatenate([jnp.repeat(prefix_mask, r, axis=0).astype(jnp.int32),
+                                 attention_mask.astype(jnp.int32)], axis=1)
+    positions = (positions_from_mask(prefix_mask), positions_from_mask(full_mask)[:, tp:])
+    masks = (jnp.tril(jnp.ones((tp, tp), bool))[None] & prefix_valid[:, None, :],  # [P, Tp, Tp]
+             prefix_valid,  # [P, Tp]
+             jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :])  # [B, T, T]
+    embed = lambda x: constrain(jnp.take(self.embed[...], x, axis=0).astype(dt),
+                                'activation_batch', 'activation_length', 'activation_embed')
+
+    def body(carry, p):
+      return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq), None
+
+    if remat != 'none':
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    (hp, hs), _ = jax.lax.scan(body, (embed(prefix_tokens), embed(tokens)), self.layers.arrays(),
+                               unroll=_unroll_flag[0])
+    norm = lambda x: _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    return norm(hp), norm(hs)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits."""

@@ -31,6 +31,7 @@ from jaxrl_ga import placement
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
+from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOConfig
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
@@ -72,13 +73,18 @@ class GRPOTrainer:
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     sched = cfg.schedule  # validated against the mesh by main.validate_against_mesh
     self.table = schedule.build_table(sched)
+    # R rows of a micro-batch share a prompt's forward (model.share_prompt_prefix); not in the
+    # learner and old log-probs of reordered rows, whose slices no longer come in prompt runs.
+    share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(ctx.mesh),
+                                     ctx.cfg.model.share_prompt_prefix)
+    learner_share = 1 if cfg.advantage.order_by_advantage_sign else share
     self.engine = rollout_lib.RolloutEngine(
         ctx.graphdef, self.table, cfg.sampling, cfg.loss, ctx.mesh, ctx.param_shardings,
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
         mask_truncated_completions=cfg.advantage.mask_truncated_completions,
         defer_old_logps=cfg.advantage.order_by_advantage_sign,
         logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
-        scan_layers=ctx.cfg.model.scan_layers)
+        scan_layers=ctx.cfg.model.scan_layers, share_prompts=share)
     # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
     trained_shardings, frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
     self.learner = learner_lib.Learner(
@@ -86,7 +92,8 @@ class GRPOTrainer:
         learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
                                    cfg.sampling.temperature, remat=ctx.cfg.model.remat,
                                    logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
-                                   scan_layers=ctx.cfg.model.scan_layers),
+                                   scan_layers=ctx.cfg.model.scan_layers,
+                                   share_prompts=learner_share),
         cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
         align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)
