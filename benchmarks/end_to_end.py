@@ -649,6 +649,9 @@ def run_size(size: Size, workdir: str, threads: int,
       theirs.settings, wall, ours.trainer.table.counts,
       theirs.threads_in_thread)
   out['prompt_ids_check'] = prompts
+  # R of model.share_prompt_prefix: the learner's and log-prob passes' rows per prompt forward,
+  # and generation's rows per prefilled prompt (the engine's public settings).
+  out['prompt_share'] = [ours.trainer.engine.share_prompts, ours.trainer.engine.gen_share]
   out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
                              'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
   if roofline is not None:
@@ -681,14 +684,17 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
          'sides': {}}
   for side in SIDES:
     tp = widths[side]
+    # jaxrl_ga runs a prompt's forward once per R rows (model.share_prompt_prefix); TRL per row.
+    share, gen_share = r['prompt_share'] if side == 'jaxrl_ga' else (1, 1)
     ph = r['sides'][side]['phase_s_per_step_median']
-    learn_flops = k * machine.fwd_bwd_flops(m, b, tp, tc)['total']
+    learn_flops = k * machine.fwd_bwd_flops(m, b, tp, tc, share)['total']
     rollouts_per_step = r['steps'][side]['rollouts'] / n_opt
-    prefill_s = machine.forward_flops(m, rows, tp, 1)['total'] / peak
+    prefill_s = machine.forward_flops(m, rows // gen_share, tp, 1)['total'] / peak
     generate_bound = rollouts_per_step * (prefill_s + tc * max(step_stream_s, step_flop_s))
-    old_pass_s = machine.forward_flops(m, b, tp + tc, tc)['total'] / peak  # one slice of B rows
+    old_pass_s = machine.prompt_completion_forward_flops(  # one slice of B rows
+        m, b, tp, tc, share)['total'] / peak
     old_bound = r['steps'][side]['old_logp_passes'] / n_opt * old_pass_s
-    d = {'prompt_width': tp, 'learn_flops_per_step': learn_flops,
+    d = {'prompt_width': tp, 'prompt_share': share, 'learn_flops_per_step': learn_flops,
          'learn_flops_per_s': learn_flops / ph['learn'] if ph['learn'] else None,
          'learn_fraction_of_peak': learn_flops / ph['learn'] / peak if ph['learn'] else None,
          'generate_bound_s': generate_bound + (old_bound if side == 'jaxrl_ga' else 0.0),

@@ -183,24 +183,39 @@ def kv_cache_bytes(m, rows: int, positions: float, itemsize: int = 4) -> float:
       itemsize
 
 
-def forward_flops(m, rows: int, length: int, logit_positions: int) -> dict:
+def forward_flops(m, rows: int, length: int, logit_positions: int, context: int = 0) -> dict:
   """Matmul FLOPs of one forward pass over ``rows`` sequences of ``length`` tokens, lm_head on
   ``logit_positions`` positions per row: the projections 2 x params x tokens, lm_head
-  2 x d x V x rows x logit_positions, attention 4 x L x rows x length^2 x (heads * head_dim) (the
-  score and value products over the full, masked T x T matrix)."""
+  2 x d x V x rows x logit_positions, attention 4 x L x rows x length x (context + length) x
+  (heads * head_dim) (the score and value products over the full, masked matrix; ``context``:
+  keys of a prefix computed elsewhere that every position also attends to)."""
   dq = m.num_attention_heads * m.head_size
   projections = 2 * m.num_hidden_layers * layer_matmul_params(m) * rows * length
   lm_head = 2 * m.hidden_size * m.vocab_size * rows * logit_positions
-  attention = 4 * m.num_hidden_layers * rows * length * length * dq
+  attention = 4 * m.num_hidden_layers * rows * length * (context + length) * dq
   return {'projections': projections, 'lm_head': lm_head, 'attention': attention,
           'total': projections + lm_head + attention}
 
 
-def fwd_bwd_flops(m, rows: int, prompt_length: int, completion_length: int) -> dict:
+def prompt_completion_forward_flops(m, rows: int, prompt_length: int, completion_length: int,
+                                    share: int = 1) -> dict:
+  """``forward_flops`` of ``rows`` prompt + completion sequences, logits at the completion
+  positions. ``share`` = R > 1: every R rows share their prompt, whose forward runs once for
+  them (jaxrl_ga's model.share_prompt_prefix): rows / R prompts, then the completions attending
+  to their prompt and themselves."""
+  if share == 1:
+    return forward_flops(m, rows, prompt_length + completion_length, completion_length)
+  prompts = forward_flops(m, rows // share, prompt_length, 0)
+  completions = forward_flops(m, rows, completion_length, completion_length, prompt_length)
+  return {k: prompts[k] + completions[k] for k in prompts}
+
+
+def fwd_bwd_flops(m, rows: int, prompt_length: int, completion_length: int,
+                  share: int = 1) -> dict:
   """Matmul FLOPs of a learner's forward + backward (3x the forward: the input and the weight
-  gradient of every product) on prompt + completion rows, logits at the completion positions;
-  'forward_total' is the forward alone."""
-  f = forward_flops(m, rows, prompt_length + completion_length, completion_length)
+  gradient of every product) on prompt + completion rows, logits at the completion positions,
+  every ``share`` rows sharing one prompt's forward; 'forward_total' is the forward alone."""
+  f = prompt_completion_forward_flops(m, rows, prompt_length, completion_length, share)
   out = {k: 3 * v for k, v in f.items()}
   out['forward_total'] = f['total']
   return out

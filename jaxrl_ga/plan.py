@@ -225,7 +225,10 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
                logprob_chunk_size: Optional[int] = None, steps=('rollout', 'learner')) -> Steps:
   """Lowers the GRPO rollout and learner steps of ``cfg`` (a RunConfig) on ``devices`` with the
   library's own RolloutEngine and Learner; ``remat`` / ``logprob_chunk_size`` override
-  ``cfg.model``'s. Inside ``tfm.unrolled_layers()`` the learner's layer loop is unrolled."""
+  ``cfg.model``'s. Inside ``tfm.unrolled_layers()`` the learner's layer loop is unrolled.
+  Every row's prompt is computed whole (``model.share_prompt_prefix`` is not applied; the flop
+  model counts that program): the learner's and rollout's memory and flops are upper bounds of
+  what the trainer runs with the prompt shared."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top

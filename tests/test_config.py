@@ -7,8 +7,8 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from jaxrl_ga import schedule
-from jaxrl_ga.config import (ConfigError, DPOLossConfig, GRPOLossConfig, ScheduleConfig,
-                             from_mapping)
+from jaxrl_ga.config import (ConfigError, DPOLossConfig, GRPOLossConfig, ModelSpec,
+                             ScheduleConfig, from_mapping)
 
 SCHEDULE_INTS = ('micro_batch_size', 'num_generations', 'steps_per_generation', 'num_iterations',
                  'grad_accum_steps')
@@ -171,3 +171,9 @@ def test_from_mapping_names_unknown_settings():
     from_mapping(ScheduleConfig, {'grad_acum_steps': 4}, prefix='grpo.schedule.')
   cfg = from_mapping(ScheduleConfig, {'grad_accum_steps': 4, 'steps_per_generation': 2})
   assert cfg.optimizer_every == 4 and cfg.micro_steps_per_rollout == 2
+
+
+@pytest.mark.parametrize('name', ['scan_layers', 'share_prompt_prefix'])
+def test_model_switches_must_be_bools(name):
+  with pytest.raises(ConfigError, match=rf'model.{name}=1 must be True or False'):
+    ModelSpec(**{name: 1})

@@ -10,6 +10,9 @@ Two paths share one layer function:
     batches; positions are derived from the mask (``cumsum(mask) - 1``), as HF does in generate.
   * ``model.prefill(...)`` then ``model.decode(...)``: a preallocated KV cache in which slot ``i``
     holds token ``i`` of the (left-padded) sequence; decoding writes one slot per step.
+  * ``model.hidden_after_prefix(...)``: the training forward of rows that share a prefix (GRPO's
+    completions of one prompt), each prefix computed once; the same layer pieces (``_qkv``,
+    ``_after_attention``) around an attention over [prefix; own] keys.
 
 Every param carries ``logical_axes`` metadata (``vocab``, ``embed``, ``q_heads``, ``kv_heads``,
 ``mlp``, ``layers``, ``norm``) that ``jaxrl_ga.sharding`` maps to mesh axes. Activations are named
