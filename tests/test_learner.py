@@ -200,6 +200,32 @@ def test_shared_prompt_forward_accumulates_exactly(bgs, mesh, scan, compile_log)
   assert param_err <= 1e-4
 
 
+@pytest.mark.parametrize('remat', ['full', 'save_dots'])
+def test_shared_prompt_forward_with_remat_matches_full_forward(remat):
+  """The memory knob model.remat around the shared forward's layers: log-probs and their
+  gradients equal those of the full forward's logits over every row's whole sequence."""
+  graphdef, params, _ = sharding.init_params(MODEL, seed=0, mesh=_mesh((1, 1, 1)))
+  rows = _rollout(np.random.default_rng(3), 8, 4)
+  weights = np.random.default_rng(4).normal(size=(8, TC)).astype(np.float32)
+  weights *= rows['completion_mask']
+
+  def shared(p):
+    return jnp.sum(weights * learner_lib.completion_logps(
+        tfm.merge(graphdef, p), rows['prompt_tokens'], rows['prompt_mask'],
+        rows['completion_tokens'], rows['completion_mask'], remat=remat, share_prompts=4)[0])
+
+  def full(p):
+    tokens = jnp.concatenate([rows['prompt_tokens'], rows['completion_tokens']], 1)
+    mask = jnp.concatenate([rows['prompt_mask'], rows['completion_mask']], 1)
+    logits = tfm.merge(graphdef, p)(tokens, mask)[:, TP - 1:-1]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), rows['completion_tokens'][..., None],
+                               -1)[..., 0]
+    return jnp.sum(weights * logp)
+
+  np.testing.assert_allclose(float(shared(params)), float(full(params)), rtol=1e-6)
+  assert _rel_err(jax.grad(shared)(params), jax.grad(full)(params)) <= 1e-5
+
+
 def test_shared_prompt_forward_does_less_work():
   """The shared forward's compiled FLOPs are those of P = B/R prompts plus B completions, not of
   B whole rows: XLA's own count, against the unshared program's, on a model whose matmuls
