@@ -3,7 +3,8 @@
   python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR LOCAL_DEVICES
 
 Runs 2 SFT and 3 GRPO optimizer steps of configs/grpo_arith.py:smoke (GRPO K=3, S=2:
-non-aligned; sampled completions of variable length) from a fresh model, through jax.distributed
+non-aligned; B=16, so pairs of rows share a prompt's forward; sampled completions of variable
+length) from a fresh model, through jax.distributed
 with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
 WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
 WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
@@ -70,6 +71,9 @@ d['stages'] = 'sft,grpo'
 d['sft']['num_steps'] = 2
 d['grpo']['num_steps'] = int(os.environ.get('JAXRL_GA_TEST_GRPO_STEPS', 3))
 d['checkpoint']['every_steps'] = 0
+# B = 16 over 8 devices: pairs of rows share their prompt's forward (model.share_prompt_prefix),
+# each pair on one device, on either host.
+d['grpo']['schedule']['micro_batch_size'] = 16
 try:
   main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
 except checkpoint.Preempted as e:  # what jaxrl_ga.main does

@@ -2,6 +2,7 @@
 a restorable checkpoint; the CLI rejects invalid configs before compiling; export round-trips."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import smoke_configs
 
 from jaxrl_ga import main as main_lib
+from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,13 +74,16 @@ def test_each_config_runs_end_to_end(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('lora', [{}, {'model.lora.rank': 4, 'grpo.loss.beta': 0.04}])
+@pytest.mark.parametrize('lora', [{}, {'model.lora.rank': 4, 'grpo.loss.beta': 0.04,
+                                       'grpo.schedule.micro_batch_size': 16}])
 def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
   """Stopped after optimizer step 1 (micro-step 3: the middle of rollout 1, K=3, S=2) and again
   one micro-step into the next window, then resumed: same params as an uninterrupted run, and
   each resumed run really started from the checkpoint (it ran only the micro-steps left). Also
   with LoRA, whose checkpoints hold the adapters only (the base is rebuilt on resume) and whose
-  reference (beta > 0) is the base with the adapters disabled."""
+  reference (beta > 0) is the base with the adapters disabled; there B = 16 over 8 devices, so
+  pairs of rows share their prompt's forward (model.share_prompt_prefix) in generation, the
+  learner and the reference log-probs."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 3,
                                                'checkpoint.every_steps': 0, **lora})
@@ -243,7 +248,10 @@ def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path, capsys):
   the first rollout's prompt lengths against max_prompt_length are printed once."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
-  cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2})
+  # B = 16 over the 8 devices: runs of R = 2 rows share a prompt's forward (at the smoke B = 8
+  # every device holds one row and nothing is shared).
+  cfg = _smoke('grpo_arith', stages='grpo',
+               **{'grpo.num_steps': 2, 'grpo.schedule.micro_batch_size': 16})
   ctx, params = main_lib.build_context(cfg, str(tmp_path))
   events, steps = [], []
 
@@ -274,8 +282,15 @@ def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path, capsys):
   width = cfg.grpo.sampling.max_prompt_length
   first = [len(text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, cfg.seed).prompt))
            for i in range(per_rollout)]
-  lines = [l for l in capsys.readouterr().out.splitlines() if 'prompts:' in l]
+  lines = [l for l in capsys.readouterr().out.splitlines() if 'prompt' in l and '[grpo]' in l]
+  # Runs of R = gcd(G, B / data shards) rows share a prompt (a group, cut by the micro-batch and
+  # the shards).
+  share = math.gcd(sched.num_generations,
+                   sched.micro_batch_size // sharding.data_parallel_size(ctx.mesh))
+  assert share > 1
   assert lines == [f"[grpo] the first rollout's prompts: {np.mean(first):.0f} tokens on average, "
                    f'{max(first)} at most, left-padded to grpo.sampling.max_prompt_length='
                    f'{width} ({1 - np.mean(first) / width:.0%} of the prompt positions are '
-                   'padding)']
+                   'padding)',
+                   f"[grpo] each prompt's forward runs once per {share} of its completions "
+                   '(model.share_prompt_prefix)']

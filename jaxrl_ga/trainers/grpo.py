@@ -150,7 +150,8 @@ class GRPOTrainer:
           # In meta, so that a run resumed in the middle of a rollout still logs its statistics.
           meta['host_stats'] = self._new_rollout(state, meta)
           if s == resumed_from:
-            _report_prompt_padding(meta['host_stats'], cfg.sampling.max_prompt_length)
+            _report_prompt_padding(meta['host_stats'], cfg.sampling.max_prompt_length,
+                                   self.engine.share_prompts)
         batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
         started = time.perf_counter()
         state['learner'], out = self.learner.step(state['learner'], batch, self.part.frozen)
@@ -289,16 +290,21 @@ class GRPOTrainer:
     return buffer, adv_dev
 
 
-def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int) -> None:
-  """One line after a run's first rollout: its prompts' real lengths against the padded width.
-  The sampler's prefill and every learner step compute all max_prompt_length positions, so a
-  width far above the data's longest prompt is work spent on padding."""
+def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
+                           share: int) -> None:
+  """After a run's first rollout: its prompts' real lengths against the padded width (the
+  sampler's prefill and every learner step compute all max_prompt_length positions, so a width
+  far above the data's longest prompt is work spent on padding), and how many rows share each
+  prompt's forward (model.share_prompt_prefix)."""
   if jax.process_index() != 0:
     return
   longest, mean = host_stats['rollout/prompt_length_max'], host_stats['rollout/prompt_length']
   print(f'[grpo] the first rollout\'s prompts: {mean:.0f} tokens on average, {longest:.0f} at '
         f'most, left-padded to grpo.sampling.max_prompt_length={max_prompt_length} '
         f'({1 - mean / max_prompt_length:.0%} of the prompt positions are padding)', flush=True)
+  if share > 1:
+    print(f'[grpo] each prompt\'s forward runs once per {share} of its completions '
+          '(model.share_prompt_prefix)', flush=True)
 
 
 def _counts_for(table, rollouts: int) -> dict[str, int]:
