@@ -649,9 +649,9 @@ def run_size(size: Size, workdir: str, threads: int,
       theirs.settings, wall, ours.trainer.table.counts,
       theirs.threads_in_thread)
   out['prompt_ids_check'] = prompts
-  # R of model.share_prompt_prefix: the learner's and log-prob passes' rows per prompt forward,
-  # and generation's rows per prefilled prompt (the engine's public settings).
-  out['prompt_share'] = [ours.trainer.engine.share_prompts, ours.trainer.engine.gen_share]
+  # R of model.share_prompt_prefix: the learner's and old-log-prob pass's rows per prompt
+  # forward, and generation's rows per prefilled prompt (the engine's public settings).
+  out['prompt_share'] = [ours.trainer.engine.micro_batch_share, ours.trainer.engine.gen_share]
   out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
                              'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
   if roofline is not None:

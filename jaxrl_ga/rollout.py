@@ -69,8 +69,9 @@ class RolloutEngine:
                scan_layers: bool = True, share_prompts: int = 1):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
     ``logprob_chunk_size``, ``scan_layers``: model.* settings of the old-log-prob pass.
-    ``share_prompts``: R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the old- and
-    reference-log-prob passes run each prompt's forward once per R rows."""
+    ``share_prompts``: R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout
+    prefills each prompt once and the old- and reference-log-prob passes run each prompt's
+    forward once per R rows (``micro_batch_share``)."""
     self.graphdef = graphdef
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
@@ -91,6 +92,9 @@ class RolloutEngine:
     self.share_prompts = share_prompts
     chunk = sampling_cfg.rollout_micro_batch_size  # generation shares R rows inside a chunk
     self.gen_share = math.gcd(share_prompts, chunk) if chunk else share_prompts
+    # reorder() permutes the rows before the old log-probs and the learner see them: its slices
+    # no longer hold runs of rows with one prompt.
+    self.micro_batch_share = 1 if defer_old_logps else share_prompts
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -235,8 +239,7 @@ class RolloutEngine:
       old = jnp.zeros(c_logps.shape, jnp.float32)
       passes = jnp.zeros((), jnp.int32)
     else:
-      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks,
-                                    self.share_prompts)
+      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
 
     ref = None
     if self.use_ref:
@@ -279,7 +282,7 @@ class RolloutEngine:
                                         scan_layers=self.scan_layers,
                                         share_prompts=share_prompts)[0]
 
-  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks, share_prompts: int):
+  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes
     paid (slice units). Each slice's pass is a lax.cond: an unmarked slice costs nothing."""
     if self.sampling_cfg.old_logprob_source == 'sampler':
@@ -287,7 +290,7 @@ class RolloutEngine:
 
     def one_slice(xs):
       mark, *rest = xs
-      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, share_prompts),
+      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, self.micro_batch_share),
                           lambda: jnp.zeros(rest[2].shape, jnp.float32))
 
     old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
@@ -299,10 +302,9 @@ class RolloutEngine:
     buffer = jax.tree.map(perm, buffer)
     marks = jnp.asarray(self.table.slice_recompute)[
         (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
-    # The rows are permuted: a slice's rows no longer come in runs that share a prompt.
     old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,
                                   buffer.prompt_mask, buffer.completion_tokens,
-                                  buffer.completion_mask, buffer.sampler_logps, marks, 1)
+                                  buffer.completion_mask, buffer.sampler_logps, marks)
     buffer = buffer.replace(old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)))
     state = state.replace(forward_passes=state.forward_passes + passes)
     return buffer, state, perm(advantages)

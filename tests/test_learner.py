@@ -58,14 +58,19 @@ def _rollout(rng, n, group=1):
       completion_mask=comp_mask, advantages=adv)
 
 
-def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
-  """The design doc's window loss over the concatenated window, written out directly."""
-  model = tfm.merge(graphdef, params)
+def _ref_completion_logps(graphdef, params, batch):
+  """Log-probs [B, TC] of the completion tokens from the full forward's logits over each row's
+  whole prompt + completion sequence."""
   tokens = jnp.concatenate([batch['prompt_tokens'], batch['completion_tokens']], 1)
   mask = jnp.concatenate([batch['prompt_mask'], batch['completion_mask']], 1)
-  logits = model(tokens, mask)[:, TP - 1:-1]
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), batch['completion_tokens'][..., None],
+  logits = tfm.merge(graphdef, params)(tokens, mask)[:, TP - 1:-1]
+  return jnp.take_along_axis(jax.nn.log_softmax(logits), batch['completion_tokens'][..., None],
                              -1)[..., 0]
+
+
+def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
+  """The design doc's window loss over the concatenated window, written out directly."""
+  logp = _ref_completion_logps(graphdef, params, batch)
   old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logp))
   ratio = jnp.exp(logp - old)
   a = batch['advantages'][:, None]
@@ -215,12 +220,7 @@ def test_shared_prompt_forward_with_remat_matches_full_forward(remat):
         rows['completion_tokens'], rows['completion_mask'], remat=remat, share_prompts=4)[0])
 
   def full(p):
-    tokens = jnp.concatenate([rows['prompt_tokens'], rows['completion_tokens']], 1)
-    mask = jnp.concatenate([rows['prompt_mask'], rows['completion_mask']], 1)
-    logits = tfm.merge(graphdef, p)(tokens, mask)[:, TP - 1:-1]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), rows['completion_tokens'][..., None],
-                               -1)[..., 0]
-    return jnp.sum(weights * logp)
+    return jnp.sum(weights * _ref_completion_logps(graphdef, p, rows))
 
   np.testing.assert_allclose(float(shared(params)), float(full(params)), rtol=1e-6)
   assert _rel_err(jax.grad(shared)(params), jax.grad(full)(params)) <= 1e-5

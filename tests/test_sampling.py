@@ -140,6 +140,14 @@ def _assert_greedy_argmax(fwd, params, prompt_tokens, prompt_mask, out, atol=0.0
   return logits
 
 
+def _categorical_draws(logits, key, temperature):
+  """The sampler's RNG contract: completion position s draws
+  ``jax.random.categorical(fold_in(key, s), logits[:, s] / T)``. logits [N, L, V] -> [N, L]."""
+  return np.stack([np.asarray(jax.random.categorical(
+      jax.random.fold_in(key, s), jnp.asarray(logits[:, s] / temperature, jnp.float32)))
+      for s in range(logits.shape[1])], 1)
+
+
 def _log_softmax(x):
   x = x - x.max(-1, keepdims=True)
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -325,11 +333,8 @@ def test_sampled_tokens_are_jax_categorical_draws(tiny):
   tokens, mask = np.asarray(out.tokens), np.asarray(out.mask)
   assert (mask == 1).all()
   logits = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens, mask)
-  want = np.stack([np.asarray(jax.random.categorical(
-      jax.random.fold_in(key, s), jnp.asarray(logits[:, s] / temperature, jnp.float32)))
-      for s in range(L)], 1)
   assert (logits.argmax(-1) != tokens).any()  # really sampled, not all argmax
-  np.testing.assert_array_equal(tokens, want)
+  np.testing.assert_array_equal(tokens, _categorical_draws(logits, key, temperature))
 
 
 @pytest.mark.parametrize('chunk_size,on_mesh', [(0, False), (4, False), (0, True)])
@@ -363,10 +368,7 @@ def test_shared_prompts_are_prefilled_once_and_sample_as_copies(tiny, chunk_size
   assert (logits.argmax(-1) != tokens).any()  # really sampled, not all argmax
   assert (tokens[0::r] != tokens[1::r]).any()  # a prompt's rows draw their own tokens
   if chunk_size == 0:  # chunks derive their own keys (the module docstring)
-    want = np.stack([np.asarray(jax.random.categorical(
-        jax.random.fold_in(key, s), jnp.asarray(logits[:, s] / temperature, jnp.float32)))
-        for s in range(L)], 1)
-    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(tokens, _categorical_draws(logits, key, temperature))
   full = np.take_along_axis(_log_softmax(logits / temperature), tokens[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(out.logps), full, atol=1e-4, rtol=0)
   greedy_out = make(True)(params, prompt_tokens, prompt_mask, key, 1.0)

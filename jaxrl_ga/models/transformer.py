@@ -147,6 +147,22 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def causal_mask(attention_mask: jax.Array) -> jax.Array:
+  """[B, T] 0/1 mask -> [B, T, T] bool: position t attends to the real positions <= t."""
+  t = attention_mask.shape[-1]
+  return jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
+
+
+def _scan_layers(body, carry, xs, remat: str):
+  """``lax.scan(body, carry, xs)`` over the stacked layers, each under ``jax.checkpoint`` with the
+  ``remat`` policy (REMAT_POLICIES) unless it is 'none'; fully unrolled under
+  ``unrolled_layers()``."""
+  check_remat(remat)
+  if remat != 'none':
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  return jax.lax.scan(body, carry, xs, unroll=_unroll_flag[0])
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   """Inverse rotary frequencies [H/2], with the config's scaling applied (numpy, static)."""
   h = cfg.head_size
@@ -401,29 +417,30 @@ class Transformer(nnx.Module):
     unrolled under ``unrolled_layers()``).
     """
     cfg = self.cfg
-    check_remat(remat)
-    dt = _DTYPES[cfg.dtype]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # [B, T, D]
-    h = constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
+    h = self._embed(tokens)  # [B, T, D]
     if layers is not None:
       new_k, new_v = [], []
       for p, k, v in zip(layers, *cache_kv):
         h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index)
         new_k.append(k)
         new_v.append(v)
-      return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), (tuple(new_k), tuple(new_v))
-    layer_params = self.layers.arrays()
+      return self._final_norm(h), (tuple(new_k), tuple(new_v))
 
     def body(h, xs):
       p, kv = xs
-      h, new_kv = _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
-      return h, new_kv
+      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
 
-    if remat != 'none':
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    h, new_kv = jax.lax.scan(body, h, (layer_params, cache_kv), unroll=_unroll_flag[0])
-    return _rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), new_kv
+    h, new_kv = _scan_layers(body, h, (self.layers.arrays(), cache_kv), remat)
+    return self._final_norm(h), new_kv
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    """[B, T] token ids -> [B, T, D] embeddings in the compute dtype."""
+    h = jnp.take(self.embed[...], tokens, axis=0).astype(_DTYPES[self.cfg.dtype])
+    return constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
+
+  def _final_norm(self, h: jax.Array) -> jax.Array:
+    return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
 
   def _logits(self, h: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""
@@ -468,11 +485,8 @@ class Transformer(nnx.Module):
              remat: str = 'none') -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
     ``remat``: the per-layer rematerialization policy (REMAT_POLICIES)."""
-    t = tokens.shape[1]
-    valid = attention_mask.astype(bool)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    mask = causal[None] & valid[:, None, :]  # [B, T, T]
-    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), mask, remat=remat)
+    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), causal_mask(attention_mask),
+                       remat=remat)
     return h
 
   def hidden_after_prefix(self, prefix_tokens: jax.Array, prefix_mask: jax.Array,
@@ -496,35 +510,24 @@ class Transformer(nnx.Module):
       Final (normed) hidden states: the prefixes' [P, Tp, D] and the suffixes' [P*R, T, D].
     """
     cfg = self.cfg
-    check_remat(remat)
-    p, tp = prefix_tokens.shape
-    b, t = tokens.shape
+    p, b = prefix_tokens.shape[0], tokens.shape[0]
     if b % p:
       raise ValueError(f'hidden_after_prefix: {b} suffix rows are not a multiple of {p} prefixes.')
-    r = b // p
-    dt = _DTYPES[cfg.dtype]
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    prefix_valid = prefix_mask.astype(bool)
-    valid = attention_mask.astype(bool)
-    # Positions and masks as ``hidden`` derives them from the concatenated rows' mask.
-    full_mask = jnp.concatenate([jnp.repeat(prefix_mask, r, axis=0).astype(jnp.int32),
-                                 attention_mask.astype(jnp.int32)], axis=1)
-    positions = (positions_from_mask(prefix_mask), positions_from_mask(full_mask)[:, tp:])
-    masks = (jnp.tril(jnp.ones((tp, tp), bool))[None] & prefix_valid[:, None, :],  # [P, Tp, Tp]
-             prefix_valid,  # [P, Tp]
-             jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :])  # [B, T, T]
-    embed = lambda x: constrain(jnp.take(self.embed[...], x, axis=0).astype(dt),
-                                'activation_batch', 'activation_length', 'activation_embed')
+    # Positions and masks as ``hidden`` derives them from the concatenated rows' mask: a suffix
+    # position counts its prefix's real tokens (>= 1, so the clip at 0 never applies) and its own.
+    prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)  # [P]
+    suffix_positions = (jnp.repeat(prefix_len, b // p)[:, None] - 1
+                        + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1))
+    positions = (positions_from_mask(prefix_mask), suffix_positions)
+    masks = (causal_mask(prefix_mask), prefix_mask.astype(bool), causal_mask(attention_mask))
 
     def body(carry, p):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq), None
 
-    if remat != 'none':
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    (hp, hs), _ = jax.lax.scan(body, (embed(prefix_tokens), embed(tokens)), self.layers.arrays(),
-                               unroll=_unroll_flag[0])
-    norm = lambda x: _rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-    return norm(hp), norm(hs)
+    (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
+                               self.layers.arrays(), remat)
+    return self._final_norm(hp), self._final_norm(hs)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits."""

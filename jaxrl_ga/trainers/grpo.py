@@ -73,11 +73,9 @@ class GRPOTrainer:
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     sched = cfg.schedule  # validated against the mesh by main.validate_against_mesh
     self.table = schedule.build_table(sched)
-    # R rows of a micro-batch share a prompt's forward (model.share_prompt_prefix); not in the
-    # learner and old log-probs of reordered rows, whose slices no longer come in prompt runs.
+    # R rows of a micro-batch share a prompt's forward (model.share_prompt_prefix).
     share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(ctx.mesh),
                                      ctx.cfg.model.share_prompt_prefix)
-    learner_share = 1 if cfg.advantage.order_by_advantage_sign else share
     self.engine = rollout_lib.RolloutEngine(
         ctx.graphdef, self.table, cfg.sampling, cfg.loss, ctx.mesh, ctx.param_shardings,
         eos_id=ctx.eos_id, pad_id=ctx.pad_id,
@@ -93,7 +91,7 @@ class GRPOTrainer:
                                    cfg.sampling.temperature, remat=ctx.cfg.model.remat,
                                    logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
                                    scan_layers=ctx.cfg.model.scan_layers,
-                                   share_prompts=learner_share),
+                                   share_prompts=self.engine.micro_batch_share),
         cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
         lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
         align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)
