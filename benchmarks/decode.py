@@ -101,6 +101,7 @@ import numpy as np
 import torch
 import transformers
 
+from jaxrl_ga import flops
 from jaxrl_ga import sampling
 from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig
@@ -116,11 +117,7 @@ _TINY_BATCH = flags.DEFINE_integer('tiny_batch_size', 32, 'Tiny model: prompts p
 _TINY_PROMPT = flags.DEFINE_integer('tiny_prompt_length', 16, 'Tiny model: padded prompt length.')
 _TINY_NEW = flags.DEFINE_integer('tiny_new_tokens', 32, 'Tiny model: new tokens per row.')
 _TINY_ROUNDS = flags.DEFINE_integer('tiny_rounds', 40, 'Timed rounds, tiny model.')
-_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
-_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
-_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
-_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
-_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ...
 _BIG_VOCAB = flags.DEFINE_integer('big_vocab_size', 32000, 'Big model: vocabulary size.')
 _BIG_BATCH = flags.DEFINE_integer('big_batch_size', 8, 'Big model: prompts per call.')
 _BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 32, 'Big model: padded prompt length.')
@@ -163,9 +160,7 @@ def sizes() -> list[Size]:
       batch_size=_TINY_BATCH.value, prompt_length=_TINY_PROMPT.value, new_tokens=_TINY_NEW.value,
       rounds=_TINY_ROUNDS.value)
   big = Size('big', tfm.ModelConfig(
-      vocab_size=_BIG_VOCAB.value, hidden_size=_BIG_HIDDEN.value,
-      intermediate_size=_BIG_INTERMEDIATE.value, num_hidden_layers=_BIG_LAYERS.value,
-      num_attention_heads=_BIG_HEADS.value, num_key_value_heads=_BIG_KV_HEADS.value,
+      vocab_size=_BIG_VOCAB.value, **_BIG_MODEL(),
       attention_bias=True, max_position_embeddings=_BIG_PROMPT.value + _BIG_NEW.value),
       batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value, new_tokens=_BIG_NEW.value,
       rounds=_BIG_ROUNDS.value)
@@ -281,7 +276,7 @@ def op_profile(run, reps: int, steps_per_call: int, hlo_text: str = '', top: int
 
 def bounds(size: Size, roofline: dict) -> dict:
   """Per decode step: weight-streaming and FLOP lower bounds (s) from the measured rates."""
-  n = machine.decode_matmul_params(size.model)
+  n = flops.decode_matmul_params(size.model)
   weight_bytes = n * jnp.dtype(size.model.param_dtype).itemsize
   stream_s = weight_bytes / roofline['bandwidth_bytes_per_s']
   flop_s = 2 * n * size.batch_size / roofline['peak_flops_per_s']
@@ -479,8 +474,8 @@ def main(argv):
             f"{verdict(frac >= 0.6)}; issue 9's >= 5×: {verdict(x >= 5)}.")
   machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
       'sizes', 'modes', 'tiny_vocab_size', 'tiny_batch_size', 'tiny_prompt_length',
-      'tiny_new_tokens', 'tiny_rounds', 'big_hidden_size', 'big_layers',
-      'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size', 'big_batch_size',
+      'tiny_new_tokens', 'tiny_rounds', *machine.BIG_MODEL_FLAGS, 'big_vocab_size',
+      'big_batch_size',
       'big_prompt_length', 'big_new_tokens', 'big_rounds', 'smollm2_source',
       'smollm2_batch_size', 'smollm2_prompt_length', 'smollm2_new_tokens', 'smollm2_rounds',
       'torch_threads', 'profile_reps',

@@ -60,7 +60,7 @@ turn (outside both clocks), one sample of the matmul peak and of the weight-stre
 their medians give each side's phases a fraction of a bound (bound / time, 1 = at the bound):
 
   * learn: achieved FLOP/s of the learn phase = the matmul FLOPs of K micro-steps' forward +
-    backward (``machine.fwd_bwd_flops``: B rows of prompt + completion tokens, logits at the
+    backward (``jaxrl_ga.flops.learner_flops``: B rows of prompt + completion tokens, logits at the
     completion positions) at each side's own prompt width (jaxrl_ga pads prompts to
     max_prompt_length, TRL to the longest prompt of its micro-batch) / the learn phase's time,
     as a fraction of the matmul peak. jaxrl_ga's learn includes its AdamW step, TRL's does not.
@@ -121,7 +121,8 @@ import torch
 import transformers
 import trl
 
-from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import flops
+from jaxrl_ga import logprobs
 from jaxrl_ga.config import load_config_file
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
@@ -162,11 +163,7 @@ _SMOLLM2_PERIODS = flags.DEFINE_integer('smollm2_periods', 4, 'SmolLM2: timed pe
 _ROOFLINE = flags.DEFINE_bool('roofline', True, 'Sample the matmul peak and weight-streaming '
                               'bandwidth after each period (machine.Roofline).')
 _WARMUP = flags.DEFINE_integer('warmup_periods', 1, 'Untimed periods per side (compile, warmup).')
-_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
-_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
-_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
-_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
-_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ...
 _FULL_LENGTH = flags.DEFINE_bool(
     'force_full_length', True, 'Every completion exactly max_completion_length tokens, both sides.')
 _TORCH_THREADS = flags.DEFINE_integer('torch_threads', None,
@@ -193,9 +190,7 @@ class Size:
 
 
 def sizes() -> list[Size]:
-  big_model = dict(hidden_size=_BIG_HIDDEN.value, intermediate_size=_BIG_INTERMEDIATE.value,
-                   num_hidden_layers=_BIG_LAYERS.value, num_attention_heads=_BIG_HEADS.value,
-                   num_key_value_heads=_BIG_KV_HEADS.value)
+  big_model = _BIG_MODEL()
   all_sizes = [Size('tiny', None, _TINY_BATCH.value, _TINY_PERIODS.value),
                Size('big', big_model, _BIG_BATCH.value, _BIG_PERIODS.value),
                Size('smollm2', None, _SMOLLM2_BATCH.value, _SMOLLM2_PERIODS.value,
@@ -363,7 +358,7 @@ class OurSide:
 
   def logps(self, prompt_tokens, prompt_mask, completion_tokens, completion_mask) -> np.ndarray:
     graphdef = self.ctx.graphdef
-    fn = jax.jit(lambda p, *xs: learner_lib.completion_logps(tfm.merge(graphdef, p), *xs)[0])
+    fn = jax.jit(lambda p, *xs: logprobs.completion_logps(tfm.merge(graphdef, p), *xs)[0])
     return np.asarray(fn(self.params, prompt_tokens, prompt_mask, completion_tokens,
                          completion_mask))
 
@@ -670,7 +665,7 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
   rows = sched.steps_per_generation * b  # completions per rollout
   n_opt = r['optimizer_steps']
   widths = {'jaxrl_ga': sampling.max_prompt_length, 'trl': r['trl_prompt_width']['median']}
-  n = machine.decode_matmul_params(m)
+  n = flops.decode_matmul_params(m)
   weight_bytes = n * jax.numpy.dtype(m.param_dtype).itemsize
   step_stream_s, step_flop_s = weight_bytes / bw, 2 * n * rows / peak
   item = jax.numpy.dtype(m.dtype).itemsize
@@ -687,11 +682,12 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
     # jaxrl_ga runs a prompt's forward once per R rows (model.share_prompt_prefix); TRL per row.
     share, gen_share = r['prompt_share'] if side == 'jaxrl_ga' else (1, 1)
     ph = r['sides'][side]['phase_s_per_step_median']
-    learn_flops = k * machine.fwd_bwd_flops(m, b, tp, tc, share)['total']
+    learn_flops = k * flops.learner_flops(
+        m, b, tp, tc, tfm.ForwardOptions(share_prompts=share))['model']
     rollouts_per_step = r['steps'][side]['rollouts'] / n_opt
-    prefill_s = machine.forward_flops(m, rows // gen_share, tp, 1)['total'] / peak
+    prefill_s = flops.forward_flops(m, rows // gen_share, tp, 1)['total'] / peak
     generate_bound = rollouts_per_step * (prefill_s + tc * max(step_stream_s, step_flop_s))
-    old_pass_s = machine.prompt_completion_forward_flops(  # one slice of B rows
+    old_pass_s = flops.prompt_completion_forward_flops(  # one slice of B rows
         m, b, tp, tc, share)['total'] / peak
     old_bound = r['steps'][side]['old_logp_passes'] / n_opt * old_pass_s
     d = {'prompt_width': tp, 'prompt_share': share, 'learn_flops_per_step': learn_flops,
@@ -826,8 +822,7 @@ def main(argv):
   flag_names = ('sizes', 'base_config', 'num_generations', 'steps_per_generation', 'num_iterations',
                 'grad_accum_steps', 'max_prompt_length', 'max_completion_length',
                 'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
-                'warmup_periods', 'big_hidden_size', 'big_layers', 'big_intermediate_size',
-                'big_heads', 'big_kv_heads', 'force_full_length', 'torch_threads',
+                'warmup_periods', *machine.BIG_MODEL_FLAGS, 'force_full_length', 'torch_threads',
                 'smollm2_config', 'smollm2_micro_batch_size', 'smollm2_periods', 'roofline')
   machine.write_json(_OUT.value, {'machine': info, 'results': results,
                                   'flags': {n: flags.FLAGS[n].value for n in flag_names}},

@@ -36,8 +36,9 @@ FLOPs of a micro-step, counted two ways:
     score and value products forward and backward (the full T x T matrix is computed and masked);
   * XLA: ``cost_analysis()['flops']`` of the lowered step, all HLO ops (elementwise included).
     XLA counts a while-loop body once, not once per iteration, so for this count the layer scan
-    is lowered unrolled (``tfm.unrolled_layers()`` and ``lax.scan(..., unroll=True)`` patched in
-    while lowering; the timed step is the real, rolled one).
+    is lowered unrolled (a learner with ``ForwardOptions(scan_layers=False)``, and other scans
+    with ``lax.scan(..., unroll=True)`` patched in while lowering; the timed step is the real,
+    rolled one).
 
 Utilization = model FLOPs / median time / median peak FLOP/s; also paired per round (the step
 against the peak matmul of the same round).
@@ -93,6 +94,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_ga import flops as flop_model
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
@@ -109,11 +111,7 @@ _TINY_PROMPT = flags.DEFINE_integer('tiny_prompt_length', 8, 'Tiny model: prompt
 _TINY_COMPLETION = flags.DEFINE_integer('tiny_completion_length', 8,
                                         'Tiny model: completion tokens.')
 _TINY_ROUNDS = flags.DEFINE_integer('tiny_rounds', 30, 'Timed rounds, tiny model.')
-_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
-_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
-_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
-_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
-_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ...
 _BIG_VOCAB = flags.DEFINE_integer('big_vocab_size', 32000, 'Big model: vocabulary size.')
 _BIG_BATCH = flags.DEFINE_integer('big_micro_batch_size', 8, 'Big model: B completions.')
 _BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 32, 'Big model: prompt tokens.')
@@ -157,9 +155,7 @@ def sizes() -> list[Size]:
       micro_batch_size=_TINY_BATCH.value, prompt_length=_TINY_PROMPT.value,
       completion_length=_TINY_COMPLETION.value, rounds=_TINY_ROUNDS.value)
   big = Size('big', tfm.ModelConfig(
-      vocab_size=_BIG_VOCAB.value, hidden_size=_BIG_HIDDEN.value,
-      intermediate_size=_BIG_INTERMEDIATE.value, num_hidden_layers=_BIG_LAYERS.value,
-      num_attention_heads=_BIG_HEADS.value, num_key_value_heads=_BIG_KV_HEADS.value,
+      vocab_size=_BIG_VOCAB.value, **_BIG_MODEL(),
       max_position_embeddings=2 * (_BIG_PROMPT.value + _BIG_COMPLETION.value),
       dtype=_DTYPE.value),
       micro_batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value,
@@ -177,21 +173,21 @@ def sizes() -> list[Size]:
 # -- FLOP counts ---------------------------------------------------------------------------------
 def model_flops(size: Size) -> dict:
   """Matmul FLOPs of one forward + backward pass (see the module docstring;
-  ``machine.fwd_bwd_flops``)."""
-  return machine.fwd_bwd_flops(size.model, size.micro_batch_size, size.prompt_length,
-                               size.completion_length)
+  ``jaxrl_ga.flops.learner_flops``, the count jaxrl_ga.plan uses)."""
+  return flop_model.learner_flops(size.model, size.micro_batch_size, size.prompt_length,
+                                   size.completion_length)
 
 
 @contextlib.contextmanager
 def unrolled_scans():
   """lax.scan with unroll=True while lowering: XLA's cost analysis counts a while body once. The
   model's layer scan passes its own ``unroll`` (which a patched default cannot override), so the
-  model's public ``tfm.unrolled_layers()`` is entered too."""
+  model's layers are unrolled by the learner's own options (``ForwardOptions(scan_layers=False)``,
+  ``run_size``)."""
   original = jax.lax.scan
   jax.lax.scan = functools.partial(original, unroll=True)
   try:
-    with tfm.unrolled_layers():
-      yield
+    yield
   finally:
     jax.lax.scan = original
 
@@ -335,12 +331,18 @@ def run_size(size: Size, mesh) -> dict:
 
   counts = model_flops(size)
   state = lrn.init(params, batches[0])
+  # The same step with the layers unrolled, for XLA's count (it counts a loop body once).
+  unrolled = learner_lib.grpo_task_loss(LOSS, size.completion_length,
+                                        options=tfm.ForwardOptions(scan_layers=False))
+  counting = learner_lib.Learner(graphdef, unrolled, OPT, mesh, shardings,
+                                 optimizer_every=sched.optimizer_every)
+  unrolled_loss = lambda p, batch: unrolled(tfm.merge(graphdef, p), batch).numerator
   flops = {
-      'model_fwd_bwd': counts['total'], 'model_fwd': counts['forward_total'],
-      'model_breakdown': counts,
-      'xla_step': xla_flops(lrn.traced_step, state, batches[0]),
-      'xla_fwd': xla_flops(loss_fn, fixed_params, batches[0]),
-      'xla_fwd_bwd': xla_flops(jax.value_and_grad(loss_fn), fixed_params, batches[0]),
+      'model_fwd_bwd': counts['model'], 'model_fwd': counts['forward'],
+      'model_fwd_breakdown': counts['forward_parts'],
+      'xla_step': xla_flops(counting.traced_step, state, batches[0]),
+      'xla_fwd': xla_flops(unrolled_loss, fixed_params, batches[0]),
+      'xla_fwd_bwd': xla_flops(jax.value_and_grad(unrolled_loss), fixed_params, batches[0]),
       'matmul_chain': chain_flops, 'peak': peak_flops,
   }
 
@@ -487,7 +489,7 @@ def table(results: list[dict]) -> str:
             'model FLOPs: projections / lm_head / attention | rounds | '
             'load avg (median, max) |', '|' + '---|' * 8]
   for r in results:
-    s, b, la = r['summary'], r['flops']['model_breakdown'], r['load_avg_1min']
+    s, b, la = r['summary'], r['flops']['model_fwd_breakdown'], r['load_avg_1min']
     lo, hi = s['step_fraction_paired_p25_p75']
     tot = b['total']
     lines.append(
@@ -535,8 +537,8 @@ def main(argv):
             f"{torch_['median_s'] / ours['median_s']:.2f}x PyTorch's speed.")
   machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
       'sizes', 'grad_accum_steps', 'peak_matmul_size', 'tiny_micro_batch_size',
-      'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', 'big_hidden_size',
-      'big_layers', 'big_intermediate_size', 'big_heads', 'big_kv_heads', 'big_vocab_size',
+      'tiny_prompt_length', 'tiny_completion_length', 'tiny_rounds', *machine.BIG_MODEL_FLAGS,
+      'big_vocab_size',
       'big_micro_batch_size', 'big_prompt_length', 'big_completion_length', 'big_rounds',
       'smollm2_source', 'smollm2_micro_batch_size', 'smollm2_prompt_length',
       'smollm2_completion_length', 'smollm2_rounds', 'warmup_rounds', 'profile_reps', 'dtype',

@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the machine facts every JSON records, the machine's roofline
-(matmul peak and weight-streaming bandwidth, measured in the running process), the XLA ops a call
+(matmul peak and weight-streaming bandwidth, measured in the running process; the FLOP counts
+are ``jaxrl_ga.flops``'s), the XLA ops a call
 ran (a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
 Imported by the scripts in this directory, which run as ``python benchmarks/NAME.py``."""
 
@@ -161,19 +162,24 @@ def timed(fn, *args):
   return out, time.perf_counter() - t0
 
 
-# -- FLOPs of a decoder (Qwen2 / Llama layout), one count for every script -------------------------
-def layer_matmul_params(m) -> int:
-  """Weights of one layer's seven projections (q, k, v, o, gate, up, down) of a
-  ``transformer.ModelConfig`` ``m``."""
-  dq, dkv = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
-  return m.hidden_size * (dq + 2 * dkv) + dq * m.hidden_size + 3 * m.hidden_size * \
-      m.intermediate_size
+# FLOPs: jaxrl_ga.flops, the FLOP model jaxrl_ga.plan uses too.
 
 
-def decode_matmul_params(m) -> int:
-  """Weights a decode step multiplies by: every layer's projections and lm_head (norms and the one
-  embedding row gathered per token are negligible)."""
-  return m.num_hidden_layers * layer_matmul_params(m) + m.hidden_size * m.vocab_size
+# The 'big' model several scripts run (d=512, 8 layers, MLP 1536, 8 heads of 64): one definition.
+BIG_MODEL_FLAGS = ('big_hidden_size', 'big_layers', 'big_intermediate_size', 'big_heads',
+                   'big_kv_heads')
+
+
+def define_big_model_flags():
+  """Defines the big model's size flags (``BIG_MODEL_FLAGS``) for a script. -> a function that
+  gives, once the flags are parsed, its ``ModelConfig`` size fields."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  fields = (('hidden_size', 512, 'hidden size'), ('num_hidden_layers', 8, 'decoder layers'),
+            ('intermediate_size', 1536, 'MLP width'), ('num_attention_heads', 8, 'attention heads'),
+            ('num_key_value_heads', 8, 'key/value heads'))
+  holders = {field: flags.DEFINE_integer(name, default, f'Big model: {what}.')
+             for name, (field, default, what) in zip(BIG_MODEL_FLAGS, fields)}
+  return lambda: {field: holder.value for field, holder in holders.items()}
 
 
 def kv_cache_bytes(m, rows: int, positions: float, itemsize: int = 4) -> float:
@@ -181,44 +187,6 @@ def kv_cache_bytes(m, rows: int, positions: float, itemsize: int = 4) -> float:
   one decode step's attention reads when it attends over that many slots."""
   return 2 * m.num_hidden_layers * rows * m.num_key_value_heads * m.head_size * positions * \
       itemsize
-
-
-def forward_flops(m, rows: int, length: int, logit_positions: int, context: int = 0) -> dict:
-  """Matmul FLOPs of one forward pass over ``rows`` sequences of ``length`` tokens, lm_head on
-  ``logit_positions`` positions per row: the projections 2 x params x tokens, lm_head
-  2 x d x V x rows x logit_positions, attention 4 x L x rows x length x (context + length) x
-  (heads * head_dim) (the score and value products over the full, masked matrix; ``context``:
-  keys of a prefix computed elsewhere that every position also attends to)."""
-  dq = m.num_attention_heads * m.head_size
-  projections = 2 * m.num_hidden_layers * layer_matmul_params(m) * rows * length
-  lm_head = 2 * m.hidden_size * m.vocab_size * rows * logit_positions
-  attention = 4 * m.num_hidden_layers * rows * length * (context + length) * dq
-  return {'projections': projections, 'lm_head': lm_head, 'attention': attention,
-          'total': projections + lm_head + attention}
-
-
-def prompt_completion_forward_flops(m, rows: int, prompt_length: int, completion_length: int,
-                                    share: int = 1) -> dict:
-  """``forward_flops`` of ``rows`` prompt + completion sequences, logits at the completion
-  positions. ``share`` = R > 1: every R rows share their prompt, whose forward runs once for
-  them (jaxrl_ga's model.share_prompt_prefix): rows / R prompts, then the completions attending
-  to their prompt and themselves."""
-  if share == 1:
-    return forward_flops(m, rows, prompt_length + completion_length, completion_length)
-  prompts = forward_flops(m, rows // share, prompt_length, 0)
-  completions = forward_flops(m, rows, completion_length, completion_length, prompt_length)
-  return {k: prompts[k] + completions[k] for k in prompts}
-
-
-def fwd_bwd_flops(m, rows: int, prompt_length: int, completion_length: int,
-                  share: int = 1) -> dict:
-  """Matmul FLOPs of a learner's forward + backward (3x the forward: the input and the weight
-  gradient of every product) on prompt + completion rows, logits at the completion positions,
-  every ``share`` rows sharing one prompt's forward; 'forward_total' is the forward alone."""
-  f = prompt_completion_forward_flops(m, rows, prompt_length, completion_length, share)
-  out = {k: 3 * v for k, v in f.items()}
-  out['forward_total'] = f['total']
-  return out
 
 
 # -- the roofline: matmul peak and weight-streaming bandwidth, measured in this process ------------

@@ -59,11 +59,7 @@ _WARMUP = flags.DEFINE_integer('warmup_windows', 2, 'Untimed windows per variant
 _INNER_REPS = flags.DEFINE_integer('inner_reps', 2, 'Inner-optimizer timings per round.')
 _CHECK_WINDOWS = flags.DEFINE_integer(
     'check_windows', 1, 'Normal windows after the non-finite one before comparing the variants.')
-_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
-_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
-_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
-_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
-_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ...
 _BIG_VOCAB = flags.DEFINE_integer('big_vocab_size', 32000, 'Big model: vocabulary size.')
 _BIG_BATCH = flags.DEFINE_integer('big_micro_batch_size', 8, 'Big model: B completions.')
 _BIG_PROMPT = flags.DEFINE_integer('big_prompt_length', 16, 'Big model: prompt tokens.')
@@ -85,9 +81,7 @@ def sizes() -> list[Size]:
       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
       micro_batch_size=32, prompt_length=8, completion_length=8, rounds=_TINY_ROUNDS.value)
   big = Size('big', tfm.ModelConfig(
-      vocab_size=_BIG_VOCAB.value, hidden_size=_BIG_HIDDEN.value,
-      intermediate_size=_BIG_INTERMEDIATE.value, num_hidden_layers=_BIG_LAYERS.value,
-      num_attention_heads=_BIG_HEADS.value, num_key_value_heads=_BIG_KV_HEADS.value,
+      vocab_size=_BIG_VOCAB.value, **_BIG_MODEL(),
       max_position_embeddings=2 * (_BIG_PROMPT.value + _BIG_COMPLETION.value)),
       micro_batch_size=_BIG_BATCH.value, prompt_length=_BIG_PROMPT.value,
       completion_length=_BIG_COMPLETION.value, rounds=_BIG_ROUNDS.value)

@@ -14,14 +14,15 @@ Three rules decide where to pay for it (``jaxrl_ga.schedule``):
 The rollout step reads its per-slice marks from the schedule table (``table.slice_recompute``), so
 each rule is a table with other marks: ``rule_table`` derives the rollout rule's and TRL's marks
 from the table's own ``rollout_recompute`` and ``counts`` (no library option is needed). Each rule
-gets its own ``RolloutEngine`` (compiled once) and learner state; one ``Learner`` (compiled once)
-serves all three. A period is lcm(K, S*mu) micro-steps: its rollouts (generation + the marked
-slices' old log-probs, one jitted step each, waited for) and its micro-steps (micro-batch
-extraction + the learner step, waited for). Rounds run one period of every rule, in rotating
-order; the first ``warmup_periods`` (compilation) are not timed. Advantages are drawn at random
-(rewards do not change the cost); prompts are the arithmetic task's; every completion is generated
-to max_completion_length (an EOS id outside the vocabulary) so that all rules do the same work
-apart from the old log-probs.
+is a real GRPO run of the library's trainer (``main.build_context``, ``GRPOTrainer(...,
+table=rule_table(...))``: the programs ``jaxrl_ga.programs`` builds for the trainer and for
+``plan``), with configs/grpo_arith.py's task, rewards and settings at the sizes below, for
+``warmup_periods + rounds`` periods of lcm(K, S*mu) micro-steps. The trainer's hooks time it:
+``on_rollout`` gives each rollout's step (generation + the marked slices' old log-probs, waited
+for), ``on_micro_step`` marks each learner step (waited for in the hook), so a period's wall time,
+rollout time and learner time are read off; the first ``warmup_periods`` (compilation) are not
+timed. The rules run one after the other, each a whole run (the load may drift between them:
+the JSON records the load average per rule).
 
 Checks: the forward passes counted by the rollout state (in slice units) equal, per rule,
 ``periods x`` that rule's count from the table; and the slice rule's equal the minimum found by an
@@ -31,6 +32,8 @@ one forward pass over one slice is timed on its own, to predict the differences 
 
 Sizes: ``tiny`` is configs/grpo_arith.py's model (hidden 128, 2 layers; B=64, G=8, 8+5 tokens);
 ``big`` is hidden 512, 8 layers, MLP 1536, 8 heads (B=8, same lengths), char vocabulary (17).
+Completions end at the tokenizer's EOS as in training (the rules' runs sample the same rows: the
+same seed, and their params differ by float rounding at most).
 """
 
 from __future__ import annotations
@@ -40,24 +43,20 @@ import dataclasses
 import json
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga import learner as learner_lib
-from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import logprobs
 from jaxrl_ga import schedule
-from jaxrl_ga import placement
-from jaxrl_ga import sharding
-from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, SamplingConfig,
-                             ScheduleConfig, load_config_file)
+from jaxrl_ga.config import RunConfig, ScheduleConfig, from_mapping, load_config_file
 from jaxrl_ga.models import transformer as tfm
-from jaxrl_ga.tasks import arithmetic
+from jaxrl_ga.trainers import grpo
 from jaxrl_ga.trainers import text
 import machine  # benchmarks/machine.py
 
@@ -76,12 +75,10 @@ _TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', 64, 'Tiny: B.')
 _BIG_BATCH = flags.DEFINE_integer('big_micro_batch_size', 8, 'Big: B.')
 _PROMPT_LEN = flags.DEFINE_integer('max_prompt_length', 8, 'Prompt tokens (left-padded).')
 _COMPLETION_LEN = flags.DEFINE_integer('max_completion_length', 5, 'Completion tokens.')
-_BIG_HIDDEN = flags.DEFINE_integer('big_hidden_size', 512, 'Big model: hidden size.')
-_BIG_LAYERS = flags.DEFINE_integer('big_layers', 8, 'Big model: decoder layers.')
-_BIG_INTERMEDIATE = flags.DEFINE_integer('big_intermediate_size', 1536, 'Big model: MLP width.')
-_BIG_HEADS = flags.DEFINE_integer('big_heads', 8, 'Big model: attention heads.')
-_BIG_KV_HEADS = flags.DEFINE_integer('big_kv_heads', 8, 'Big model: key/value heads.')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ...
 _PASS_REPS = flags.DEFINE_integer('pass_reps', 10, 'Timings of one slice forward pass alone.')
+_EVAL_EXAMPLES = flags.DEFINE_integer('eval_examples', 16, 'Held-out examples evaluated before '
+                                      'and after each run (not timed).')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/recompute.json', 'JSON output.')
 
 RULES = ('trl_static', 'rollout_rule', 'slice_rule')
@@ -91,29 +88,35 @@ SEED = 0
 @dataclasses.dataclass(frozen=True)
 class Size:
   name: str
-  model: tfm.ModelConfig
+  model: dict  # model.* overrides of configs/grpo_arith.py
   micro_batch_size: int
   schedules: tuple[tuple[int, int, int], ...]  # (K, S, mu)
   rounds: int
 
 
-def sizes(vocab_size: int) -> list[Size]:
-  spec = load_config_file(os.path.join(REPO, 'configs', 'grpo_arith.py')).model
-  max_len = _PROMPT_LEN.value + _COMPLETION_LEN.value
-  common_fields = dict(vocab_size=vocab_size, attention_bias=spec.attention_bias,
-                       tie_word_embeddings=spec.tie_word_embeddings, rope_theta=spec.rope_theta,
-                       max_position_embeddings=max(spec.max_position_embeddings, max_len))
-  tiny = tfm.ModelConfig(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-                         num_hidden_layers=spec.num_hidden_layers,
-                         num_attention_heads=spec.num_attention_heads,
-                         num_key_value_heads=spec.num_key_value_heads, **common_fields)
-  big = tfm.ModelConfig(hidden_size=_BIG_HIDDEN.value, intermediate_size=_BIG_INTERMEDIATE.value,
-                        num_hidden_layers=_BIG_LAYERS.value, num_attention_heads=_BIG_HEADS.value,
-                        num_key_value_heads=_BIG_KV_HEADS.value, **common_fields)
+def sizes() -> list[Size]:
+  big = _BIG_MODEL()
   parse = lambda specs: tuple(tuple(int(x) for x in s.split(':')) for s in specs)
-  out = [Size('tiny', tiny, _TINY_BATCH.value, parse(_TINY_SCHEDULES.value), _TINY_ROUNDS.value),
+  out = [Size('tiny', {}, _TINY_BATCH.value, parse(_TINY_SCHEDULES.value), _TINY_ROUNDS.value),
          Size('big', big, _BIG_BATCH.value, parse(_BIG_SCHEDULES.value), _BIG_ROUNDS.value)]
   return [s for s in out if s.name in _SIZES.value]
+
+
+def run_config(size: Size, sched: ScheduleConfig, num_steps: int) -> RunConfig:
+  """configs/grpo_arith.py, GRPO only, at ``size`` and ``sched``, on one device, for
+  ``num_steps`` optimizer steps; no periodic evaluation or checkpoint."""
+  c = load_config_file(os.path.join(REPO, 'configs', 'grpo_arith.py')).to_dict()
+  c['stages'] = 'grpo'
+  c['seed'] = SEED
+  c['model'].update(size.model)
+  c['mesh'].update(data=1, fsdp=1, tensor=1)
+  c['grpo'].update(num_steps=num_steps, log_every=10**6, eval_every=0)
+  c['grpo']['schedule'].update(dataclasses.asdict(sched))
+  c['grpo']['sampling'].update(max_prompt_length=_PROMPT_LEN.value,
+                               max_completion_length=_COMPLETION_LEN.value)
+  c['eval'].update(num_examples=_EVAL_EXAMPLES.value, batch_size=_EVAL_EXAMPLES.value)
+  c['checkpoint'].update(every_steps=0)
+  return from_mapping(RunConfig, c)
 
 
 # -- the three rules as tables ---------------------------------------------------------------------
@@ -156,152 +159,103 @@ def brute_force_minimum(cfg: ScheduleConfig, num_micro_steps: int) -> int:
 
 
 # -- one schedule ----------------------------------------------------------------------------------
-def timed(fn, *args):
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - t0
+class PeriodClock:
+  """The trainer's hooks -> per period: wall, rollout and learner seconds (learner steps are
+  waited for in the hook, so that a period's end is its last step's)."""
+
+  def __init__(self, period: int):
+    self.period, self.periods = period, []
+    self._start = self._last = None
+    self._rollout = self._learn = 0.0
+
+  def on_rollout(self, event: grpo.RolloutEvent):
+    self._rollout += event.generate_s
+
+  def on_micro_step(self, micro_step: int, started: float, out: dict):
+    jax.block_until_ready(out)
+    now = time.perf_counter()
+    if self._start is None:
+      self._start = started
+    self._learn += now - started
+    if (micro_step + 1) % self.period == 0:
+      self.periods.append({'wall': now - self._start, 'rollout': self._rollout,
+                           'learn': self._learn, 'load_avg_1min': os.getloadavg()[0]})
+      self._start, self._rollout, self._learn = now, 0.0, 0.0
 
 
-class RuleRunner:
-  """One rule: its engine, rollout state, learner state and the current rollout."""
-
-  def __init__(self, rule, sched, table, size, mesh, graphdef, shardings, params, learner,
-               prompts, eos_id, pad_id):
-    self.rule, self.sched, self.learner, self.prompts = rule, sched, learner, prompts
-    sampling_cfg = SamplingConfig(max_prompt_length=_PROMPT_LEN.value,
-                                  max_completion_length=_COMPLETION_LEN.value)
-    self.engine = rollout_lib.RolloutEngine(
-        graphdef, rule_table(table, rule), sampling_cfg, GRPOLossConfig(epsilon_high=0.28),
-        mesh, shardings, eos_id=eos_id, pad_id=pad_id)
-    self.rstate = self.engine.init_state(SEED)
-    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)
-    self.lstate = None
-    self._init_params = copy(params)
-    self._adv_rng = np.random.default_rng(SEED)
-    self.micro_step = 0
-    self.periods: list[dict[str, float]] = []
-    self.size = size
-
-  def init_learner(self, example_batch):
-    self.lstate = self.learner.init(self._init_params, example_batch)
-    del self._init_params
-
-  def example_batch(self):
-    """A micro-batch from a throwaway rollout (the rule's own state is left untouched)."""
-    s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
-    tokens, mask = self.prompts(0)
-    buffer, _, _ = self.engine.rollout(self._init_params, None, self.engine.init_state(SEED),
-                                       tokens, mask)
-    adv = placement.put(np.zeros((s, b), np.float32), self.engine.advantage_sharding)
-    return self.engine.micro_batch(buffer, 0, adv)
-
-  def run_period(self, period_micro_steps: int) -> dict[str, float]:
-    """One schedule period; -> wall seconds of its rollouts and its learner micro-steps."""
-    sched = self.sched
-    s, e = sched.steps_per_generation, sched.micro_steps_per_rollout
-    t_rollout = t_learn = 0.0
+def run_rule(size: Size, sched: ScheduleConfig, table: schedule.ScheduleTable, rule: str,
+             periods: int) -> dict[str, Any]:
+  """One rule's GRPO run of ``periods`` schedule periods. -> its clock, summary and params."""
+  # After absl parsed this script's flags: jaxrl_ga.main defines the CLI's own at import.
+  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+  cfg = run_config(size, sched, periods * table.period_micro_steps // sched.optimizer_every)
+  with tempfile.TemporaryDirectory() as workdir:
+    ctx, params = main_lib.build_context(cfg, workdir)
+    clock = PeriodClock(table.period_micro_steps)
+    trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=clock.on_rollout,
+                               on_micro_step=clock.on_micro_step, table=rule_table(table, rule))
+    initial = jax.device_get(params)  # the run donates its own
     t0 = time.perf_counter()
-    for _ in range(period_micro_steps):
-      if self.micro_step % e == 0:
-        tokens, mask = self.prompts(self.micro_step // e)
-        (self.buffer, self.rstate, _), dt = timed(self.engine.rollout, self.lstate.params, None,
-                                                  self.rstate, tokens, mask)
-        t_rollout += dt
-        adv = self._adv_rng.normal(size=(s, sched.micro_batch_size)).astype(np.float32)
-        self.advantages = placement.put(adv, self.engine.advantage_sharding)
-      t1 = time.perf_counter()
-      batch = self.engine.micro_batch(self.buffer, self.micro_step % s, self.advantages)
-      self.lstate, out = self.learner.step(self.lstate, batch)
-      jax.block_until_ready(out)
-      t_learn += time.perf_counter() - t1
-      self.micro_step += 1
-    assert bool(out['stepped']), 'a period ends with an optimizer step'
-    return {'wall': time.perf_counter() - t0, 'rollout': t_rollout, 'learn': t_learn}
+    final, summary = trainer.run(params)
+    return {'clock': clock, 'summary': summary, 'params': jax.device_get(final), 'ctx': ctx,
+            'trainer': trainer, 'initial': initial, 'run_s': time.perf_counter() - t0}
 
 
-def one_pass_seconds(graphdef, params, prompts, b: int, vocab_size: int, reps: int) -> float:
-  """Median time of one old-log-prob forward pass over one slice of B completions alone."""
-  tokens, mask = prompts(0)
-  g = _G.value
-  pt = np.repeat(tokens, g, axis=0)[:b]
-  pm = np.repeat(mask, g, axis=0)[:b]
+def one_pass_seconds(run: dict, b: int, reps: int) -> float:
+  """Median time of one old-log-prob forward pass over one slice of B completions alone, with
+  the engine's own forward options."""
+  ctx, engine = run['ctx'], run['trainer'].engine
+  task = ctx.task
+  g = engine.sched.num_generations
+  ids = [text.encode_prompt(ctx.tokenizer, task.train_example(i, SEED).prompt)
+         for i in range(-(-b // g))]
+  tokens, mask = text.left_pad(ids, _PROMPT_LEN.value, ctx.pad_id, 'max_prompt_length')
+  pt, pm = np.repeat(tokens, g, axis=0)[:b], np.repeat(mask, g, axis=0)[:b]
   rng = np.random.default_rng(SEED)
-  ct = rng.integers(3, vocab_size, (b, _COMPLETION_LEN.value)).astype(np.int32)
+  ct = rng.integers(3, ctx.model_cfg.vocab_size, (b, _COMPLETION_LEN.value)).astype(np.int32)
   cm = np.ones_like(ct)
-  fn = jax.jit(lambda p, *xs: learner_lib.completion_logps(tfm.merge(graphdef, p), *xs)[0])
-  timed(fn, params, pt, pm, ct, cm)
-  return statistics.median(timed(fn, params, pt, pm, ct, cm)[1] for _ in range(reps))
+  options = dataclasses.replace(engine.learner_options, remat='none')
+  fn = jax.jit(lambda p, *xs: logprobs.completion_logps(tfm.merge(ctx.graphdef, p), *xs,
+                                                        options)[0])
+  machine.timed(fn, run['initial'], pt, pm, ct, cm)
+  return statistics.median(machine.timed(fn, run['initial'], pt, pm, ct, cm)[1]
+                           for _ in range(reps))
 
 
-def run_schedule(size: Size, k: int, s: int, mu: int, mesh, tokenizer, task) -> dict[str, Any]:
+def run_schedule(size: Size, k: int, s: int, mu: int) -> dict[str, Any]:
   b, g = size.micro_batch_size, _G.value
   sched = ScheduleConfig(micro_batch_size=b, num_generations=g, steps_per_generation=s,
                          num_iterations=mu, grad_accum_steps=k)
   table = schedule.build_table(sched)
   period = table.period_micro_steps
-  graphdef, params, shardings = sharding.init_params(size.model, SEED, mesh)
-  learner = learner_lib.Learner(
-      graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(epsilon_high=0.28),
-                                           _COMPLETION_LEN.value),
-      OptimizerConfig(learning_rate=1e-4), mesh, shardings,
-      optimizer_every=sched.optimizer_every)
-
-  def prompts(rollout: int):
-    n = sched.prompts_per_rollout
-    ids = [text.encode(tokenizer, task.train_example(rollout * n + i, SEED).prompt)
-           for i in range(n)]
-    return text.left_pad(ids, _PROMPT_LEN.value, tokenizer.pad_token_id, 'max_prompt_length')
-
-  runners = {rule: RuleRunner(rule, sched, table, size, mesh, graphdef, shardings, params,
-                              learner, prompts, eos_id=size.model.vocab_size,
-                              pad_id=tokenizer.pad_token_id) for rule in RULES}
-  example = runners['slice_rule'].example_batch()
-  for r in runners.values():
-    r.init_learner(example)
-
-  compile_s = {}
-  for rule, r in runners.items():
-    t0 = time.perf_counter()
-    for _ in range(_WARMUP.value):
-      r.run_period(period)
-    compile_s[rule] = time.perf_counter() - t0
-  before = {rule: int(r.rstate.forward_passes) for rule, r in runners.items()}
-  loads = []
-  for i in range(size.rounds):
-    order = RULES[i % len(RULES):] + RULES[:i % len(RULES)]
-    for rule in order:
-      runners[rule].periods.append(runners[rule].run_period(period))
-    loads.append(os.getloadavg()[0])
-
   total_periods = _WARMUP.value + size.rounds
+  runs = {rule: run_rule(size, sched, table, rule, total_periods) for rule in RULES}
   minimum = brute_force_minimum(sched, total_periods * period)
-  one_pass = one_pass_seconds(graphdef, params, prompts, b, size.model.vocab_size,
-                              _PASS_REPS.value)
-  slice_params = jax.device_get(runners['slice_rule'].lstate.params)
+  one_pass = one_pass_seconds(runs['slice_rule'], b, _PASS_REPS.value)
   result = {'K': k, 'S': s, 'mu': mu, 'B': b, 'G': g, 'period_micro_steps': period,
             'period_rollouts': table.period_rollouts,
             'period_optimizer_steps': period // k, 'timed_periods': size.rounds,
             'warmup_periods': _WARMUP.value, 'table_counts_per_period': dict(table.counts),
             'brute_force_minimum_per_period': minimum / total_periods,
-            'one_pass_ms': 1e3 * one_pass,
-            'load_avg_1min': {'median': statistics.median(loads), 'max': max(loads)},
-            'rules': {}}
-  for rule, r in runners.items():
-    passes = int(r.rstate.forward_passes)
+            'one_pass_ms': 1e3 * one_pass, 'rules': {}}
+  slice_params = runs['slice_rule']['params']
+  for rule, run in runs.items():
+    passes = int(run['summary']['grpo/old_logprob_forward_passes'])
     per_period = passes / total_periods
-    rows = np.asarray([[p['wall'], p['rollout'], p['learn']] for p in r.periods])
+    timed = run['clock'].periods[_WARMUP.value:]
+    rows = np.asarray([[p['wall'], p['rollout'], p['learn']] for p in timed])
     med = np.median(rows, axis=0)
     diff = max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(jax.tree.leaves(jax.device_get(r.lstate.params)),
-                               jax.tree.leaves(slice_params)))
+               for x, y in zip(jax.tree.leaves(run['params']), jax.tree.leaves(slice_params)))
     result['rules'][rule] = {
         'forward_passes_total': passes, 'forward_passes_per_period': per_period,
-        'forward_passes_timed': passes - before[rule],
         'expected_per_period': table.counts[rule],
         'period_ms_median': 1e3 * med[0], 'rollout_ms_median': 1e3 * med[1],
         'learn_ms_median': 1e3 * med[2],
         'period_ms_p25_p75': [1e3 * float(np.percentile(rows[:, 0], q)) for q in (25, 75)],
-        'warmup_s': compile_s[rule],
+        'run_s': run['run_s'],
+        'load_avg_1min': {'median': statistics.median(p['load_avg_1min'] for p in timed),
+                          'max': max(p['load_avg_1min'] for p in timed)},
         'params_max_abs_diff_vs_slice_rule': diff,
         'raw_ms': (1e3 * rows).round(3).tolist(),
     }
@@ -350,18 +304,13 @@ def main(argv):
   del argv
   info = machine_info()
   print(json.dumps(info), flush=True)
-  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-  task = arithmetic.ArithmeticTask()
-  tokenizer = task.tokenizer()
   results = []
-  for size in sizes(len(tokenizer)):
-    params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-        sharding.abstract_model(size.model)[1]))
-    size_result = {'size': size.name, 'model': dataclasses.asdict(size.model),
-                   'param_count': params, 'schedules': []}
+  for size in sizes():
+    size_result = {'size': size.name, 'model': size.model, 'micro_batch_size':
+                   size.micro_batch_size, 'schedules': []}
     for k, s, mu in size.schedules:
       print(f'== {size.name}: K={k} S={s} mu={mu}', flush=True)
-      r = run_schedule(size, k, s, mu, mesh, tokenizer, task)
+      r = run_schedule(size, k, s, mu)
       size_result['schedules'].append(r)
       print('   ' + ', '.join(
           f"{rule} {d['forward_passes_per_period']:g} passes {d['rollout_ms_median']:.0f} ms "
@@ -374,8 +323,7 @@ def main(argv):
   flag_names = ('sizes', 'tiny_schedules', 'big_schedules', 'tiny_rounds', 'big_rounds',
                 'warmup_periods', 'num_generations', 'tiny_micro_batch_size',
                 'big_micro_batch_size', 'max_prompt_length', 'max_completion_length',
-                'big_hidden_size', 'big_layers', 'big_intermediate_size', 'big_heads',
-                'big_kv_heads', 'pass_reps')
+                *machine.BIG_MODEL_FLAGS, 'pass_reps', 'eval_examples')
   machine.write_json(_OUT.value, {'machine': info, 'results': results,
                                   'flags': {n: flags.FLAGS[n].value for n in flag_names}})
 

@@ -78,7 +78,8 @@ def run_size(size: Size) -> dict:
   variants = {'scan': True, 'unrolled': False}
   learners, states = {}, {}
   for name, scan in variants.items():
-    task = learner_lib.grpo_task_loss(LOSS, size.completion_length, scan_layers=scan)
+    task = learner_lib.grpo_task_loss(LOSS, size.completion_length,
+                                      options=tfm.ForwardOptions(scan_layers=scan))
     lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings, optimizer_every=k)
     own = jax.tree.map(lambda p: p.copy(), params)  # each learner donates its own buffers
     learners[name], states[name] = lrn, lrn.init(own, batches[0])

@@ -17,7 +17,6 @@ fingerprint) and the adapters merged into them (W + alpha/r A @ B in float32; ja
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -44,15 +43,9 @@ def _define_flags():
 
 
 def model_config_from_dict(d: dict):
-  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
-  d = dict(d)
-  if d.get('rope_scaling'):
-    d['rope_scaling'] = tfm.RopeScaling(**d['rope_scaling'])
-  if d.get('lora'):
-    from jaxrl_ga.config import LoRAConfig  # pylint: disable=g-import-not-at-top
-    d['lora'] = LoRAConfig(**d['lora'])
-  fields = {f.name for f in dataclasses.fields(tfm.ModelConfig)}
-  return tfm.ModelConfig(**{k: v for k, v in d.items() if k in fields})
+  """``models.policy.model_config_from_dict``: a checkpoint fingerprint's model config."""
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+  return policy.model_config_from_dict(d)
 
 
 def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
@@ -100,7 +93,7 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
 
 def base_params(cfg, fingerprint: dict) -> dict:
   """The frozen base weights of a LoRA run, rebuilt as the run built them
-  (trainers/context.build_model): model.hf_path's weights, or the seed's initialization."""
+  (models/policy.build_model): model.hf_path's weights, or the seed's initialization."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top

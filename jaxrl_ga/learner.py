@@ -28,7 +28,7 @@ exist for the trainable params only; the accumulation is exact in the same way.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax
 from flax import nnx
@@ -45,83 +45,50 @@ from jaxrl_ga.models import transformer as tfm
 TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
 
 
-# -- log-probs shared by the learner and the rollout step -----------------------------------------
-def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
-                     completion_mask, with_entropy: bool = False, temperature=1.0, *,
-                     remat: str = 'none', chunk_size: int = 0, scan_layers: bool = True,
-                     share_prompts: int = 1):
-  """Per-token log-probs (and entropies) of the completion tokens. -> [B, Tc] float32.
-
-  prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
-  the Tc positions that predict completion tokens, ``chunk_size`` positions at a time
-  (``logprobs.completion_token_stats``; 0: all at once). The policy is softmax(logits /
-  temperature), the distribution the sampler draws from (as in TRL), so ratios compare like with
-  like. ``remat``: the per-layer rematerialization policy of the forward (model.remat);
-  ``scan_layers``: the layers scanned or unrolled (model.scan_layers).
-
-  ``share_prompts`` = R > 1: rows ``i*R .. i*R+R-1`` hold the same prompt (R completions of one
-  prompt; the caller guarantees it, ``rollout.prompt_share``), so the prompt's forward runs once
-  for them (``Transformer.hidden_after_prefix``): the same values, with the prompt positions'
-  work divided by R (model.share_prompt_prefix).
-  """
-  tp = prompt_tokens.shape[1]
-  with tfm.unrolled_layers(not scan_layers):
-    if share_prompts > 1:
-      # [B, Tp] -> [P, R, Tp] -> the first of each R rows (a local reshape under batch sharding)
-      first = lambda x: x.reshape(-1, share_prompts, tp)[:, 0]
-      prompt_h, h = model.hidden_after_prefix(first(prompt_tokens), first(prompt_mask),
-                                              completion_tokens, completion_mask, remat=remat)
-      # The prompt's last position predicts completion token 0 of each of its R rows.
-      last = jnp.repeat(prompt_h[:, -1:], share_prompts, axis=0)  # [B, 1, D]
-      h = jnp.concatenate([last, h[:, :-1]], axis=1)  # [B, Tc, D]
-    else:
-      tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
-      mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-      h = model.hidden(tokens, mask, remat=remat)[:, tp - 1:-1]  # [B, Tc, D]
-  return logprobs.completion_token_stats(model, h, completion_tokens, temperature=temperature,
-                                         chunk_size=chunk_size, with_entropy=with_entropy)
-
-
-def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask, *,
-                   scan_layers: bool = True):
-  """Summed log-probs of the tokens where loss_mask is 1 ([B, T] inputs). -> ([B], token counts)."""
-  with tfm.unrolled_layers(not scan_layers):
-    logits = model(tokens, attention_mask)[:, :-1]
-  logps = losses.token_logps(logits, tokens[:, 1:])
-  m = loss_mask[:, 1:].astype(jnp.float32)
-  return jnp.sum(logps * m, axis=-1), jnp.sum(m, axis=-1)
-
-
 # -- task losses --------------------------------------------------------------------------------
-def sft_task_loss(*, scan_layers: bool = True) -> TaskLoss:
+def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
+                     completion_mask, with_entropy: bool = False, temperature=1.0, **options):
+  """``logprobs.completion_logps`` with the forward's options given as ``ForwardOptions``
+  keywords (scan_layers, remat, logprob_chunk_size, share_prompts, adapters): the form the
+  exactness tests call. The library passes a ``ForwardOptions``."""
+  return logprobs.completion_logps(model, prompt_tokens, prompt_mask, completion_tokens,
+                                   completion_mask, tfm.ForwardOptions(**options),
+                                   with_entropy=with_entropy, temperature=temperature)
+
+
+def _options(options: Optional[tfm.ForwardOptions], fields: dict) -> tfm.ForwardOptions:
+  """``options``, or one built from ForwardOptions keywords (not both)."""
+  if options is not None and fields:
+    raise TypeError(f'pass options or its fields {sorted(fields)}, not both.')
+  return tfm.ForwardOptions(**fields) if options is None else options
+
+
+def sft_task_loss(options: Optional[tfm.ForwardOptions] = None, **fields) -> TaskLoss:
   """Batch: tokens, attention_mask, loss_mask [B, T] (loss_mask marks the target tokens).
-  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
+  ``options``: the forward's (``ForwardOptions``, or its fields as keywords)."""
+  options = _options(options, fields)
 
   def task_loss(model, batch):
-    with tfm.unrolled_layers(not scan_layers):
-      logits = model(batch['tokens'], batch['attention_mask'])[:, :-1]
-    logps = losses.token_logps(logits, batch['tokens'][:, 1:])
+    logps = logprobs.token_logps_of(model, batch['tokens'], batch['attention_mask'], options)
     return losses.sft_loss(logps, batch['loss_mask'][:, 1:].astype(jnp.float32))
 
   return task_loss
 
 
 def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
-                   temperature: float = 1.0, *, remat: str = 'none',
-                   logprob_chunk_size: int = 0, scan_layers: bool = True,
-                   share_prompts: int = 1) -> TaskLoss:
+                   temperature: float = 1.0, options: Optional[tfm.ForwardOptions] = None,
+                   **fields) -> TaskLoss:
   """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
   their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0.
-  remat, logprob_chunk_size: memory knobs (model.remat, model.logprob_chunk_size);
-  scan_layers: the layers scanned or unrolled (model.scan_layers); share_prompts: R, rows
-  ``i*R .. i*R+R-1`` of every micro-batch share their prompt (``completion_logps``)."""
+  ``options``: the forward's (``ForwardOptions``, or its fields as keywords); with
+  ``share_prompts`` = R, rows ``i*R .. i*R+R-1`` of every micro-batch share their prompt."""
+  options = _options(options, fields)
 
   def task_loss(model, batch):
-    logps, entropy = completion_logps(
+    logps, entropy = logprobs.completion_logps(
         model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
-        batch['completion_mask'], with_entropy=True, temperature=temperature, remat=remat,
-        chunk_size=logprob_chunk_size, scan_layers=scan_layers, share_prompts=share_prompts)
+        batch['completion_mask'], options, with_entropy=True, temperature=temperature)
     if cfg.entropy_coef == 0:
       entropy = jax.lax.stop_gradient(entropy)
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
@@ -132,17 +99,19 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
   return task_loss
 
 
-def dpo_task_loss(cfg: DPOLossConfig, *, scan_layers: bool = True) -> TaskLoss:
+def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = None,
+                  **fields) -> TaskLoss:
   """Batch: {chosen,rejected}_{tokens,attention_mask,loss_mask} [P, T] and
   ref_{chosen,rejected}_logps [P] (summed over the response, cached once); with rpo_alpha > 0,
   rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers).
-  scan_layers: the layers scanned or unrolled (model.scan_layers)."""
+  ``options``: the forward's (``ForwardOptions``, or its fields as keywords)."""
+  options = _options(options, fields)
 
   def task_loss(model, batch):
     n = batch['chosen_tokens'].shape[0]
     cat = lambda k: jnp.concatenate([batch[f'chosen_{k}'], batch[f'rejected_{k}']], axis=0)
-    logps, counts = sequence_logps(model, cat('tokens'), cat('attention_mask'), cat('loss_mask'),
-                                   scan_layers=scan_layers)
+    logps, counts = logprobs.sequence_logps(model, cat('tokens'), cat('attention_mask'),
+                                            cat('loss_mask'), options)
     lengths = jnp.sum(cat('attention_mask').astype(jnp.float32), axis=-1)  # open-instruct's
     return losses.dpo_loss(logps[:n], logps[n:], batch['ref_chosen_logps'],
                            batch['ref_rejected_logps'], counts[:n], counts[n:], cfg,
@@ -279,7 +248,9 @@ def _lazy_apply(ms: optax.MultiSteps, k: int, grads, state: optax.MultiStepsStat
 # -- state and step -----------------------------------------------------------------------------
 @flax.struct.dataclass
 class TrainState:
-  micro_step: jax.Array  # [] int32: micro-steps consumed so far
+  """The learner's device state. Its counters are MultiSteps' (``opt_state.mini_step``: the
+  micro-step within the window, ``gradient_step``: the optimizer steps); the host's micro-step
+  and the rest: docs/design.md, "Step counters"."""
   params: Any
   opt_state: optax.MultiStepsState
   window: losses.LossTerms  # accumulated numerator/denominator/metrics of the open window
@@ -359,8 +330,7 @@ class Learner:
       f32 = lambda p: jnp.zeros(p.shape, jnp.float32)
       align = (jax.tree.map(f32, params), jax.tree.map(f32, params)) \
           if self.align_diagnostic else None
-      return TrainState(micro_step=jnp.zeros((), jnp.int32), params=params,
-                        opt_state=self.optimizer.init(params),
+      return TrainState(params=params, opt_state=self.optimizer.init(params),
                         window=losses.neutral_like(terms_shape), align=align)
 
     abstract = jax.eval_shape(init_fn, params)
@@ -370,7 +340,7 @@ class Learner:
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
     self._state_shardings = TrainState(
-        micro_step=rep, params=self.param_shardings, opt_state=opt_shardings,
+        params=self.param_shardings, opt_state=opt_shardings,
         window=jax.tree.map(lambda _: rep, abstract.window),
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
     frozen_in = () if self.frozen_shardings is None else (self.frozen_shardings,)
@@ -425,8 +395,7 @@ class Learner:
 
     reset = lambda x, zero: jnp.where(emit, zero, x)
     window = jax.tree.map(reset, window, losses.neutral_like(window))
-    new_state = TrainState(micro_step=state.micro_step + 1, params=params, opt_state=opt_state,
-                           window=window, align=align)
+    new_state = TrainState(params=params, opt_state=opt_state, window=window, align=align)
     return new_state, out
 
   def _alignment(self, state: TrainState, batch: dict, denom, emit, frozen=None):

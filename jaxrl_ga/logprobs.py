@@ -1,4 +1,8 @@
-"""Per-token log-probs (and entropies) of completion tokens from final hidden states, optionally
+"""Every log-prob the library computes from the model: the completion tokens' (GRPO's learner,
+old and reference log-probs: ``completion_logps``), a sequence's (SFT, DPO: ``token_logps_of``,
+``sequence_logps``), all of them from one forward whose options are a ``ForwardOptions``.
+
+Per-token log-probs (and entropies) of completion tokens from final hidden states, optionally
 chunked over the sequence so that the float32 ``[b, Tc, V]`` logits are never alive at once.
 
 With ``chunk_size = c > 0`` the completion positions are processed ``c`` at a time in a
@@ -21,6 +25,57 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_ga import losses
+from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.models.transformer import ForwardOptions
+
+
+def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, completion_tokens,
+                     completion_mask, options: ForwardOptions = ForwardOptions(), *,
+                     with_entropy: bool = False, temperature=1.0
+                     ) -> tuple[jax.Array, Optional[jax.Array]]:
+  """Per-token log-probs (and entropies) of the completion tokens. -> ([B, Tc] float32, entropy
+  [B, Tc] or None).
+
+  prompt_*: [B, Tp] left-padded; completion_*: [B, Tc] right-padded. Logits are projected only at
+  the Tc positions that predict completion tokens, ``options.logprob_chunk_size`` positions at a
+  time (``completion_token_stats``). The policy is softmax(logits / temperature), the
+  distribution the sampler draws from (as in TRL), so ratios compare like with like.
+
+  ``options.share_prompts`` = R > 1: rows ``i*R .. i*R+R-1`` hold the same prompt (R completions
+  of one prompt; the caller guarantees it, ``rollout.prompt_share``), so the prompt's forward runs
+  once for them (``Transformer.hidden_after_prefix``): the same values, with the prompt
+  positions' work divided by R (model.share_prompt_prefix).
+  """
+  tp, r = prompt_tokens.shape[1], options.share_prompts
+  if r > 1:
+    # [B, Tp] -> [P, R, Tp] -> the first of each R rows (a local reshape under batch sharding)
+    first = lambda x: x.reshape(-1, r, tp)[:, 0]
+    prompt_h, h = model.hidden_after_prefix(first(prompt_tokens), first(prompt_mask),
+                                            completion_tokens, completion_mask, options)
+    # The prompt's last position predicts completion token 0 of each of its R rows.
+    last = jnp.repeat(prompt_h[:, -1:], r, axis=0)  # [B, 1, D]
+    h = jnp.concatenate([last, h[:, :-1]], axis=1)  # [B, Tc, D]
+  else:
+    tokens = jnp.concatenate([prompt_tokens, completion_tokens], axis=1)
+    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+    h = model.hidden(tokens, mask, options)[:, tp - 1:-1]  # [B, Tc, D]
+  return completion_token_stats(model, h, completion_tokens, temperature=temperature,
+                                chunk_size=options.logprob_chunk_size, with_entropy=with_entropy)
+
+
+def token_logps_of(model: tfm.Transformer, tokens, attention_mask,
+                   options: ForwardOptions = ForwardOptions()) -> jax.Array:
+  """[B, T] tokens -> [B, T-1] log-probs of tokens[:, 1:] under the full forward."""
+  logits = model(tokens, attention_mask, options)[:, :-1]
+  return losses.token_logps(logits, tokens[:, 1:])
+
+
+def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask,
+                   options: ForwardOptions = ForwardOptions()) -> tuple[jax.Array, jax.Array]:
+  """Summed log-probs of the tokens where loss_mask is 1 ([B, T] inputs). -> ([B], token counts)."""
+  m = loss_mask[:, 1:].astype(jnp.float32)
+  return jnp.sum(token_logps_of(model, tokens, attention_mask, options) * m, axis=-1), \
+      jnp.sum(m, axis=-1)
 
 
 def completion_token_stats(model, h: jax.Array, targets: jax.Array, *, temperature=1.0,

@@ -7,18 +7,23 @@ r"""Compiles a run's rollout and learner steps ahead of time for a TPU topology,
 The model is built abstractly (``jax.eval_shape``; no weights are read or allocated) with the
 shapes of ``--hf_config`` (a local config.json or checkpoint directory), else of ``model.hf_path``
 when it is a local directory, else of the config's architecture fields (``model.hidden_size``,
-..., ``model.vocab_size``: configs for hub checkpoints write the real shapes there). The library's
-own ``RolloutEngine`` and ``Learner`` build their jitted steps on a mesh (``sharding.make_mesh``)
-of the topology's devices (``jax.experimental.topologies``; libtpu must be installed:
-``pip install 'jax[tpu]'``), lowered at the config's real shapes and shardings and compiled by the
-TPU compiler. Topologies with several hosts (e.g. v4:2x2x4, 4 hosts) compile the same way.
+..., ``model.vocab_size``: configs for hub checkpoints write the real shapes there). The steps
+are the trainer's own programs, built by the same factory (``programs.build_grpo_programs``: the
+layers scanned or unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old
+log-probs, LoRA; tests/test_plan.py checks that the lowered text is the trainer's), on a mesh
+(``sharding.make_mesh``) of the topology's devices (``jax.experimental.topologies``; libtpu must be
+installed: ``pip install 'jax[tpu]'``), lowered at the config's real shapes and shardings and
+compiled by the TPU compiler. Topologies with several hosts (e.g. v4:2x2x4, 4 hosts) compile the
+same way. With ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the
+old log-probs, is compiled and reported too.
 
 Per chip and per step it reports the compiler's memory analysis (argument, output, temp and peak
 bytes; the chip's HBM), flops and bytes, and estimates derived from them. These are compiler
 numbers and estimates, not a measurement:
 
-  * ``flops``: from the model's shapes (matmuls and attention, forward and backward, remat and
-    log-prob chunking recompute included), per chip. The compiler's own count
+  * ``flops``: from the model's shapes (``jaxrl_ga.flops``, the FLOP model the benchmarks use:
+    matmuls and attention, forward and backward, the shared prompt forward, LoRA, remat and
+    log-prob chunking recompute included, the reference log-probs when beta > 0), per chip. The compiler's own count
     (``compiler_flops``) counts a loop body (the layer scan, the decode loop) once;
     tests/test_plan.py checks the analytic count against a compile with the layers unrolled.
   * ``bytes_accessed``: the larger of the compiler's count (loop bodies once) and a lower bound
@@ -109,134 +114,46 @@ def topology_devices(topology: str, num_slices: int = 1):
   return list(desc.devices)
 
 
-# -- analytic costs ----------------------------------------------------------------------------
-def forward_flops(m, rows: int, t_q: int, t_kv: int, logit_positions: int) -> float:
-  """Flops of the matmuls and attention products of a forward over ``rows`` sequences of
-  ``t_q`` query positions attending ``t_kv`` keys each (the model computes the full [t_q, t_kv]
-  scores, masked), with the output projection at ``logit_positions`` positions per row.
-  ``m``: a transformer.ModelConfig."""
-  d, f, v, hs = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_size
-  q_dim, kv_dim = m.num_attention_heads * hs, m.num_key_value_heads * hs
-  dense = 2 * d * (q_dim + 2 * kv_dim) + 2 * q_dim * d + 3 * 2 * d * f  # per token, per layer
-  attention = 2 * 2 * t_kv * q_dim  # scores and the probabilities' product, per token, layer
-  return float(rows) * (t_q * m.num_hidden_layers * (dense + attention)
-                        + logit_positions * 2 * d * v) + lora_flops(m, rows * t_q)
-
-
-def lora_flops(m, tokens: int) -> float:
-  """Flops of the LoRA adapters' (x @ A) @ B over ``tokens`` positions, all layers (0 without)."""
-  r = m.lora.rank
-  if not r:
-    return 0.0
-  d, f = m.hidden_size, m.intermediate_size
-  q_dim, kv_dim = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
-  sizes = {'q': d + q_dim, 'k': d + kv_dim, 'v': d + kv_dim, 'o': q_dim + d, 'gate': d + f,
-           'up': d + f, 'down': f + d}
-  return float(tokens) * m.num_hidden_layers * sum(2 * r * sizes[t] for t in m.lora.targets)
-
-
-def attention_flops(m, rows: int, t_q: int, t_kv: int) -> float:
-  return float(rows) * t_q * m.num_hidden_layers * 4 * t_kv * m.num_attention_heads * m.head_size
-
-
-def param_count(m) -> int:
-  d, f, v, hs = m.hidden_size, m.intermediate_size, m.vocab_size, m.head_size
-  q_dim, kv_dim = m.num_attention_heads * hs, m.num_key_value_heads * hs
-  layer = d * (q_dim + 2 * kv_dim) + q_dim * d + 3 * d * f + 2 * d
-  if m.attention_bias:
-    layer += q_dim + 2 * kv_dim
-  return m.num_hidden_layers * layer + v * d * (1 if m.tie_word_embeddings else 2) + d
-
-
-def learner_flops(m, rows: int, tp: int, tc: int, remat: str, chunk: int) -> tuple[float, float]:
-  """(flops executed, model flops) of one micro-step over ``rows`` sequences: forward plus a
-  backward of twice its matmuls, plus what remat and log-prob chunking recompute. With LoRA the
-  frozen weights get no gradient: the backward computes their matmuls' input gradients only
-  (once more the forward's dense matmuls; the weightless attention products still twice), and
-  the adapters' twice."""
-  t = tp + tc
-  fwd = forward_flops(m, rows, t, t, tc)
-  model = 3 * fwd
-  if m.lora.rank:
-    model = 2 * fwd + attention_flops(m, rows, t, t) + lora_flops(m, rows * t)
-  head = forward_flops(m, rows, 0, 0, tc)
-  extra = 0.0
-  if remat == 'full':
-    extra += fwd - head  # every layer's forward again
-  elif remat == 'save_dots':
-    extra += attention_flops(m, rows, t, t)  # the batched attention products are not saved
-  if 0 < chunk < tc:
-    extra += head  # each chunk's logits again in the backward
-  return model + extra, model
-
-
-def rollout_flops(m, rows: int, tp: int, tc: int, recompute_rows: int) -> float:
-  """Generation (prefill of Tp, Tc - 1 decode steps over a cache of Tp + Tc - 1 slots) of
-  ``rows`` completions, plus the old-log-prob forward of ``recompute_rows`` of them."""
-  cache = tp + tc - 1
-  gen = forward_flops(m, rows, tp, cache, 1) + (tc - 1) * forward_flops(m, rows, 1, cache, 1)
-  return gen + forward_flops(m, recompute_rows, tp + tc, tp + tc, tc)
-
-
+# -- analytic costs (the FLOP model: jaxrl_ga.flops) ----------------------------------------------
 def _dtype_bytes(name: str) -> int:
   return 2 if name == 'bfloat16' else 4
 
 
-# -- building the steps abstractly ---------------------------------------------------------------
-def model_config(cfg, hf_config: Optional[str] = None):
-  """The policy's transformer.ModelConfig, without weights or the hub: from ``hf_config`` (an HF
-  config.json or checkpoint directory), else a local ``model.hf_path`` (directory, .gguf file,
-  pkg:), else the config's ``model.*`` fields with ``model.vocab_size``."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import context  # pylint: disable=g-import-not-at-top
-  spec = cfg.model
-  if hf_config:
-    import transformers  # pylint: disable=g-import-not-at-top
-    try:
-      hf_cfg = transformers.AutoConfig.from_pretrained(hf_config)
-      return hf.model_config_from_hf(hf_cfg, dtype=spec.dtype, param_dtype=spec.param_dtype)
-    except (OSError, ValueError, KeyError) as e:
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise ConfigError(f'--hf_config={hf_config}: cannot read an HF config from it '
-                        f'({first}).') from None
-  if spec.hf_path and (os.path.exists(spec.hf_path) or spec.hf_path.startswith('pkg:')):
-    return context.model_config(cfg, 0)
-  if not spec.vocab_size:
-    raise ConfigError(f'model.hf_path={spec.hf_path!r} is not a local checkpoint and '
-                      'model.vocab_size is 0: write the model\'s shapes into model.* (with '
-                      'model.vocab_size) or pass --hf_config=<config.json or checkpoint dir>.')
-  return spec.architecture_config()
-
-
+# -- building the steps abstractly (the model: models/policy.planned_model_config) -------------
 @dataclasses.dataclass
 class Steps:
   """The lowered steps of a GRPO run on a mesh (lowered, not yet compiled)."""
   mesh: Any
   model_cfg: Any
+  programs: Any  # programs.GRPOPrograms: the trainer's engine and learner
   rollout: Any  # jax.stages.Lowered
   learner: Any
+  reorder: Any  # the reorder step of deferred old log-probs; None without
   learner_rows: int  # sequences per micro-step (global)
   rollout_rows: int  # completions per rollout (global)
   recompute_rows: int  # old-log-prob rows of the rollout with the most marked slices
 
 
 def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
-               logprob_chunk_size: Optional[int] = None, steps=('rollout', 'learner')) -> Steps:
-  """Lowers the GRPO rollout and learner steps of ``cfg`` (a RunConfig) on ``devices`` with the
-  library's own RolloutEngine and Learner; ``remat`` / ``logprob_chunk_size`` override
-  ``cfg.model``'s. Inside ``tfm.unrolled_layers()`` the learner's layer loop is unrolled.
-  Every row's prompt is computed whole (``model.share_prompt_prefix`` is not applied; the flop
-  model counts that program): the learner's and rollout's memory and flops are upper bounds of
-  what the trainer runs with the prompt shared."""
+               logprob_chunk_size: Optional[int] = None, steps=('rollout', 'learner'),
+               eos_id: int = 0, pad_id: int = 0) -> Steps:
+  """Lowers the GRPO steps of ``cfg`` (a RunConfig) on ``devices``: the programs the trainer
+  runs, built by the same factory (``programs.build_grpo_programs``: layers scanned or unrolled,
+  remat, the log-prob chunk, the shared prompt forward, deferred old log-probs, LoRA), lowered at
+  the config's shapes and shardings from abstract params. ``remat`` / ``logprob_chunk_size``
+  override ``cfg.model``'s. ``eos_id`` / ``pad_id``: the tokenizer's (constants of the rollout
+  step; they change neither its memory nor its flops). With
+  ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the old
+  log-probs, is lowered with the rollout."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
 
-  remat = cfg.model.remat if remat is None else remat
-  chunk = cfg.model.logprob_chunk_size if logprob_chunk_size is None else logprob_chunk_size
+  knobs = {k: v for k, v in (('remat', remat), ('logprob_chunk_size', logprob_chunk_size))
+           if v is not None}
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **knobs))
   g = cfg.grpo
   sched = g.schedule
   mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -245,36 +162,31 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   pshard = sharding.param_shardings(shapes, axes, mesh)
   params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         shapes, pshard)
-  # LoRA: the reference is the policy with its adapters disabled (no ref_params).
-  ref = params if g.loss.beta > 0 and not model_cfg.lora.rank else None
-  table = schedule.build_table(sched)
-  engine = rollout_lib.RolloutEngine(
-      graphdef, table, g.sampling, g.loss, mesh, pshard, eos_id=0,
-      pad_id=0, mask_truncated_completions=g.advantage.mask_truncated_completions,
-      logprob_chunk_size=chunk)
+  progs = programs_lib.build_grpo_programs(cfg, model_cfg, mesh, pshard, eos_id=eos_id,
+                                           pad_id=pad_id, graphdef=graphdef)
+  engine = progs.engine
+  ref = params if g.loss.beta > 0 and not engine.ref_is_base else None
+  state = engine.abstract_state()
   prompts = engine.abstract_prompts()
-  rollout = engine.step_fn.lower(params, ref, engine.abstract_state(), prompts, prompts) \
-      if 'rollout' in steps else None
-  learner = None
+  rollout = reorder = learner = None
+  if 'rollout' in steps:
+    rollout = engine.step_fn.lower(params, ref, state, prompts, prompts)
+    if engine.defer_old_logps:
+      order = jax.ShapeDtypeStruct((sched.completions_per_rollout,), jnp.int32,
+                                   sharding=sharding.replicated(mesh))
+      reorder = engine.reorder_fn.lower(params, engine.abstract_buffer(params, ref), state,
+                                        engine.abstract_advantages(), order)
   if 'learner' in steps:
     example = engine.abstract_micro_batch(params, ref)
-    # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
-    (trained, frozen), (t_shard, f_shard) = (lora.partition(params, model_cfg),
-                                             lora.partition(pshard, model_cfg))
-    lrn = learner_lib.Learner(
-        graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
-                                             g.sampling.temperature, remat=remat,
-                                             logprob_chunk_size=chunk),
-        g.optimizer, mesh, t_shard, optimizer_every=sched.optimizer_every,
-        lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
-        align_diagnostic=g.align_diagnostic, frozen_shardings=f_shard)
-    state = lrn.abstract_init(trained, example, frozen)
-    learner = lrn.step_fn.lower(state, example, *([] if frozen is None else [frozen]))
-  marks = int(table.slice_recompute.sum(axis=1).max()) \
+    trained, frozen = lora.partition(params, model_cfg)  # LoRA: the base is a frozen argument
+    lstate = progs.learner.abstract_init(trained, example, frozen)
+    learner = progs.learner.step_fn.lower(lstate, example,
+                                          *([] if frozen is None else [frozen]))
+  marks = int(progs.table.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
   b = sched.micro_batch_size
-  return Steps(mesh=mesh, model_cfg=model_cfg, rollout=rollout, learner=learner,
-               learner_rows=b, rollout_rows=sched.completions_per_rollout,
+  return Steps(mesh=mesh, model_cfg=model_cfg, programs=progs, rollout=rollout, learner=learner,
+               reorder=reorder, learner_rows=b, rollout_rows=sched.completions_per_rollout,
                recompute_rows=marks * b)
 
 
@@ -339,19 +251,28 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                       'include grpo in --config.stages.')
   devices = devices or topology_devices(topology, num_slices)
   chip = chip_spec(devices)
-  m = dataclasses.replace(model_config(cfg, hf_config), lora=cfg.model.lora)
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+  m = policy.planned_model_config(cfg, hf_config)
+  from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
   steps = lower_grpo(cfg, m, devices)
   n = len(devices)
   hosts = len({d.process_index for d in devices})
   g = cfg.grpo
   tp, tc = g.sampling.max_prompt_length, g.sampling.max_completion_length
   dt = _dtype_bytes(m.dtype)
-  weights = param_count(m) * dt  # every chip reads the (gathered) weights in full
+  weights = flops_lib.param_count(m) * dt  # every chip reads the (gathered) weights in full
   report_steps = {}
 
-  # rollout
+  engine = steps.programs.engine
+  deferred = steps.reorder is not None
+
+  # rollout (generation, old log-probs unless deferred to the reorder, reference log-probs)
   r = compile_step(steps.rollout)
-  flops = rollout_flops(m, steps.rollout_rows, tp, tc, steps.recompute_rows) / n
+  flops = flops_lib.rollout_flops(
+      m, steps.rollout_rows, tp, tc, generation_share=engine.gen_share,
+      old_logp_rows=0 if deferred else steps.recompute_rows,
+      old_logp_share=engine.micro_batch_share,
+      ref_rows=steps.rollout_rows if engine.use_ref else 0, ref_share=engine.share_prompts) / n
   cache_row = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_size * (tp + tc - 1) * dt
   rows_chip = steps.rollout_rows / n
   analytic_bytes = (tc + 1) * weights + (tc - 1) * rows_chip * cache_row  # decode reads
@@ -360,11 +281,17 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   r['decode_tokens_per_second'] = steps.rollout_rows * tc / r['roofline_seconds']
   report_steps['rollout'] = r
 
+  # the reorder by advantage sign, which then computes the old log-probs (rows in any order)
+  if deferred:
+    ro = compile_step(steps.reorder)
+    flops = flops_lib.rollout_flops(m, 0, tp, tc, old_logp_rows=steps.recompute_rows) / n
+    ro.update(_timing(ro, flops, flops, weights, chip))
+    report_steps['reorder'] = ro
+
   # learner
   lr = compile_step(steps.learner)
-  executed, model_flops = learner_flops(m, steps.learner_rows, tp, tc, cfg.model.remat,
-                                        cfg.model.logprob_chunk_size)
-  lr.update(_timing(lr, executed / n, model_flops / n, 3 * weights, chip))
+  counts = flops_lib.learner_flops(m, steps.learner_rows, tp, tc, engine.learner_options)
+  lr.update(_timing(lr, counts['executed'] / n, counts['model'] / n, 3 * weights, chip))
   lr['tokens_per_second'] = steps.learner_rows * (tp + tc) / lr['roofline_seconds']
   report_steps['learner'] = lr
 
@@ -377,22 +304,24 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   sched = g.schedule
   micro_per_opt = sched.optimizer_every
   rollouts_per_opt = micro_per_opt / sched.micro_steps_per_rollout
+  per_rollout = [s for name, s in report_steps.items() if name != 'learner']
   opt_seconds = (micro_per_opt * lr['roofline_seconds']
-                 + rollouts_per_opt * r['roofline_seconds'])
+                 + rollouts_per_opt * sum(s['roofline_seconds'] for s in per_rollout))
   return {
       'topology': topology, 'chip': chip['name'], 'chips': n, 'hosts': hosts,
       'slices': len({getattr(d, 'slice_index', 0) for d in devices}),
       'mesh': dict(steps.mesh.shape), 'hbm_bytes_per_chip': chip['hbm_bytes'],
       'headroom': headroom, 'fits': fits,
-      'model': {'params': param_count(m), 'layers': m.num_hidden_layers,
+      'model': {'params': flops_lib.param_count(m), 'layers': m.num_hidden_layers,
                 'hidden_size': m.hidden_size, 'vocab_size': m.vocab_size,
                 'dtype': m.dtype, 'param_dtype': m.param_dtype,
                 'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size,
                 'lora': None if not m.lora.rank else {
                     'rank': m.lora.rank, 'alpha': m.lora.alpha, 'targets': list(m.lora.targets),
-                    'trainable_params': int(lora_flops(m, 1) / 2)}},
+                    'trainable_params': m.num_hidden_layers * flops_lib.lora_params_per_layer(m)}},
       'optimizer_step_seconds_estimate': opt_seconds,
-      'mfu_estimate': (micro_per_opt * lr['model_flops'] + rollouts_per_opt * r['model_flops'])
+      'mfu_estimate': (micro_per_opt * lr['model_flops']
+                       + rollouts_per_opt * sum(s['model_flops'] for s in per_rollout))
                       / (opt_seconds * chip['peak_flops']),
       'completions_per_second_estimate': (rollouts_per_opt * steps.rollout_rows) / opt_seconds,
       'steps': {k: {kk: vv for kk, vv in v.items() if kk != 'executable'}

@@ -19,6 +19,7 @@ devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import logprobs
 from jaxrl_ga import lora
 from jaxrl_ga import sampling
 from jaxrl_ga import placement
@@ -65,11 +66,11 @@ class RolloutEngine:
   def __init__(self, graphdef, table: ScheduleTable, sampling_cfg: SamplingConfig,
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
-               defer_old_logps: bool = False, logprob_chunk_size: int = 0,
-               scan_layers: bool = True, share_prompts: int = 1):
+               defer_old_logps: bool = False,
+               options: tfm.ForwardOptions = tfm.ForwardOptions()):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
-    ``logprob_chunk_size``, ``scan_layers``: model.* settings of the old-log-prob pass.
-    ``share_prompts``: R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout
+    ``options``: the run's forward (``learner_options`` is the learner's; the forward-only old-
+    and reference-log-prob passes run it without remat); its ``share_prompts`` is R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout
     prefills each prompt once and the old- and reference-log-prob passes run each prompt's
     forward once per R rows (``micro_batch_share``)."""
     self.graphdef = graphdef
@@ -83,10 +84,10 @@ class RolloutEngine:
     self.mesh = mesh
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
-    self.logprob_chunk_size = logprob_chunk_size  # model.logprob_chunk_size (jaxrl_ga.logprobs)
-    self.scan_layers = scan_layers
+    self.options = options
+    share_prompts = options.share_prompts
     b, g = self.sched.micro_batch_size, self.sched.num_generations
-    if share_prompts < 1 or b % share_prompts or g % share_prompts:
+    if b % share_prompts or g % share_prompts:
       raise ValueError(f'share_prompts={share_prompts} must divide micro_batch_size={b} and '
                        f'num_generations={g} (rollout.prompt_share computes it).')
     self.share_prompts = share_prompts
@@ -95,6 +96,11 @@ class RolloutEngine:
     # reorder() permutes the rows before the old log-probs and the learner see them: its slices
     # no longer hold runs of rows with one prompt.
     self.micro_batch_share = 1 if defer_old_logps else share_prompts
+    # The learner's forward: the rows of its micro-batches share prompts as the buffer's do.
+    self.learner_options = dataclasses.replace(options, share_prompts=self.micro_batch_share)
+    self._old_options = dataclasses.replace(self.learner_options, remat='none')
+    # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
+    self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
@@ -110,7 +116,13 @@ class RolloutEngine:
                       self._state_shardings, self._buffer_shardings.prompt_tokens,
                       self._buffer_shardings.prompt_mask),
         out_shardings=(self._buffer_shardings, self._state_shardings, rep))
-    self._slice = jax.jit(self._micro_batch)
+    # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
+    rows = sharding.batch_sharding(mesh, 1)
+    per_token = sharding.batch_sharding(mesh, 2)
+    self._slice = jax.jit(self._micro_batch, out_shardings=dict(
+        prompt_tokens=per_token, prompt_mask=per_token, completion_tokens=per_token,
+        completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
+        **({'ref_logps': per_token} if self.use_ref else {})))
     self._reorder_fn = jax.jit(
         sharding.with_activation_sharding(self._reorder, mesh), in_shardings=(param_shardings, self._buffer_shardings,
                                      self._state_shardings, self._buffer_shardings.has_old, rep),
@@ -173,6 +185,12 @@ class RolloutEngine:
     """The jitted rollout step, (params, ref_params, state, prompt_tokens, prompt_mask) ->
     (buffer, state, metrics), for AOT lowering (``jaxrl_ga.plan``) and compile counting."""
     return self._step
+
+  @property
+  def reorder_fn(self):
+    """The jitted reorder step (``reorder``), (params, buffer, state, advantages, order) ->
+    (buffer, state, advantages), for AOT lowering (``jaxrl_ga.plan``)."""
+    return self._reorder_fn
 
   # -- abstract shapes (ShapeDtypeStructs with their shardings; nothing is computed) ------------
   def abstract_state(self) -> RolloutState:
@@ -244,9 +262,8 @@ class RolloutEngine:
     ref = None
     if self.use_ref:
       ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
-      with tfm.adapters_disabled():  # a no-op without LoRA adapters
-        ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self.share_prompts),
-                          (p_tok, p_mask, c_tok, c_mask))
+      ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options),
+                        (p_tok, p_mask, c_tok, c_mask))
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
@@ -274,13 +291,9 @@ class RolloutEngine:
                              passes, rng=state.rng)
     return buffer, new_state, metrics
 
-  def _logps_of(self, model, xs, share_prompts: int):
-    pt, pm, ct, cm = xs
-    return learner_lib.completion_logps(model, pt, pm, ct, cm,
-                                        temperature=self.sampling_cfg.temperature,
-                                        chunk_size=self.logprob_chunk_size,
-                                        scan_layers=self.scan_layers,
-                                        share_prompts=share_prompts)[0]
+  def _logps_of(self, model, xs, options: tfm.ForwardOptions):
+    return logprobs.completion_logps(model, *xs, options,
+                                     temperature=self.sampling_cfg.temperature)[0]
 
   def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes
@@ -290,7 +303,7 @@ class RolloutEngine:
 
     def one_slice(xs):
       mark, *rest = xs
-      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, self.micro_batch_share),
+      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, self._old_options),
                           lambda: jnp.zeros(rest[2].shape, jnp.float32))
 
     old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))

@@ -22,7 +22,7 @@ Dropped tokens get logit -inf; what is left is sampled as ``jax.random.categoric
 
 Log-probs: ``Completions.logps`` is ``log_softmax(logits / temperature)[token]``, the log-prob of
 the token under the tempered but untruncated softmax, 0 at masked positions, whatever top-k / top-p
-truncation chose the token. That is what the learner's ``completion_logps`` computes (with the same
+truncation chose the token. That is what ``logprobs.completion_logps`` computes (with the same
 temperature), so with ``old_logprob_source='sampler'`` every importance ratio compares like with
 like; the truncated distribution's log-prob would differ from it by log(kept mass) per token and
 bias every ratio.

@@ -71,10 +71,7 @@ def test_adapters_off_or_zero_is_the_base_model_bitwise():
   base = jax.jit(lambda p: tfm.merge(base_g, p)(tokens, mask))(base_p)
 
   def logits(p, off=False):
-    if off:
-      with tfm.adapters_disabled():
-        return tfm.merge(g, p)(tokens, mask)
-    return tfm.merge(g, p)(tokens, mask)
+    return tfm.merge(g, p)(tokens, mask, tfm.ForwardOptions(adapters=not off))
 
   f, f_off = jax.jit(logits), jax.jit(lambda p: logits(p, off=True))
   np.testing.assert_array_equal(f(p), base)  # B = 0 at init

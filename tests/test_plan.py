@@ -8,7 +8,6 @@ model.remat and model.logprob_chunk_size each lower the temporaries; and no all-
 learner's HLO carries activations (the batch is sharded over data x fsdp, weights are gathered).
 """
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -20,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxrl_ga import flops
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import plan
 from jaxrl_ga import sharding
 from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, RunConfig,
                              ScheduleConfig, from_mapping)
+from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,9 +99,8 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   plan.quiet_libtpu_env()
   devices = plan.topology_devices('v5e:2x4')
   assert len(devices) == 8 and devices[0].device_kind == 'TPU v5 lite'
-  cfg = _tpu_config()
-  with tfm.unrolled_layers():  # the compiler's flops count a loop body once
-    rep = plan.plan(cfg, 'v5e:2x4', devices=devices)
+  cfg = _tpu_config(scan_layers=False)  # the compiler's flops count a loop body once
+  rep = plan.plan(cfg, 'v5e:2x4', devices=devices)
   js = json.loads(json.dumps(plan.public(rep)))
   assert set(js) >= {'topology', 'chips', 'hbm_bytes_per_chip', 'fits', 'steps'}
   assert js['chips'] == 8 and js['hbm_bytes_per_chip'] == 16 * 2**30 and js['fits']
@@ -126,7 +126,7 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   assert _activation_all_reduces(hlo, {TP + TC, TC, TP + TC - 1}) == []
 
   # Each memory knob lowers the learner's temporaries; chunking also the rollout's.
-  m = plan.model_config(cfg)
+  m = policy.planned_model_config(cfg)
 
   def temp(step, **knobs):
     lowered = getattr(plan.lower_grpo(cfg, m, devices, steps=(step,), **knobs), step)
@@ -146,16 +146,15 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   # gradients for the frozen base) match the compiler's count, and the learner's arguments
   # (adapters' float32 state, one bfloat16 copy of the base) are far below full fine-tuning's
   # (float32 params, AdamW moments and accumulator).
-  lora_cfg = _tpu_config(param_dtype='bfloat16',
+  lora_cfg = _tpu_config(param_dtype='bfloat16', scan_layers=False,
                          lora={'rank': 16, 'alpha': 32.0, 'targets': 'q,k,v,o,gate,up,down'})
-  lora_m = dataclasses.replace(plan.model_config(lora_cfg), lora=lora_cfg.model.lora)
-  with tfm.unrolled_layers():
-    lora_learner = plan.compile_step(
-        plan.lower_grpo(lora_cfg, lora_m, devices, steps=('learner',)).learner)
+  lora_m = policy.planned_model_config(lora_cfg)
+  lora_steps = plan.lower_grpo(lora_cfg, lora_m, devices, steps=('learner',))
+  lora_learner = plan.compile_step(lora_steps.learner)
   g = lora_cfg.grpo
-  lora_flops, _ = plan.learner_flops(
+  lora_flops = flops.learner_flops(
       lora_m, g.schedule.micro_batch_size, g.sampling.max_prompt_length,
-      g.sampling.max_completion_length, 'none', 0)
+      g.sampling.max_completion_length, lora_steps.programs.engine.learner_options)['executed']
   lora_flops /= len(devices)
   print(f"learner per chip: LoRA {lora_learner['argument_bytes']} argument bytes, "
         f"{lora_flops:.4g} analytic / {lora_learner['compiler_flops']:.4g} compiler flops; "
@@ -176,3 +175,44 @@ def test_cli_bad_input_is_one_line_exit_2():
     err = [l for l in p.stderr.splitlines() if l.startswith('error:')]
     assert p.returncode == 2 and len(err) == 1 and 'Traceback' not in p.stderr, (args, p.stderr)
   assert 'topology' in err[0] or 'v9' in err[0]
+
+
+@pytest.mark.parametrize('overrides', [
+    {},  # the smoke config's unrolled layers (model.scan_layers=False), R = 2 rows per prompt
+    {'model.lora.rank': 4, 'grpo.loss.beta': 0.04,  # LoRA, its reference the adapters-off base
+     'grpo.advantage.order_by_advantage_sign': True},  # old log-probs deferred to the reorder
+])
+def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
+  """The rollout and learner steps ``plan`` lowers for a config are the trainer's: the same
+  StableHLO text, lowered from the trainer's own jitted steps and state and from the plan's
+  abstract ones (``plan.lower_grpo``; here on the 8 CPU devices instead of a TPU topology). The
+  config shares each prompt's forward between R = 2 rows (B = 16 over 8 devices, G = 4) with the
+  layers unrolled; a plan that rebuilt the steps without those settings lowers other programs."""
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import context, grpo  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.schedule.micro_batch_size': 16, **overrides})
+  assert not cfg.model.scan_layers and cfg.model.share_prompt_prefix
+  ctx, params = main_lib.build_context(cfg, str(tmp_path))
+  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  assert trainer.engine.share_prompts == 2
+  trainer.part = context.TrainedPart(ctx, params)
+  state = trainer._fresh_state(params)  # what run() starts from  pylint: disable=protected-access
+  prompts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding),
+                         trainer.engine.abstract_prompts())
+  learner_args = (state['learner'], trainer.engine.micro_batch(
+      state['buffer'], 0, state['advantages'])) + (
+          () if trainer.part.frozen is None else (trainer.part.frozen,))
+  trained = {
+      'learner': trainer.learner.step_fn.lower(*learner_args).as_text(),
+      'rollout': trainer.engine.step_fn.lower(params, state['ref_params'], state['rollout'],
+                                              prompts, prompts).as_text()}
+  planned = plan.lower_grpo(cfg, ctx.model_cfg, list(ctx.mesh.devices.flat),
+                            eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+  assert planned.learner.as_text() == trained['learner']
+  assert planned.rollout.as_text() == trained['rollout']
+  if cfg.grpo.advantage.order_by_advantage_sign:
+    order = jnp.zeros((trainer.table.config.completions_per_rollout,), jnp.int32)
+    assert planned.reorder.as_text() == trainer.engine.reorder_fn.lower(
+        params, state['buffer'], state['rollout'], state['advantages'], order).as_text()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import logprobs
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule, sharding
@@ -46,7 +47,7 @@ def _run(source, mesh_shape=(1, 1, 1), n_rollouts=6, beta=0.0):
                                      eos_id=EOS, pad_id=PAD)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(loss_cfg, TC), OptimizerConfig(
       learning_rate=1e-2), mesh, shardings, optimizer_every=sched.optimizer_every)
-  logps_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
+  logps_fn = jax.jit(lambda p, b: logprobs.completion_logps(
       tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
       b['completion_mask'])[0])
   rng = np.random.default_rng(0)
@@ -123,7 +124,7 @@ def test_reorder_by_advantage_keeps_old_logps_with_their_slices():
   samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC)
   engine = rollout_lib.RolloutEngine(graphdef, table, samp, GRPOLossConfig(), mesh,
                                      shardings, eos_id=EOS, pad_id=PAD, defer_old_logps=True)
-  logps_fn = jax.jit(lambda p, b: learner_lib.completion_logps(
+  logps_fn = jax.jit(lambda p, b: logprobs.completion_logps(
       tfm.merge(graphdef, p), b['prompt_tokens'], b['prompt_mask'], b['completion_tokens'],
       b['completion_mask'])[0])
   rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_ga import learner
+from jaxrl_ga import logprobs
 from jaxrl_ga import sampling
 from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig, SamplingConfig
@@ -292,8 +292,8 @@ def test_sampled_logps_equal_learner_logps(tiny):
 
   @jax.jit
   def learner_logps(params, tokens, mask, temperature):
-    return learner.completion_logps(tfm.merge(tiny['graphdef'], params), prompt_tokens,
-                                    prompt_mask, tokens, mask, temperature=temperature)[0]
+    return logprobs.completion_logps(tfm.merge(tiny['graphdef'], params), prompt_tokens,
+                                     prompt_mask, tokens, mask, temperature=temperature)[0]
 
   out = fn(params, prompt_tokens, prompt_mask, jax.random.key(1), 1.0, 1.0)
   _check_semantics(out, tiny['eos'])

@@ -27,10 +27,15 @@ out] gets float32 adapters ``<name>_lora_a`` [L, in, r] (PEFT's init: uniform +-
 ``<name>_lora_b`` [L, r, out] (zeros), ``nnx.LoRAParam`` variables with logical axes (``layers``,
 W's input axis or None, W's output axis), and the layer computes ``x @ W + (x @ A) @ B * alpha /
 r``, PEFT's LoRA forward. ``nnx.LoRA`` computes the same for one unstacked [in, out] weight; the
-layer scan here runs on stacked arrays, so the adapters are stacked arrays beside W. Inside
-``adapters_disabled()`` (at trace time) the layers skip the adapters: the base model exactly.
+layer scan here runs on stacked arrays, so the adapters are stacked arrays beside W. With
+``ForwardOptions(adapters=False)`` the layers skip the adapters: the base model exactly.
 
-Memory knobs of the training forward (``hidden(..., remat=)``): ``REMAT_POLICIES``, a
+How the training forward runs is one explicit argument, ``ForwardOptions`` (frozen, hashable):
+the layers scanned or unrolled, the per-layer remat policy, the log-prob chunk, the rows that
+share a prompt's forward and the adapters on or off. There are no trace-time flags besides the
+sharding-constraint context (``constrain_activations_with``, MaxText's axis-rules idiom).
+
+Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIES``, a
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
 'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
 the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
@@ -40,6 +45,7 @@ the rest (attention, norms, activations).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Optional
 
@@ -81,44 +87,43 @@ def constrain(x: jax.Array, *axes: Optional[str]) -> jax.Array:
   return x if fn is None else fn(x, axes)
 
 
-_unroll_flag = [False]
 # vocabulary blocks of the tied head's product at decode time (Transformer._next_token_logits)
 _HEAD_BLOCKS = 32
-_adapters_off = [False]
-
-
-@contextlib.contextmanager
-def adapters_disabled():
-  """While active (at trace time), the layers skip their LoRA adapters: the frozen base model
-  (the reference policy of a LoRA run: no second copy of the weights). Enter it inside the
-  function being traced: a jitted function traced outside it keeps its adapters."""
-  prev = _adapters_off[0]
-  _adapters_off[0] = True
-  try:
-    yield
-  finally:
-    _adapters_off[0] = prev
-
-
-@contextlib.contextmanager
-def unrolled_layers(enabled: bool = True):
-  """While active (at trace time), the training forward's layer loop is fully unrolled instead
-  of one ``lax.scan`` over the stacked params; ``enabled=False`` changes nothing. Used for
-  ``model.scan_layers=False`` (the learners' and log-prob passes' forwards; no per-layer slices
-  of the stacked params and their gradients) and by ``jaxrl_ga.plan``, whose flop check needs an
-  unrolled compile (the compiler's cost analysis counts a loop body once). Compile time grows
-  with depth. Enter it inside the function being traced."""
-  prev = _unroll_flag[0]
-  _unroll_flag[0] = prev or enabled
-  try:
-    yield
-  finally:
-    _unroll_flag[0] = prev
 
 
 def check_remat(remat: str) -> None:
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r}; choose one of {", ".join(REMAT_POLICIES)}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+  """How the training forward (and the log-probs computed from it) runs: a static argument, each
+  value its own program. Built once per run from ``model.*`` (``jaxrl_ga.programs``).
+
+  Attributes:
+    scan_layers: one ``lax.scan`` over the stacked layer params (compile time flat in depth), or
+      the loop fully unrolled (model.scan_layers; no per-layer slices of the stacked params and
+      their gradients; the compiler's cost analysis counts every layer).
+    remat: the per-layer rematerialization policy (REMAT_POLICIES; model.remat).
+    logprob_chunk_size: completion positions projected to logits at a time (0: all at once;
+      model.logprob_chunk_size, ``jaxrl_ga.logprobs``).
+    share_prompts: R, rows ``i*R .. i*R+R-1`` of a batch hold one prompt whose forward runs once
+      for them (``Transformer.hidden_after_prefix``; model.share_prompt_prefix, computed by
+      ``rollout.prompt_share``); 1: every row computes its prompt.
+    adapters: the LoRA adapters on (the policy) or off (the frozen base: a LoRA run's reference
+      policy); a no-op without adapters.
+  """
+  scan_layers: bool = True
+  remat: str = 'none'
+  logprob_chunk_size: int = 0
+  share_prompts: int = 1
+  adapters: bool = True
+
+  def __post_init__(self):
+    check_remat(self.remat)
+    if self.share_prompts < 1 or self.logprob_chunk_size < 0:
+      raise ValueError(f'{self}: share_prompts must be >= 1 and logprob_chunk_size >= 0.')
 
 
 @flax.struct.dataclass
@@ -153,14 +158,13 @@ def causal_mask(attention_mask: jax.Array) -> jax.Array:
   return jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
 
 
-def _scan_layers(body, carry, xs, remat: str):
+def _scan_layers(body, carry, xs, options: ForwardOptions):
   """``lax.scan(body, carry, xs)`` over the stacked layers, each under ``jax.checkpoint`` with the
-  ``remat`` policy (REMAT_POLICIES) unless it is 'none'; fully unrolled under
-  ``unrolled_layers()``."""
-  check_remat(remat)
-  if remat != 'none':
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  return jax.lax.scan(body, carry, xs, unroll=_unroll_flag[0])
+  ``options.remat`` policy (REMAT_POLICIES) unless it is 'none'; fully unrolled unless
+  ``options.scan_layers``."""
+  body = body if options.remat == 'none' else jax.checkpoint(
+      body, policy=REMAT_POLICIES[options.remat], prevent_cse=False)
+  return jax.lax.scan(body, carry, xs, unroll=not options.scan_layers)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -272,8 +276,11 @@ class DecoderStack(nnx.Module):
             jnp.zeros((n_layers, lora.rank, n_out), jnp.float32),
             logical_axes=('layers', None, w_out)))
 
-  def arrays(self) -> dict[str, jax.Array]:
-    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+  def arrays(self, adapters: bool = True) -> dict[str, jax.Array]:
+    """The stacked arrays by name; without the LoRA adapters when ``adapters`` is False (the
+    layers then compute the base model: ``_proj`` applies the adapters it finds)."""
+    return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)
+            and (adapters or not isinstance(v, nnx.LoRAParam))}
 
 
 def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) -> jax.Array:
@@ -283,7 +290,7 @@ def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) ->
   bias = p.get(name.replace('proj', 'bias'))
   y = y if bias is None else y + bias.astype(dt)
   a = p.get(f'{name}_lora_a')
-  if a is None or _adapters_off[0]:
+  if a is None:  # no adapters, or ForwardOptions(adapters=False)
     return y
   scale = jnp.asarray(cfg.lora.alpha / cfg.lora.rank, dt)
   return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
@@ -408,13 +415,11 @@ class Transformer(nnx.Module):
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
-             remat: str = 'none'):
+             options: ForwardOptions = ForwardOptions()):
     """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
-    those arrays; otherwise a ``lax.scan`` runs over the stacked params, each layer under
-    ``jax.checkpoint`` with the ``remat`` policy (REMAT_POLICIES) unless it is 'none' (fully
-    unrolled under ``unrolled_layers()``).
+    those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
     """
     cfg = self.cfg
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -431,7 +436,7 @@ class Transformer(nnx.Module):
       p, kv = xs
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
 
-    h, new_kv = _scan_layers(body, h, (self.layers.arrays(), cache_kv), remat)
+    h, new_kv = _scan_layers(body, h, (self.layers.arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -481,17 +486,18 @@ class Transformer(nnx.Module):
     return constrain(logits, 'activation_batch', 'activation_vocab')
 
   # -- training path -----------------------------------------------------------------------------
-  def hidden(self, tokens: jax.Array, attention_mask: jax.Array, *,
-             remat: str = 'none') -> jax.Array:
+  def hidden(self, tokens: jax.Array, attention_mask: jax.Array,
+             options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
-    ``remat``: the per-layer rematerialization policy (REMAT_POLICIES)."""
+    ``options``: layers scanned or unrolled, remat, adapters on or off."""
     h, _ = self._trunk(tokens, positions_from_mask(attention_mask), causal_mask(attention_mask),
-                       remat=remat)
+                       options=options)
     return h
 
   def hidden_after_prefix(self, prefix_tokens: jax.Array, prefix_mask: jax.Array,
-                          tokens: jax.Array, attention_mask: jax.Array, *,
-                          remat: str = 'none') -> tuple[jax.Array, jax.Array]:
+                          tokens: jax.Array, attention_mask: jax.Array,
+                          options: ForwardOptions = ForwardOptions()
+                          ) -> tuple[jax.Array, jax.Array]:
     """The full forward of rows that share their prefixes, each prefix computed once.
 
     Row ``i*R + j`` (j < R) is the sequence ``[prefix_tokens[i], tokens[i*R + j]]``; with R = 1
@@ -504,7 +510,8 @@ class Transformer(nnx.Module):
     Args:
       prefix_tokens, prefix_mask: [P, Tp], left-padded (each prefix needs one real token).
       tokens, attention_mask: [P*R, T], the suffixes (right-padded completions).
-      remat: the per-layer rematerialization policy (REMAT_POLICIES).
+      options: layers scanned or unrolled, remat, adapters on or off (its share_prompts is the
+        caller's business: R here is the rows' ratio).
 
     Returns:
       Final (normed) hidden states: the prefixes' [P, Tp, D] and the suffixes' [P*R, T, D].
@@ -526,16 +533,17 @@ class Transformer(nnx.Module):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq), None
 
     (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
-                               self.layers.arrays(), remat)
+                               self.layers.arrays(options.adapters), options)
     return self._final_norm(hp), self._final_norm(hs)
 
   def logits(self, h: jax.Array) -> jax.Array:
     """[..., D] hidden states -> [..., V] float32 logits."""
     return self._logits(h)
 
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array,
+               options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
-    return self._logits(self.hidden(tokens, attention_mask))
+    return self._logits(self.hidden(tokens, attention_mask, options))
 
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> KVCache:

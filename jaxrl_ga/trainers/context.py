@@ -1,10 +1,9 @@
-"""The run context (everything a stage needs besides its own config) and the policy it starts
-from: the architecture (``model_config``) and the sharded params (``build_model``)."""
+"""The run context (everything a stage needs besides its own config) and the part of the policy a
+stage trains (``TrainedPart``). The policy's architecture and params: ``models/policy.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from typing import Any, Optional
 
@@ -13,9 +12,8 @@ import jax
 from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
 from jaxrl_ga import lora
-from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, RunConfig
-from jaxrl_ga.models import hf
+from jaxrl_ga.config import RunConfig
+from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 
@@ -90,42 +88,6 @@ class TrainedPart:
     return tfm.combine(self.frozen, trained)
 
 
-# -- the policy ------------------------------------------------------------------------------------
-def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
-  """The policy's architecture, read from ``model.hf_path``'s config (no weights) or built from
-  the ``model.*`` fields with the tokenizer's ``vocab_size``; with ``model.lora``'s adapters."""
-  return dataclasses.replace(_base_model_config(cfg, vocab_size), lora=cfg.model.lora)
-
-
-def _base_model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
-  spec = cfg.model
-  if spec.hf_path:
-    from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
-    if gguf.is_gguf_source(spec.hf_path):
-      return gguf.model_config(gguf.resolve(spec.hf_path), dtype=spec.dtype,
-                               param_dtype=spec.param_dtype)
-    try:
-      return hf.model_config_from_hf(spec.hf_path, dtype=spec.dtype,
-                                     param_dtype=spec.param_dtype)
-    except (OSError, ValueError, KeyError) as e:  # unknown model_type, unsupported feature
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise ConfigError(f'model.hf_path={spec.hf_path}: {first} (supported: Qwen2ForCausalLM '
-                        f'and LlamaForCausalLM checkpoints, or a llama GGUF file)') from None
-  return spec.architecture_config(vocab_size)
-
-
-def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
-  """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised.
-  With LoRA the params hold the base weights and fresh adapters (``jaxrl_ga.lora``); the same
-  base on every call (a resumed run rebuilds it so)."""
-  shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
-  if cfg.model.hf_path:
-    _, _, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
-                                 param_dtype=cfg.model.param_dtype, shardings_fn=shardings_fn)
-    graphdef, shapes, axes = sharding.abstract_model(model_cfg)
-    shardings = shardings_fn(shapes, axes)
-    if model_cfg.lora.rank:
-      params = tfm.combine(params, lora.init_adapters(model_cfg, cfg.seed,
-                                                      lora.split(shardings)[0]))
-    return graphdef, params, shardings
-  return sharding.init_params(model_cfg, cfg.seed, mesh)
+# -- the policy: models/policy.py (main builds a run's from here) ----------------------------------
+model_config = policy.model_config
+build_model = policy.build_model

@@ -25,13 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga import learner as learner_lib
-from jaxrl_ga import lora
 from jaxrl_ga import placement
-from jaxrl_ga import rewards as rewards_lib
-from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
-from jaxrl_ga import sharding
+from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga.config import GRPOConfig
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
@@ -50,7 +47,7 @@ class RolloutEvent:
   benchmarks and studies: read, don't modify). Read it during the call: the next learner step
   donates ``learner``'s buffers."""
   micro_step: int  # the micro-step the rollout was generated at
-  buffer: Any  # rollout_lib.RolloutBuffer, [S, B, ...], in training order
+  buffer: Any  # rollout.RolloutBuffer, [S, B, ...], in training order
   advantages: Any  # [S, B]
   learner: Any  # the learner state that will train on it (its params generated it)
   host_stats: dict[str, float]  # reward/*, rollout/* metrics
@@ -63,41 +60,25 @@ class GRPOTrainer:
 
   Hooks (optional): ``on_rollout(RolloutEvent)`` after each rollout; ``on_micro_step(micro_step,
   started, out)`` after each learner step is dispatched (``started``: time.perf_counter() before
-  it; ``out``: the step's device outputs, not waited for).
+  it; ``out``: the step's device outputs, not waited for). ``table``: the schedule table, by
+  default ``schedule.build_table(cfg.schedule)`` (benchmarks/recompute.py runs other recompute
+  rules' marks).
   """
 
   def __init__(self, ctx: context.RunContext, cfg: GRPOConfig,
                on_rollout: Optional[Callable[[RolloutEvent], None]] = None,
-               on_micro_step: Optional[Callable[[int, float, dict], None]] = None):
+               on_micro_step: Optional[Callable[[int, float, dict], None]] = None,
+               table: Optional[schedule.ScheduleTable] = None):
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
-    sched = cfg.schedule  # validated against the mesh by main.validate_against_mesh
-    self.table = schedule.build_table(sched)
-    # R rows of a micro-batch share a prompt's forward (model.share_prompt_prefix).
-    share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(ctx.mesh),
-                                     ctx.cfg.model.share_prompt_prefix)
-    self.engine = rollout_lib.RolloutEngine(
-        ctx.graphdef, self.table, cfg.sampling, cfg.loss, ctx.mesh, ctx.param_shardings,
-        eos_id=ctx.eos_id, pad_id=ctx.pad_id,
-        mask_truncated_completions=cfg.advantage.mask_truncated_completions,
-        defer_old_logps=cfg.advantage.order_by_advantage_sign,
-        logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
-        scan_layers=ctx.cfg.model.scan_layers, share_prompts=share)
-    # LoRA: the learner trains the adapters; the base weights are a frozen step argument.
-    trained_shardings, frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
-    self.learner = learner_lib.Learner(
-        ctx.graphdef,
-        learner_lib.grpo_task_loss(cfg.loss, cfg.sampling.max_completion_length,
-                                   cfg.sampling.temperature, remat=ctx.cfg.model.remat,
-                                   logprob_chunk_size=ctx.cfg.model.logprob_chunk_size,
-                                   scan_layers=ctx.cfg.model.scan_layers,
-                                   share_prompts=self.engine.micro_batch_share),
-        cfg.optimizer, ctx.mesh, trained_shardings, optimizer_every=sched.optimizer_every,
-        lr_scale=learner_lib.sequential_lr_scale(cfg.optimizer, sched),
-        align_diagnostic=cfg.align_diagnostic, frozen_shardings=frozen_shardings)
+    # The schedule is validated against the mesh by main.validate_against_mesh.
+    programs = programs_lib.build_grpo_programs(
+        ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
+        pad_id=ctx.pad_id, grpo=cfg, graphdef=ctx.graphdef, table=table)
+    self.table, self.engine, self.learner = programs.table, programs.engine, programs.learner
     self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
-    self.prompts_per_rollout = sched.prompts_per_rollout
+    self.prompts_per_rollout = cfg.schedule.prompts_per_rollout
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:

@@ -8,8 +8,7 @@ import numpy as np
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
-from jaxrl_ga import schedule
-from jaxrl_ga import sharding
+from jaxrl_ga import programs
 from jaxrl_ga.config import SFTConfig
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
@@ -28,10 +27,10 @@ def sft_batch(ctx: context.RunContext, examples, max_length: int) -> dict[str, n
 
 def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
-  schedule.check_micro_batch(cfg.micro_batch_size, sharding.data_parallel_size(ctx.mesh),
-                             name='sft.micro_batch_size')
+  # sft.micro_batch_size is checked against the mesh before anything is built
+  # (main.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  task_loss = learner_lib.sft_task_loss(scan_layers=ctx.cfg.model.scan_layers)
+  task_loss = learner_lib.sft_task_loss(programs.forward_options(ctx.cfg.model))
   learner = learner_lib.Learner(ctx.graphdef, task_loss, cfg.optimizer, ctx.mesh, part.shardings,
                                 optimizer_every=cfg.grad_accum_steps,
                                 frozen_shardings=part.frozen_shardings)

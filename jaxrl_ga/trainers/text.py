@@ -38,7 +38,7 @@ def right_padded_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Se
                       max_length: int, pad_id: int, what: str) -> dict[str, np.ndarray]:
   """prompt + completion rows, right-padded to ``max_length``: tokens, attention_mask and
   loss_mask (1 on the completion) [N, max_length] int32, the layout of SFT and DPO batches
-  (``learner.sequence_logps``). Too long: ConfigError naming the setting ``what``."""
+  (``logprobs.sequence_logps``). Too long: ConfigError naming the setting ``what``."""
   n = len(prompts)
   tokens = np.full((n, max_length), pad_id, np.int32)
   attn = np.zeros((n, max_length), np.int32)

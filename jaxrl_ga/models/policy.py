@@ -1,0 +1,96 @@
+"""The policy a run trains: its architecture (``model_config``) and its sharded params
+(``build_model``), in one place for the trainers, ``jaxrl_ga.plan`` and ``jaxrl_ga.export``.
+
+Architectures come from ``model.hf_path`` (an HF checkpoint directory or hub id: ``hf``; a llama
+GGUF file or ``pkg:`` package: ``gguf``) or from the ``model.*`` fields; the LoRA adapters'
+settings (``model.lora``) are always the run's. ``planned_model_config`` reads no weights and no
+hub (``jaxrl_ga.plan``); ``model_config_from_dict`` rebuilds a checkpoint's from its fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+from jaxrl_ga import lora
+from jaxrl_ga import sharding
+from jaxrl_ga.config import ConfigError, LoRAConfig, RunConfig
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+
+
+def _first_line(e: Exception) -> str:
+  return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
+  """The policy's architecture, read from ``model.hf_path``'s config (no weights) or built from
+  the ``model.*`` fields with the tokenizer's ``vocab_size``; with ``model.lora``'s adapters."""
+  spec = cfg.model
+  if not spec.hf_path:
+    return dataclasses.replace(spec.architecture_config(vocab_size), lora=spec.lora)
+  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
+  if gguf.is_gguf_source(spec.hf_path):
+    m = gguf.model_config(gguf.resolve(spec.hf_path), dtype=spec.dtype,
+                          param_dtype=spec.param_dtype)
+  else:
+    try:
+      m = hf.model_config_from_hf(spec.hf_path, dtype=spec.dtype, param_dtype=spec.param_dtype)
+    except (OSError, ValueError, KeyError) as e:  # unknown model_type, unsupported feature
+      raise ConfigError(f'model.hf_path={spec.hf_path}: {_first_line(e)} (supported: '
+                        'Qwen2ForCausalLM and LlamaForCausalLM checkpoints, or a llama GGUF '
+                        'file)') from None
+  return dataclasses.replace(m, lora=spec.lora)
+
+
+def planned_model_config(cfg: RunConfig, hf_config: Optional[str] = None) -> tfm.ModelConfig:
+  """``model_config`` without weights, tokenizer or the hub (``jaxrl_ga.plan``): from
+  ``hf_config`` (an HF config.json or checkpoint directory), else a local ``model.hf_path``
+  (directory, .gguf file, pkg:), else the ``model.*`` fields with ``model.vocab_size``."""
+  spec = cfg.model
+  if hf_config:
+    import transformers  # pylint: disable=g-import-not-at-top
+    try:
+      m = hf.model_config_from_hf(transformers.AutoConfig.from_pretrained(hf_config),
+                                  dtype=spec.dtype, param_dtype=spec.param_dtype)
+    except (OSError, ValueError, KeyError) as e:
+      raise ConfigError(f'--hf_config={hf_config}: cannot read an HF config from it '
+                        f'({_first_line(e)}).') from None
+    return dataclasses.replace(m, lora=spec.lora)
+  if spec.hf_path and (os.path.exists(spec.hf_path) or spec.hf_path.startswith('pkg:')):
+    return model_config(cfg, 0)
+  if not spec.vocab_size:
+    raise ConfigError(f'model.hf_path={spec.hf_path!r} is not a local checkpoint and '
+                      'model.vocab_size is 0: write the model\'s shapes into model.* (with '
+                      'model.vocab_size) or pass --hf_config=<config.json or checkpoint dir>.')
+  return dataclasses.replace(spec.architecture_config(), lora=spec.lora)
+
+
+def model_config_from_dict(d: dict) -> tfm.ModelConfig:
+  """A ``ModelConfig`` from its ``dataclasses.asdict`` (a checkpoint's fingerprint['model'])."""
+  d = dict(d)
+  if d.get('rope_scaling'):
+    d['rope_scaling'] = tfm.RopeScaling(**d['rope_scaling'])
+  if d.get('lora'):
+    d['lora'] = LoRAConfig(**d['lora'])
+  fields = {f.name for f in dataclasses.fields(tfm.ModelConfig)}
+  return tfm.ModelConfig(**{k: v for k, v in d.items() if k in fields})
+
+
+def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
+  """(graphdef, params, shardings) of ``model_cfg``: from HF weights or freshly initialised
+  (``sharding.init_params``). With LoRA the params hold the base weights and fresh adapters
+  (``jaxrl_ga.lora``); the same base on every call (a resumed run rebuilds it so)."""
+  shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
+  if cfg.model.hf_path:
+    _, _, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
+                                 param_dtype=cfg.model.param_dtype, shardings_fn=shardings_fn)
+    graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+    shardings = shardings_fn(shapes, axes)
+    if model_cfg.lora.rank:
+      params = tfm.combine(params, lora.init_adapters(model_cfg, cfg.seed,
+                                                      lora.split(shardings)[0]))
+    return graphdef, params, shardings
+  return sharding.init_params(model_cfg, cfg.seed, mesh)

@@ -1,0 +1,79 @@
+"""One factory per stage's jitted programs, from the run's config: the GRPO trainer, ``jaxrl_ga.plan``
+and the benchmarks build their engine and learner here, so that what ``plan`` compiles and what a
+benchmark times is the program that trains (layers scanned or unrolled, remat, the log-prob chunk,
+the shared prompt forward, deferred old log-probs, LoRA).
+
+  programs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
+  programs.engine.rollout_rows(...); programs.learner.step(...)
+
+The forward's settings are one ``ForwardOptions`` (``forward_options``), passed as an argument down
+to the model; the learner's may differ from the rollout's only in the rows that share a prompt
+(``RolloutEngine.learner_options``: none after a reorder by advantage sign).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import lora
+from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import schedule
+from jaxrl_ga import sharding
+from jaxrl_ga.config import GRPOConfig, ModelSpec, RunConfig
+from jaxrl_ga.models import transformer as tfm
+
+
+def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptions:
+  """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size);
+  ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only)."""
+  return tfm.ForwardOptions(scan_layers=spec.scan_layers, remat=spec.remat,
+                            logprob_chunk_size=spec.logprob_chunk_size,
+                            share_prompts=share_prompts)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOPrograms:
+  """The GRPO stage's programs: the rollout engine (generation, old and reference log-probs, the
+  reorder by advantage sign) and the learner, with the schedule table they follow."""
+  engine: rollout_lib.RolloutEngine
+  learner: learner_lib.Learner
+  table: schedule.ScheduleTable
+
+  @property
+  def options(self) -> tfm.ForwardOptions:
+    """The rollout's forward options (``engine.learner_options``: the learner's)."""
+    return self.engine.options
+
+
+def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
+                        eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
+                        graphdef: Any = None,
+                        table: Optional[schedule.ScheduleTable] = None) -> GRPOPrograms:
+  """The GRPO engine and learner of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
+  ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
+  adapters; the learner trains the adapters, the base is a frozen step argument);
+  ``graphdef``: the model's (default: from ``model_cfg``); ``table``: the schedule table
+  (default: ``schedule.build_table(grpo.schedule)``; benchmarks/recompute.py passes another rule's
+  marks). The schedule must already be valid for the mesh (``schedule.validate``)."""
+  g = cfg.grpo if grpo is None else grpo
+  sched = g.schedule
+  graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
+  table = schedule.build_table(sched) if table is None else table
+  share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(mesh),
+                                   cfg.model.share_prompt_prefix)
+  engine = rollout_lib.RolloutEngine(
+      graphdef, table, g.sampling, g.loss, mesh, param_shardings, eos_id=eos_id, pad_id=pad_id,
+      mask_truncated_completions=g.advantage.mask_truncated_completions,
+      defer_old_logps=g.advantage.order_by_advantage_sign,
+      options=forward_options(cfg.model, share))
+  trained_shardings, frozen_shardings = lora.partition(param_shardings, model_cfg)
+  learner = learner_lib.Learner(
+      graphdef,
+      learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
+                                 g.sampling.temperature, engine.learner_options),
+      g.optimizer, mesh, trained_shardings, optimizer_every=sched.optimizer_every,
+      lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
+      align_diagnostic=g.align_diagnostic, frozen_shardings=frozen_shardings)
+  return GRPOPrograms(engine=engine, learner=learner, table=table)
