@@ -13,7 +13,7 @@ extra) or a local JSONL file (--config.task.options.source=/path/train.jsonl). S
 'format'. Held-out accuracy: greedy, on the whole GSM8K test split (1319 problems), before,
 every 100 steps, and after.
 
-Schedule (global counts; see README): G = 8 completions per prompt, and K/S = 3/2 as in TRL
+Schedule (global counts; docs/schedule.md): G = 8 completions per prompt, and K/S = 3/2 as in TRL
 issue #5770, so every optimizer-step window of K micro-steps spans two rollouts, and only the
 slices that a newer policy trains pay for old log-probs (the slice rule):
 
@@ -37,7 +37,7 @@ update of ~learning_rate = 1e-6 rounds to zero and the policy never moves (set
 --config.model.param_dtype=bfloat16 only together with a much larger learning rate).
 
 Memory per chip, from the TPU compiler (python -m jaxrl_ga.plan, which compiles the rollout and
-learner steps for the topology without a TPU; README, "Will it fit?"): peak GiB per chip.
+learner steps for the topology without a TPU; docs/scaling.md, "Will it fit?"): peak GiB per chip.
 
   arg             topology   learner (B)        rollout     HBM
   v5e-8           v5e:2x4    4.19 (32)          2.32        16 GiB
@@ -64,11 +64,11 @@ are short: typically well under 200 tokens); a longer one stops the run with an 
 grpo.sampling.max_prompt_length. Completions: up to 512 tokens.
 
 Multi-host (v4-32): every host runs the same command (`launch/tpu.py run`, --worker=all); the
-checkpoint directory must be one that all hosts share (gs://...), see the README, "Scaling out".
+checkpoint directory must be one that all hosts share (gs://...), see docs/scaling.md.
 `--config=configs/grpo_gsm8k_tpu.py:v5e-8` is the default when no argument is given.
 """
 
-from jaxrl_ga.config import default_config_dict
+from jaxrl_ga.config import default_config_dict, set_task, unknown_config_arg
 
 # model -> (hub id, its config.json in ModelSpec's names). The shapes are for
 # python -m jaxrl_ga.plan, which reads no hub; training takes them from the checkpoint itself.
@@ -103,7 +103,7 @@ _SHAPES = {
     'qwen1.5b-v5e-8': ('qwen2.5-1.5b', 1, 8, 16, 8, 12, 300, 'full', 128),
     'llama8b-v5p-8': ('llama3.1-8b', 1, 4, 16, 8, 12, 300, 'full', 128),
     # LoRA (model.lora): the base weights frozen in bfloat16, rank-64 adapters on every
-    # projection trained in float32 (README, "LoRA").
+    # projection trained in float32 (docs/lora.md).
     'lora-llama8b-v5e-8': ('llama3.1-8b', 1, 1, 16, 8, 12, 300, 'full', 128),  # tensor=8
     'lora-llama1b-v5e-1': ('llama3.2-1b', 1, 1, 8, 8, 12, 300, 'full', 128),
 }
@@ -113,14 +113,13 @@ LORA = dict(rank=64, alpha=64.0, targets='q,k,v,o,gate,up,down')
 def get_config(arg: str = 'v5e-8'):
   arg = arg or 'v5e-8'
   if arg not in _SHAPES:
-    raise ValueError(f'unknown config argument {arg!r}; use one of {", ".join(_SHAPES)} '
-                     f'(e.g. --config=configs/grpo_gsm8k_tpu.py:v4-32).')
+    raise unknown_config_arg(__file__, arg, list(_SHAPES))
   model, data, fsdp, b, s, k, num_steps, remat, chunk = _SHAPES[arg]
   hf_path, shapes = MODELS[model]
   c = default_config_dict()
   c.seed = 0
   c.stages = 'grpo'
-  c.task.name = 'gsm8k'  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
+  set_task(c, 'gsm8k')  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
   c.model.update(hf_path=hf_path, dtype='bfloat16', param_dtype='float32', remat=remat,
                  logprob_chunk_size=chunk, **shapes)
   c.mesh.update(data=data, fsdp=fsdp, tensor=1)

@@ -33,6 +33,8 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from jaxrl_ga import cli
+
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Path to an ml_collections config file (get_config()); fields can be '
     'overridden with --config.<field>=<value>.', lock_config=True)
@@ -57,7 +59,7 @@ _REUSE_FREED_MEMORY = flags.DEFINE_enum(
     'XLA:CPU then reuses its per-step buffers instead of mapping fresh, zero-filled pages every '
     'step (a fifth of a SmolLM2 learner step on a CPU); the process keeps its peak memory. auto: '
     'on unless JAX_PLATFORMS names an accelerator or a TPU / NVIDIA device is on the PCI bus.')
-flags.mark_flags_as_required(['config', 'workdir'])
+_PRINT_CONFIG = cli.define_print_config()
 
 
 def init_distributed(coordinator_address: Optional[str] = None,
@@ -174,37 +176,6 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
                         f'raise model.max_position_embeddings or shorten the sequences.')
 
 
-def check_model_source(hf_path: str) -> None:
-  """model.hf_path names an HF model directory, a .gguf file, pkg:<package> or a hub id
-  (org/name); a path that does not exist is a ConfigError at once, not a hub look-up."""
-  import re  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
-  if not hf_path or hf_path.startswith('pkg:'):
-    return  # pkg: is resolved (with its pip command when missing) by models.gguf
-  path = os.path.expanduser(hf_path)
-  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
-  if os.path.isdir(path):
-    if not os.path.exists(os.path.join(path, 'config.json')):
-      raise ConfigError(f'model.hf_path={hf_path}: the directory has no config.json, so it is '
-                        f'not an HF model directory; give {kinds}.')
-  elif os.path.exists(path):
-    if not path.endswith('.gguf'):
-      raise ConfigError(f'model.hf_path={hf_path} is a file but not a .gguf file; give {kinds}.')
-  elif path.startswith(('/', '.', '~')) or not re.fullmatch(r'[\w.-]+/[\w.-]+', path):
-    raise ConfigError(f'model.hf_path={hf_path}: no such directory or file; give {kinds}.')
-  else:  # a hub id: cached, or one quick look-up (not the minutes of retries of a download)
-    import huggingface_hub  # pylint: disable=g-import-not-at-top
-    if isinstance(huggingface_hub.try_to_load_from_cache(path, 'config.json'), str):
-      return
-    try:
-      huggingface_hub.model_info(path, timeout=10)
-    except Exception as e:  # pylint: disable=broad-except
-      first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-      raise ConfigError(f'model.hf_path={hf_path} is no local directory or file, is not in the '
-                        f'Hugging Face cache, and the hub cannot serve it ({first}); give '
-                        f'{kinds}.') from None
-
-
 def build_context(cfg, workdir: str):
   """Mesh, task, tokenizer (saved to workdir/tokenizer), model and metric writer of a run,
   checked against the mesh and against the workdir's checkpoints (stage.check_resume) before
@@ -226,7 +197,8 @@ def build_context(cfg, workdir: str):
   except (ValueError, OSError, ImportError, KeyError) as e:
     raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
                       f'{e}') from None
-  check_model_source(cfg.model.hf_path)
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  hf.check_model_source(cfg.model.hf_path)
   model_cfg = context.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
   try:
     tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
@@ -338,29 +310,9 @@ def _write_summary(workdir: str, summary: dict) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a bad ``--config.<field>`` override (unknown name, wrong type) or
-  config file reported as one line naming it, exit status 2, no traceback. A ``--config`` path
-  ``configs/<name>.py`` that the current directory lacks is the project's own (installed) copy."""
-  from jaxrl_ga.config import ConfigError, resolve_config_argv  # pylint: disable=g-import-not-at-top
-  try:
-    argv = resolve_config_argv(argv)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-  try:
-    remaining = flags.FLAGS(argv)
-  except (flags.Error, KeyError, AttributeError, TypeError, ValueError, OSError,
-          SyntaxError) as e:
-    if isinstance(e, KeyError) and e.args:  # ml_collections: "'key'\nDid you mean ...?"
-      first, *rest = str(e.args[0]).split('\n')
-      msg = f'no setting named {first}' + ''.join(f' ({r.strip()})' for r in rest if r.strip())
-    else:
-      msg = ' '.join(str(e).split())
-    bad = _config_override_named(argv, msg)
-    where = f'{bad}: ' if bad else ''
-    print(f'error: {where}{msg.rstrip(".")}. Fix the setting (`python -m jaxrl_ga.main --helpfull` lists '
-          f'every --config.<field>).', file=sys.stderr)
-    sys.exit(2)
+  """absl's flag parsing with bad flags or config file as one ``error:`` line, exit status 2
+  (jaxrl_ga.cli.parse_flags); --print_config prints the settings and exits."""
+  remaining = cli.parse_flags(argv)
   set_console_verbosity()
   return remaining
 
@@ -373,21 +325,15 @@ def set_console_verbosity() -> None:
     flags.FLAGS.verbosity = logging.INFO if _VERBOSE.value else logging.WARNING
 
 
-def _config_override_named(argv: list[str], msg: str) -> Optional[str]:
-  """The --config... argument an error message is about (its quoted key), if one can tell."""
-  import re  # pylint: disable=g-import-not-at-top
-  keys = re.findall(r"'([^']+)'", msg)
-  for arg in argv[1:]:
-    name = arg.split('=', 1)[0]
-    if name.startswith('--config') and any(k in name.split('.') or k == name for k in keys):
-      return name
-  return None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _CONFIG.value is None or not _WORKDIR.value:
+    print(f'error: --{"config" if _CONFIG.value is None else "workdir"} is required (e.g. '
+          f'--config=configs/grpo_arith.py --workdir=/tmp/grpo_arith).', file=sys.stderr)
+    sys.exit(2)
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top

@@ -58,6 +58,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from jaxrl_ga.host_memory import quiet_libtpu_env  # pylint: disable=unused-import (plan's API)
+
 # Chip specs (public spec sheets, cloud.google.com/tpu/docs/<v4|v5e|v5p|v6e>): per-chip HBM, peak
 # bf16 flop/s, HBM bandwidth (bytes/s). Keyed by the jax device_kind.
 CHIPS = {
@@ -74,17 +76,6 @@ STEP_KEYS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'peak_bytes', 'flop
 NOTE = ('Compiler numbers and estimates, not a measurement: memory from the TPU compiler\'s '
         'memory analysis; flops from the model\'s shapes; times from a roofline of the chip\'s '
         'published peaks (an upper bound on speed, so MFU is an upper bound).')
-
-
-def quiet_libtpu_env() -> None:
-  """libtpu warns about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES (and jax queries the GCE
-  metadata server) when no TPU is attached; compiling for a topology needs none of them. Set
-  before jax initialises its backends; values already set win."""
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
-  # Compiling takes no chip: let several processes (tests, plans) load libtpu at once.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 
 def topology_devices(topology: str, num_slices: int = 1):
@@ -417,6 +408,7 @@ def public(rep: dict[str, Any]) -> dict[str, Any]:
 
 
 def _define_flags():
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py'
                                   '[:arg]); fields can be overridden with --config.<field>=...',
                                   lock_config=True)
@@ -427,6 +419,7 @@ def _define_flags():
                       'config\'s model.* fields.')
   flags.DEFINE_integer('num_slices', 1, 'Slices of the topology (multi-slice, over DCN).')
   flags.DEFINE_float('headroom', 0.1, 'Fraction of HBM that must stay free for a step to fit.')
+  cli.define_print_config()
 
 
 def main(argv):
@@ -455,18 +448,9 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, with a bad flag (or config file) as one ``error:`` line and status 2;
-  ``--config=configs/<name>.py`` is resolved as jaxrl_ga.main resolves it (the installed copy
-  when the current directory lacks it)."""
-  from jaxrl_ga.config import resolve_config_argv  # pylint: disable=g-import-not-at-top
-  try:
-    return flags.FLAGS(resolve_config_argv(argv))
-  except (flags.Error, ValueError, FileNotFoundError) as e:
-    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-    # a config file's own exception is the message's last line
-    msg = lines[0] if len(lines) < 2 else f'{lines[0]} {lines[-1]}'
-    print(f'error: {msg}', file=sys.stderr)
-    sys.exit(2)
+  """Bad flags as ``main`` reports them (jaxrl_ga.cli.parse_flags)."""
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  return cli.parse_flags(argv)
 
 
 def run():
