@@ -23,9 +23,10 @@ numbers and estimates, not a measurement:
 
   * ``flops``: from the model's shapes (``jaxrl_ga.flops``, the FLOP model the benchmarks use:
     matmuls and attention, forward and backward, the shared prompt forward, LoRA, remat and
-    log-prob chunking recompute included, the reference log-probs when beta > 0), per chip. The compiler's own count
-    (``compiler_flops``) counts a loop body (the layer scan, the decode loop) once;
-    tests/test_plan.py checks the analytic count against a compile with the layers unrolled.
+    log-prob chunking recompute included, the reference log-probs when beta > 0), per chip. The
+    compiler's own count (``compiler_flops``) counts a loop body (the layer scan, the decode
+    loop) once; tests/test_plan.py checks the analytic count against a compile with the layers
+    unrolled (``model.scan_layers=False``).
   * ``bytes_accessed``: the larger of the compiler's count (loop bodies once) and a lower bound
     from the shapes (weights read per pass, the KV cache read per decode step).
   * ``roofline_seconds`` = max(flops / peak flop/s, bytes / HBM bandwidth) with the chip's

@@ -1,14 +1,15 @@
-"""One factory per stage's jitted programs, from the run's config: the GRPO trainer, ``jaxrl_ga.plan``
-and the benchmarks build their engine and learner here, so that what ``plan`` compiles and what a
-benchmark times is the program that trains (layers scanned or unrolled, remat, the log-prob chunk,
-the shared prompt forward, deferred old log-probs, LoRA).
+"""The GRPO stage's jitted programs, built in one place from the run's config: the trainer,
+``jaxrl_ga.plan`` and benchmarks/recompute.py build their engine and learner here, so that what
+``plan`` compiles and what a benchmark times is the program that trains (layers scanned or
+unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old log-probs, LoRA).
 
   programs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
   programs.engine.rollout_rows(...); programs.learner.step(...)
 
 The forward's settings are one ``ForwardOptions`` (``forward_options``), passed as an argument down
 to the model; the learner's may differ from the rollout's only in the rows that share a prompt
-(``RolloutEngine.learner_options``: none after a reorder by advantage sign).
+(``RolloutEngine.learner_options``: none after a reorder by advantage sign). SFT and DPO run one
+learner each, built by their loops with ``forward_options``.
 """
 
 from __future__ import annotations

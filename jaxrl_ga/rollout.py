@@ -70,9 +70,10 @@ class RolloutEngine:
                options: tfm.ForwardOptions = tfm.ForwardOptions()):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
     ``options``: the run's forward (``learner_options`` is the learner's; the forward-only old-
-    and reference-log-prob passes run it without remat); its ``share_prompts`` is R from ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout
-    prefills each prompt once and the old- and reference-log-prob passes run each prompt's
-    forward once per R rows (``micro_batch_share``)."""
+    and reference-log-prob passes run it without remat). Its ``share_prompts`` is R from
+    ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
+    and the old- and reference-log-prob passes run each prompt's forward once per R rows
+    (``micro_batch_share``)."""
     self.graphdef = graphdef
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
@@ -124,8 +125,9 @@ class RolloutEngine:
         completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
         **({'ref_logps': per_token} if self.use_ref else {})))
     self._reorder_fn = jax.jit(
-        sharding.with_activation_sharding(self._reorder, mesh), in_shardings=(param_shardings, self._buffer_shardings,
-                                     self._state_shardings, self._buffer_shardings.has_old, rep),
+        sharding.with_activation_sharding(self._reorder, mesh),
+        in_shardings=(param_shardings, self._buffer_shardings, self._state_shardings,
+                      self._buffer_shardings.has_old, rep),
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
 
