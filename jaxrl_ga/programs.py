@@ -1,28 +1,34 @@
-"""The GRPO stage's jitted programs, built in one place from the run's config: the trainer,
-``jaxrl_ga.plan`` and benchmarks/recompute.py build their engine and learner here, so that what
-``plan`` compiles and what a benchmark times is the program that trains (layers scanned or
-unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old log-probs, LoRA).
+"""Each stage's jitted programs, built in one place from the run's config. GRPO's trainer,
+``jaxrl_ga.plan`` and benchmarks/recompute.py build their engine and learner here
+(``build_grpo_programs``), so that what ``plan`` compiles and what a benchmark times is the program
+that trains (layers scanned or unrolled, remat, the log-prob chunk, the shared prompt forward,
+deferred old log-probs, LoRA); SFT's learner (``build_sft_learner``) and DPO's learner and
+reference pass (``build_dpo_programs``) likewise.
 
   programs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
   programs.engine.rollout_rows(...); programs.learner.step(...)
 
 The forward's settings are one ``ForwardOptions`` (``forward_options``), passed as an argument down
 to the model; the learner's may differ from the rollout's only in the rows that share a prompt
-(``RolloutEngine.learner_options``: none after a reorder by advantage sign). SFT and DPO run one
-learner each, built by their loops with ``forward_options``.
+(``RolloutEngine.learner_options``: none after a reorder by advantage sign). With LoRA every
+learner trains the adapters and takes the base weights as a frozen argument: the shardings are
+split here (``lora.partition``), the params by ``trainers.context.TrainedPart``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import jax
 
 from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import logprobs
 from jaxrl_ga import lora
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import GRPOConfig, ModelSpec, RunConfig
+from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
 from jaxrl_ga.models import transformer as tfm
 
 
@@ -69,12 +75,41 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
       mask_truncated_completions=g.advantage.mask_truncated_completions,
       defer_old_logps=g.advantage.order_by_advantage_sign,
       options=forward_options(cfg.model, share))
-  trained_shardings, frozen_shardings = lora.partition(param_shardings, model_cfg)
-  learner = learner_lib.Learner(
-      graphdef,
-      learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
-                                 g.sampling.temperature, engine.learner_options),
-      g.optimizer, mesh, trained_shardings, optimizer_every=sched.optimizer_every,
+  learner = _learner(
+      graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
+                                           g.sampling.temperature, engine.learner_options),
+      g.optimizer, mesh, param_shardings, model_cfg, sched.optimizer_every,
       lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
-      align_diagnostic=g.align_diagnostic, frozen_shardings=frozen_shardings)
+      align_diagnostic=g.align_diagnostic)
   return GRPOPrograms(engine=engine, learner=learner, table=table)
+
+
+def _learner(graphdef, task_loss, opt: OptimizerConfig, mesh, param_shardings, model_cfg,
+             optimizer_every: int, **kwargs) -> learner_lib.Learner:
+  """A Learner of ``task_loss``; with LoRA it trains the adapters, the base a frozen argument."""
+  trained_shardings, frozen_shardings = lora.partition(param_shardings, model_cfg)
+  return learner_lib.Learner(graphdef, task_loss, opt, mesh, trained_shardings,
+                             optimizer_every=optimizer_every, frozen_shardings=frozen_shardings,
+                             **kwargs)
+
+
+def build_sft_learner(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
+                      graphdef, sft: Optional[SFTConfig] = None) -> learner_lib.Learner:
+  """SFT's learner (``sft``: the stage config, default ``cfg.sft``)."""
+  s = cfg.sft if sft is None else sft
+  return _learner(graphdef, learner_lib.sft_task_loss(forward_options(cfg.model)), s.optimizer,
+                  mesh, param_shardings, model_cfg, s.grad_accum_steps)
+
+
+def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
+                       graphdef, dpo: Optional[DPOConfig] = None
+                       ) -> tuple[learner_lib.Learner, Callable]:
+  """DPO's learner and its reference pass (``dpo``: the stage config, default ``cfg.dpo``): ->
+  (learner, jitted (params, tokens, attention_mask, loss_mask) -> summed log-probs [B])."""
+  d = cfg.dpo if dpo is None else dpo
+  options = forward_options(cfg.model)
+  learner = _learner(graphdef, learner_lib.dpo_task_loss(d.loss, options), d.optimizer, mesh,
+                     param_shardings, model_cfg, d.grad_accum_steps)
+  reference = jax.jit(lambda p, t, a, l: logprobs.sequence_logps(
+      tfm.merge(graphdef, p), t, a, l, options)[0])
+  return learner, reference

@@ -81,7 +81,6 @@ class TrainedPart:
 
   def __init__(self, ctx: RunContext, params):
     self.trained, self.frozen = lora.partition(params, ctx.model_cfg)
-    self.shardings, self.frozen_shardings = lora.partition(ctx.param_shardings, ctx.model_cfg)
 
   def policy(self, trained) -> Any:
     """The whole policy's params from the learner's (``state.params``)."""

@@ -14,14 +14,11 @@ import jax
 import numpy as np
 
 from jaxrl_ga import fileio
-from jaxrl_ga import learner as learner_lib
-from jaxrl_ga import logprobs
 from jaxrl_ga import losses
 from jaxrl_ga import placement
 from jaxrl_ga import programs
 from jaxrl_ga import sampling
 from jaxrl_ga.config import DPOConfig
-from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
@@ -75,9 +72,8 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
     rows = text.right_padded_rows(prompts, comps, cfg.max_length, ctx.pad_id, 'dpo.max_length')
     pairs.update({f'{side}_{key}': value for key, value in rows.items()})
   # Reference log-probs, once, with the policy at the start of the stage.
-  options = programs.forward_options(ctx.cfg.model)
-  ref_fn = jax.jit(lambda p, t, a, l: logprobs.sequence_logps(
-      tfm.merge(ctx.graphdef, p), t, a, l, options)[0])
+  _, ref_fn = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
+                                          ctx.param_shardings, ctx.graphdef, dpo=cfg)
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(chosen)
   for side in ('chosen', 'rejected'):
@@ -105,10 +101,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   # dpo.micro_batch_size is checked against the mesh before anything is built
   # (main.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  task_loss = learner_lib.dpo_task_loss(cfg.loss, programs.forward_options(ctx.cfg.model))
-  learner = learner_lib.Learner(ctx.graphdef, task_loss, cfg.optimizer, ctx.mesh, part.shardings,
-                                optimizer_every=cfg.grad_accum_steps,
-                                frozen_shardings=part.frozen_shardings)
+  learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
+                                           ctx.param_shardings, ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = _load_or_build_pairs(ctx, cfg, params)
   n_pairs = len(pairs['ref_chosen_logps'])

@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import programs
 from jaxrl_ga.config import SFTConfig
@@ -30,10 +29,8 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
   # sft.micro_batch_size is checked against the mesh before anything is built
   # (main.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  task_loss = learner_lib.sft_task_loss(programs.forward_options(ctx.cfg.model))
-  learner = learner_lib.Learner(ctx.graphdef, task_loss, cfg.optimizer, ctx.mesh, part.shardings,
-                                optimizer_every=cfg.grad_accum_steps,
-                                frozen_shardings=part.frozen_shardings)
+  learner = programs.build_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                       ctx.graphdef, sft=cfg)
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
   def batch_at(position):  # each process builds only its own rows
