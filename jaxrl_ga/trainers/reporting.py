@@ -62,10 +62,19 @@ class MetricWriter:
     logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
                  len(lines) - len(keep), stage, step)
 
-  def close(self):
-    if self._active:
+  def close(self, quiet: bool = False):
+    """Flushes and closes both files; a failed write raises fileio.WriteError, or with ``quiet``
+    (an error is already on its way out, e.g. the full disk's) is logged at INFO."""
+    if not self._active:
+      return
+    try:
       self._jsonl.close()
-      self._tb.close()
+      with fileio.writing(self._tb.logdir):
+        self._tb.close()
+    except fileio.WriteError as e:
+      if not quiet:
+        raise
+      logging.info('%s', e)
 
 def _logged_after(line: str, phases: set[str], step: int) -> bool:
   try:
