@@ -29,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke']
 
 
-def _env(**extra):
+def _env(devices=8):
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
-              XLA_FLAGS='--xla_force_host_platform_device_count=8', **extra)  # as conftest.py
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')  # as conftest.py
 
 
 def _cli(args, timeout=300, cmd=None):
@@ -149,10 +149,16 @@ def _state(ckpts, step):
   return state, meta
 
 
-def _assert_same_tree(a, b):
+def _assert_same_state(a, b):
+  """Every array of two restored checkpoints bitwise equal, and the same progress."""
   import jax  # pylint: disable=g-import-not-at-top
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  jax.tree.map(np.testing.assert_array_equal, a, b)
+  (state_a, meta_a), (state_b, meta_b) = a, b
+  assert jax.tree.structure(state_a) == jax.tree.structure(state_b)
+  raw = lambda x: (jax.random.key_data(x)
+                   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(raw(x), raw(y)), state_a, state_b)
+  progress = lambda m: (m['micro_step'], m['data_position'], m['done'])
+  assert progress(meta_a) == progress(meta_b)
 
 
 def _grpo_rows(workdir):
@@ -169,9 +175,12 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
   bit for bit, and metrics.jsonl holds each step once."""
   args = ['--config.stages=grpo', '--config.checkpoint.every_steps=1']
   ref = tmp_path / 'ref'
+  ref_ckpts = ref / 'checkpoints' / 'grpo'
+  ref_states = {}
   for steps in (2, 4):
     done = _cli([f'--workdir={ref}', f'--config.grpo.num_steps={steps}'] + args)
     assert done.returncode == 0, done.stderr[-3000:]
+    ref_states.update({s: _state(ref_ckpts, s) for s in checkpoint.all_steps(ref_ckpts)})
   with _tmpfs(tmp_path / 'disk') as disk:
     workdir = disk / 'run'
     done = _cli([f'--workdir={workdir}', '--config.grpo.num_steps=2'] + args)
@@ -188,7 +197,7 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
     assert 'Traceback' not in full.stderr and 'Event loop is closed' not in full.stderr
     assert checkpoint.all_steps(ckpts) == [3, 6]
     for step in (3, 6):  # intact and readable: as the run on the big disk wrote them
-      _assert_same_tree(_state(ckpts, step), _state(ref / 'checkpoints' / 'grpo', step))
+      _assert_same_state(_state(ckpts, step), ref_states[step])
     assert not (workdir / workdir_lock.LOCK_NAME).exists()
 
     os.remove(filler)
@@ -196,7 +205,7 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in resumed.stdout
     assert checkpoint.all_steps(ckpts)[-1] == 12
-    _assert_same_tree(_state(ckpts, 12), _state(ref / 'checkpoints' / 'grpo', 12))
+    _assert_same_state(_state(ckpts, 12), ref_states[12])
     rows, ref_rows = _grpo_rows(workdir), _grpo_rows(ref)
     assert [(r['phase'], r['step']) for r in rows] == [(r['phase'], r['step']) for r in ref_rows]
     for row, ref_row in zip(rows, ref_rows):
@@ -248,3 +257,29 @@ def test_an_export_to_a_full_disk_leaves_the_previous_export(tmp_path):
     os.remove(filler)
     assert _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'],
                 cmd=export).returncode == 0
+
+
+@pytest.mark.slow
+def test_several_processes_decide_once_for_the_whole_job(tmp_path):
+  """Two processes of one job (jax.distributed) on a held workdir: process 0 reads the lock and
+  both stop with its line (process 1 never looks at the file), exit 2, nothing compiled."""
+  lock = workdir_lock.WorkdirLock(str(tmp_path)).acquire()  # this test process is the holder
+  try:
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    env = _env(devices=4)
+    procs = [subprocess.Popen(MAIN + [f'--workdir={tmp_path}', '--num_processes=2',
+                                      f'--coordinator_address=127.0.0.1:{port}',
+                                      f'--process_id={i}'],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in (0, 1)]
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+  finally:
+    lock.release()
+  expected = (f'error: --workdir={tmp_path} is in use by another run (host '
+              f'{socket.gethostname()}, pid {os.getpid()}, since ')
+  for p, err in zip(procs, errs):
+    assert p.returncode == 2, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(expected), err[-3000:]
+    assert 'Traceback' not in err
