@@ -58,7 +58,8 @@ def test_a_second_run_on_a_held_workdir_stops_at_once_naming_the_holder(tmp_path
   try:
     deadline = time.time() + 120
     while not lock.exists() or not lock.read_text():
-      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+      assert first.poll() is None, first.communicate()[1][-3000:]
+      assert time.time() < deadline, f'no {lock} after 120 s'
       time.sleep(0.2)
     second = _cli([f'--workdir={workdir}', '--config.stages=grpo'], timeout=120)
     assert second.returncode == 2, second.stderr[-3000:]

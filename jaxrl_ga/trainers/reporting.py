@@ -27,7 +27,8 @@ class MetricWriter:
       self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
       self._jsonl = fileio.TextAppender(self._jsonl_path)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
+      self._tb_path = fileio.join(workdir, 'tensorboard')
+      self._tb = SummaryWriter(self._tb_path)
 
   def write(self, phase: str, step: int, metrics: dict[str, Any]):
     if not self._active:
@@ -69,7 +70,7 @@ class MetricWriter:
       return
     try:
       self._jsonl.close()
-      with fileio.writing(self._tb.logdir):
+      with fileio.writing(self._tb_path):
         self._tb.close()
     except fileio.WriteError as e:
       if not quiet:
