@@ -135,7 +135,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   """
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio, lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   out_dir = os.path.abspath(out_dir)
   check_out_dir(out_dir, overwrite)
@@ -146,13 +146,16 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
   if cfg.lora.rank:
     if adapter_out:
-      lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
+      with fileio.writing(adapter_out):
+        lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
     params, cfg = lora.merged(params, cfg)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
+  with fileio.writing(out_dir):
+    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
   try:
-    hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
+    with fileio.writing(out_dir):  # a full disk: one line naming out_dir, which stays as it was
+      hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
@@ -175,10 +178,15 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:
     src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite,
                             f.adapter_out)
+  except fileio.WriteError as e:  # a full disk: --out is left as it was
+    print(f'error: {e}; --out={f.out} is unchanged. Free space, then run the export again.',
+          file=sys.stderr)
+    sys.exit(1)
   except (FileNotFoundError, ValueError, PermissionError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

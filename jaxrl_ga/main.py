@@ -10,6 +10,9 @@ compiled; an invalid one prints ``error: ...`` naming the setting and exits with
 Outputs in --workdir (a local path, or gs://bucket/dir with the [tpu] extra): metrics.jsonl,
 tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
 Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
+One run at a time per workdir: a run holds WORKDIR/run.lock (jaxrl_ga.workdir_lock), and a second
+one started there stops at once naming the holder. A failed write (a full disk) stops the run with
+one line naming the file; the checkpoints before it are intact and the same command resumes.
 The console shows progress, evaluations, warnings and a summary; --verbose adds the INFO log
 lines of orbax, JAX and absl.
 On a CPU host, glibc's malloc is first set to keep freed memory for reuse
@@ -264,12 +267,13 @@ def run(cfg, workdir: str) -> dict:
   checkpoint.Preempted; summary.json then says where the run stopped (``stopped_early``).
   """
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import checkpoint, workdir_lock  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import dpo, grpo, sft  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
   check_workdir(workdir)
-  with checkpoint.PreemptionGuard() as guard:
+  # One run per workdir (held until summary.json is written), before any other work.
+  with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
     ctx, params = build_context(cfg, workdir)
     ctx.guard = guard
     writer, mesh = ctx.writer, ctx.mesh
@@ -292,12 +296,12 @@ def run(cfg, workdir: str) -> dict:
       _write_summary(workdir, summary)
       raise
     finally:
-      writer.close()
-  if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
-    summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
-  summary['stopped_early'] = False
-  summary['wall_time_s'] = time.time() - t0
-  _write_summary(workdir, summary)
+      writer.close(quiet=sys.exc_info()[0] is not None)  # not hiding the error on its way out
+    if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
+      summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
+    summary['stopped_early'] = False
+    summary['wall_time_s'] = time.time() - t0
+    _write_summary(workdir, summary)
   return summary
 
 
@@ -335,7 +339,7 @@ def main(argv):
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import checkpoint, fileio  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
@@ -351,6 +355,10 @@ def main(argv):
     sys.exit(128 + (e.signum or signal.SIGTERM))  # "not finished" for a job scheduler
   except (NonFiniteError, checkpoint.CheckpointUnreadableError) as e:
     print(f'error: {e}', file=sys.stderr)
+    sys.exit(1)
+  except fileio.WriteError as e:  # a full disk, a quota, a lost mount
+    print(f'error: {e}. Free space (or fix the storage), then re-run the same command: it '
+          f'resumes from the last complete checkpoint.', file=sys.stderr)
     sys.exit(1)
   logging.info('done: %s', summary)
   keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']

@@ -27,7 +27,8 @@ class MetricWriter:
       self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
       self._jsonl = fileio.TextAppender(self._jsonl_path)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
+      self._tb_path = fileio.join(workdir, 'tensorboard')
+      self._tb = SummaryWriter(self._tb_path)
 
   def write(self, phase: str, step: int, metrics: dict[str, Any]):
     if not self._active:
@@ -62,10 +63,19 @@ class MetricWriter:
     logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
                  len(lines) - len(keep), stage, step)
 
-  def close(self):
-    if self._active:
+  def close(self, quiet: bool = False):
+    """Flushes and closes both files; a failed write raises fileio.WriteError, or with ``quiet``
+    (an error is already on its way out, e.g. the full disk's) is logged at INFO."""
+    if not self._active:
+      return
+    try:
       self._jsonl.close()
-      self._tb.close()
+      with fileio.writing(self._tb_path):
+        self._tb.close()
+    except fileio.WriteError as e:
+      if not quiet:
+        raise
+      logging.info('%s', e)
 
 def _logged_after(line: str, phases: set[str], step: int) -> bool:
   try:
