@@ -54,7 +54,9 @@ class MetricWriter:
       phases = {stage, f'{stage}_eval', f'{stage}_probe'}
       lines = fileio.read_text(path).splitlines(keepends=True)
       keep = [l for l in lines if not _logged_after(l, phases, step)]
-      if len(keep) != len(lines):
+      if keep and not keep[-1].endswith('\n'):  # a whole last row whose newline was cut
+        keep[-1] += '\n'
+      if keep != lines:
         fileio.write_text(path, ''.join(keep))
     finally:
       self._jsonl = fileio.TextAppender(path)
@@ -81,7 +83,7 @@ def _logged_after(line: str, phases: set[str], step: int) -> bool:
   try:
     row = json.loads(line)
   except json.JSONDecodeError:
-    return not line.strip()  # a row cut short by a kill goes too
+    return True  # a row cut short by a kill (or a blank line) goes too
   return row.get('phase') in phases and int(row.get('step', 0)) > step
 
 def _to_float(v) -> Optional[float]:
