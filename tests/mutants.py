@@ -27,9 +27,10 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
       normalizer (the clip then scales by the wrong norm). Caught by the clipped case of
       test_grpo_accumulation_is_exact only (with clipping off the order does not matter).
   lora_trains_biases  lora.split puts the q/k/v biases with the adapters, so LoRA trains them too.
-      Caught by test_accumulated_adapter_update_is_exact's structural assertion on the initial
-      state (what trains), before any numeric check; the numeric checks alone would pass, since
-      the one-pass reference differentiates the same trainable set.
+      Caught by test_accumulated_adapter_update_is_exact's structural assertions on the initial
+      state, before any numeric check: what trains (float32 base), AdamW's moments not all float32
+      (bfloat16 base: tests/test_learner.py's _check_state). The numeric checks need not see
+      it: the one-pass reference differentiates the same (mutated) trainable set.
 """
 
 from __future__ import annotations
