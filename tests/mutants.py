@@ -130,7 +130,8 @@ def run(name: str) -> bool:
       if bad is None:
         bad = case.find('error')
       if bad is not None:
-        failed[node] = (bad.get('message') or '').splitlines()[0]
+        lines = [l.strip() for l in (bad.get('message') or '').splitlines() if l.strip()]
+        failed[node] = ' | '.join(lines[:4])  # assert_allclose's message starts with a newline
     ok = True
     for node in mutant.caught_by:
       if node in failed:
