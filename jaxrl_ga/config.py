@@ -543,6 +543,34 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO).
+
+  Attributes:
+    train: a .jsonl/.json/.csv/.parquet file (local or gs://), a ``datasets.save_to_disk``
+      directory or a hub dataset id; '' uses the built-in task ``task.name``.
+    eval: the held-out rows, the same kinds; '' holds out ``eval_fraction`` of ``train``.
+    train_split, eval_split: the split of a hub dataset or of a saved DatasetDict.
+    columns: renames, 'source:target,...' (e.g. 'question:prompt').
+    eval_fraction: share of ``train`` held out (seeded) when ``eval`` is ''.
+    shuffle: a seeded shuffle per epoch (False: file order).
+  """
+  train: str = ''
+  eval: str = ''
+  train_split: str = 'train'
+  eval_split: str = 'test'
+  columns: str = ''
+  eval_fraction: float = 0.1
+  shuffle: bool = True
+
+  def __post_init__(self):
+    if isinstance(self.columns, Mapping):  # the Python API may pass {'question': 'prompt'}
+      object.__setattr__(self, 'columns', ','.join(f'{k}:{v}' for k, v in self.columns.items()))
+    _require(0.0 < self.eval_fraction < 1.0,
+             f'data.eval_fraction must be in (0, 1), got {self.eval_fraction}.')
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """Held-out exact-match evaluation with greedy decoding.
 
@@ -620,6 +648,8 @@ class GRPOConfig:
     align_diagnostic: log the alignment of positive- and negative-advantage gradients (docs/design,
       "Implicit bias"; costs two extra backward passes per micro-step).
     eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
+    reward_funcs: reward functions, 'module:function[=weight],...' or built-in names
+      (``jaxrl_ga.rewards``); '' keeps the task's own. Required with ``data.train``.
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -630,6 +660,7 @@ class GRPOConfig:
   align_diagnostic: bool = False
   log_every: int = 5
   eval_every: int = 0
+  reward_funcs: str = ''
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'log_every', prefix='grpo.')
@@ -675,6 +706,7 @@ class RunConfig:
   seed: int = 0
   stages: tuple[str, ...] = ('sft', 'grpo')
   task: TaskSpec = TaskSpec()
+  data: DataConfig = DataConfig()
   model: ModelSpec = ModelSpec()
   mesh: MeshConfig = MeshConfig()
   sft: SFTConfig = SFTConfig()

@@ -60,10 +60,13 @@ class RunContext:
     for name in RESUMABLE_SETTINGS:
       stage_cfg.pop(name, None)
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
+    if not stage_cfg.get('reward_funcs', True):
+      del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
+    data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     return _jsonable({'stage': stage, 'seed': self.cfg.seed, stage: stage_cfg,
                       'model': dataclasses.asdict(self.model_cfg),
                       'model_source': self.cfg.model.hf_path,
-                      'task': dataclasses.asdict(self.cfg.task)})
+                      'task': dataclasses.asdict(self.cfg.task), **data})
 
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,

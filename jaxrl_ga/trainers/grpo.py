@@ -246,7 +246,11 @@ class GRPOTrainer:
     try:
       total, per_fn = rewards_lib.compute_rewards(
           self.rewards, [ex.prompt for ex in examples], texts, task_base.reward_fields(examples))
-      correct = [ctx.task.is_correct(ex, t) for ex, t in zip(examples, texts)]
+      marked = next((r.name for r in self.rewards if r.marks_correctness), None)
+      if marked is not None:  # > 0 counts as correct; NaN (None: does not apply) does not
+        correct = np.nan_to_num(per_fn[marked]) > 0
+      else:
+        correct = [ctx.task.is_correct(ex, t) for ex, t in zip(examples, texts)]
       fields = np.stack([total, np.asarray(correct, np.float32)] + [per_fn[k] for k in names])
     except Exception as e:  # pylint: disable=broad-except
       # Every host must still reach the gather below, or the others wait there forever: this
@@ -268,7 +272,8 @@ class GRPOTrainer:
     total, correct = fields[0].reshape(-1), fields[1]
     return total, {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
                    'reward/accuracy': float(correct.mean()),
-                   **{f'reward/{k}': float(fields[2 + i].mean()) for i, k in enumerate(names)}}
+                   **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
+                      for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()}}
 
   def _advantages(self, state, buffer, rewards: np.ndarray):
     """Group advantages of the rewards, on the device -> (buffer, advantages [S, B]); with

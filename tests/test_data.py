@@ -1,0 +1,235 @@
+"""Your data and rewards (jaxrl_ga.data, jaxrl_ga.rewards): every source reads the same rows, the
+order is a seeded per-epoch permutation, bad input is one error naming file and line, and the
+built-in rewards score by hand-checked cases."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxrl_ga import data
+from jaxrl_ga import rewards as R
+from jaxrl_ga.config import ConfigError, DataConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ROWS = [{'prompt': f'{a}+{b} égale 数?', 'answer': str(a + b), 'lang': 'fr'}
+        for a in range(4) for b in range(3)]
+
+
+def _write_all(tmp_path, rows):
+  """rows as .jsonl, .json, .csv, .parquet and a save_to_disk directory."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  paths = {}
+  paths['jsonl'] = tmp_path / 'd.jsonl'
+  paths['jsonl'].write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
+                            encoding='utf-8')
+  paths['json'] = tmp_path / 'd.json'
+  paths['json'].write_text(json.dumps(rows, ensure_ascii=False), encoding='utf-8')
+  paths['csv'] = tmp_path / 'd.csv'
+  paths['csv'].write_text('prompt,answer,lang\n' + ''.join(
+      f'"{r["prompt"]}",{r["answer"]},{r["lang"]}\n' for r in rows), encoding='utf-8')
+  ds = datasets.Dataset.from_list(rows)
+  paths['parquet'] = tmp_path / 'd.parquet'
+  ds.to_parquet(str(paths['parquet']))
+  paths['disk'] = tmp_path / 'disk'
+  ds.save_to_disk(str(paths['disk']))
+  return {k: str(v) for k, v in paths.items()}, ds
+
+
+def test_every_source_reads_the_same_rows(tmp_path):
+  paths, ds = _write_all(tmp_path, ROWS)
+  for kind, source in list(paths.items()) + [('list', ROWS), ('dataset', ds)]:
+    got = [dict(r) for r in data.read_rows(source)]
+    assert got == ROWS, kind
+  where = [r.where for r in data.read_rows(paths['jsonl'])]
+  assert where[:2] == [f'data.train={paths["jsonl"]}:1', f'data.train={paths["jsonl"]}:2']
+
+
+def test_a_hub_id_reads_from_the_datasets_cache_offline(tmp_path):
+  """The cache layout that `datasets` leaves after loading a hub dataset once, built here from a
+  local file (no network): with HF_DATASETS_OFFLINE=1 the id 'someone/adds' loads from it."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  paths, _ = _write_all(tmp_path, ROWS)
+  cache = tmp_path / 'cache'
+  datasets.load_dataset('json', data_files={'train': paths['jsonl']}, cache_dir=str(cache))
+  (config_dir,) = (cache / 'json').iterdir()
+  os.makedirs(cache / 'someone___adds')
+  os.rename(config_dir, cache / 'someone___adds' / 'default')
+  for arrow in (cache / 'someone___adds').rglob('json-train.arrow'):
+    arrow.rename(arrow.with_name('adds-train.arrow'))
+  env = dict(os.environ, HF_DATASETS_CACHE=str(cache), HF_DATASETS_OFFLINE='1',
+             HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'hf_home'), PYTHONPATH=ROOT)
+  code = ('import json; from jaxrl_ga import data; '
+          'print(json.dumps([dict(r) for r in data.read_rows("someone/adds")], '
+          'ensure_ascii=False))')
+  done = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert json.loads(done.stdout.splitlines()[-1]) == ROWS
+  missing = subprocess.run([sys.executable, '-c', code.replace('someone/adds', 'someone/none')],
+                           env=env, capture_output=True, text=True, timeout=120)
+  assert 'data.train=someone/none: the hub dataset (split \'train\') cannot be loaded' in (
+      missing.stderr)
+
+
+def test_prompts_chat_messages_and_columns():
+  rows = [{'question': 'q1', 'solution': '#### 3'},
+          {'question': [{'role': 'system', 'content': 'be brief'},
+                        {'role': 'user', 'content': 'q2'}], 'solution': '4'}]
+  got = data.prepare(data.read_rows(rows), data.parse_columns('question:prompt'), 'data.train')
+  assert got[0] == {'prompt': 'q1', 'solution': '#### 3'}
+  assert got[1]['prompt'][1] == {'role': 'user', 'content': 'q2'}
+  ex = data.DataTask.example(got[1])
+  assert ex.fields == {'solution': '4'} and ex.answer is None
+  # The plain template of a fresh model renders messages; a string is one user message.
+  task = data.DataTask(got, got[:1], [R.WeightedReward('f', R.final_answer)])
+  tok = task.tokenizer()
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
+  assert tok.decode(text.encode_prompt(tok, ex.prompt)) == (
+      'system: be brief\nuser: q2\nassistant: ')
+  assert tok.decode(text.encode_prompt(tok, 'q1')) == 'user: q1\nassistant: '
+
+
+def test_epochs_are_seeded_permutations_and_positions_resume():
+  rows = data.prepare(data.read_rows(ROWS), {}, 'data.train')
+  task = data.DataTask(rows, rows[:1])
+  n = len(rows)
+  stream = [task.train_example(i, seed=3).prompt for i in range(3 * n)]
+  for e in range(3):  # each epoch visits every row once
+    assert sorted(stream[e * n:(e + 1) * n]) == sorted(r['prompt'] for r in rows)
+  assert stream[:n] != stream[n:2 * n]  # a new order per epoch
+  want = [rows[i]['prompt'] for i in np.random.default_rng([3, 1]).permutation(n)]
+  assert stream[n:2 * n] == want
+  fresh = data.DataTask(rows, rows[:1])  # a resumed run: position 2n+1 first, same example
+  assert fresh.train_example(2 * n + 1, seed=3).prompt == stream[2 * n + 1]
+  assert data.DataTask(rows, rows[:1], shuffle=False).train_example(n + 2, 3).prompt == (
+      rows[2]['prompt'])
+
+
+def test_held_out_fraction_is_seeded_and_disjoint():
+  rows = data.prepare(data.read_rows(ROWS), {}, 'data.train')
+  train, held = data.held_out_split(rows, 0.25, seed=0)
+  assert len(held) == 3 and len(train) == 9
+  assert not {r['prompt'] for r in train} & {r['prompt'] for r in held}
+  assert data.held_out_split(rows, 0.25, seed=0)[1] == held
+  assert data.held_out_split(rows, 0.25, seed=1)[1] != held
+
+
+def _cfg(**values):
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  return api.make_config({'stages': 'grpo', 'grpo': {'schedule': {
+      'micro_batch_size': 8, 'num_generations': 4, 'steps_per_generation': 1}}}, **values)
+
+
+def _error(tmp_path, content=None, name='d.jsonl', raw=None, **cfg):
+  path = tmp_path / name
+  if raw is not None:
+    path.write_bytes(raw)
+  elif content is not None:
+    path.write_text(content, encoding='utf-8')
+  cfg = {'data.train': str(path), 'grpo.reward_funcs': 'final_answer', **cfg}
+  with pytest.raises(ConfigError) as e:
+    data.build_task(_cfg(**cfg))
+  return str(e.value)
+
+
+def test_bad_input_names_file_line_column_or_function(tmp_path):
+  good = ''.join(json.dumps({'prompt': f'p{i}', 'answer': '1'}) + '\n' for i in range(20))
+  p = tmp_path / 'd.jsonl'
+  assert _error(tmp_path, name='nope.jsonl') == (
+      f'data.train={tmp_path}/nope.jsonl: no such file; give an existing .jsonl, .json, .csv or '
+      '.parquet file.')
+  assert _error(tmp_path, good + '{"prompt": "x",\n') == (
+      f'data.train={p}:21: invalid JSON (Expecting property name enclosed in double quotes at '
+      'column 16); each line must be one JSON object.')
+  msg = _error(tmp_path, raw=good.encode() + b'{"prompt": "caf\xe9"}\n')
+  assert msg.startswith(f'data.train={p}:21: bytes that are not UTF-8')
+  assert _error(tmp_path, good + '{"question": "x"}\n') == (
+      f'data.train={p}:21: no "prompt" column (columns: question); rename a column with '
+      'data.columns=<name>:prompt.')
+  assert _error(tmp_path, good + '{"prompt": 7}\n').startswith(
+      f'data.train={p}:21: the prompt is a int (\'7\'); give a string or a list of chat messages')
+  assert _error(tmp_path, good + '{"prompt": [{"role": "user"}]}\n').startswith(
+      f'data.train={p}:21: the prompt is a list')
+  assert _error(tmp_path, '\n') == 'data.train is empty; give at least one row.'
+  few = ''.join(json.dumps({'prompt': f'p{i}'}) + '\n' for i in range(3))
+  assert 'fewer than the 4 distinct prompts one rollout needs' in _error(
+      tmp_path, few, **{'grpo.schedule.steps_per_generation': 2})
+  assert _error(tmp_path, good, **{'grpo.reward_funcs': ''}).startswith(
+      'data.train needs reward functions: set grpo.reward_funcs=')
+  assert _error(tmp_path, good, **{'stages': 'sft,grpo'}).startswith(
+      'stages=sft,grpo: data.train rows train GRPO only for now')
+
+
+def test_reward_import_strings(tmp_path, monkeypatch):
+  (tmp_path / 'user_rewards_mod.py').write_text(textwrap.dedent('''
+      NOT_A_FUNCTION = 3
+      def exact(prompts, completions, answer, **kw):
+        return [float(c == a) for c, a in zip(completions, answer)]
+  '''))
+  (tmp_path / 'broken_rewards_mod.py').write_text('import no_such_module_here\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  got = R.resolve('user_rewards_mod:exact=2, final_answer, length_penalty=0.5')
+  assert [(r.name, r.weight, r.marks_correctness) for r in got] == [
+      ('exact', 2.0, False), ('final_answer', 1.0, True), ('length_penalty', 0.5, False)]
+  fn = lambda p, c, **k: [0.0] * len(c)  # noqa: E731
+  assert [(r.name, r.weight) for r in R.resolve([fn, (R.final_answer, 3)])] == [
+      ('<lambda>', 1.0), ('final_answer', 3.0)]
+  with pytest.raises(ConfigError, match=r"grpo.reward_funcs: 'broken_rewards_mod:f': module "
+                                        r"'broken_rewards_mod' does not import \("
+                                        r"ModuleNotFoundError: No module named "
+                                        r"'no_such_module_here'\); put its directory on "
+                                        r"PYTHONPATH."):
+    R.resolve('broken_rewards_mod:f')
+  with pytest.raises(ConfigError, match=r"'user_rewards_mod:NOT_A_FUNCTION': "
+                                        r"user_rewards_mod:NOT_A_FUNCTION is a int, not a "
+                                        r"function"):
+    R.resolve('user_rewards_mod:NOT_A_FUNCTION')
+  with pytest.raises(ConfigError, match=r"module 'user_rewards_mod' has no 'exakt'"):
+    R.resolve('user_rewards_mod:exakt')
+  with pytest.raises(ConfigError, match=r"the weight 'x' is not a number"):
+    R.resolve('user_rewards_mod:exact=x')
+  with pytest.raises(ConfigError, match=r"not \"module:function\[=weight\]\" nor a built-in"):
+    R.resolve('exact')
+  with pytest.raises(ConfigError, match=r'name\(s\) final_answer given twice'):
+    R.resolve('final_answer,final_answer=2')
+
+
+def test_builtin_rewards_by_hand():
+  completions = ['so #### 42', 'thus \\boxed{42}', 'it is 41, no 42.', '#### 1,234',
+                 '\\boxed{x}', 'no number', '#### 42.0']
+  answers = ['42', '#### 42', '42', '1234', '1', '3', '42']
+  got = R.final_answer([''] * 7, completions, answer=answers)
+  assert got == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+  assert R.final_answer(['', ''], ['42', '7'], answer=[None, 'seven']) == [None, None]
+  assert R.final_answer(['', ''], ['42', '7']) == [None, None]  # no answer column
+  assert R.answer_format([''] * 4, ['x #### 5', '\\boxed{a}', '5', '####']) == [1, 1, 0, 0]
+  assert R.length_penalty(['', ''], ['abc', '']) == [-0.003, -0.0]
+  bold = R.regex_reward(r'\*\*.*\*\*', 'bold')
+  assert bold.__name__ == 'bold' and bold([''] * 2, ['**x**', 'x']) == [1.0, 0.0]
+
+
+def test_none_means_does_not_apply(monkeypatch):
+  warnings = []
+  monkeypatch.setattr(R, '_warned_none_apply', False)
+  monkeypatch.setattr(R.logging, 'warning', lambda msg, *a: warnings.append(msg % a))
+  a = R.WeightedReward('a', lambda p, c, **k: [1.0, None, None], 2.0)
+  b = R.WeightedReward('b', lambda p, c, **k: [0.5, 3.0, None], 1.0)
+  total, per_fn = R.compute_rewards([a, b], ['p'] * 3, ['x', 'y', 'z'])
+  np.testing.assert_array_equal(total, np.float32([2.5, 3.0, 0.0]))
+  np.testing.assert_array_equal(per_fn['a'], np.float32([1.0, np.nan, np.nan]))
+  R.compute_rewards([a, b], ['p'] * 3, ['x', 'y', 'z'])
+  assert warnings == ['no reward function applies to 1 of 3 completions (every one returned '
+                      'None); they get reward 0. (Warned once.)']
+
+
+def test_data_config_columns_from_a_mapping():
+  assert DataConfig(columns={'question': 'prompt', 'sol': 'answer'}).columns == (
+      'question:prompt,sol:answer')
+  with pytest.raises(ConfigError, match='data.eval_fraction must be in'):
+    DataConfig(eval_fraction=1.0)
