@@ -31,6 +31,7 @@ import jax
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import rewards
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
@@ -153,17 +154,19 @@ def check_model_source(hf_path: str) -> None:
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
-                  reward_funcs=None):
+                  reward_funcs=None, metric=None):
   """Mesh, task (or your data: ``data.train``/``train_dataset``), tokenizer (saved to
   workdir/tokenizer), model and metric writer of a run, checked against the mesh and against the
   workdir's checkpoints (stage.check_resume) before any weight is read or anything compiles.
   ``train_dataset``/``eval_dataset`` (a list of dicts, a ``datasets.Dataset`` or a path) and
   ``reward_funcs`` (callables, (callable, weight) pairs or import strings) override
-  ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``).
-  -> (RunContext, initial params)."""
+  ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``);
+  ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
   task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs)
+  if metric is None and cfg.eval.metric:
+    metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
     task.eval_examples()
     task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
@@ -195,7 +198,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
-                          writer=reporting.MetricWriter(workdir))
+                          writer=reporting.MetricWriter(workdir), eval_metric=metric)
   stage.check_resume(ctx)  # before any weight is read or any step compiles
   try:
     graphdef, params, ctx.param_shardings = context.build_model(cfg, model_cfg, mesh)
@@ -230,9 +233,9 @@ def check_workdir(workdir: str) -> None:
 
 
 def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
-        reward_funcs=None) -> dict:
+        reward_funcs=None, metric=None) -> dict:
   """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json).
-  ``train_dataset``, ``eval_dataset``, ``reward_funcs``: as :func:`build_context`.
+  ``train_dataset``, ``eval_dataset``, ``reward_funcs``, ``metric``: as :func:`build_context`.
 
   SIGTERM or SIGINT at any point checkpoints the running stage and raises
   checkpoint.Preempted; summary.json then says where the run stopped (``stopped_early``).
@@ -240,7 +243,7 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
   t0 = time.time()
   check_workdir(workdir)
   with checkpoint.PreemptionGuard() as guard:
-    ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs)
+    ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
     ctx.guard = guard
     writer, mesh = ctx.writer, ctx.mesh
     summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
@@ -311,7 +314,7 @@ class Trainer:
 
   def __init__(self, model: Optional[str] = None, reward_funcs: Optional[Sequence[Any]] = None,
                train_dataset=None, eval_dataset=None, config=None,
-               workdir: Optional[str] = None):
+               workdir: Optional[str] = None, metric=None):
     """Args:
       model: what ``model.hf_path`` takes (an HF directory, a .gguf file, pkg:<package>, a hub
         id); None: the config's (a fresh model of the ``model.*`` fields when empty).
@@ -323,6 +326,8 @@ class Trainer:
       config: a RunConfig, a ConfigDict (e.g. a config file's ``get_config()``) or a nested dict
         of settings; its ``stages`` become this trainer's stage.
       workdir: the output directory (a temporary one when None); re-using it resumes.
+      metric: metric(prompts, completions, **columns) -> one float per completion (or a dict of
+        such lists), averaged at each held-out evaluation; None: ``eval.metric``.
     """
     overrides = {'stages': self.stage}
     if model is not None:
@@ -333,12 +338,13 @@ class Trainer:
     self.config = make_config(config, **overrides)
     self.reward_funcs = reward_funcs
     self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+    self.metric = metric
     self.workdir = workdir or tempfile.mkdtemp(prefix=f'jaxrl_ga_{self.stage}_')
 
   def train(self) -> dict:
     """Trains (resuming from ``workdir``'s checkpoints); -> the run's summary (summary.json)."""
     return run(self.config, self.workdir, self.train_dataset, self.eval_dataset,
-               self.reward_funcs)
+               self.reward_funcs, self.metric)
 
 
 class GRPOTrainer(Trainer):

@@ -578,10 +578,14 @@ class EvalConfig:
     num_examples: held-out examples evaluated (0: all the task offers).
     batch_size: prompts decoded at once.
     max_completion_length: generated tokens per answer.
+    metric: 'module:function', a metric(prompts, completions, **columns) returning one float per
+      completion (or a dict of such lists) whose means each evaluation of your data reports
+      (``jaxrl_ga.trainers.evaluation``); '' none.
   """
   num_examples: int = 256
   batch_size: int = 64
   max_completion_length: int = 8
+  metric: str = ''
 
   def __post_init__(self):
     _require(self.num_examples >= 0, f'eval.num_examples must be >= 0, got {self.num_examples}.')
@@ -650,6 +654,9 @@ class GRPOConfig:
     eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
     reward_funcs: reward functions, 'module:function[=weight],...' or built-in names
       (``jaxrl_ga.rewards``); '' keeps the task's own. Required with ``data.train``.
+    completions_every: every this many rollouts, ``completions_logged`` of the rollout's prompts,
+      completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
+      (process 0's rows; 0: never).
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -661,9 +668,12 @@ class GRPOConfig:
   log_every: int = 5
   eval_every: int = 0
   reward_funcs: str = ''
+  completions_every: int = 0
+  completions_logged: int = 8
 
   def __post_init__(self):
-    _positive_int(self, 'num_steps', 'log_every', prefix='grpo.')
+    _positive_int(self, 'num_steps', 'log_every', 'completions_logged', prefix='grpo.')
+    _require(self.completions_every >= 0, 'grpo.completions_every must be >= 0 (0: never).')
     _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
 
 

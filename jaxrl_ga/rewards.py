@@ -254,10 +254,20 @@ def _from_import_string(spec: str, what: str) -> WeightedReward:
                         f'module:function=0.5.') from None
   if target in BUILTIN:
     return WeightedReward(target, BUILTIN[target], weight)
-  module_name, colon, attr = target.partition(':')
-  if not colon or not module_name or not attr:
+  if ':' not in target:
     raise ConfigError(f'{what}: {spec!r} is not "module:function[=weight]" nor a built-in reward '
                       f'({", ".join(BUILTIN)}).')
+  return WeightedReward(target.partition(':')[2], import_callable(target, what, spec), weight)
+
+
+def import_callable(target: str, what: str, spec: Optional[str] = None) -> Callable[..., Any]:
+  """The callable that the import string ``module:function`` names; ConfigError naming ``what``
+  and ``spec`` (default ``target``) when it does not import or is not callable."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  spec = target if spec is None else spec
+  module_name, colon, attr = target.strip().partition(':')
+  if not colon or not module_name or not attr:
+    raise ConfigError(f'{what}: {spec!r} is not "module:function".')
   try:
     module = importlib.import_module(module_name)
   except Exception as e:  # pylint: disable=broad-except  (ImportError, or the module's own error)
@@ -271,4 +281,4 @@ def _from_import_string(spec: str, what: str) -> WeightedReward:
   if not callable(fn):
     raise ConfigError(f'{what}: {spec!r}: {module_name}:{attr} is a {type(fn).__name__}, not a '
                       f'function; name a callable fn(prompts, completions, **columns).')
-  return WeightedReward(attr, fn, weight)
+  return fn

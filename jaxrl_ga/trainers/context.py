@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -34,6 +34,9 @@ class RunContext:
   # SIGTERM/SIGINT -> a flag for the whole run (main.run holds it); None: each stage loop holds
   # its own.
   guard: Optional[checkpoint.PreemptionGuard] = None
+  # metric(prompts, completions, **columns) of the held-out evaluation (eval.metric, or the
+  # Python API's metric=); None: none.
+  eval_metric: Optional[Callable[..., Any]] = None
 
   @property
   def is_primary(self) -> bool:
@@ -72,7 +75,7 @@ class RunContext:
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
 RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
-                      'probe_examples')
+                      'probe_examples', 'completions_every', 'completions_logged')
 
 
 def _jsonable(x):
