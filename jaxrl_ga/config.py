@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import typing
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 
 class ConfigError(ValueError):
@@ -170,7 +170,7 @@ class GRPOLossConfig:
       'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
       the per-micro-batch normalization bug, docs/design "Why per-micro-batch normalization is
       wrong"). TRL's names are accepted as aliases.
-    epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high].
+    epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high]
     delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
     beta: weight of the k3 KL estimate to the reference policy (0 disables the reference).
@@ -237,6 +237,9 @@ class OptimizerConfig:
   Attributes:
     learning_rate: peak learning rate.
     lr_schedule: 'constant', 'cosine' or 'linear' decay after warmup.
+    weight_decay: AdamW's decoupled weight decay.
+    b1, b2: AdamW's moment decay rates.
+    eps: AdamW's denominator epsilon.
     warmup_steps: linear warmup, in optimizer steps.
     total_steps: optimizer steps the decay spans (needed by 'cosine' and 'linear').
     max_grad_norm: clip the (window-normalized) gradient to this global norm; 0 disables.
@@ -416,7 +419,27 @@ class LoRAConfig:
 class ModelConfig:
   """Architecture of a Qwen2/Llama-family decoder (``models.transformer``). Field names follow
   the HF config. ``ModelSpec`` below is the run's ``model.*`` settings: these fields plus where
-  the weights come from."""
+  the weights come from.
+
+  Attributes:
+    vocab_size: token embeddings (and logits) rows.
+    hidden_size: d_model, the residual stream's width.
+    intermediate_size: the MLP's hidden width (SwiGLU).
+    num_hidden_layers: decoder layers.
+    num_attention_heads: query heads.
+    num_key_value_heads: key/value heads (grouped-query attention; divides the query heads).
+    head_dim: per-head width; None: hidden_size // num_attention_heads.
+    rope_theta: RoPE base frequency.
+    rope_scaling: RoPE scaling (Llama 3 or linear), None for none.
+    rms_norm_eps: epsilon of the RMSNorms.
+    attention_bias: q/k/v projection biases (Qwen2: True; Llama: False).
+    tie_word_embeddings: the output head reuses the token embedding matrix.
+    max_position_embeddings: the longest sequence (prompt + completion) the model takes.
+    architecture: 'qwen2' or 'llama': which HF class export writes.
+    param_dtype: 'float32' or 'bfloat16': the dtype params are stored in.
+    dtype: 'float32' or 'bfloat16': the compute dtype; logits and softmax are always float32.
+    lora: low-rank adapters on the layers' projections (rank 0: none); part of the architecture.
+  """
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -537,7 +560,12 @@ class ModelSpec(ModelConfig):
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-  """The task (prompts, answers, rewards): a name from ``jaxrl_ga.tasks`` and its options."""
+  """The task (prompts, answers, rewards): a name from ``jaxrl_ga.tasks`` and its options.
+
+  Attributes:
+    name: the task, a key of ``jaxrl_ga.tasks.TASKS`` (arithmetic, gsm8k, number_questions).
+    options: the task's config fields (config files set them with ``config.set_task``).
+  """
   name: str = 'arithmetic'
   options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -614,13 +642,17 @@ class SFTConfig:
 
   Attributes:
     num_steps: optimizer steps.
-    micro_batch_size: sequences per micro-step (global); grad_accum_steps: micro-steps per step.
+    micro_batch_size: sequences per micro-step (global).
+    grad_accum_steps: K, micro-steps per optimizer step.
     max_length: tokens per sequence (prompt + completion + eos), padded or rejected.
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
     target_accuracy: stop early once greedy accuracy on a probe set of training problems
       (never the held-out set) reaches this, checked every ``probe_every`` steps; 0 disables.
       Leaves a warm start "in the middle" whatever the seed.
+    probe_every: optimizer steps between the target_accuracy probes.
+    probe_examples: training problems in the target_accuracy probe set.
+    optimizer: AdamW, schedule and clipping of this stage.
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -652,11 +684,17 @@ class GRPOConfig:
     align_diagnostic: log the alignment of positive- and negative-advantage gradients (docs/design,
       "Implicit bias"; costs two extra backward passes per micro-step).
     eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
+    sampling: how rollouts are sampled (temperature, top_p, lengths).
+    loss: the per-token objective and its aggregation.
+    advantage: how rewards become advantages.
+    optimizer: AdamW, schedule and clipping of this stage.
+    log_every: log metrics every this many optimizer steps.
     reward_funcs: reward functions, 'module:function[=weight],...' or built-in names
       (``jaxrl_ga.rewards``); '' keeps the task's own. Required with ``data.train``.
     completions_every: every this many rollouts, ``completions_logged`` of the rollout's prompts,
       completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
       (process 0's rows; 0: never).
+    completions_logged: completions logged per logged rollout (see ``completions_every``).
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -685,10 +723,18 @@ class DPOConfig:
   incorrect one make a (chosen, rejected) pair. Reference log-probs are computed once and cached.
 
   Attributes:
-    num_steps: optimizer steps; micro_batch_size: pairs per micro-step; grad_accum_steps: K.
+    num_steps: optimizer steps.
+    micro_batch_size: pairs per micro-step (global).
+    grad_accum_steps: K, micro-steps per optimizer step.
     num_prompts: prompts sampled to build pairs.
+    samples_per_prompt: completions sampled per prompt to find a correct and an incorrect one.
+    max_length: tokens per sequence (prompt + completion).
     reference_as_chosen: when no sampled completion of a prompt is correct, pair the task's
       reference completion (chosen) with an incorrect sample (rejected).
+    sampling: how the pairs' completions are sampled.
+    loss: the DPO loss and its aggregation.
+    optimizer: AdamW, schedule and clipping of this stage.
+    log_every: log metrics every this many optimizer steps.
   """
   num_steps: int = 60
   micro_batch_size: int = 16
@@ -712,7 +758,12 @@ STAGES = ('sft', 'grpo', 'dpo')
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """A whole run: stages chained in order (e.g. ('sft', 'grpo')), each resuming from the last."""
+  """A whole run: stages chained in order (e.g. ('sft', 'grpo')), each resuming from the last.
+
+  Attributes:
+    seed: seeds the model's init, the data order and the sampler.
+    stages: comma-separated stages run in order, each starting from the last one's policy.
+  """
   seed: int = 0
   stages: tuple[str, ...] = ('sft', 'grpo')
   task: TaskSpec = TaskSpec()
@@ -761,30 +812,60 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
     raise ConfigError(f'in {prefix.rstrip(".")}: {e}') from None
 
 
+def to_config_dict(obj: Any):
+  """A dataclass instance as an ``ml_collections.ConfigDict`` of its fields (nested dataclasses
+  as nested ConfigDicts, tuples comma-joined); optional fields whose value is None become typed
+  placeholders, so that ``--config.<path>=<value>`` can set them too."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  hints = typing.get_type_hints(type(obj))
+  out = {}
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      value = to_config_dict(value)
+    elif value is None:
+      inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      value = ml_collections.config_dict.placeholder(inner[0] if inner else object)
+    elif isinstance(value, tuple):
+      value = ','.join(value)
+    elif isinstance(value, Mapping):
+      value = ml_collections.ConfigDict(dict(value))
+    out[f.name] = value
+  return ml_collections.ConfigDict(out)
+
+
 def default_config_dict():
   """RunConfig's defaults as an ``ml_collections.ConfigDict``: config files start from it, so
   every field exists and can be overridden with ``--config.<path>=<value>`` (optional fields
-  whose default is None are typed placeholders, so they can be set too)."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
+  whose default is None are typed placeholders, so they can be set too). Config files choose
+  their task with :func:`set_task`, which lists every option of that task."""
+  return to_config_dict(RunConfig())
 
-  def build(obj):
-    hints = typing.get_type_hints(type(obj))
-    out = {}
-    for f in dataclasses.fields(obj):
-      value = getattr(obj, f.name)
-      if dataclasses.is_dataclass(value):
-        value = build(value)
-      elif value is None:
-        inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-        value = ml_collections.config_dict.placeholder(inner[0] if inner else object)
-      elif isinstance(value, tuple):
-        value = ','.join(value)
-      elif isinstance(value, Mapping):
-        value = ml_collections.ConfigDict(dict(value))
-      out[f.name] = value
-    return ml_collections.ConfigDict(out)
 
-  return build(RunConfig())
+def set_task(config, name: str, **options: Any) -> None:
+  """Sets ``config.task`` to task ``name`` with every option of its config dataclass (defaults,
+  updated by ``options``), so that each can be overridden with ``--config.task.options.<field>``
+  and an unknown field is an error naming the valid ones. Raises ConfigError for an unknown task
+  or option."""
+  from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top
+  if name not in tasks.TASKS:
+    raise ConfigError(f'unknown task {name!r}; known tasks: {", ".join(sorted(tasks.TASKS))}.')
+  option_cls = tasks.TASKS[name][1]
+  known = {f.name for f in dataclasses.fields(option_cls)}
+  unknown = sorted(set(options) - known)
+  if unknown:
+    raise ConfigError(f'task {name!r} has no option(s) {", ".join(unknown)}; its options: '
+                      f'{", ".join(sorted(known))}.')
+  config.task.name = name
+  config.task.options = to_config_dict(option_cls(**options))
+
+
+def unknown_config_arg(path: str, arg: str, known: Sequence[str]) -> ConfigError:
+  """The error a config file raises for an argument (``--config=<file>:<arg>``) it does not
+  know: one line naming the ones it knows."""
+  names = ', '.join(repr(k) if k == '' else k for k in known)
+  return ConfigError(f'{os.path.basename(path)} knows no argument {arg!r}; its arguments: '
+                     f'{names} (--config={path}:<argument>).')
 
 
 def config_dirs() -> list[str]:

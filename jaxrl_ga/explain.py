@@ -29,8 +29,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jaxrl_ga import schedule
-from jaxrl_ga.config import (UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfig, from_mapping,
-                             resolve_config_argv)
+from jaxrl_ga.config import (UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfig, from_mapping)
 
 _SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduleConfig))
 
@@ -53,6 +52,8 @@ def _define_flags():
                        'least 2 periods and 12 micro-steps, 1 period if that is over 240 rows).')
   flags.DEFINE_enum('format', 'text', ['text', 'json'], 'text: the timeline; json: the table.')
   config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py).')
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  cli.define_print_config()
 
 
 FLAGS = flags.FLAGS
@@ -267,13 +268,9 @@ def main(argv):
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's parser after ``--config=configs/<name>.py`` is resolved as jaxrl_ga.main resolves it
-  (the project's installed copy when the current directory lacks it)."""
-  try:
-    return FLAGS(resolve_config_argv(argv))
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+  """Bad flags as ``main`` reports them (jaxrl_ga.cli.parse_flags)."""
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  return cli.parse_flags(argv)
 
 
 if __name__ == '__main__':

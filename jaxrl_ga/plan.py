@@ -488,6 +488,7 @@ def public(rep: dict[str, Any]) -> dict[str, Any]:
 
 
 def _define_flags():
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py'
                                   '[:arg]); fields can be overridden with --config.<field>=...',
                                   lock_config=True)
@@ -498,6 +499,7 @@ def _define_flags():
                       'config\'s model.* fields.')
   flags.DEFINE_integer('num_slices', 1, 'Slices of the topology (multi-slice, over DCN).')
   flags.DEFINE_float('headroom', 0.1, 'Fraction of HBM that must stay free for a step to fit.')
+  cli.define_print_config()
 
 
 def main(argv):
@@ -526,18 +528,9 @@ def main(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, with a bad flag (or config file) as one ``error:`` line and status 2;
-  ``--config=configs/<name>.py`` is resolved as jaxrl_ga.main resolves it (the installed copy
-  when the current directory lacks it)."""
-  from jaxrl_ga.config import resolve_config_argv  # pylint: disable=g-import-not-at-top
-  try:
-    return flags.FLAGS(resolve_config_argv(argv))
-  except (flags.Error, ValueError, FileNotFoundError) as e:
-    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
-    # a config file's own exception is the message's last line
-    msg = lines[0] if len(lines) < 2 else f'{lines[0]} {lines[-1]}'
-    print(f'error: {msg}', file=sys.stderr)
-    sys.exit(2)
+  """Bad flags as ``main`` reports them (jaxrl_ga.cli.parse_flags)."""
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  return cli.parse_flags(argv)
 
 
 def run():

@@ -66,6 +66,7 @@ def load(model: str, param_dtype: str = 'float32'):
       raise ValueError(f'--model={model}: no tokenizer beside the checkpoint (WORKDIR/tokenizer).')
     graphdef, _, _ = sharding.abstract_model(cfg)
     return graphdef, params, tokenizer, f'checkpoint {src}'
+  hf.check_model_source(model, '--model')
   tokenizer = hf.load_tokenizer(model)
   _, graphdef, params = hf.load_model(model, param_dtype=param_dtype)
   return graphdef, params, tokenizer, model

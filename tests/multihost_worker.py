@@ -29,7 +29,7 @@ if nproc > 1:
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
 
@@ -38,7 +38,7 @@ _train_example = arithmetic.ArithmeticTask.train_example
 
 
 def _recording_train_example(self, index, seed):
-  if seed != main_lib.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
+  if seed != api.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
     loaded.append((int(index), int(seed)))
   return _train_example(self, index, seed)
 
@@ -75,7 +75,7 @@ d['checkpoint']['every_steps'] = 0
 # each pair on one device, on either host.
 d['grpo']['schedule']['micro_batch_size'] = 16
 try:
-  main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+  api.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
 except checkpoint.Preempted as e:  # what jaxrl_ga.main does
   print(f'stopped early at micro-step {e.micro_step}', flush=True)
   sys.exit(128 + e.signum)

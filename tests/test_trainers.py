@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import smoke_configs
 
-from jaxrl_ga import main as main_lib
+from jaxrl_ga import api
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
 
@@ -34,7 +34,7 @@ def _env():
 @pytest.mark.slow
 @pytest.mark.parametrize('name', ['sft_arith', 'grpo_arith', 'dpo_arith'])
 def test_each_config_runs_end_to_end(name, tmp_path):
-  summary = main_lib.run(_smoke(name), str(tmp_path))
+  summary = api.run(_smoke(name), str(tmp_path))
   assert 0.0 <= summary['eval/accuracy_after'] <= 1.0
   files = set(os.listdir(tmp_path))
   assert {'metrics.jsonl', 'summary.json', 'tokenizer', 'checkpoints', 'tensorboard'} <= files
@@ -89,7 +89,7 @@ def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
                                                'checkpoint.every_steps': 0, **lora})
 
   def trainer(workdir):
-    ctx, params = main_lib.build_context(cfg, str(workdir))
+    ctx, params = api.build_context(cfg, str(workdir))
     return grpo.GRPOTrainer(ctx, cfg.grpo), params
 
   t, params = trainer(tmp_path / 'a')
@@ -119,7 +119,7 @@ def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
                                                          'checkpoint.every_steps': 1})
 
   def run(workdir, n):
-    ctx, params = main_lib.build_context(cfg(n), str(workdir))
+    ctx, params = api.build_context(cfg(n), str(workdir))
     return grpo.GRPOTrainer(ctx, cfg(n).grpo).run(params)
 
   want, _ = run(tmp_path / 'one', 4)
@@ -168,11 +168,11 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
       import sys
       sys.path.insert(0, {ROOT!r})
       from tests.smoke_configs import smoke as _smoke
-      from jaxrl_ga import main as main_lib
+      from jaxrl_ga import api
       from jaxrl_ga.trainers import grpo
       cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 3,
                                                    'checkpoint.every_steps': 1}})
-      ctx, params = main_lib.build_context(cfg, sys.argv[1])
+      ctx, params = api.build_context(cfg, sys.argv[1])
       trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
       calls = []
       def fn(prompts, completions, **fields):
@@ -252,7 +252,7 @@ def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path, capsys):
   # every device holds one row and nothing is shared).
   cfg = _smoke('grpo_arith', stages='grpo',
                **{'grpo.num_steps': 2, 'grpo.schedule.micro_batch_size': 16})
-  ctx, params = main_lib.build_context(cfg, str(tmp_path))
+  ctx, params = api.build_context(cfg, str(tmp_path))
   events, steps = [], []
 
   def on_rollout(e):  # read during the call: the next learner step donates e.learner's buffers

@@ -111,7 +111,13 @@ def _gguf_module():
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str):
-  return _gguf_module().GGUFReader(path)
+  gguf = _gguf_module()
+  try:
+    return gguf.GGUFReader(path)
+  except (OSError, ValueError, IndexError, KeyError, TypeError) as e:  # not a readable GGUF
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    raise ConfigError(f'model {path}: cannot be read as a GGUF file ({first}); check that the '
+                      f'file is complete (re-download or reinstall it).') from None
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

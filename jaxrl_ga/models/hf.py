@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from typing import Any, Callable, Optional, Union
 
 from absl import logging
@@ -356,6 +357,44 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
   graphdef, shapes, axes = shd.abstract_model(cfg)
   shardings = shardings_fn(shapes, axes) if shardings_fn is not None else None
   return cfg, graphdef, load_params(model_dir, cfg, shardings=shardings)
+
+
+def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
+  """``source`` names an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name);
+  anything else (a missing path, a URL scheme, a file of another kind) is a ConfigError naming
+  ``setting`` at once, not a hub look-up or a loader's traceback."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if not source or source.startswith('pkg:'):
+    return  # pkg: is resolved (with its pip command when missing) by models.gguf
+  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
+  scheme = re.match(r'^([a-zA-Z][\w+.-]*)://', source)
+  if scheme:
+    raise ConfigError(f'{setting}={source}: {scheme.group(1)}:// is not a supported model source '
+                      f'(only the workdir may be remote); copy the model to a local directory '
+                      f'and give its path, or give {kinds}.')
+  path = os.path.expanduser(source)
+  if os.path.isdir(path):
+    if not os.path.exists(os.path.join(path, 'config.json')):
+      raise ConfigError(f'{setting}={source}: the directory has no config.json, so it is not an '
+                        f'HF model directory; give {kinds}.')
+  elif os.path.exists(path):
+    if not path.endswith('.gguf'):
+      raise ConfigError(f'{setting}={source} is a file but not a .gguf file; give {kinds}.')
+    if not os.access(path, os.R_OK):
+      raise ConfigError(f'{setting}={source}: the file is not readable (permissions).')
+  elif path.startswith(('/', '.', '~')) or not re.fullmatch(r'[\w.-]+/[\w.-]+', path):
+    raise ConfigError(f'{setting}={source}: no such directory or file; give {kinds}.')
+  else:  # a hub id: cached, or one quick look-up (not the minutes of retries of a download)
+    import huggingface_hub  # pylint: disable=g-import-not-at-top
+    if isinstance(huggingface_hub.try_to_load_from_cache(path, 'config.json'), str):
+      return
+    try:
+      huggingface_hub.model_info(path, timeout=10)
+    except Exception as e:  # pylint: disable=broad-except
+      first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+      raise ConfigError(f'{setting}={source} is no local directory or file, is not in the '
+                        f'Hugging Face cache, and the hub cannot serve it ({first}); give '
+                        f'{kinds}.') from None
 
 
 def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:
