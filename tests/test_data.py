@@ -233,3 +233,199 @@ def test_data_config_columns_from_a_mapping():
       'question:prompt,sol:answer')
   with pytest.raises(ConfigError, match='data.eval_fraction must be in'):
     DataConfig(eval_fraction=1.0)
+
+
+# -- end to end: your JSONL and reward module, through the CLI and through the Python API ---------
+USER_REWARDS = '''
+"""A user's reward module, outside the package: it logs every call to $USER_REWARD_LOG."""
+import json
+import os
+
+
+def _log(fn, prompts, completions, columns):
+  with open(os.environ['USER_REWARD_LOG'], 'a', encoding='utf-8') as f:
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+      f.write(json.dumps({'fn': fn, 'prompt': p, 'completion': c,
+                          **{k: v[i] for k, v in columns.items()}}, ensure_ascii=False) + '\\n')
+
+
+def correct(prompts, completions, answer, **columns):
+  _log('correct', prompts, completions, dict(answer=answer, **columns))
+  return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def brevity(prompts, completions, lang, **columns):
+  """Does not apply to French rows (None)."""
+  _log('brevity', prompts, completions, dict(lang=lang, **columns))
+  return [None if l == 'fr' else -len(c) / 10 for c, l in zip(completions, lang)]
+
+
+def share_with_digit(prompts, completions, **columns):
+  return [float(any(ch.isdigit() for ch in c)) for c in completions]
+'''
+
+
+def _user_rows(n, split):
+  rows = []
+  for i in range(n):
+    a, b = i % 7, (3 * i) % 5
+    lang = ('en', 'fr', 'zh')[i % 3]
+    text = {'en': f'{a}+{b}=', 'fr': f'{a}+{b} égale ?', 'zh': f'{a}加{b}等于'}[lang]
+    prompt = text if i % 2 else [{'role': 'system', 'content': 'Réponds ✓'},
+                                 {'role': 'user', 'content': text}]
+    rows.append({'prompt': prompt, 'answer': str(a + b), 'lang': lang, 'id': f'{split}{i}',
+                 'split': split})
+  return rows
+
+
+_OVERRIDES = {'stages': 'grpo', 'grpo.num_steps': 2, 'grpo.sampling.max_prompt_length': 64,
+              'grpo.sampling.max_completion_length': 4, 'eval.max_completion_length': 4,
+              'model.max_position_embeddings': 96, 'grpo.completions_every': 1,
+              'grpo.completions_logged': 16, 'checkpoint.every_steps': 0}
+
+
+def _env(tmp_path, log):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=f'{ROOT}:{tmp_path / "user"}',
+             USER_REWARD_LOG=str(log))
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'
+  return env
+
+
+def _params(workdir):
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(workdir, 'checkpoints', 'grpo')
+  stored, _, _ = checkpoint.Checkpointer(directory).restore_raw(
+      checkpoint.latest_step(directory))
+  return stored['learner']['params']
+
+
+@pytest.mark.slow
+def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
+  """A JSONL (multi-byte text; every other prompt a chat message list) and a reward module outside
+  the package: GRPO through the CLI (import strings) and through the Python API (callables) ends
+  with bitwise-equal params; the reward functions saw every completion with its row's columns;
+  completions.jsonl holds each completion with its rewards and its group advantage."""
+  import jax  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'user').mkdir()
+  (tmp_path / 'user' / 'user_rewards.py').write_text(USER_REWARDS, encoding='utf-8')
+  train, held_out = _user_rows(24, 'train'), _user_rows(6, 'eval')
+  for name, rows in (('train.jsonl', train), ('eval.jsonl', held_out)):
+    (tmp_path / name).write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
+                                 encoding='utf-8')
+  cli = subprocess.run(
+      [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
+       f'--workdir={tmp_path / "cli"}', f'--config.data.train={tmp_path / "train.jsonl"}',
+       f'--config.data.eval={tmp_path / "eval.jsonl"}',
+       '--config.grpo.reward_funcs=user_rewards:correct,user_rewards:brevity=0.5',
+       '--config.eval.metric=user_rewards:share_with_digit',
+       *[f'--config.{k}={v}' for k, v in _OVERRIDES.items()]],
+      cwd=ROOT, env=_env(tmp_path, tmp_path / 'cli.log'), capture_output=True, text=True,
+      timeout=600)
+  assert cli.returncode == 0, cli.stderr[-3000:]
+  script = textwrap.dedent(f'''
+      import json
+      import user_rewards
+      from jaxrl_ga import GRPOTrainer
+      from jaxrl_ga.config import load_config_file
+      from jaxrl_ga.api import make_config
+      config = make_config(load_config_file('configs/grpo_arith.py', 'smoke'), **{_OVERRIDES!r})
+      eval_rows = [json.loads(l) for l in open({str(tmp_path / "eval.jsonl")!r}, encoding='utf-8')]
+      trainer = GRPOTrainer(reward_funcs=[user_rewards.correct, (user_rewards.brevity, 0.5)],
+                            train_dataset={str(tmp_path / "train.jsonl")!r},
+                            eval_dataset=eval_rows, config=config,
+                            workdir={str(tmp_path / "api")!r},
+                            metric=user_rewards.share_with_digit)
+      print('SUMMARY', json.dumps(trainer.train()))
+  ''')
+  api_run = subprocess.run([sys.executable, '-c', script], cwd=ROOT,
+                           env=_env(tmp_path, tmp_path / 'api.log'), capture_output=True,
+                           text=True, timeout=600)
+  assert api_run.returncode == 0, api_run.stderr[-3000:]
+  summary = json.loads(api_run.stdout.split('SUMMARY ', 1)[1].splitlines()[0])
+
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               _params(tmp_path / 'cli'), _params(tmp_path / 'api'))
+  cli_log = [json.loads(l) for l in open(tmp_path / 'cli.log', encoding='utf-8')]
+  api_log = [json.loads(l) for l in open(tmp_path / 'api.log', encoding='utf-8')]
+  assert cli_log == api_log  # the same completions, in the same order, with the same columns
+
+  by_id = {r['id']: r for r in train + held_out}
+  for record in api_log:  # each completion came with its own row's prompt and columns
+    row = by_id[record['id']]
+    assert {k: record[k] for k in row} == row
+  per_rollout = 16  # steps_per_generation * micro_batch_size
+  train_seen = [r for r in api_log if r['split'] == 'train']
+  for fn in ('correct', 'brevity'):
+    assert len([r for r in train_seen if r['fn'] == fn]) == summary['grpo/rollouts'] * per_rollout
+    evals = [r for r in api_log if r['split'] == 'eval' and r['fn'] == fn]
+    assert sorted(r['id'] for r in evals) == sorted(2 * [r['id'] for r in held_out])  # before, after
+
+  # completions.jsonl: every completion (16 logged of 16 per rollout), its rewards, recomputed
+  # here, and its advantage: the float64 group formula over the G = 4 completions of its prompt.
+  logged = [json.loads(l) for l in open(tmp_path / 'api' / 'completions.jsonl',
+                                        encoding='utf-8')]
+  assert len(logged) == summary['grpo/rollouts'] * per_rollout
+  assert sorted((json.dumps(r['prompt']), r['completion']) for r in logged) == sorted(
+      (json.dumps(r['prompt']), r['completion']) for r in train_seen if r['fn'] == 'correct')
+  answer = {json.dumps(r['prompt'], ensure_ascii=False): r for r in train}
+  for group in (logged[i:i + 4] for i in range(0, len(logged), 4)):
+    assert len({json.dumps(r['prompt']) for r in group}) == 1
+    row = answer[json.dumps(group[0]['prompt'], ensure_ascii=False)]
+    want = []
+    for r in group:
+      correct = float(r['completion'].strip() == row['answer'])
+      brevity = None if row['lang'] == 'fr' else -len(r['completion']) / 10
+      assert r['reward/correct'] == correct
+      assert r['reward/brevity'] == (None if brevity is None else pytest.approx(brevity))
+      want.append(correct + (0.0 if brevity is None else 0.5 * brevity))
+    want = np.asarray(want, np.float64)
+    adv = (want - want.mean()) / (want.std(ddof=1) + 1e-4)
+    if np.all(want == want[0]):
+      adv = np.zeros(4)
+    np.testing.assert_allclose([r['advantage'] for r in group], adv, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose([r['reward'] for r in group], want, rtol=1e-6, atol=1e-6)
+  # The held-out evaluation: each reward's mean and the metric's, before and after.
+  assert summary['eval/accuracy_after'] is None  # no reward marks correctness
+  assert {'eval/reward/correct_after', 'eval/reward/brevity_after',
+          'eval/metric_after'} <= set(summary)
+  assert 'held-out accuracy after GRPO: n/a (no reward marks correctness)' in cli.stdout
+
+
+@pytest.mark.slow
+def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
+  """As tests/test_trainers.py's resume test, on a JSONL file with the built-in rewards: stopped
+  in the middle of a rollout and again one micro-step into the next window (data positions
+  mid-epoch: 12 training rows, 4 prompts per rollout), then resumed: the same params as an
+  uninterrupted run."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  rows = _user_rows(15, 'train')
+  for r in rows:
+    r['answer'] = f'#### {r["answer"]}'  # final_answer reads the number after ####
+  path = tmp_path / 'train.jsonl'
+  path.write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
+                  encoding='utf-8')
+  cfg = api.make_config(load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke'),
+                        **{**_OVERRIDES, 'grpo.num_steps': 3, 'data.train': str(path),
+                           'data.eval_fraction': 0.2, 'grpo.completions_every': 0,
+                           'grpo.reward_funcs': 'final_answer,answer_format=0.1,'
+                                                'length_penalty=0.5'})
+
+  def trainer(workdir):
+    ctx, params = api.build_context(cfg, str(workdir))
+    assert len(ctx.task.train) == 12 and len(ctx.task.eval_rows) == 3
+    return grpo.GRPOTrainer(ctx, cfg.grpo), params
+
+  t, params = trainer(tmp_path / 'a')
+  want, _ = t.run(params)
+  previous = 0
+  for stop in (3, 4, None):
+    t, params = trainer(tmp_path / 'b')
+    got, summary = t.run(params, stop_at_micro_step=stop)
+    assert summary['grpo/resumed_from_micro_step'] == previous
+    previous = stop
+  assert summary['grpo/rollouts'] == 5  # 20 prompts: the 12 rows, then 8 of the next epoch
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
+               want)

@@ -70,8 +70,11 @@ class Evaluator:
         correct[rows] += [float(v and ctx.task.is_correct(e, t))
                           for v, e, t in zip(valid, chunk, texts)]
         continue
-      scores = self._scores(chunk, texts)  # [nb, F], NaN: does not apply
-      scores[~valid] = np.nan
+      # Only the real rows are scored (the functions never see the padding rows).
+      real = self._scores([e for e, v in zip(chunk, valid) if v],
+                          [t for t, v in zip(texts, valid) if v])  # [n real, F], NaN: n/a
+      scores = np.full((len(rows), real.shape[1]), np.nan)
+      scores[valid] = real
       if sums is None:
         sums = np.zeros((bs, scores.shape[1]), np.float64)
         counts = np.zeros((bs, scores.shape[1]), np.float64)
