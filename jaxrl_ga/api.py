@@ -33,7 +33,7 @@ from jaxrl_ga import fileio
 from jaxrl_ga import rewards
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, RunConfig, from_mapping
+from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.models import hf
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import dpo
@@ -115,8 +115,9 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
     positions += [('dpo.max_length', cfg.dpo.max_length)]
   for setting, value, needed in needs:
     if needed > value:
-      raise ConfigError(f'{setting}={value}, but task {cfg.task.name!r} has a prompt (or SFT '
-                        f'example) of {needed} tokens; set {setting} to {needed} or more.')
+      source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
+      raise ConfigError(f'{setting}={value}, but {source} has a prompt (or SFT example) of '
+                        f'{needed} tokens; set {setting} to {needed} or more.')
   limit = model_cfg.max_position_embeddings
   for what, n in positions:
     if n > limit:
@@ -255,9 +256,13 @@ def _write_summary(workdir: str, summary: dict) -> None:
 
 # -- the Python API -------------------------------------------------------------------------------
 def make_config(config=None, **overrides) -> RunConfig:
-  """A RunConfig from ``config`` (a RunConfig, an ml_collections ConfigDict, a nested dict of
-  settings over the defaults, or None: the defaults) with dotted ``overrides`` (``{'grpo.num_steps':
-  2}``) applied. Raises ConfigError naming a bad setting."""
+  """A RunConfig from ``config`` (a config file ``'configs/grpo_smollm2.py[:arg]'``, a RunConfig,
+  an ml_collections ConfigDict, a nested dict of settings over the defaults, or None: the
+  defaults) with dotted ``overrides`` (``{'grpo.num_steps': 2}``) applied. Raises ConfigError
+  naming a bad setting."""
+  if isinstance(config, str):
+    path, _, arg = config.partition(':')
+    config = load_config_file(path, arg)
   if isinstance(config, RunConfig):
     values = dataclasses.asdict(config)
   elif config is None:
@@ -294,8 +299,9 @@ class Trainer:
         ``grpo.reward_funcs``.
       train_dataset, eval_dataset: a path or hub id (as ``data.train``), a list of dicts or a
         ``datasets.Dataset``; None: ``data.train`` / ``data.eval`` (or the built-in task).
-      config: a RunConfig, a ConfigDict (e.g. a config file's ``get_config()``) or a nested dict
-        of settings; its ``stages`` become this trainer's stage.
+      config: a config file ('configs/grpo_smollm2.py', resolved as ``--config`` is), a
+        RunConfig, a ConfigDict or a nested dict of settings (:func:`make_config`); its
+        ``stages`` become this trainer's stage.
       workdir: the output directory (a temporary one when None); re-using it resumes.
       metric: metric(prompts, completions, **columns) -> one float per completion (or a dict of
         such lists), averaged at each held-out evaluation; None: ``eval.metric``.

@@ -579,7 +579,7 @@ class DataConfig:
       directory or a hub dataset id; '' uses the built-in task ``task.name``.
     eval: the held-out rows, the same kinds; '' holds out ``eval_fraction`` of ``train``.
     train_split, eval_split: the split of a hub dataset or of a saved DatasetDict.
-    columns: renames, 'source:target,...' (e.g. 'question:prompt').
+    columns: column renames 'source:target,...', e.g. 'question:prompt'.
     eval_fraction: share of ``train`` held out (seeded) when ``eval`` is ''.
     shuffle: a seeded shuffle per epoch (False: file order).
   """

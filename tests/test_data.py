@@ -429,3 +429,26 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
   assert summary['grpo/rollouts'] == 5  # 20 prompts: the 12 rows, then 8 of the next epoch
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
                want)
+
+
+def test_gsm8k_config_documented_data_override():
+  """configs/grpo_gsm8k_tpu.py's docstring: other math rows through data.train, renamed with
+  data.columns, scored by final_answer; a GSM8K solution scores 1 against its own row."""
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  fixture = os.path.join(ROOT, 'tests', 'fixtures', 'gsm8k_tiny.jsonl')
+  cfg = api.make_config('configs/grpo_gsm8k_tpu.py', **{
+      'data.train': fixture, 'data.columns': 'question:prompt',
+      'data.eval_fraction': 0.25, 'grpo.reward_funcs': 'final_answer,answer_format=0.1',
+      'grpo.schedule.micro_batch_size': 8, 'grpo.schedule.steps_per_generation': 1})
+  task = data.build_task(cfg)
+  examples = task.eval_examples() + [task.train_example(i, 0) for i in range(len(task.train))]
+  raw = [json.loads(l) for l in open(fixture, encoding='utf-8')]
+  assert sorted(e.prompt for e in examples) == sorted(r['question'] for r in raw)
+  solutions = [e.fields['answer'] for e in examples]
+  fields = {'answer': solutions}
+  total, per_fn = R.compute_rewards(task.reward_functions(), [e.prompt for e in examples],
+                                    solutions, fields)
+  np.testing.assert_array_equal(per_fn['final_answer'], 1.0)
+  np.testing.assert_allclose(total, 1.1)
+  wrong = R.final_answer([''] * len(solutions), solutions[1:] + solutions[:1], answer=solutions)
+  assert wrong.count(1.0) < len(solutions)  # another row's solution is (mostly) wrong
