@@ -22,7 +22,6 @@ import os
 import signal
 import tempfile
 import time
-import re
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -40,7 +39,7 @@ from jaxrl_ga.trainers import dpo
 from jaxrl_ga.trainers import grpo
 from jaxrl_ga.trainers import reporting
 from jaxrl_ga.trainers import sft
-from jaxrl_ga.trainers import stage
+from jaxrl_ga.trainers import stage as stage_lib
 from jaxrl_ga.trainers import text
 
 def load_run_config(config_dict):
@@ -171,7 +170,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
                           writer=reporting.MetricWriter(workdir), eval_metric=metric)
-  stage.check_resume(ctx)  # before any weight is read or any step compiles
+  stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   try:
     graphdef, params, ctx.param_shardings = context.build_model(cfg, model_cfg, mesh)
   except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)

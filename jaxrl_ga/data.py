@@ -215,7 +215,7 @@ def prepare(rows: Sequence[Row], columns: Mapping[str, str], what: str) -> list[
     renamed = Row({columns.get(k, k): v for k, v in row.items()})
     renamed.where = row.where
     if 'prompt' not in renamed:
-      hint = (f'; rename a column with data.columns=<name>:prompt' if not columns else '')
+      hint = '; rename a column with data.columns=<name>:prompt' if not columns else ''
       raise ConfigError(f'{row.where}: no "prompt" column (columns: '
                         f'{", ".join(map(str, renamed)) or "none"}){hint}.')
     renamed['prompt'] = check_prompt(renamed['prompt'], row.where)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import traceback
 from typing import Optional
 
 from absl import app
@@ -114,6 +115,7 @@ def main(argv):
   # The library (JAX, orbax, the trainers) only after that.
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import rewards  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
     cfg = api.load_run_config(_CONFIG.value)
@@ -129,6 +131,11 @@ def main(argv):
   except (NonFiniteError, checkpoint.CheckpointUnreadableError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
+  except rewards.RewardError as e:  # a reward function's bad output, or its own exception
+    if e.__cause__ is not None:  # the user's code failed: its traceback, as Python prints it
+      traceback.print_exception(e.__cause__)
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   logging.info('done: %s', summary)
   keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']
   print('summary: ' + ', '.join(f'{k}={summary[k]:.3f}' if isinstance(summary[k], float)

@@ -31,7 +31,6 @@ A reward marks correctness when its function has ``marks_correctness = True``
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import importlib
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -93,7 +92,7 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
       arr = np.asarray([np.nan if v is None else v for v in values], np.float32).reshape(-1)
     except (TypeError, ValueError) as e:
       raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}; return '
-                        f'one float (or None) per completion.') from e
+                        f'one float (or None) per completion.') from None
     if arr.shape != (n,):
       raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
                         f'completions; return one float (or None) per completion.')

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
 import numpy as np
 import pytest
 
@@ -305,7 +306,6 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
   the package: GRPO through the CLI (import strings) and through the Python API (callables) ends
   with bitwise-equal params; the reward functions saw every completion with its row's columns;
   completions.jsonl holds each completion with its rewards and its group advantage."""
-  import jax  # pylint: disable=g-import-not-at-top
   (tmp_path / 'user').mkdir()
   (tmp_path / 'user' / 'user_rewards.py').write_text(USER_REWARDS, encoding='utf-8')
   train, held_out = _user_rows(24, 'train'), _user_rows(6, 'eval')
@@ -343,8 +343,7 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
   assert api_run.returncode == 0, api_run.stderr[-3000:]
   summary = json.loads(api_run.stdout.split('SUMMARY ', 1)[1].splitlines()[0])
 
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               _params(tmp_path / 'cli'), _params(tmp_path / 'api'))
+  helpers.assert_trees_equal(_params(tmp_path / 'cli'), _params(tmp_path / 'api'))
   cli_log = [json.loads(l) for l in open(tmp_path / 'cli.log', encoding='utf-8')]
   api_log = [json.loads(l) for l in open(tmp_path / 'api.log', encoding='utf-8')]
   assert cli_log == api_log  # the same completions, in the same order, with the same columns
@@ -397,7 +396,6 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
   in the middle of a rollout and again one micro-step into the next window (data positions
   mid-epoch: 12 training rows, 4 prompts per rollout), then resumed: the same params as an
   uninterrupted run."""
-  import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
@@ -420,15 +418,9 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
 
   t, params = trainer(tmp_path / 'a')
   want, _ = t.run(params)
-  previous = 0
-  for stop in (3, 4, None):
-    t, params = trainer(tmp_path / 'b')
-    got, summary = t.run(params, stop_at_micro_step=stop)
-    assert summary['grpo/resumed_from_micro_step'] == previous
-    previous = stop
+  got, summary = helpers.run_grpo_in_pieces(trainer, tmp_path / 'b', (3, 4), total_micro_steps=9)
   assert summary['grpo/rollouts'] == 5  # 20 prompts: the 12 rows, then 8 of the next epoch
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
-               want)
+  helpers.assert_trees_equal(got, want)
 
 
 def test_gsm8k_config_documented_data_override():
