@@ -139,7 +139,7 @@ def _jsonl_rows(text: str, source: str, what: str) -> list[Row]:
       try:
         value = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ConfigError(f'{what}={source}:{n}: invalid JSON ({e.msg} at column {e.colno}); '
+        raise ConfigError(f'{what}={source}:{n}: invalid JSON ({e.msg}: column {e.colno}); '
                           f'each line must be one JSON object.') from None
       rows.append(_row(value, f'{what}={source}:{n}', what))
   return rows
@@ -149,7 +149,7 @@ def _json_rows(text: str, source: str, what: str) -> list[Row]:
   try:
     value = json.loads(text)
   except json.JSONDecodeError as e:
-    raise ConfigError(f'{what}={source}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}).'
+    raise ConfigError(f'{what}={source}:{e.lineno}: invalid JSON ({e.msg}: column {e.colno}).'
                       ) from None
   if isinstance(value, Mapping) and value and all(isinstance(v, list) for v in value.values()):
     lengths = {len(v) for v in value.values()}  # columns: {"prompt": [...], "answer": [...]}

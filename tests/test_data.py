@@ -146,7 +146,7 @@ def test_bad_input_names_file_line_column_or_function(tmp_path):
       f'data.train={tmp_path}/nope.jsonl: no such file; give an existing .jsonl, .json, .csv or '
       '.parquet file.')
   assert _error(tmp_path, good + '{"prompt": "x",\n') == (
-      f'data.train={p}:21: invalid JSON (Expecting property name enclosed in double quotes at '
+      f'data.train={p}:21: invalid JSON (Expecting property name enclosed in double quotes: '
       'column 16); each line must be one JSON object.')
   msg = _error(tmp_path, raw=good.encode() + b'{"prompt": "caf\xe9"}\n')
   assert msg.startswith(f'data.train={p}:21: bytes that are not UTF-8')
