@@ -181,8 +181,7 @@ def _parquet_rows(data: bytes, source: str, what: str) -> list[Row]:
 
 
 def _from_datasets_object(obj, split: str, what: str, name: str = '') -> list[Row]:
-  if hasattr(obj, 'keys') and not hasattr(obj, 'column_names') or (
-      hasattr(obj, 'column_names') and isinstance(obj.column_names, Mapping)):  # DatasetDict
+  if isinstance(obj, Mapping):  # a datasets.DatasetDict: {split: Dataset}
     if split not in obj:
       raise ConfigError(f'{what}={name or "the dataset"} has splits {", ".join(obj)}, not '
                         f'{split!r}; set {what}_split.')
@@ -356,8 +355,8 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
     except (ValueError, OSError, ImportError, KeyError) as e:
       raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
                         f'{e}') from None
-    if rewards:
-      task.reward_functions = lambda *a, **k: list(rewards)
+    if rewards:  # grpo.reward_funcs replace the task's own (on this instance only)
+      task.reward_functions = lambda *unused_args, **unused_kwargs: list(rewards)
     return task
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO only for now '
