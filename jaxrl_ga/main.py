@@ -16,6 +16,8 @@ On a CPU host, glibc's malloc is first set to keep freed memory for reuse
 (``--reuse_freed_memory``, ``jaxrl_ga.host_memory``): XLA:CPU's large per-step buffers are then
 not mapped and zero-filled afresh at every step.
 Print the schedule of a config with ``python -m jaxrl_ga.explain --config=...``.
+This module is flags and printing only: building, validating and running a run are
+``jaxrl_ga.api`` (``api.run``, ``api.build_context``, ``GRPOTrainer``), the library's entry point.
 """
 
 from __future__ import annotations
