@@ -24,7 +24,7 @@ def get_config(arg: str = ''):
   c.dpo.update(num_steps=100, micro_batch_size=32, grad_accum_steps=2, num_prompts=1024,
                samples_per_prompt=8, max_length=12, log_every=10)
   c.dpo.sampling.update(max_prompt_length=8, max_completion_length=5, temperature=1.0)
-  # Plain DPO lowers the chosen likelihood too and greedy accuracy collapses here (README);
+  # Plain DPO lowers the chosen likelihood too and greedy accuracy collapses here (BENCHMARKS.md);
   # RPO's NLL term on the chosen completion (rpo_alpha) keeps it up.
   c.dpo.loss.update(loss_type='sigmoid', beta=0.1, aggregation='pair', rpo_alpha=1.0)
   c.dpo.optimizer.update(learning_rate=2e-5, max_grad_norm=1.0)

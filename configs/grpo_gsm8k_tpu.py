@@ -16,7 +16,7 @@ every 100 steps, and after. Other math rows instead of GSM8K: --config.data.trai
 solution ending in `#### <number>`; --config.data.columns=question:prompt renames) with
 --config.grpo.reward_funcs=final_answer,answer_format=0.1 (jaxrl_ga/data.py, jaxrl_ga/rewards.py).
 
-Schedule (global counts; see README): G = 8 completions per prompt, and K/S = 3/2 as in TRL
+Schedule (global counts; docs/schedule.md): G = 8 completions per prompt, and K/S = 3/2 as in TRL
 issue #5770, so every optimizer-step window of K micro-steps spans two rollouts, and only the
 slices that a newer policy trains pay for old log-probs (the slice rule):
 
@@ -40,7 +40,7 @@ update of ~learning_rate = 1e-6 rounds to zero and the policy never moves (set
 --config.model.param_dtype=bfloat16 only together with a much larger learning rate).
 
 Memory per chip, from the TPU compiler (python -m jaxrl_ga.plan, which compiles the rollout and
-learner steps for the topology without a TPU; README, "Will it fit?"): peak GiB per chip.
+learner steps for the topology without a TPU; docs/scaling.md, "Will it fit?"): peak GiB per chip.
 
   arg             topology   learner (B)        rollout     HBM
   v5e-8           v5e:2x4    4.19 (32)          2.32        16 GiB
@@ -67,7 +67,7 @@ are short: typically well under 200 tokens); a longer one stops the run with an 
 grpo.sampling.max_prompt_length. Completions: up to 512 tokens.
 
 Multi-host (v4-32): every host runs the same command (`launch/tpu.py run`, --worker=all); the
-checkpoint directory must be one that all hosts share (gs://...), see the README, "Scaling out".
+checkpoint directory must be one that all hosts share (gs://...), see docs/scaling.md.
 `--config=configs/grpo_gsm8k_tpu.py:v5e-8` is the default when no argument is given.
 """
 
@@ -106,7 +106,7 @@ _SHAPES = {
     'qwen1.5b-v5e-8': ('qwen2.5-1.5b', 1, 8, 16, 8, 12, 300, 'full', 128),
     'llama8b-v5p-8': ('llama3.1-8b', 1, 4, 16, 8, 12, 300, 'full', 128),
     # LoRA (model.lora): the base weights frozen in bfloat16, rank-64 adapters on every
-    # projection trained in float32 (README, "LoRA").
+    # projection trained in float32 (docs/lora.md).
     'lora-llama8b-v5e-8': ('llama3.1-8b', 1, 1, 16, 8, 12, 300, 'full', 128),  # tensor=8
     'lora-llama1b-v5e-1': ('llama3.2-1b', 1, 1, 8, 8, 12, 300, 'full', 128),
 }

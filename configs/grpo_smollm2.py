@@ -14,10 +14,10 @@ the chat template; the model's turn ends with ``<|im_end|>``, the tokenizer's eo
 problems are held out (48 of them scored). Untrained, greedy held-out accuracy is 70.8%: the model
 writes "7 + 8 = 15" (85% of those right) or "The answer is 12." (46% right). Reward: 'correct' only
 (``format_weight=0``: the reply may show the sum; 'format' is still logged). GRPO moves the model
-to the reliable form and the held-out sums (README, SmolLM2 section: 70.8% -> 95.8-97.9%, 3 seeds).
+to the reliable form and the held-out sums (BENCHMARKS.md, SmolLM2: 70.8% -> 95.8-97.9%, 3 seeds).
 An earlier version trained "which number is larger, a or b": it learned to say the first number,
 right on the ~47% of problems where the first was larger; 'larger' is now position-balanced
-(``number_questions``) and no GRPO setting we tried made it compare (README).
+(``number_questions``) and no GRPO setting we tried made it compare (docs/models.md).
 Stage: GRPO only (an instruct model needs no SFT warm start).
 
 Schedule: G = 8 samples per prompt, B = 16 completions per micro-step (2 prompts), K = S = 1:

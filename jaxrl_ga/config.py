@@ -164,8 +164,8 @@ class GRPOLossConfig:
   """The GRPO per-token objective and its aggregation over an optimizer-step window.
 
   Attributes:
-    aggregation: TRL 1.16's loss_type definitions over the window (README, "How exactness
-      works"): 'token' (dapo), 'sequence' (grpo: mean over every row, one with an all-zero mask
+    aggregation: TRL 1.16's loss_type definitions over the window (docs/design.md, "Loss
+      peers"): 'token' (dapo), 'sequence' (grpo: mean over every row, one with an all-zero mask
       too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row) or
       'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
       the per-micro-batch normalization bug, docs/design "Why per-micro-batch normalization is
@@ -509,7 +509,7 @@ class ModelSpec(ModelConfig):
       share of the work is divided by R. Off with advantage.order_by_advantage_sign's reordered
       rows (learner and old log-probs only).
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
-    lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (README, "LoRA").
+    lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
       checkpoint's own architecture and ignores them.
   """

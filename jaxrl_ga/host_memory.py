@@ -82,6 +82,28 @@ def accelerator_expected(pci_root: str = '/sys/bus/pci/devices') -> bool:
   return bool({TPU_PCI_VENDOR, NVIDIA_PCI_VENDOR} & pci_vendors(pci_root))
 
 
+def quiet_libtpu_env() -> None:
+  """libtpu warns about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES (and jax queries the GCE
+  metadata server) when no TPU is attached; compiling for a topology needs none of them. Set
+  before jax initialises its backends; values already set win."""
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
+  # Compiling takes no chip: let several processes (tests, plans) load libtpu at once.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+
+
+def quiet_absent_tpu(pci_root: str = '/sys/bus/pci/devices') -> bool:
+  """On a host without a TPU (none on the PCI bus, JAX_PLATFORMS unset), an installed libtpu
+  (the [test] extra brings one for ``plan``) prints warnings and a stack trace when JAX starts
+  its backends, none of which a user can act on: quiet it (:func:`quiet_libtpu_env`). Returns
+  whether it did."""
+  if os.environ.get('JAX_PLATFORMS') or TPU_PCI_VENDOR in pci_vendors(pci_root):
+    return False
+  quiet_libtpu_env()
+  return True
+
+
 def apply_flag(mode: str, pci_root: str = '/sys/bus/pci/devices') -> dict[str, bool]:
   """The CLIs' ``--reuse_freed_memory``: 'true' calls ``reuse_freed_memory()``, 'false' does
   nothing, 'auto' calls it unless ``accelerator_expected()``. Returns what it set."""

@@ -16,8 +16,8 @@ loss of the design doc's table, whatever K and wherever the micro-batch boundari
   constant            sum m*l                             B * max_completion_length
   microbatch_token    sum m*l / sum m                     1   (the K-dependent bug; docs/design)
 
-Each name means what TRL 1.16's GRPOTrainer means by its loss_type (README, "How exactness
-works"): 'token' is dapo (at K = S, where TRL's normalizer is the window's token count),
+Each name means what TRL 1.16's GRPOTrainer means by its loss_type (docs/design.md, "Loss
+peers"): 'token' is dapo (at K = S, where TRL's normalizer is the window's token count),
 'sequence' is grpo and 'constant' is dr_grpo, both counting a row whose completion mask is all
 zero (mask_truncated_completions) as a sequence, and 'microbatch_token' is bnpo (one process).
 TRL's per-micro-batch formula is applied to the whole window: normalizers are summed over the

@@ -113,6 +113,7 @@ def main(argv):
           f'--config=configs/grpo_arith.py --workdir=/tmp/grpo_arith).', file=sys.stderr)
     sys.exit(2)
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
   # The library (JAX, orbax, the trainers) only after that.
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top

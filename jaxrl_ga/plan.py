@@ -53,6 +53,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from jaxrl_ga.host_memory import quiet_libtpu_env  # pylint: disable=unused-import (plan's API)
+
 # Chip specs (public spec sheets, cloud.google.com/tpu/docs/<v4|v5e|v5p|v6e>): per-chip HBM, peak
 # bf16 flop/s, HBM bandwidth (bytes/s). Keyed by the jax device_kind.
 CHIPS = {
@@ -69,17 +71,6 @@ STEP_KEYS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'peak_bytes', 'flop
 NOTE = ('Compiler numbers and estimates, not a measurement: memory from the TPU compiler\'s '
         'memory analysis; flops from the model\'s shapes; times from a roofline of the chip\'s '
         'published peaks (an upper bound on speed, so MFU is an upper bound).')
-
-
-def quiet_libtpu_env() -> None:
-  """libtpu warns about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES (and jax queries the GCE
-  metadata server) when no TPU is attached; compiling for a topology needs none of them. Set
-  before jax initialises its backends; values already set win."""
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-8')
-  # Compiling takes no chip: let several processes (tests, plans) load libtpu at once.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 
 
 def topology_devices(topology: str, num_slices: int = 1):

@@ -109,6 +109,7 @@ def main(argv):
     print(f'error: --{name}={getattr(f, name)} {why}.', file=sys.stderr)
     sys.exit(2)
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(f.reuse_freed_memory)  # before JAX's backend starts its threads
   try:
     graphdef, params, tokenizer, what = load(f.model, f.param_dtype)

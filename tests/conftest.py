@@ -49,7 +49,7 @@ def fake_pci(tmp_path):
   """fake_pci(['0x8086', '0x1ae0']) -> the root of a fake PCI bus (/sys/bus/pci/devices) with a
   device of each vendor id."""
   def make(vendors):
-    root = tmp_path / 'pci'
+    root = tmp_path / f'pci{len(list(tmp_path.glob("pci*")))}'
     for i, v in enumerate(vendors):
       d = root / f'0000:00:{i:02x}.0'
       d.mkdir(parents=True)

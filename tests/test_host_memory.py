@@ -97,3 +97,23 @@ def test_true_and_false_override_auto(fake_pci, applied):
   assert len(applied) == 1
   with pytest.raises(ValueError, match='reuse_freed_memory'):
     host_memory.apply_flag('maybe')
+
+
+def test_an_installed_libtpu_is_quiet_on_a_host_without_a_tpu(fake_pci):
+  """main and sample start JAX with no libtpu warnings (and no stack trace) on a CPU host, as a
+  user runs them after the [test] extra installed libtpu; on a TPU VM nothing is changed."""
+  env = dict(os.environ)
+  env.pop('JAX_PLATFORMS', None)
+  for key in ('TPU_SKIP_MDS_QUERY', 'TPU_WORKER_HOSTNAMES', 'TPU_ACCELERATOR_TYPE'):
+    env.pop(key, None)
+  code = ('import os, sys; from jaxrl_ga import host_memory; '
+          'print(host_memory.quiet_absent_tpu(sys.argv[1])); import jax; jax.devices(); '
+          'print(os.environ.get("TPU_SKIP_MDS_QUERY"))')
+  cpu_host = subprocess.run([sys.executable, '-c', code, fake_pci(['0x8086'])], env=env,
+                            capture_output=True, text=True, timeout=120, check=True)
+  assert cpu_host.stdout.split() == ['True', '1']
+  assert 'TPU' not in cpu_host.stderr and 'Source Location Trace' not in cpu_host.stderr
+  tpu_vm = subprocess.run([sys.executable, '-c', code.replace('import jax; jax.devices(); ', ''),
+                           fake_pci(['0x8086', '0x1ae0'])], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+  assert tpu_vm.stdout.split() == ['False', 'None']

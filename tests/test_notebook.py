@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, 'notebooks', 'colab_demo.ipynb')
 KERNEL_NAME = 'jaxrl-ga-test'
-# The README's second example (TRL PR #3493's diagram): K = 4 is not a multiple of S*mu = 3.
+# docs/schedule.md's second example (TRL PR #3493's diagram): K = 4 is not a multiple of S*mu = 3.
 EXPLAIN = dict(micro_batch_size=6, num_generations=2, steps_per_generation=3, num_iterations=1,
                grad_accum_steps=4)
 BUG_KS, BUG_SPREADS = (1, 2, 8), (0, 4, 16)
