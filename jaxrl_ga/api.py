@@ -81,11 +81,18 @@ def validate_rollout_chunks(cfg) -> None:
 LENGTH_CHECK_STREAM = 7907
 
 
+# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this.
+LENGTH_CHECK_ROWS = 20000
+
+
 def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
-  """Before any stage runs: the prompts (a sample of the training stream, the held-out set) fit
-  each stage's length settings, and the longest sequence fits model.max_position_embeddings."""
+  """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
+  your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
+  sequence fits model.max_position_embeddings."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
+  if isinstance(task, data.DataTask):
+    probe = min(task.num_train(), LENGTH_CHECK_ROWS)
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]

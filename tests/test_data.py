@@ -444,3 +444,25 @@ def test_gsm8k_config_documented_data_override():
   np.testing.assert_allclose(total, 1.1)
   wrong = R.final_answer([''] * len(solutions), solutions[1:] + solutions[:1], answer=solutions)
   assert wrong.count(1.0) < len(solutions)  # another row's solution is (mostly) wrong
+
+
+def test_every_row_is_length_checked_before_anything_compiles(tmp_path):
+  """One long prompt among 2000 rows (a probe of 256 would likely miss it): the run stops in
+  build_context (before the model is built or anything compiles), naming the setting and the
+  length needed."""
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': f'{i % 10}+1=', 'answer': '1'} for i in range(1999)]
+  rows.append({'prompt': 'x' * 80, 'answer': '1'})
+  path = tmp_path / 'train.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows), encoding='utf-8')
+  cfg = api.make_config(load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke'),
+                        **{**_OVERRIDES, 'data.train': str(path), 'data.eval_fraction': 0.001,
+                           'grpo.reward_funcs': 'final_answer'})
+  with pytest.raises(ConfigError) as e:
+    api.build_context(cfg, str(tmp_path / 'wd'))
+  # 'user: ' + 80 characters + '\nassistant: ' through the plain chat template: 98 tokens.
+  assert str(e.value) == ('grpo.sampling.max_prompt_length=64, but data.train/data.eval has a '
+                          'prompt (or SFT example) of 98 tokens; set '
+                          'grpo.sampling.max_prompt_length to 98 or more.')
+  assert not (tmp_path / 'wd' / 'checkpoints').exists()
