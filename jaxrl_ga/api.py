@@ -42,6 +42,7 @@ from jaxrl_ga.trainers import sft
 from jaxrl_ga.trainers import stage as stage_lib
 from jaxrl_ga.trainers import text
 
+
 def load_run_config(config_dict):
   """ConfigDict -> validated RunConfig (raises ConfigError)."""
   return from_mapping(RunConfig, config_dict.to_dict())
@@ -258,8 +259,6 @@ def _write_summary(workdir: str, summary: dict) -> None:
                       json.dumps(summary, indent=2, sort_keys=True))
 
 
-
-
 # -- the Python API -------------------------------------------------------------------------------
 def make_config(config=None, **overrides) -> RunConfig:
   """A RunConfig from ``config`` (a config file ``'configs/grpo_smollm2.py[:arg]'``, a RunConfig,
@@ -308,13 +307,16 @@ class Trainer:
       config: a config file ('configs/grpo_smollm2.py', resolved as ``--config`` is), a
         RunConfig, a ConfigDict or a nested dict of settings (:func:`make_config`); its
         ``stages`` become this trainer's stage.
-      workdir: the output directory (a temporary one when None); re-using it resumes.
+      workdir: the output directory (a temporary one when None: give one on several hosts);
+        re-using it resumes.
       metric: metric(prompts, completions, **columns) -> one float per completion (or a dict of
         such lists), averaged at each held-out evaluation; None: ``eval.metric``.
     """
     overrides = {'stages': self.stage}
     if model is not None:
       overrides['model.hf_path'] = model
+    if isinstance(reward_funcs, str):
+      reward_funcs = [reward_funcs]
     if reward_funcs is not None and all(isinstance(r, str) for r in reward_funcs):
       overrides['grpo.reward_funcs'] = ','.join(reward_funcs)  # in the checkpoints' fingerprint
       reward_funcs = None

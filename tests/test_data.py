@@ -466,3 +466,23 @@ def test_every_row_is_length_checked_before_anything_compiles(tmp_path):
                           'prompt (or SFT example) of 98 tokens; set '
                           'grpo.sampling.max_prompt_length to 98 or more.')
   assert not (tmp_path / 'wd' / 'checkpoints').exists()
+
+
+def test_trainer_arguments_become_the_run_config():
+  from jaxrl_ga import DPOTrainer, GRPOTrainer  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  t = GRPOTrainer(model='org/model', reward_funcs='final_answer,length_penalty=0.5',
+                  config={'seed': 3, 'stages': 'sft,grpo', 'grpo': {'num_steps': 7}},
+                  workdir='/tmp/unused')
+  cfg = t.config
+  assert (cfg.stages, cfg.seed, cfg.grpo.num_steps, cfg.model.hf_path) == (
+      ('grpo',), 3, 7, 'org/model')
+  assert cfg.grpo.reward_funcs == 'final_answer,length_penalty=0.5' and t.reward_funcs is None
+  fn = lambda p, c, **k: [0.0] * len(c)  # noqa: E731
+  t = GRPOTrainer(reward_funcs=[fn, 'final_answer'], config='configs/grpo_arith.py:smoke')
+  assert t.reward_funcs == [fn, 'final_answer'] and t.config.grpo.reward_funcs == ''
+  assert t.config.grpo.num_steps == 4 and os.path.isdir(t.workdir)  # the file's smoke variant
+  assert DPOTrainer(config=cfg).config.stages == ('dpo',)
+  assert api.make_config(cfg) == cfg  # a RunConfig round-trips
+  with pytest.raises(ConfigError, match=r'grpo\.num_stepz'):
+    api.make_config(None, **{'grpo.num_stepz': 1})
