@@ -278,6 +278,6 @@ def import_callable(target: str, what: str, spec: Optional[str] = None) -> Calla
       raise ConfigError(f'{what}: {spec!r}: module {module_name!r} has no {attr!r}.')
     fn = getattr(fn, part)
   if not callable(fn):
-    raise ConfigError(f'{what}: {spec!r}: {module_name}:{attr} is a {type(fn).__name__}, not a '
-                      f'function; name a callable fn(prompts, completions, **columns).')
+    raise ConfigError(f'{what}: {spec!r}: {module_name}:{attr} is not callable (type '
+                      f'{type(fn).__name__}); name a function fn(prompts, completions, **columns).')
   return fn

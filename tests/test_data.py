@@ -188,8 +188,8 @@ def test_reward_import_strings(tmp_path, monkeypatch):
                                         r"PYTHONPATH."):
     R.resolve('broken_rewards_mod:f')
   with pytest.raises(ConfigError, match=r"'user_rewards_mod:NOT_A_FUNCTION': "
-                                        r"user_rewards_mod:NOT_A_FUNCTION is a int, not a "
-                                        r"function"):
+                                        r"user_rewards_mod:NOT_A_FUNCTION is not callable \(type "
+                                        r"int\); name a function"):
     R.resolve('user_rewards_mod:NOT_A_FUNCTION')
   with pytest.raises(ConfigError, match=r"module 'user_rewards_mod' has no 'exakt'"):
     R.resolve('user_rewards_mod:exakt')
