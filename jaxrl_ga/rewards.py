@@ -96,7 +96,7 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
     if arr.shape != (n,):
       raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
                         f'completions; return one float (or None) per completion.')
-    none = np.array([v is None for v in values])
+    none = np.array([v is None for v in values], bool)  # bool also when there are none
     bad = np.flatnonzero(~np.isfinite(arr) & ~none)
     if bad.size:
       raise RewardError(

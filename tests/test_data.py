@@ -225,6 +225,10 @@ def test_none_means_does_not_apply(monkeypatch):
   np.testing.assert_array_equal(total, np.float32([2.5, 3.0, 0.0]))
   np.testing.assert_array_equal(per_fn['a'], np.float32([1.0, np.nan, np.nan]))
   R.compute_rewards([a, b], ['p'] * 3, ['x', 'y', 'z'])
+  # No completions (a process without held-out rows): empty arrays, no error.
+  each = R.WeightedReward('each', lambda p, c, **k: [None for _ in c])
+  total, per_fn = R.compute_rewards([each], [], [])
+  assert total.shape == per_fn['each'].shape == (0,)
   assert warnings == ['no reward function applies to 1 of 3 completions (every one returned '
                       'None); they get reward 0. (Warned once.)']
 

@@ -54,6 +54,7 @@ class Evaluator:
     correct = np.zeros(bs, np.float32)
     sums: Optional[np.ndarray] = None  # [bs, F] sums and counts of the scores that applied
     counts: Optional[np.ndarray] = None
+    error = None  # a reward or metric that failed here: the others must still reach the gathers
     for start in range(0, len(self.examples), bs):
       if ctx.guard is not None and ctx.guard.should_stop:  # a long evaluation is interruptible
         raise checkpoint.Preempted('', -1, ctx.guard.signal_received)
@@ -70,9 +71,14 @@ class Evaluator:
         correct[rows] += [float(v and ctx.task.is_correct(e, t))
                           for v, e, t in zip(valid, chunk, texts)]
         continue
-      # Only the real rows are scored (the functions never see the padding rows).
-      real = self._scores([e for e, v in zip(chunk, valid) if v],
-                          [t for t, v in zip(texts, valid) if v])  # [n real, F], NaN: n/a
+      if error is not None:
+        continue  # generation is collective: this process keeps taking part, scoring nothing
+      try:  # only the real rows are scored (the functions never see the padding rows)
+        real = self._scores([e for e, v in zip(chunk, valid) if v],
+                            [t for t, v in zip(texts, valid) if v])  # [n real, F], NaN: n/a
+      except rewards_lib.RewardError as e:
+        error = e
+        continue
       scores = np.full((len(rows), real.shape[1]), np.nan)
       scores[valid] = real
       if sums is None:
@@ -83,8 +89,19 @@ class Evaluator:
       if self.marked is not None:
         correct[rows] += valid & (np.nan_to_num(scores[:, self._names.index(
             f'reward/{self.marked}')]) > 0)
-    local = [correct[rows, None]] + ([] if sums is None else [sums[rows], counts[rows]])
-    total = placement.gather_rows(np.concatenate(local, 1), rows, bs, ctx.mesh).sum(0)
+    # First the accuracy and whether scoring failed anywhere (every process reaches this gather,
+    # and raises after it if any failed), then the score sums, whose width all then agree on.
+    failed = np.full(bs, 0.0 if error is None else jax.process_index() + 1.0)
+    first = placement.gather_rows(np.stack([correct, failed], 1)[rows], rows, bs, ctx.mesh)
+    if error is not None:
+      raise error
+    hosts = sorted({int(p) - 1 for p in np.unique(first[:, 1]) if p})
+    if hosts:
+      raise rewards_lib.RewardError(
+          f'a reward or metric failed in the held-out evaluation on process(es) {hosts} (their '
+          f'log has the error); every process stops.')
+    total = np.concatenate([first[:, :1]] + ([] if sums is None else [placement.gather_rows(
+        np.concatenate([sums, counts], 1)[rows], rows, bs, ctx.mesh)]), 1).sum(0)
     size = max(len(self.examples), 1)
     results: dict[str, Any] = {'accuracy': float(total[0]) / size}
     if sums is not None:
@@ -98,7 +115,8 @@ class Evaluator:
   def _scores(self, examples, texts) -> np.ndarray:
     """[N, F] per-completion scores: each reward, then the metric's values."""
     prompts = [e.prompt for e in examples]
-    fields = task_base.reward_fields(examples)
+    # No rows here (on one of several processes): the functions still get every column, empty.
+    fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
     names, columns = [], []
     if self.rewards:
       _, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)
