@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from typing import Any, Mapping, Optional, Sequence
@@ -32,6 +33,7 @@ from jaxrl_ga import fileio
 from jaxrl_ga import rewards
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
+from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.models import hf
 from jaxrl_ga.trainers import context
@@ -221,7 +223,8 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
   """
   t0 = time.time()
   check_workdir(workdir)
-  with checkpoint.PreemptionGuard() as guard:
+  # One run per workdir (held until summary.json is written), before any other work.
+  with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
     ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
     ctx.guard = guard
     writer, mesh = ctx.writer, ctx.mesh
@@ -244,12 +247,12 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
       _write_summary(workdir, summary)
       raise
     finally:
-      writer.close()
-  if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
-    summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
-  summary['stopped_early'] = False
-  summary['wall_time_s'] = time.time() - t0
-  _write_summary(workdir, summary)
+      writer.close(quiet=sys.exc_info()[0] is not None)  # not hiding the error on its way out
+    if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
+      summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
+    summary['stopped_early'] = False
+    summary['wall_time_s'] = time.time() - t0
+    _write_summary(workdir, summary)
   return summary
 
 

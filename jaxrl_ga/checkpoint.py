@@ -29,10 +29,14 @@ same step: ask it at the same point of the loop on every process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import json
+import logging as py_logging
+import os
 import signal
+import sys
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -53,6 +57,10 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointUnreadableError(RuntimeError):
   """No checkpoint of a directory can be read."""
+
+
+class CheckpointWriteError(fileio.WriteError):
+  """Writing a checkpoint failed (e.g. a full disk); the complete ones before it are intact."""
 
 
 class Preempted(Exception):
@@ -145,14 +153,19 @@ class Checkpointer:
   """Saves and restores (state pytree, JSON meta) under ``directory``; keeps the last N."""
 
   def __init__(self, directory, *, max_to_keep: int = 3, fingerprint: Optional[dict] = None,
-               async_save: bool = True):
-    """fingerprint: JSON-able dict that must match at restore (e.g. the model config)."""
+               async_save: bool = True, read_only: bool = False):
+    """fingerprint: JSON-able dict that must match at restore (e.g. the model config).
+    read_only: only read (export, sample): create nothing, and leave a save in flight
+    (``<step>.orbax-checkpoint-tmp``) and a cut-short replacement alone, since a run may be
+    writing this directory right now."""
     self.directory = fileio.path(directory)
     self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
     self._async = async_save
+    self._writing: Optional[int] = None  # the step of the save in flight
+    _install_quiet_unraisable()
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=True,
-        cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+        preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=not read_only,
+        cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
     registry = ocp.DefaultCheckpointHandlerRegistry()  # lets a new process read both items
     for item, handler, save_args, restore_args in (
         ('state', ocp.StandardCheckpointHandler(), ocp.args.StandardSave, ocp.args.StandardRestore),
@@ -163,7 +176,8 @@ class Checkpointer:
                                           handler_registry=registry)
     self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
     atexit.register(self._wait_at_exit)
-    self._recover_replaced()
+    if not read_only:
+      self._recover_replaced()
 
   def _recover_replaced(self) -> None:
     """Undoes a ``save(replace=True)`` cut short: ``<step>.replaced`` comes back as ``<step>``
@@ -228,15 +242,38 @@ class Checkpointer:
       raise ValueError(f'cannot save step {step} in {self.directory}: it holds a newer step '
                        f'{latest}. Steps must increase within a run directory.')
     record = _to_json({'fingerprint': self.fingerprint, 'meta': meta or {}}, 'meta')
-    self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
+    self.wait()  # a failure of the save before this one is reported as that step's
+    self._writing = step
+    with self._write_errors():
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)))
     logging.info('Saving checkpoint step %d to %s%s.', step, self.directory,
                  ' (in the background)' if self._async else '')
     return True
 
   def wait(self):
-    """Blocks until every started save is complete and durable (raises if one failed)."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save is complete and durable; raises CheckpointWriteError
+    (once) if one failed."""
+    with self._write_errors():
+      self._manager.wait_until_finished()
+    self._writing = None
+
+  @contextlib.contextmanager
+  def _write_errors(self):
+    """orbax's error for the write of checkpoint ``self._writing`` -> one CheckpointWriteError
+    line naming it, the reason (e.g. No space left on device) and the newest complete step."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      step, self._writing = self._writing, None
+      if step is None:
+        raise
+      global _WRITE_FAILED
+      _WRITE_FAILED = True
+      steps = all_steps(self.directory)
+      kept = (f'; the checkpoints before it are intact (the newest: step {steps[-1]})' if steps
+              else '')
+      raise CheckpointWriteError(self.directory / str(step), e, note=kept) from e
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state on the shardings of ``abstract_state``, meta) of checkpoint ``step``.
@@ -356,7 +393,48 @@ class Checkpointer:
 def _wait_if_alive(ref: weakref.ref):
   ckpt = ref()
   if ckpt is not None:
-    ckpt.wait()
+    try:
+      ckpt.wait()
+    except CheckpointWriteError as e:  # at exit: one line, not an atexit traceback
+      logging.error('%s', e)
+
+
+class _QuietFailedSave(py_logging.Filter):
+  """Unless --verbose (absl verbosity INFO or more): drops orbax's ERROR records (a failed save
+  logs its traceback from several background threads; the error reaches the main thread, where
+  Checkpointer.wait / save report it in one line), and after a failed write the asyncio records
+  of the futures orbax left behind."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if logging.get_verbosity() >= logging.INFO or record.levelno < py_logging.ERROR:
+      return True
+    if f'{os.sep}orbax{os.sep}' in record.pathname:
+      return False
+    return not (_WRITE_FAILED and record.name == 'asyncio'
+                and 'never retrieved' in record.getMessage())
+
+
+_WRITE_FAILED = False  # a checkpoint write of this process failed (set by _write_errors)
+_QUIET = _QuietFailedSave()
+for _name in ('absl', 'asyncio'):
+  py_logging.getLogger(_name).addFilter(_QUIET)
+
+
+def _quiet_unraisable(hook):
+  """sys.unraisablehook, unless --verbose without the 'Event loop is closed' errors of
+  tensorstore callbacks that complete after orbax closed the event loop of a failed save."""
+  def filtered(unraisable):
+    if (logging.get_verbosity() >= logging.INFO
+        or not isinstance(unraisable.exc_value, RuntimeError)
+        or str(unraisable.exc_value) != 'Event loop is closed'):
+      hook(unraisable)
+  filtered.jaxrl_ga_quiet = True
+  return filtered
+
+
+def _install_quiet_unraisable() -> None:
+  if not getattr(sys.unraisablehook, 'jaxrl_ga_quiet', False):
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
 
 _SYNC_POINT_CALLS = itertools.count(1)  # the preemption service's step ids, this process

@@ -82,7 +82,7 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   step = steps[-1] if step is None else step
   if step not in steps:
     raise FileNotFoundError(f'no step {step} in {path}; available steps: {steps}.')
-  state, _, fingerprint = checkpoint.Checkpointer(path).restore_raw(step)
+  state, _, fingerprint = checkpoint.Checkpointer(path, read_only=True).restore_raw(step)
   if 'model' not in fingerprint:
     raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
                      f'by jaxrl_ga.main?')
@@ -116,7 +116,7 @@ def base_params(cfg, fingerprint: dict) -> dict:
 def _model_source(step_dir: str) -> str | None:
   """model.hf_path of the run that wrote checkpoint ``step_dir`` (DIR/STEP), or None."""
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir)).read_record(
+  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir), read_only=True).read_record(
       int(os.path.basename(step_dir)))
   return fingerprint.get('model_source') or None
 
@@ -142,7 +142,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   """
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio, lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   out_dir = os.path.abspath(out_dir)
   check_out_dir(out_dir, overwrite)
@@ -153,13 +153,16 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
   if cfg.lora.rank:
     if adapter_out:
-      lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
+      with fileio.writing(adapter_out):
+        lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
     params, cfg = lora.merged(params, cfg)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
+  with fileio.writing(out_dir):
+    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
   try:
-    hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
+    with fileio.writing(out_dir):  # a full disk: one line naming out_dir, which stays as it was
+      hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
@@ -182,10 +185,17 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  cli.warnings_only_unless_asked()  # no orbax INFO lines (--verbosity=0 brings them)
+  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:
     src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite,
                             f.adapter_out)
+  except fileio.WriteError as e:  # a full disk: --out is left as it was
+    print(f'error: {e}; --out={f.out} is unchanged. Free space, then run the export again.',
+          file=sys.stderr)
+    sys.exit(1)
   except (FileNotFoundError, ValueError, PermissionError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

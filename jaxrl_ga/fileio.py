@@ -11,20 +11,62 @@ by itself. Object stores cannot append: ``TextAppender`` buffers lines and, at m
 operation appends server-side (``gcsfs.GCSFileSystem.merge``; see
 https://cloud.google.com/storage/docs/composite-objects), so each flush uploads only the new
 lines, never the whole file.
+
+A write that fails (a full disk, a quota, a lost mount) raises ``WriteError``, whose message
+names the path; an atomic write leaves the old content, and ``TextAppender`` leaves no part of
+the line it could not append.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import tempfile
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Optional
 
 from etils import epath
 import fsspec
 import numpy as np
+
+
+def os_error_code(error: BaseException) -> Optional[int]:
+  """The OS error number of a failed write: an OSError's, or the one a library puts in its
+  message (tensorstore: ``[os_error_code='28']``, safetensors: ``(os error 28)``)."""
+  if isinstance(error, OSError) and error.errno:
+    return error.errno
+  found = re.search(r"os_error_code='?(\d+)|os error (\d+)", str(error))
+  return int(found.group(1) or found.group(2)) if found else None
+
+
+class WriteError(OSError):
+  """Writing ``path`` failed: 'cannot write <path>: <reason><note>', the reason being the OS's
+  (e.g. No space left on device) when ``os_error_code`` finds it."""
+
+  def __init__(self, path, cause: BaseException, note: str = ''):
+    code = os_error_code(cause)
+    text = str(cause).strip()
+    reason = (os.strerror(code) if code else
+              text.splitlines()[0][:200] if text else type(cause).__name__)
+    super().__init__(f'cannot write {os.fspath(path)}: {reason}{note}')
+    self.errno, self.path = code, os.fspath(path)
+
+
+@contextlib.contextmanager
+def writing(p):
+  """An OSError inside, or a library's error carrying an OS error number, becomes a WriteError
+  naming ``p`` (one already naming its path passes)."""
+  try:
+    yield
+  except WriteError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if not isinstance(e, OSError) and os_error_code(e) is None:
+      raise
+    raise WriteError(p, e) from e
 
 
 def is_remote(path) -> bool:
@@ -42,7 +84,8 @@ def join(*parts) -> str:
 
 
 def makedirs(p) -> None:
-  path(p).mkdir(parents=True, exist_ok=True)
+  with writing(p):
+    path(p).mkdir(parents=True, exist_ok=True)
 
 
 def exists(p) -> bool:
@@ -52,15 +95,17 @@ def exists(p) -> bool:
 def write_bytes(p, data: bytes) -> None:
   """Writes ``p`` whole and atomically (readers see the old or the new content)."""
   target = path(p)
-  target.parent.mkdir(parents=True, exist_ok=True)
+  makedirs(target.parent)
   if is_remote(p):
-    target.write_bytes(data)
+    with writing(p):
+      target.write_bytes(data)
     return
   tmp = os.fspath(target.parent / f'.{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp')
   try:
-    with open(tmp, 'xb') as f:  # the umask's permissions, as a plain open() gives
-      f.write(data)
-    os.replace(tmp, os.fspath(target))
+    with writing(p):
+      with open(tmp, 'xb') as f:  # the umask's permissions, as a plain open() gives
+        f.write(data)
+      os.replace(tmp, os.fspath(target))
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
@@ -76,8 +121,8 @@ def read_text(p) -> str:
 
 
 class TextAppender:
-  """Appends to a text file: an open file locally (flushed at every write), a composed object in
-  a bucket.
+  """Appends to a text file: an open file locally (each line written through at once; a line
+  that cannot be written whole is cut off again), a composed object in a bucket.
 
   In a bucket, writes are buffered and flushed when ``flush_every_s`` seconds have passed since
   the last flush (checked at each write), and by ``flush`` / ``close``. A flush uploads the
@@ -101,12 +146,23 @@ class TextAppender:
         self._fs = None
     else:
       makedirs(os.path.dirname(os.path.abspath(p)))
-      self._file = open(p, 'a', encoding='utf-8')
+      with writing(p):
+        self._file = open(p, 'ab', buffering=0)  # unbuffered: nothing is left to flush later
 
   def write(self, text: str) -> None:
     if self._file is not None:
-      self._file.write(text)
-      self._file.flush()
+      with writing(self._path):
+        end = self._file.seek(0, os.SEEK_END)
+        data = memoryview(text.encode('utf-8'))
+        try:
+          while data:
+            data = data[self._file.write(data):]
+        except OSError:
+          try:  # a full disk: no half line stays behind to merge with the next one
+            self._file.truncate(end)
+          except OSError:
+            pass
+          raise
       return
     self._pending.append(text)
     if time.monotonic() - self._last_flush >= self._flush_every_s:
@@ -115,12 +171,16 @@ class TextAppender:
   def flush(self) -> None:
     """Makes every line written so far visible in the file."""
     if self._file is not None:
-      self._file.flush()
       return
     self._last_flush = time.monotonic()
     if not self._pending:
       return
     data = ''.join(self._pending).encode('utf-8')
+    with writing(self._path):
+      self._append_remote(data)
+    self._pending.clear()
+
+  def _append_remote(self, data: bytes) -> None:
     if not exists(self._path):
       write_bytes(self._path, data)
     elif hasattr(self._fs, 'merge'):  # gcsfs: Cloud Storage's compose
@@ -134,7 +194,6 @@ class TextAppender:
         path(part).unlink(missing_ok=True)
     else:
       write_bytes(self._path, path(self._path).read_bytes() + data)
-    self._pending.clear()
 
   def close(self) -> None:
     if self._file is not None:
@@ -158,7 +217,8 @@ def save_directory(p, save: Callable[[str], None]) -> None:
   """``save(local_dir)`` (e.g. a tokenizer's save_pretrained), then its files into ``p``."""
   if not is_remote(p):
     makedirs(p)
-    save(os.fspath(path(p)))
+    with writing(p):
+      save(os.fspath(path(p)))
     return
   with tempfile.TemporaryDirectory() as tmp:
     save(tmp)

@@ -10,6 +10,9 @@ compiled; an invalid one prints ``error: ...`` naming the setting and exits with
 Outputs in --workdir (a local path, or gs://bucket/dir with the [tpu] extra): metrics.jsonl,
 tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
 Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
+One run at a time per workdir: a run holds WORKDIR/run.lock (jaxrl_ga.workdir_lock), and a second
+one started there stops at once naming the holder. A failed write (a full disk) stops the run with
+one line naming the file; the checkpoints before it are intact and the same command resumes.
 The console shows progress, evaluations, warnings and a summary; --verbose adds the INFO log
 lines of orbax, JAX and absl.
 On a CPU host, glibc's malloc is first set to keep freed memory for reuse
@@ -118,6 +121,7 @@ def main(argv):
   # The library (JAX, orbax, the trainers) only after that.
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import rewards  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
@@ -139,6 +143,10 @@ def main(argv):
       traceback.print_exception(e.__cause__)
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
+  except fileio.WriteError as e:  # a full disk, a quota, a lost mount
+    print(f'error: {e}. Free space (or fix the storage), then re-run the same command: it '
+          f'resumes from the last complete checkpoint.', file=sys.stderr)
+    sys.exit(1)
   logging.info('done: %s', summary)
   keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']
   print('summary: ' + ', '.join(f'{k}={summary[k]:.3f}' if isinstance(summary[k], float)

@@ -3,9 +3,20 @@
 The reference in each test is computed independently of the accumulation machinery: the window's
 micro-batches are concatenated and the window loss is written out from the design doc's table
 (per-token objective, then token / sequence / constant normalization over the whole window),
-differentiated in one pass, clipped, and applied with a plain optax AdamW.
+differentiated in one pass, clipped (or not, as the optimizer config says), and applied with a
+plain optax AdamW.
+
+What is compared at every optimizer step (``_applied_grad_err``): the gradient the learner applied,
+read from AdamW's first moment (b1 = 0), against the one-pass gradient. Clipping is off in all but
+one case (``CLIPPED``), so the first moment is the window-normalized accumulated gradient itself,
+linear in it: a wrong scale (a wrong denominator, a factor K) shows, which a clip to a fixed norm
+would hide. The learner's ``grad_norm`` output (before clipping) against the one-pass gradient's
+norm; the ``loss`` output against the one-pass loss; the param update against optax's AdamW. The
+state's structure (what trains, what the optimizer state holds) is checked before any step.
+tests/mutants.py lists the bugs these tests are known to catch and checks that they do.
 """
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,23 +33,62 @@ from jaxrl_ga.models import transformer as tfm
 MODEL = tfm.ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
 TP, TC = 5, 6  # prompt and completion lengths
-# b1=0 makes Adam's first moment the applied (normalized, clipped) gradient itself.
-OPT = OptimizerConfig(learning_rate=3e-3, b1=0.0, b2=0.99, max_grad_norm=0.05)
+# b1=0 makes Adam's first moment the applied (normalized, clipped) gradient itself; with clipping
+# off it is linear in the accumulated gradient.
+OPT = OptimizerConfig(learning_rate=3e-3, b1=0.0, b2=0.99, max_grad_norm=0.0)
+# The clipped case: 0.05 is under every window gradient's norm here, so the clip acts, and it must
+# scale by the one-pass gradient's norm (normalize, then clip).
+CLIPPED = dataclasses.replace(OPT, max_grad_norm=0.05)
 
 
 def _mesh(shape):
   return sharding.make_mesh(MeshConfig(*shape), jax.devices()[:int(np.prod(shape))])
 
 
+def _norm(tree):
+  """Global norm, summed in float64."""
+  return np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+
+
 def _rel_err(a, b):
-  num = np.sqrt(sum(np.sum((np.asarray(x) - np.asarray(y)) ** 2)
-                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
-  den = np.sqrt(sum(np.sum(np.asarray(y) ** 2) for y in jax.tree.leaves(b)))
-  return num / den
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  return _norm(jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y), a, b)) / (
+      _norm(b))
 
 
 def _applied_grad(state):
   return optax.tree.get(state.opt_state.inner_opt_state, 'mu')
+
+
+def _reference_optimizer(opt: OptimizerConfig):
+  """optax's clip (if on) and AdamW, on the one-pass gradient."""
+  clip = [optax.clip_by_global_norm(opt.max_grad_norm)] if opt.max_grad_norm else []
+  return optax.chain(*clip, optax.adamw(opt.learning_rate, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                                        weight_decay=opt.weight_decay))
+
+
+def _check_state(state, params):
+  """Structure first: the state trains exactly ``params`` (tree and dtypes), and the MultiSteps
+  accumulator and AdamW's moments have the same tree, in float32."""
+  tree = jax.tree.structure(params)
+  assert jax.tree.structure(state.params) == tree
+  for x, p in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+    assert x.shape == p.shape and x.dtype == p.dtype
+  for moment in (state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu'),
+                 optax.tree.get(state.opt_state, 'nu')):
+    assert jax.tree.structure(moment) == tree
+    assert {x.dtype for x in jax.tree.leaves(moment)} == {jnp.dtype('float32')}
+
+
+def _applied_grad_err(state, g, opt: OptimizerConfig) -> float:
+  """The relative error of the gradient the learner applied at its last optimizer step (AdamW's
+  first moment) against the one-pass gradient ``g``, clipped by g's own norm in the clipped case
+  (where the clip must act)."""
+  if opt.max_grad_norm:
+    norm = _norm(g)
+    assert norm > opt.max_grad_norm, 'the clipped case must clip'
+    g = jax.tree.map(lambda x: x * (opt.max_grad_norm / norm), g)
+  return _rel_err(_applied_grad(state), g)
 
 
 def _rollout(rng, n, group=1):
@@ -86,13 +136,16 @@ def _ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
 
 
 def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt_steps,
-              model=MODEL, trainable=None, keep=None, scan_layers=True, share_prompts=False):
+              model=MODEL, trainable=None, check_state=None, scan_layers=True,
+              share_prompts=False, opt=OPT):
   """Drives the learner through the schedule with table-driven old log-probs; checks every
-  optimizer step against the one-pass reference. Returns the max relative errors.
+  optimizer step against the one-pass reference. Returns the max relative errors of the applied
+  gradient and of the param update; asserts the loss and grad_norm outputs on the way.
 
   ``trainable(params, shardings)`` -> ((params, frozen), (shardings, frozen shardings)): train
-  part of the params (LoRA: the adapters, tests/test_lora.py); ``keep`` (a dict) receives the
-  final state and the frozen params. ``scan_layers``: the learner's layers scanned or unrolled
+  part of the params (LoRA: the adapters, tests/test_lora.py); ``check_state(state, frozen)``
+  runs on the initial state, after ``_check_state`` and before any step, and on the final state.
+  ``opt``: OPT (clipping off) or CLIPPED. ``scan_layers``: the learner's layers scanned or unrolled
   (model.scan_layers); the reference's forward always scans. ``share_prompts``: the rollouts'
   G completions share a prompt and the learner and the old-log-prob pass run each prompt once
   per ``rollout.prompt_share`` rows (model.share_prompt_prefix); the reference's forward
@@ -105,7 +158,7 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
   share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(mesh), share_prompts)
   assert share_prompts == (share > 1)
   task = learner_lib.grpo_task_loss(loss_cfg, TC, scan_layers=scan_layers, share_prompts=share)
-  lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
+  lrn = learner_lib.Learner(graphdef, task, opt, mesh, shardings,
                             optimizer_every=sched.optimizer_every, frozen_shardings=frozen_sh)
   table = schedule.build_table(sched)
   rng = np.random.default_rng(1)
@@ -115,9 +168,7 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
       b['completion_tokens'], b['completion_mask'], share_prompts=share)[0])
   ref_loss_fn = lambda p, b: _ref_grpo_window_loss(graphdef, tfm.combine(p, frozen), b, loss_cfg)
   ref_grad_fn = jax.jit(jax.grad(ref_loss_fn))
-  ref_opt = optax.chain(optax.clip_by_global_norm(OPT.max_grad_norm),
-                        optax.adamw(OPT.learning_rate, b1=OPT.b1, b2=OPT.b2, eps=OPT.eps,
-                                    weight_decay=OPT.weight_decay))
+  ref_opt = _reference_optimizer(opt)
   ref_state = ref_opt.init(params)
 
   b, s_, e = sched.micro_batch_size, sched.steps_per_generation, sched.micro_steps_per_rollout
@@ -140,6 +191,9 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
     mb = {kk: bsh(v) for kk, v in mb.items()}
     if state is None:
       state = lrn.init(params, mb, frozen)
+      _check_state(state, params)
+      if check_state is not None:
+        check_state(state, frozen)
     if s % k == 0:
       theta = jax.device_get(state.params)
       window = []
@@ -149,35 +203,36 @@ def _run_grpo(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt
     if (s + 1) % k == 0:
       full = {kk: np.concatenate([np.asarray(w[kk]) for w in window]) for kk in window[0]}
       g = ref_grad_fn(theta, full)
-      clipped, _ = optax.clip_by_global_norm(OPT.max_grad_norm).update(g, optax.EmptyState())
-      grad_errs.append(_rel_err(_applied_grad(state), clipped))
+      grad_errs.append(_applied_grad_err(state, g, opt))
       upd, ref_state = ref_opt.update(g, ref_state, theta)
       want = optax.apply_updates(theta, upd)
       delta = jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, theta)
       want_delta = jax.tree.map(lambda a, b: np.asarray(a) - b, want, theta)
       param_errs.append(_rel_err(delta, want_delta))
-      # The window's loss metric is the one-pass window loss.
+      # The window's loss and grad_norm metrics are the one-pass loss and gradient norm.
       ref_loss = ref_loss_fn(theta, full)
       np.testing.assert_allclose(float(out['loss']), float(ref_loss), rtol=1e-5, atol=1e-7)
-  if keep is not None:
-    keep.update(state=state, frozen=frozen)
+      np.testing.assert_allclose(float(out['grad_norm']), _norm(g), rtol=1e-5)
+  if check_state is not None:
+    check_state(state, frozen)
   return max(grad_errs), max(param_errs)
 
 
-@pytest.mark.parametrize('aggregation,ksm,mesh', [
-    ('token', (3, 2, 1), (1, 1, 1)),     # a window spans two rollouts
-    ('token', (3, 2, 1), (2, 2, 2)),     # ... sharded over 8 devices
-    ('sequence', (3, 2, 1), (2, 2, 2)),
-    ('constant', (4, 3, 1), (2, 2, 2)),  # TRL PR #3493's example
-    ('sequence', (2, 2, 2), (1, 1, 1)),  # aligned, two iterations: every slice on-policy
-    ('constant', (3, 1, 2), (1, 1, 1)),  # two iterations, off-policy second passes
-])
-def test_grpo_accumulation_is_exact(aggregation, ksm, mesh, compile_log):
+@pytest.mark.parametrize('aggregation,ksm,mesh,opt', [
+    ('token', (3, 2, 1), (1, 1, 1), OPT),      # a window spans two rollouts
+    ('token', (3, 2, 1), (2, 2, 2), CLIPPED),  # ... sharded over 8 devices, clipped
+    ('sequence', (3, 2, 1), (2, 2, 2), OPT),
+    ('constant', (4, 3, 1), (2, 2, 2), OPT),   # TRL PR #3493's example
+    ('sequence', (2, 2, 2), (1, 1, 1), OPT),   # aligned, two iterations: every slice on-policy
+    ('constant', (3, 1, 2), (1, 1, 1), OPT),   # two iterations, off-policy second passes
+], ids=['token-1dev', 'token-8dev-clipped', 'sequence-8dev', 'constant-8dev', 'sequence-aligned',
+        'constant-iterations'])
+def test_grpo_accumulation_is_exact(aggregation, ksm, mesh, opt, compile_log):
   k, s, mu = ksm
   sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=s,
                          num_iterations=mu, grad_accum_steps=k)
   grad_err, param_err = _run_grpo(sched, GRPOLossConfig(aggregation=aggregation), mesh,
-                                  n_opt_steps=2)
+                                  n_opt_steps=2, opt=opt)
   assert compile_log.count('_micro_step') == 1  # one compile over the whole run
   assert grad_err <= 1e-5
   assert param_err <= 1e-5

@@ -1,10 +1,12 @@
 """SFT and DPO exactness, the per-micro-batch normalization bug, non-finite skipping, sequential
-mode, the alignment diagnostic. References are one-pass computations written out in the test."""
+mode, the alignment diagnostic. References are one-pass computations written out in the test,
+compared as in tests/test_learner.py: clipping off (OPT), so the applied gradient is linear in the
+accumulated one; the learner's grad_norm and loss outputs; the state's structure before any step.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from jaxrl_ga import learner as learner_lib
@@ -12,7 +14,8 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
 
-from test_learner import MODEL, OPT, TC, TP, _applied_grad, _mesh, _rel_err, _rollout
+from test_learner import (CLIPPED, MODEL, OPT, TC, TP, _applied_grad_err, _check_state, _mesh,
+                          _norm, _rel_err, _rollout)
 
 T = 8  # SFT / DPO sequence length
 
@@ -63,7 +66,9 @@ def _ref_dpo(cfg):
 
 def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, opt=OPT,
          update_mode='accumulate'):
-  """Feeds k*n_steps micro-batches; returns per-window (applied grad error, metrics, outs)."""
+  """Feeds k*n_steps micro-batches; checks the state's structure first. -> (the applied
+  gradient's relative error per window, the window outputs with the one-pass loss and gradient
+  norm as 'ref_loss' and 'ref_grad_norm', the learner, the final state)."""
   mesh = _mesh(mesh_shape)
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
@@ -81,6 +86,7 @@ def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, op
     dev = {kk: bsh(v) for kk, v in mb.items()}
     if state is None:
       state = lrn.init(params, dev)
+      _check_state(state, params)
     if s % window_every == 0:
       theta, window = jax.device_get(state.params), []
     window.append(mb)
@@ -88,9 +94,8 @@ def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, op
     if bool(out['stepped']):
       full = {kk: np.concatenate([w[kk] for w in window]) for kk in window[0]}
       loss, g = ref_grad(theta, full)
-      clipped, _ = optax.clip_by_global_norm(opt.max_grad_norm).update(g, optax.EmptyState())
-      errs.append(_rel_err(_applied_grad(state), clipped))
-      outs.append(jax.device_get(out) | {'ref_loss': float(loss)})
+      errs.append(_applied_grad_err(state, g, opt))
+      outs.append(jax.device_get(out) | {'ref_loss': float(loss), 'ref_grad_norm': _norm(g)})
   return errs, outs, lrn, state
 
 
@@ -98,8 +103,9 @@ def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, op
 def test_sft_accumulation_is_exact(k, mesh):
   errs, outs, _, _ = _run(learner_lib.sft_task_loss(), _ref_sft,
                           lambda rng, s: _sft_batch(rng, 4), k, mesh_shape=mesh)
-  assert max(errs) <= 1e-5
+  assert max(errs) <= 1e-5, errs
   for o in outs:
+    np.testing.assert_allclose(o['grad_norm'], o['ref_grad_norm'], rtol=1e-5)
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)
 
 
@@ -109,8 +115,9 @@ def test_dpo_accumulation_is_exact(aggregation, mesh):
   cfg = DPOLossConfig(aggregation=aggregation)
   errs, outs, _, _ = _run(learner_lib.dpo_task_loss(cfg), _ref_dpo(cfg),
                           lambda rng, s: _dpo_batch(rng, 4), 3, mesh_shape=mesh)
-  assert max(errs) <= 1e-5
+  assert max(errs) <= 1e-5, errs
   for o in outs:
+    np.testing.assert_allclose(o['grad_norm'], o['ref_grad_norm'], rtol=1e-5)
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)
 
 
@@ -195,6 +202,8 @@ def test_sequential_mode_steps_every_micro_batch_with_scaled_lr():
       n_steps=1, update_mode='sequential')
   assert len(outs) == k  # one optimizer step per micro-batch
   assert max(errs) <= 1e-5  # each step is exact for its own micro-batch
+  for o in outs:
+    np.testing.assert_allclose(o['grad_norm'], o['ref_grad_norm'], rtol=1e-5)
   np.testing.assert_allclose(outs[0]['learning_rate'], OPT.learning_rate / np.sqrt(k), rtol=1e-6)
 
 
@@ -237,7 +246,7 @@ def test_alignment_diagnostic_matches_direct_computation():
 def test_lazy_inner_optimizer_keeps_multisteps_semantics(k):
   """lazy_inner=True (the inner optimizer runs only when a step fires, without MultiSteps'
   selects) ends in the same state, bit for bit, as plain optax.MultiSteps, a skipped non-finite
-  window included; K=1 fires at every micro-step (no cond)."""
+  window included, the clip in the inner chain; K=1 fires at every micro-step (no cond)."""
   mesh = _mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
@@ -248,8 +257,8 @@ def test_lazy_inner_optimizer_keeps_multisteps_semantics(k):
   batches[4]['advantages'][0] = np.nan
   finals = []
   for lazy in (True, False):
-    lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
-                              mesh, shardings, optimizer_every=sched.optimizer_every,
+    lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC),
+                              CLIPPED, mesh, shardings, optimizer_every=sched.optimizer_every,
                               lazy_inner=lazy)
     state = lrn.init(params, batches[0])
     for b in batches:

@@ -121,32 +121,37 @@ def _adapters_of(params, shardings):
 @pytest.mark.parametrize('mesh,base_dtype', [((1, 1, 1), 'bfloat16'), ((2, 2, 2), 'float32')])
 def test_accumulated_adapter_update_is_exact(mesh, base_dtype, compile_log):
   """On 1 device with the base stored in bfloat16, on 8 (data, fsdp, tensor = 2, 2, 2) in
-  float32; the adapters, their accumulator and AdamW moments are float32 either way."""
+  float32; the adapters, their accumulator and AdamW moments are float32 either way. The state's
+  structure is checked on the initial state, before any numeric check, and on the final one."""
   sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
                          grad_accum_steps=3)  # a window spans two rollouts
   model = lora.with_lora(dataclasses.replace(MODEL, param_dtype=base_dtype), LORA)
-  keep = {}
+  adapter_keys = {f'{t}_proj_lora_{ab}' for t in LORA.targets for ab in 'ab'}
+
+  def check_state(state, base):
+    # The state (params, AdamW moments, MultiSteps accumulator) holds the adapters only: no bias,
+    # norm or base weight trains (MODEL has q/k/v biases).
+    assert set(state.params) == {'layers'}, sorted(state.params)
+    assert set(state.params['layers']) == adapter_keys, sorted(state.params['layers'])
+    for tree in (state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu'),
+                 optax.tree.get(state.opt_state, 'nu')):
+      assert jax.tree.structure(tree) == jax.tree.structure(state.params)
+    # Bytes: params, accumulator, mu and nu of the adapters, and scalars (counters, window sums).
+    adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    other = sum(x.nbytes for x in jax.tree.leaves(state)) - 4 * adapter_bytes
+    assert 0 <= other < 1024, other
+    assert not ({x.shape for x in jax.tree.leaves(base)}
+                & {x.shape for x in jax.tree.leaves(state)})
+    assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(base_dtype)}
+    for tree in (state.params, state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu')):
+      assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype('float32')}
+
   grad_err, upd_err = _run_grpo(sched, GRPOLossConfig(aggregation='token'), mesh, n_opt_steps=2,
-                                model=model, trainable=_adapters_of, keep=keep)
-  state, base = keep['state'], keep['frozen']
+                                model=model, trainable=_adapters_of, check_state=check_state)
   print(f'mesh {mesh}, base {base_dtype}: max relative error of the applied gradient '
         f'{grad_err:.2e}, of the adapter update {upd_err:.2e}')
   assert compile_log.count('_micro_step') == 1
   assert grad_err <= 1e-5 and upd_err <= 1e-5, (grad_err, upd_err)
-  # The state (params, AdamW moments, MultiSteps accumulator) holds the adapters only.
-  adapter_keys = {f'{t}_proj_lora_{ab}' for t in LORA.targets for ab in 'ab'}
-  assert set(state.params) == {'layers'} and set(state.params['layers']) == adapter_keys
-  for tree in (state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu'),
-               optax.tree.get(state.opt_state, 'nu')):
-    assert jax.tree.structure(tree) == jax.tree.structure(state.params)
-  # Bytes: params, accumulator, mu and nu of the adapters, and scalars (counters, window sums).
-  adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
-  other = sum(x.nbytes for x in jax.tree.leaves(state)) - 4 * adapter_bytes
-  assert 0 <= other < 1024, other
-  assert not {x.shape for x in jax.tree.leaves(base)} & {x.shape for x in jax.tree.leaves(state)}
-  assert {x.dtype for x in jax.tree.leaves(base)} == {jnp.dtype(base_dtype)}
-  for tree in (state.params, state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu')):
-    assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype('float32')}
 
 
 @pytest.mark.slow

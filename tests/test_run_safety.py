@@ -163,3 +163,14 @@ def test_export_refuses_a_non_empty_directory_and_replaces_it_whole(finished_run
     f.truncate(1000)
   with pytest.raises(ValueError, match=f'{out}/model.safetensors: not a readable safetensors'):
     hf.load_params(str(out), hf.model_config_from_hf(str(out)))
+
+
+def test_export_and_sample_consoles_hold_only_their_result(finished_run, tmp_path):
+  """No orbax INFO lines (nor anything else) around the result a user asked for."""
+  ckpts = str(finished_run / 'checkpoints' / 'grpo')
+  done = subprocess.run([sys.executable, '-m', 'jaxrl_ga.export', f'--checkpoint={ckpts}',
+                         f'--out={tmp_path / "hf"}'], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == f'exported {ckpts}/6 to {tmp_path / "hf"}'
+  assert not [l for l in done.stderr.splitlines() if l.strip()], done.stderr[-3000:]

@@ -29,7 +29,8 @@ class MetricWriter:
       self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
       self._jsonl = fileio.TextAppender(self._jsonl_path)
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-      self._tb = SummaryWriter(fileio.join(workdir, 'tensorboard'))
+      self._tb_path = fileio.join(workdir, 'tensorboard')
+      self._tb = SummaryWriter(self._tb_path)
 
   def write(self, phase: str, step: int, metrics: dict[str, Any]):
     if not self._active:
@@ -70,7 +71,9 @@ class MetricWriter:
       phases = {stage, f'{stage}_eval', f'{stage}_probe'}
       lines = fileio.read_text(path).splitlines(keepends=True)
       keep = [l for l in lines if not _logged_after(l, phases, step)]
-      if len(keep) != len(lines):
+      if keep and not keep[-1].endswith('\n'):  # a whole last row whose newline was cut
+        keep[-1] += '\n'
+      if keep != lines:
         fileio.write_text(path, ''.join(keep))
     finally:
       self._jsonl = fileio.TextAppender(path)
@@ -79,12 +82,21 @@ class MetricWriter:
     logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
                  len(lines) - len(keep), stage, step)
 
-  def close(self):
-    if self._active:
+  def close(self, quiet: bool = False):
+    """Flushes and closes both files; a failed write raises fileio.WriteError, or with ``quiet``
+    (an error is already on its way out, e.g. the full disk's) is logged at INFO."""
+    if not self._active:
+      return
+    try:
       self._jsonl.close()
-      self._tb.close()
       if self._completions is not None:
         self._completions.close()
+      with fileio.writing(self._tb_path):
+        self._tb.close()
+    except fileio.WriteError as e:
+      if not quiet:
+        raise
+      logging.info('%s', e)
 
 
 def _cell(value) -> str:
@@ -92,11 +104,12 @@ def _cell(value) -> str:
   text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
   return text.replace('|', '\\|').replace('\n', '\\n')
 
+
 def _logged_after(line: str, phases: set[str], step: int) -> bool:
   try:
     row = json.loads(line)
   except json.JSONDecodeError:
-    return not line.strip()  # a row cut short by a kill goes too
+    return True  # a row cut short by a kill (or a blank line) goes too
   return row.get('phase') in phases and int(row.get('step', 0)) > step
 
 def _to_float(v) -> Optional[float]:

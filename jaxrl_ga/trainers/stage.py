@@ -241,7 +241,10 @@ class StageLoop:
         if self._own_guard:
           self._guard.__exit__(exc_type, exc, tb)
       finally:
-        wait_quietly(self.ckpt)
+        if exc_type is None:
+          self.ckpt.wait()  # a failed write is this way out's error
+        else:
+          wait_quietly(self.ckpt)
 
 
 def _check_finite(stage: str, pending, limit: int) -> None:
@@ -263,8 +266,8 @@ def wait_quietly(ckpt) -> None:
   instead of hiding the error that is on its way out."""
   try:
     ckpt.wait()
-  except Exception:  # pylint: disable=broad-except
-    logging.exception('a checkpoint write failed')
+  except Exception as e:  # pylint: disable=broad-except
+    logging.error('a checkpoint write failed as well: %s', e)
 
 
 def evaluate_or_save(ctx, ckpt, state, meta: dict[str, Any], evaluate) -> float:

@@ -1,0 +1,211 @@
+"""One run per workdir: ``<workdir>/run.lock``, held while a run writes there.
+
+A second run started on a workdir that a live run holds stops at once with one line naming the
+holder (host and pid). A lock left behind by a process that no longer runs on this host (killed
+with SIGKILL, a machine that lost power) is taken over with a warning. A holder on another host
+cannot be checked from here: the message names the file to delete once that run is gone.
+
+The file holds JSON naming its holder: ``{"host", "pid", "start", "since"}`` (``start``: the
+process's start time in clock ticks after boot, from /proc, so that a pid that was reused by
+another process does not count as the holder).
+
+- Local workdir: the file is also ``flock``-ed for the run's lifetime, so two runs starting at
+  the same moment cannot both win, and the kernel releases it however the process ends. On a
+  filesystem without flock, the JSON check alone decides.
+- Bucket (``gs://...``): object stores have no locks; the record is read, and written when absent
+  or stale. Best effort: two runs started within the same second can both pass.
+- Several processes (jax.distributed): process 0 decides and broadcasts its decision, so every
+  process of the job stops, or goes on, together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+from absl import logging
+
+from jaxrl_ga import fileio
+from jaxrl_ga.config import ConfigError
+
+LOCK_NAME = 'run.lock'
+_MESSAGE_BYTES = 2048  # the decision broadcast to every process: '' (go) or the error line
+
+
+def _process_start(pid: int) -> Optional[int]:
+  """The start time of ``pid`` (clock ticks after boot, /proc/<pid>/stat field 22), or None."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
+      return int(f.read().rsplit(')', 1)[1].split()[19])
+  except (OSError, IndexError, ValueError):
+    return None
+
+
+def _own_record() -> dict:
+  return {'host': socket.gethostname(), 'pid': os.getpid(), 'start': _process_start(os.getpid()),
+          'since': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+
+
+def _is_stale(holder: dict) -> bool:
+  """True if the holder ran on this host and its process is gone (or its pid is another's)."""
+  if holder.get('host') != socket.gethostname():
+    return False  # another host: cannot be checked
+  pid = holder.get('pid')
+  if not isinstance(pid, int) or pid <= 0:
+    return True
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except PermissionError:
+    pass  # alive, another user's
+  start = holder.get('start')
+  return start is not None and _process_start(pid) not in (None, start)
+
+
+def _parse(text: str) -> Optional[dict]:
+  try:
+    holder = json.loads(text)
+  except ValueError:
+    return None
+  return holder if isinstance(holder, dict) else None
+
+
+def _held_error(workdir: str, lock_path: str, holder: Optional[dict]) -> ConfigError:
+  if holder is None:
+    who = 'another run that is starting'
+  else:
+    who = (f'another run (host {holder.get("host")}, pid {holder.get("pid")}, since '
+           f'{holder.get("since")})')
+  hint = ''
+  if holder is not None and holder.get('host') != socket.gethostname():
+    hint = f' If that run is no longer running, delete {lock_path}.'
+  return ConfigError(f'--workdir={workdir} is in use by {who}: wait for it to end, or give '
+                     f'another --workdir.{hint}')
+
+
+class WorkdirLock:
+  """The held lock of one workdir (process 0's); ``release()`` frees it."""
+
+  def __init__(self, workdir: str):
+    self.workdir = workdir
+    self.path = fileio.join(workdir, LOCK_NAME)
+    self._fd: Optional[int] = None
+    self._record = _own_record()
+
+  def acquire(self) -> WorkdirLock:
+    """Takes the lock or raises ConfigError naming its live holder."""
+    fileio.makedirs(self.workdir)
+    if fileio.is_remote(self.path):
+      self._take(_parse(fileio.read_text(self.path)) if fileio.exists(self.path) else None)
+      return self
+    try:
+      fd = self._open_locked()
+    except OSError as e:
+      raise fileio.WriteError(self.path, e) from None
+    self._fd = fd
+    try:
+      self._take(_parse(os.pread(fd, 4096, 0).decode('utf-8', 'replace')))
+    except BaseException:
+      self._fd = None
+      os.close(fd)
+      raise
+    return self
+
+  def _open_locked(self) -> int:
+    """The lock file's descriptor, flock-ed (ConfigError if another process holds it)."""
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # no flock here
+          logging.warning('%s: the filesystem has no flock; only the holder\'s record decides.',
+                          self.path)
+        else:
+          holder = _parse(os.pread(fd, 4096, 0).decode('utf-8', 'replace'))
+          os.close(fd)
+          raise _held_error(self.workdir, self.path, holder) from None
+      try:  # the previous holder unlinks the file at release: lock the file the path names
+        if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+          return fd
+      except FileNotFoundError:
+        pass
+      os.close(fd)
+
+  def _take(self, holder: Optional[dict]) -> None:
+    """Writes this process's record over no record (an empty or unreadable file) or a stale
+    one; raises ConfigError for a live holder."""
+    if holder is not None:
+      if not _is_stale(holder):
+        raise _held_error(self.workdir, self.path, holder)
+      logging.warning('--workdir=%s: taking over the lock of a run that is no longer running '
+                      '(host %s, pid %s, since %s).', self.workdir, holder.get('host'),
+                      holder.get('pid'), holder.get('since'))
+    data = json.dumps(self._record).encode('utf-8')
+    if self._fd is None:
+      fileio.write_bytes(self.path, data)
+      return
+    try:
+      os.ftruncate(self._fd, 0)
+      os.pwrite(self._fd, data, 0)
+    except OSError as e:
+      raise fileio.WriteError(self.path, e) from None
+
+  def release(self) -> None:
+    """Removes the lock file if it is still this run's record, and unlocks it."""
+    try:
+      if self._fd is None:
+        if fileio.exists(self.path) and _parse(fileio.read_text(self.path)) == self._record:
+          fileio.path(self.path).unlink(missing_ok=True)
+        return
+      try:
+        if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+          os.unlink(self.path)
+      except FileNotFoundError:
+        pass
+      finally:
+        os.close(self._fd)
+        self._fd = None
+    except OSError as e:  # a lost mount at exit: the next run finds the record stale
+      logging.warning('could not release %s: %s', self.path, e)
+
+
+def acquire_for_job(workdir: str) -> Optional[WorkdirLock]:
+  """Process 0 takes the workdir's lock; every process raises the same ConfigError if it cannot
+  (a live holder, or the lock cannot be written). -> the lock on process 0, None elsewhere."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  lock, error = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = WorkdirLock(workdir).acquire()
+    except (ConfigError, OSError) as e:
+      error = e
+  if jax.process_count() > 1:  # one decision for the job
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    text = str(error).encode('utf-8')[:_MESSAGE_BYTES] if error else b''
+    sent = np.frombuffer(text.ljust(_MESSAGE_BYTES, b'\0'), np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(sent)).tobytes().rstrip(b'\0')
+    if got and error is None:
+      error = ConfigError(got.decode('utf-8', 'replace'))
+  if error is not None:
+    raise error
+  return lock
+
+
+@contextlib.contextmanager
+def held(workdir: str):
+  """acquire_for_job(workdir), released on the way out (errors and SIGTERM's Preempted too)."""
+  lock = acquire_for_job(workdir)
+  try:
+    yield lock
+  finally:
+    if lock is not None:
+      lock.release()

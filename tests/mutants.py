@@ -1,0 +1,152 @@
+"""The bugs the exactness tests are known to catch, and the check that they still do.
+
+Each mutant is one bug put into a scratch copy of the repository (the code is never changed in
+place); the tests listed with it must fail on that copy. Run it when the exactness tests, or the
+code they cover, change (minutes per mutant; from the repository root):
+
+  python tests/mutants.py                        # every mutant
+  python tests/mutants.py last_microbatch_denominator
+
+It prints, per mutant, the module the tests imported (the copy's) and for each listed test its
+failure message, and exits 1 if a listed test passed on the mutant. Which tests catch what:
+
+  last_microbatch_denominator  the optimizer step divides the window's summed gradient by the last
+      micro-batch's normalizer instead of the window's (a K-fold wrong step). Caught by the
+      unclipped cases of test_grpo_accumulation_is_exact, test_accumulated_adapter_update_is_exact
+      (LoRA), test_sft_accumulation_is_exact (K=3) and test_dpo_accumulation_is_exact: the applied
+      gradient (AdamW's first moment, clipping off) is off by the ratio of the normalizers. The
+      clipped case cannot see it (the clip sets the norm), nor K=1 (the last micro-batch is the
+      window).
+  applied_gradient_times_k  the summed gradient is multiplied by K before the inner optimizer
+      (MultiSteps' use_grad_mean taken the wrong way round). Caught by the same tests, through the
+      applied gradient.
+  grad_norm_last_microbatch  the grad_norm output divides by the last micro-batch's normalizer.
+      Caught by every K > 1 exactness test through its grad_norm assertion (the clipped case too).
+  clip_before_normalize  the clip acts on the summed gradient, before the division by the window's
+      normalizer (the clip then scales by the wrong norm). Caught by the clipped case of
+      test_grpo_accumulation_is_exact only (with clipping off the order does not matter).
+  lora_trains_biases  lora.split puts the q/k/v biases with the adapters, so LoRA trains them too.
+      Caught by test_accumulated_adapter_update_is_exact's structural assertion on the initial
+      state (what trains), before any numeric check; the numeric checks alone would pass, since
+      the one-pass reference differentiates the same trainable set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_GRPO = 'tests/test_learner.py::test_grpo_accumulation_is_exact'
+_GRPO_UNCLIPPED = tuple(f'{_GRPO}[{i}]' for i in (
+    'token-1dev', 'sequence-8dev', 'constant-8dev', 'sequence-aligned', 'constant-iterations'))
+_GRPO_CLIPPED = f'{_GRPO}[token-8dev-clipped]'
+_LORA = tuple(f'tests/test_lora.py::test_accumulated_adapter_update_is_exact[{i}]'
+              for i in ('mesh0-bfloat16', 'mesh1-float32'))
+_SFT_K3 = 'tests/test_learner_tasks.py::test_sft_accumulation_is_exact[3-mesh1]'
+_DPO = tuple(f'tests/test_learner_tasks.py::test_dpo_accumulation_is_exact[{i}]'
+             for i in ('pair-mesh0', 'pair-mesh1', 'token-mesh2', 'token-mesh3'))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  path: str  # the file changed, relative to the repository root
+  old: str  # occurs exactly once in it
+  new: str
+  caught_by: tuple[str, ...]  # pytest node ids that must fail on the mutant
+
+
+MUTANTS = {
+    'last_microbatch_denominator': Mutant(
+        'jaxrl_ga/learner.py', "extra = {'denominator': window.denominator}",
+        "extra = {'denominator': terms.denominator}",
+        _GRPO_UNCLIPPED + _LORA + (_SFT_K3,) + _DPO),
+    'applied_gradient_times_k': Mutant(
+        'jaxrl_ga/learner.py', 'fire = lambda acc, rest, params: _fire(ms, acc, rest, params',
+        'fire = lambda acc, rest, params: _fire(ms, jax.tree.map(lambda a: a * k, acc), rest, '
+        'params', _GRPO_UNCLIPPED + _LORA + (_SFT_K3,) + _DPO),
+    'grad_norm_last_microbatch': Mutant(
+        'jaxrl_ga/learner.py', "out['grad_norm'] = optax.tree.norm(summed) / denom",
+        "out['grad_norm'] = optax.tree.norm(summed) / terms.denominator",
+        (_GRPO_UNCLIPPED[0], _GRPO_CLIPPED, _LORA[0], _SFT_K3, _DPO[0])),
+    'clip_before_normalize': Mutant(
+        'jaxrl_ga/learner.py',
+        '  inner = [normalize_by_denominator()]\n  if cfg.max_grad_norm > 0:\n'
+        '    inner.append(optax.clip_by_global_norm(cfg.max_grad_norm))\n',
+        '  inner = []\n  if cfg.max_grad_norm > 0:\n'
+        '    inner.append(optax.clip_by_global_norm(cfg.max_grad_norm))\n'
+        '  inner.append(normalize_by_denominator())\n',
+        (_GRPO_CLIPPED,)),
+    'lora_trains_biases': Mutant(
+        'jaxrl_ga/lora.py', 'return key.endswith(_SUFFIXES)',
+        "return key.endswith(_SUFFIXES + ('_bias',))", _LORA),
+}
+
+
+def _copy_with(mutant: Mutant, dest: str) -> None:
+  shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+      '.git', '__pycache__', '*.egg-info', '.pytest_cache', '.hypothesis'))
+  path = os.path.join(dest, mutant.path)
+  with open(path) as f:
+    text = f.read()
+  if text.count(mutant.old) != 1:
+    raise SystemExit(f'error: {mutant.path} no longer holds the text the mutant replaces once; '
+                     'update tests/mutants.py')
+  with open(path, 'w') as f:
+    f.write(text.replace(mutant.old, mutant.new))
+
+
+def run(name: str) -> bool:
+  """Runs the mutant's tests on a mutated copy; -> whether every one of them failed."""
+  mutant = MUTANTS[name]
+  with tempfile.TemporaryDirectory(prefix=f'mutant_{name}_') as tmp:
+    copy = os.path.join(tmp, 'repo')
+    _copy_with(mutant, copy)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [copy, os.path.join(copy, 'tests')] + os.environ.get('PYTHONPATH', '').split(os.pathsep)))
+    imported = subprocess.run(
+        [sys.executable, '-c', 'import jaxrl_ga; print(jaxrl_ga.__file__)'], env=env, cwd=copy,
+        capture_output=True, text=True, check=True).stdout.strip()
+    print(f'== {name}: {mutant.path}: {mutant.old.strip()!r} -> {mutant.new.strip()!r}')
+    print(f'   jaxrl_ga imported from {imported}')
+    if not imported.startswith(copy):
+      raise SystemExit('error: the tests would not import the mutated copy')
+    report = os.path.join(tmp, 'report.xml')
+    subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                    f'--junitxml={report}', *mutant.caught_by], env=env, cwd=copy,
+                   capture_output=True, text=True)
+    failed = {}
+    for case in ET.parse(report).getroot().iter('testcase'):
+      node = f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"
+      bad = case.find('failure')
+      if bad is None:
+        bad = case.find('error')
+      if bad is not None:
+        failed[node] = (bad.get('message') or '').splitlines()[0]
+    ok = True
+    for node in mutant.caught_by:
+      if node in failed:
+        print(f'   caught   {node}: {failed[node]}')
+      else:
+        print(f'   MISSED   {node}')
+        ok = False
+    return ok
+
+
+def main(names) -> int:
+  unknown = [n for n in names if n not in MUTANTS]
+  if unknown:
+    print(f'error: unknown mutant {unknown}; known: {", ".join(MUTANTS)}', file=sys.stderr)
+    return 2
+  results = [run(name) for name in names or MUTANTS]
+  return 0 if all(results) else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

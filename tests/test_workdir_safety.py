@@ -1,0 +1,286 @@
+"""A workdir one run at a time (run.lock), and a full disk: one line naming the path, the earlier
+checkpoints intact, and the same command resuming exactly once space is freed.
+
+The full-disk tests use a real small filesystem (tmpfs, mounted here as root), so the ENOSPC comes
+from the kernel at whatever write hits it: orbax's tensorstore writes, metrics.jsonl, an export's
+safetensors file. Without the right to mount they are skipped."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import smoke_configs
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga import fileio
+from jaxrl_ga import api
+from jaxrl_ga import workdir_lock
+from jaxrl_ga.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke']
+
+
+def _env(devices=8):
+  return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')  # as conftest.py
+
+
+def _cli(args, timeout=300, cmd=None):
+  return subprocess.run((cmd or MAIN) + args, cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def _dead_pid() -> int:
+  p = subprocess.Popen(['true'])
+  p.wait()
+  return p.pid
+
+
+# -- one run per workdir ------------------------------------------------------------------------
+def test_a_second_run_on_a_held_workdir_stops_at_once_naming_the_holder(tmp_path):
+  """A live CLI run holds the workdir: a second one exits 2 with one line naming the first's host
+  and pid, before anything compiles; SIGTERM stops the first, which releases the lock."""
+  workdir = tmp_path / 'run'
+  lock = workdir / workdir_lock.LOCK_NAME
+  first = subprocess.Popen(MAIN + [f'--workdir={workdir}', '--config.stages=grpo',
+                                   '--config.grpo.num_steps=1000'],
+                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+  try:
+    deadline = time.time() + 120
+    while not lock.exists() or not lock.read_text():
+      assert first.poll() is None, first.communicate()[1][-3000:]
+      assert time.time() < deadline, f'no {lock} after 120 s'
+      time.sleep(0.2)
+    second = _cli([f'--workdir={workdir}', '--config.stages=grpo'], timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith(f'error: --workdir={workdir} is in use by another run (host '
+                           f'{socket.gethostname()}, pid {first.pid}, since '), last
+    assert last.endswith('wait for it to end, or give another --workdir.')
+    assert 'Traceback' not in second.stderr and 'Compiling' not in second.stderr
+    assert first.poll() is None  # the holder was not disturbed
+    # The library's entry point refuses it too.
+    with pytest.raises(ConfigError, match=f'pid {first.pid}'):
+      api.run(smoke_configs.smoke(stages='grpo'), str(workdir))
+  finally:
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=300)
+  assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
+  assert not lock.exists()  # released on the SIGTERM path
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
+  lock_path = tmp_path / workdir_lock.LOCK_NAME
+  dead = _dead_pid()
+  lock_path.write_text(json.dumps({'host': socket.gethostname(), 'pid': dead, 'start': 1,
+                                   'since': 'yesterday'}))
+  with caplog.at_level('WARNING'):
+    lock = workdir_lock.WorkdirLock(str(tmp_path)).acquire()
+  assert (f'taking over the lock of a run that is no longer running (host '
+          f'{socket.gethostname()}, pid {dead}, since yesterday)') in caplog.text
+  assert json.loads(lock_path.read_text())['pid'] == os.getpid()
+  lock.release()
+  assert not lock_path.exists()
+
+
+def test_a_reused_pid_is_not_the_holder_and_another_host_is_never_guessed(tmp_path):
+  lock_path = tmp_path / workdir_lock.LOCK_NAME
+  # This process's pid with another start time: a pid reused after the holder died.
+  lock_path.write_text(json.dumps({'host': socket.gethostname(), 'pid': os.getppid(),
+                                   'start': -5, 'since': 'then'}))
+  workdir_lock.WorkdirLock(str(tmp_path)).acquire().release()
+  # A holder on another host cannot be checked from here: the message names the file to delete.
+  lock_path.write_text(json.dumps({'host': 'other-host', 'pid': 1234, 'start': 5,
+                                   'since': 'then'}))
+  with pytest.raises(ConfigError) as e:
+    workdir_lock.WorkdirLock(str(tmp_path)).acquire()
+  assert str(e.value) == (
+      f'--workdir={tmp_path} is in use by another run (host other-host, pid 1234, since then): '
+      f'wait for it to end, or give another --workdir. If that run is no longer running, delete '
+      f'{lock_path}.')
+  assert json.loads(lock_path.read_text())['host'] == 'other-host'  # left as it was
+
+
+def test_the_lock_is_released_when_a_run_stops_with_an_error(tmp_path):
+  with pytest.raises(ConfigError, match='no such directory'):
+    api.run(smoke_configs.smoke(**{'model.hf_path': '/nonexistent/dir'}), str(tmp_path))
+  assert not (tmp_path / workdir_lock.LOCK_NAME).exists()
+  workdir_lock.WorkdirLock(str(tmp_path)).acquire().release()
+
+
+# -- a full disk --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _tmpfs(path, size='64m'):
+  """A small filesystem of its own at ``path`` (root only), unmounted at the end."""
+  os.makedirs(path)
+  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)],
+                        capture_output=True, text=True)
+  if done.returncode:
+    pytest.skip(f'cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk tests need '
+                f'root')
+  try:
+    yield path
+  finally:
+    subprocess.run(['umount', '-l', str(path)], check=False)
+
+
+def _fill(mount, leave_bytes: int):
+  """Fills ``mount`` up to ``leave_bytes`` free with one file; -> its path (delete it to free)."""
+  filler = os.path.join(mount, 'filler')
+  st = os.statvfs(mount)
+  free = st.f_bavail * st.f_frsize
+  subprocess.run(['fallocate', '-l', str(free - leave_bytes), filler], check=True)
+  st = os.statvfs(mount)
+  assert st.f_bavail * st.f_frsize <= leave_bytes
+  return filler
+
+
+def _state(ckpts, step):
+  state, meta, _ = checkpoint.Checkpointer(ckpts).restore_raw(step)
+  return state, meta
+
+
+def _assert_same_state(a, b):
+  """Every array of two restored checkpoints bitwise equal, and the same progress."""
+  import jax  # pylint: disable=g-import-not-at-top
+  (state_a, meta_a), (state_b, meta_b) = a, b
+  assert jax.tree.structure(state_a) == jax.tree.structure(state_b)
+  raw = lambda x: (jax.random.key_data(x)
+                   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(raw(x), raw(y)), state_a, state_b)
+  progress = lambda m: (m['micro_step'], m['data_position'], m['done'])
+  assert progress(meta_a) == progress(meta_b)
+
+
+def _grpo_rows(workdir):
+  rows = [json.loads(l) for l in open(workdir / 'metrics.jsonl', encoding='utf-8')]
+  return [r for r in rows if r['phase'].startswith('grpo')]
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command_resumes(
+    tmp_path):
+  """GRPO trains 2 steps (checkpoints 3, 6), is raised to 4 steps on a disk with 64 KiB left:
+  checkpoint 9 cannot be written. One line names it, exit 1, checkpoint 6 reads back as it was;
+  with the space freed the same command ends where an uninterrupted run on a big disk ends,
+  bit for bit, and metrics.jsonl holds each step once."""
+  args = ['--config.stages=grpo', '--config.checkpoint.every_steps=1']
+  ref = tmp_path / 'ref'
+  ref_ckpts = ref / 'checkpoints' / 'grpo'
+  ref_states = {}
+  for steps in (2, 4):
+    done = _cli([f'--workdir={ref}', f'--config.grpo.num_steps={steps}'] + args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref_states.update({s: _state(ref_ckpts, s) for s in checkpoint.all_steps(ref_ckpts)})
+  with _tmpfs(tmp_path / 'disk') as disk:
+    workdir = disk / 'run'
+    done = _cli([f'--workdir={workdir}', '--config.grpo.num_steps=2'] + args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpts = workdir / 'checkpoints' / 'grpo'
+    filler = _fill(disk, 64 << 10)
+    command = [f'--workdir={workdir}', '--config.grpo.num_steps=4'] + args
+    full = _cli(command)
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (
+        f'error: cannot write {ckpts}/9: No space left on device; the checkpoints before it are '
+        f'intact (the newest: step 6). Free space (or fix the storage), then re-run the same '
+        f'command: it resumes from the last complete checkpoint.')
+    assert 'Traceback' not in full.stderr and 'Event loop is closed' not in full.stderr
+    assert checkpoint.all_steps(ckpts) == [3, 6]
+    for step in (3, 6):  # intact and readable: as the run on the big disk wrote them
+      _assert_same_state(_state(ckpts, step), ref_states[step])
+    assert not (workdir / workdir_lock.LOCK_NAME).exists()
+
+    os.remove(filler)
+    resumed = _cli(command)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in resumed.stdout
+    assert checkpoint.all_steps(ckpts)[-1] == 12
+    _assert_same_state(_state(ckpts, 12), ref_states[12])
+    rows, ref_rows = _grpo_rows(workdir), _grpo_rows(ref)
+    assert [(r['phase'], r['step']) for r in rows] == [(r['phase'], r['step']) for r in ref_rows]
+    for row, ref_row in zip(rows, ref_rows):
+      assert row == ref_row
+
+
+def test_a_metrics_row_that_does_not_fit_leaves_no_partial_row(tmp_path):
+  """metrics.jsonl on a full disk: the write fails with one error naming the file, and the part
+  of the row the kernel did take is cut off again, so a resumed run appends whole rows."""
+  with _tmpfs(tmp_path / 'disk', size='1m') as disk:
+    path = disk / 'metrics.jsonl'
+    first = json.dumps({'phase': 'grpo', 'step': 1, 'pad': 'x' * 3900}) + '\n'
+    writer = fileio.TextAppender(path)
+    writer.write(first)  # < one 4 KiB page: the page has room left
+    room = 4096 - len(first)
+    assert room > 0
+    filler = _fill(disk, 0)
+    row = json.dumps({'phase': 'grpo', 'step': 2, 'pad': 'y' * (room + 100)}) + '\n'
+    with pytest.raises(fileio.WriteError) as e:
+      writer.write(row)
+    assert str(e.value) == f'cannot write {path}: No space left on device'
+    assert path.read_text() == first  # the `room` bytes that were written are gone again
+    os.remove(filler)
+    writer.write(row)
+    writer.close()
+    assert path.read_text() == first + row
+
+
+@pytest.mark.slow
+def test_an_export_to_a_full_disk_leaves_the_previous_export(tmp_path):
+  workdir = tmp_path / 'run'
+  done = _cli([f'--workdir={workdir}', '--config.stages=grpo', '--config.grpo.num_steps=1'])
+  assert done.returncode == 0, done.stderr[-3000:]
+  export = [sys.executable, '-m', 'jaxrl_ga.export']
+  with _tmpfs(tmp_path / 'disk', size='8m') as disk:
+    out = disk / 'hf'
+    done = _cli([f'--checkpoint={workdir}', f'--out={out}'], cmd=export)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    filler = _fill(disk, 16 << 10)
+    full = _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'], cmd=export)
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert full.stderr.strip().splitlines()[-1] == (
+        f'error: cannot write {out}: No space left on device; --out={out} is unchanged. Free '
+        f'space, then run the export again.')
+    assert 'Traceback' not in full.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(disk)) == ['filler', 'hf']  # no staging directory left behind
+    os.remove(filler)
+    assert _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'],
+                cmd=export).returncode == 0
+
+
+@pytest.mark.slow
+def test_several_processes_decide_once_for_the_whole_job(tmp_path):
+  """Two processes of one job (jax.distributed) on a held workdir: process 0 reads the lock and
+  both stop with its line (process 1 never looks at the file), exit 2, nothing compiled."""
+  lock = workdir_lock.WorkdirLock(str(tmp_path)).acquire()  # this test process is the holder
+  try:
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    env = _env(devices=4)
+    procs = [subprocess.Popen(MAIN + [f'--workdir={tmp_path}', '--num_processes=2',
+                                      f'--coordinator_address=127.0.0.1:{port}',
+                                      f'--process_id={i}'],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in (0, 1)]
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+  finally:
+    lock.release()
+  expected = (f'error: --workdir={tmp_path} is in use by another run (host '
+              f'{socket.gethostname()}, pid {os.getpid()}, since ')
+  for p, err in zip(procs, errs):
+    assert p.returncode == 2, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(expected), err[-3000:]
+    assert 'Traceback' not in err
