@@ -1,7 +1,7 @@
 r"""GRPO on your own data: SmolLM2-135M-Instruct on a JSONL of one-digit additions with your own
 reward module (not the built-in task), offline, on a CPU.
 
-  python examples/addition/make_addition_jsonl.py --out=/tmp/addition
+  python studies/your_data/make_addition_jsonl.py --out=/tmp/addition
   PYTHONPATH=/tmp/addition python -m jaxrl_ga.main \
       --config=configs/grpo_smollm2_addition.py:/tmp/addition --workdir=/tmp/smollm2_addition
 
@@ -26,7 +26,7 @@ def get_config(arg: str = ''):
   if not directory:
     raise ConfigError('configs/grpo_smollm2_addition.py needs the data directory: '
                       '--config=configs/grpo_smollm2_addition.py:/tmp/addition (written by '
-                      'examples/addition/make_addition_jsonl.py --out=/tmp/addition).')
+                      'studies/your_data/make_addition_jsonl.py --out=/tmp/addition).')
   c = load_config_file(_BASE, variant)
   c.data.update(train=os.path.join(directory, 'train.jsonl'),
                 eval=os.path.join(directory, 'eval.jsonl'))

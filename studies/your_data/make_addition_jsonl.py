@@ -1,6 +1,6 @@
 r"""Writes a user's own GRPO data and reward module: one-digit additions as JSONL.
 
-  python examples/addition/make_addition_jsonl.py --out=/tmp/addition
+  python studies/your_data/make_addition_jsonl.py --out=/tmp/addition
   PYTHONPATH=/tmp/addition python -m jaxrl_ga.main \
       --config=configs/grpo_smollm2_addition.py:/tmp/addition --workdir=/tmp/smollm2_addition
 
