@@ -10,7 +10,7 @@ steps, on ``--num_cpu_devices`` simulated CPU devices (mesh data=-1: the batch-s
 
 jax's compile log (``jax.log_compiles``: one "Compiling jit(NAME) ..." record per XLA compile,
 then "Finished XLA compilation of jit(NAME) in S sec") is captured by a logging handler, as in
-``tests/conftest.py``. The stages run through the public API (``main.build_context``,
+``tests/conftest.py``. The stages run through the public API (``api.build_context``,
 ``sft.run_sft``, ``GRPOTrainer``), so the script knows which stage a compile belongs to, and
 GRPOTrainer's ``on_rollout`` / ``on_micro_step`` hooks count the rollouts and learner steps
 before it. Nothing in the library is wrapped or patched.
@@ -80,24 +80,24 @@ class CompileLog(logging.Handler):
 
 
 def run_config(workdir: str, log: CompileLog):
-  """The smoke config's SFT and GRPO stages, run through the public API (``main.build_context``,
+  """The smoke config's SFT and GRPO stages, run through the public API (``api.build_context``,
   ``sft.run_sft``, ``GRPOTrainer`` with its ``on_rollout`` / ``on_micro_step`` hooks) so that
   every compile is labelled with its stage and with the GRPO calls made before it."""
-  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo, sft  # pylint: disable=g-import-not-at-top
   c = load_config_file('configs/grpo_arith.py', 'smoke')
   c.sft.num_steps = _SFT_STEPS.value
   c.grpo.num_steps = _GRPO_STEPS.value
   c.grpo.eval_every = _EVAL_EVERY.value
-  cfg = main_lib.load_run_config(c)
+  cfg = api.load_run_config(c)
 
   def count(what):
     def hook(*_):
       log.calls[log.stage, what] += 1
     return hook
 
-  ctx, params = main_lib.build_context(cfg, workdir)
+  ctx, params = api.build_context(cfg, workdir)
   log.stage = 'sft'
   params, summary = sft.run_sft(ctx, cfg.sft, params)
   log.stage = 'grpo'

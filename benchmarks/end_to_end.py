@@ -121,6 +121,7 @@ import torch
 import transformers
 import trl
 
+from jaxrl_ga import api
 from jaxrl_ga import flops
 from jaxrl_ga import logprobs
 from jaxrl_ga.config import load_config_file
@@ -134,11 +135,6 @@ from jaxrl_ga.trainers import text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def main_lib():
-  """jaxrl_ga.main, imported after flag parsing (it defines the CLI's own required flags)."""
-  from jaxrl_ga import main  # pylint: disable=g-import-not-at-top
-  return main
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which sizes to run: tiny, big, smollm2.')
 _CONFIG = flags.DEFINE_string('base_config', os.path.join(REPO, 'configs', 'grpo_arith.py'),
@@ -290,8 +286,8 @@ def base_config(size: Size, num_steps: int):
 def export_random_model(config_dict, model_dir: str, workdir: str) -> None:
   """jaxrl_ga's random init of the config's model, written as an HF directory with the task's
   tokenizer."""
-  cfg = main_lib().load_run_config(config_dict)
-  ctx, params = main_lib().build_context(cfg, workdir)
+  cfg = api.load_run_config(config_dict)
+  ctx, params = api.build_context(cfg, workdir)
   ctx.writer.close()
   hf.export(params, ctx.model_cfg, model_dir, tokenizer=ctx.tokenizer)
 
@@ -312,7 +308,7 @@ class OurSide:
 
   def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int,
                roofline: Optional[machine.Roofline]):
-    ctx, self.params = main_lib().build_context(cfg, workdir)
+    ctx, self.params = api.build_context(cfg, workdir)
     if _FULL_LENGTH.value:
       ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
     self.ctx, self.cfg = ctx, cfg
@@ -567,7 +563,7 @@ def trl_gguf_model(source: str):
 
 def run_size(size: Size, workdir: str, threads: int,
              roofline: Optional[machine.Roofline]) -> dict[str, Any]:
-  probe = main_lib().load_run_config(base_config(size, 1))
+  probe = api.load_run_config(base_config(size, 1))
   sched = probe.grpo.schedule
   k, e = sched.grad_accum_steps, sched.steps_per_generation * sched.num_iterations
   period_steps = int(np.lcm(k, e)) // k  # optimizer steps per schedule period
@@ -581,7 +577,7 @@ def run_size(size: Size, workdir: str, threads: int,
     export_random_model(config_dict, model_dir, os.path.join(workdir, f'{size.name}_init'))
     config_dict.model.hf_path = model_dir
     trl_model, trl_tokenizer = model_dir, None
-  cfg = main_lib().load_run_config(config_dict)
+  cfg = api.load_run_config(config_dict)
 
   turns = Turns(first='jaxrl_ga')
   ours = OurSide(cfg, os.path.join(workdir, f'{size.name}_ours'), turns, period_steps,

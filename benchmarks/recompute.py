@@ -14,7 +14,7 @@ Three rules decide where to pay for it (``jaxrl_ga.schedule``):
 The rollout step reads its per-slice marks from the schedule table (``table.slice_recompute``), so
 each rule is a table with other marks: ``rule_table`` derives the rollout rule's and TRL's marks
 from the table's own ``rollout_recompute`` and ``counts`` (no library option is needed). Each rule
-is a real GRPO run of the library's trainer (``main.build_context``, ``GRPOTrainer(...,
+is a real GRPO run of the library's trainer (``api.build_context``, ``GRPOTrainer(...,
 table=rule_table(...))``: the programs ``jaxrl_ga.programs`` builds for the trainer and for
 ``plan``), with configs/grpo_arith.py's task, rewards and settings at the sizes below, for
 ``warmup_periods + rounds`` periods of lcm(K, S*mu) micro-steps. The trainer's hooks time it:
@@ -52,6 +52,7 @@ from absl import flags
 import jax
 import numpy as np
 
+from jaxrl_ga import api
 from jaxrl_ga import logprobs
 from jaxrl_ga import schedule
 from jaxrl_ga.config import RunConfig, ScheduleConfig, from_mapping, load_config_file
@@ -186,11 +187,9 @@ class PeriodClock:
 def run_rule(size: Size, sched: ScheduleConfig, table: schedule.ScheduleTable, rule: str,
              periods: int) -> dict[str, Any]:
   """One rule's GRPO run of ``periods`` schedule periods. -> its clock, summary and params."""
-  # After absl parsed this script's flags: jaxrl_ga.main defines the CLI's own at import.
-  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
   cfg = run_config(size, sched, periods * table.period_micro_steps // sched.optimizer_every)
   with tempfile.TemporaryDirectory() as workdir:
-    ctx, params = main_lib.build_context(cfg, workdir)
+    ctx, params = api.build_context(cfg, workdir)
     clock = PeriodClock(table.period_micro_steps)
     trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=clock.on_rollout,
                                on_micro_step=clock.on_micro_step, table=rule_table(table, rule))

@@ -11,7 +11,10 @@ directory via --config.model.hf_path), GSM8K from the hub (`openai/gsm8k`, needs
 extra) or a local JSONL file (--config.task.options.source=/path/train.jsonl). Stage: GRPO only
 (the instruct model needs no SFT warm start). Rewards: 'correct' (the number after `####`) and
 'format'. Held-out accuracy: greedy, on the whole GSM8K test split (1319 problems), before,
-every 100 steps, and after.
+every 100 steps, and after. Other math rows instead of GSM8K: --config.data.train=/path/rows.jsonl
+(a `prompt` column, a string or chat messages, and an `answer` column holding the number or a
+solution ending in `#### <number>`; --config.data.columns=question:prompt renames) with
+--config.grpo.reward_funcs=final_answer,answer_format=0.1 (jaxrl_ga/data.py, jaxrl_ga/rewards.py).
 
 Schedule (global counts; docs/schedule.md): G = 8 completions per prompt, and K/S = 3/2 as in TRL
 issue #5770, so every optimizer-step window of K micro-steps spans two rollouts, and only the

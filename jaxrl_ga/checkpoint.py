@@ -153,16 +153,19 @@ class Checkpointer:
   """Saves and restores (state pytree, JSON meta) under ``directory``; keeps the last N."""
 
   def __init__(self, directory, *, max_to_keep: int = 3, fingerprint: Optional[dict] = None,
-               async_save: bool = True):
-    """fingerprint: JSON-able dict that must match at restore (e.g. the model config)."""
+               async_save: bool = True, read_only: bool = False):
+    """fingerprint: JSON-able dict that must match at restore (e.g. the model config).
+    read_only: only read (export, sample): create nothing, and leave a save in flight
+    (``<step>.orbax-checkpoint-tmp``) and a cut-short replacement alone, since a run may be
+    writing this directory right now."""
     self.directory = fileio.path(directory)
     self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
     self._async = async_save
     self._writing: Optional[int] = None  # the step of the save in flight
     _install_quiet_unraisable()
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=True,
-        cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
+        preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=not read_only,
+        cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
     registry = ocp.DefaultCheckpointHandlerRegistry()  # lets a new process read both items
     for item, handler, save_args, restore_args in (
         ('state', ocp.StandardCheckpointHandler(), ocp.args.StandardSave, ocp.args.StandardRestore),
@@ -173,7 +176,8 @@ class Checkpointer:
                                           handler_registry=registry)
     self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
     atexit.register(self._wait_at_exit)
-    self._recover_replaced()
+    if not read_only:
+      self._recover_replaced()
 
   def _recover_replaced(self) -> None:
     """Undoes a ``save(replace=True)`` cut short: ``<step>.replaced`` comes back as ``<step>``

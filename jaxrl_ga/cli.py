@@ -34,6 +34,15 @@ def define_print_config() -> flags.FlagHolder:
       'overrides) with its value, its default and its meaning, then exit.')
 
 
+def warnings_only_unless_asked() -> None:
+  """absl's verbosity (which orbax's INFO lines and, through the root logger, JAX's follow):
+  WARNING unless an explicit --verbosity/-v asks for more. Call it in a program's main(): absl's
+  app.run raises a verbosity left unset to INFO after parsing."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  if not flags.FLAGS['verbosity'].present:
+    flags.FLAGS.verbosity = logging.WARNING
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing for a program with an ml_collections ``--config`` flag.
 

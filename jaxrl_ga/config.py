@@ -571,6 +571,34 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO).
+
+  Attributes:
+    train: a .jsonl/.json/.csv/.parquet file (local or gs://), a ``datasets.save_to_disk``
+      directory or a hub dataset id; '' uses the built-in task ``task.name``.
+    eval: the held-out rows, the same kinds; '' holds out ``eval_fraction`` of ``train``.
+    train_split, eval_split: the split of a hub dataset or of a saved DatasetDict.
+    columns: column renames 'source:target,...', e.g. 'question:prompt'.
+    eval_fraction: share of ``train`` held out (seeded) when ``eval`` is ''.
+    shuffle: a seeded shuffle per epoch (False: file order).
+  """
+  train: str = ''
+  eval: str = ''
+  train_split: str = 'train'
+  eval_split: str = 'test'
+  columns: str = ''
+  eval_fraction: float = 0.1
+  shuffle: bool = True
+
+  def __post_init__(self):
+    if isinstance(self.columns, Mapping):  # the Python API may pass {'question': 'prompt'}
+      object.__setattr__(self, 'columns', ','.join(f'{k}:{v}' for k, v in self.columns.items()))
+    _require(0.0 < self.eval_fraction < 1.0,
+             f'data.eval_fraction must be in (0, 1), got {self.eval_fraction}.')
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """Held-out exact-match evaluation with greedy decoding.
 
@@ -578,10 +606,14 @@ class EvalConfig:
     num_examples: held-out examples evaluated (0: all the task offers).
     batch_size: prompts decoded at once.
     max_completion_length: generated tokens per answer.
+    metric: 'module:function', a metric(prompts, completions, **columns) returning one float per
+      completion (or a dict of such lists) whose means each evaluation of your data reports
+      (``jaxrl_ga.trainers.evaluation``); '' none.
   """
   num_examples: int = 256
   batch_size: int = 64
   max_completion_length: int = 8
+  metric: str = ''
 
   def __post_init__(self):
     _require(self.num_examples >= 0, f'eval.num_examples must be >= 0, got {self.num_examples}.')
@@ -657,6 +689,12 @@ class GRPOConfig:
     advantage: how rewards become advantages.
     optimizer: AdamW, schedule and clipping of this stage.
     log_every: log metrics every this many optimizer steps.
+    reward_funcs: reward functions, 'module:function[=weight],...' or built-in names
+      (``jaxrl_ga.rewards``); '' keeps the task's own. Required with ``data.train``.
+    completions_every: every this many rollouts, ``completions_logged`` of the rollout's prompts,
+      completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
+      (process 0's rows; 0: never).
+    completions_logged: completions logged per logged rollout (see ``completions_every``).
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -667,9 +705,13 @@ class GRPOConfig:
   align_diagnostic: bool = False
   log_every: int = 5
   eval_every: int = 0
+  reward_funcs: str = ''
+  completions_every: int = 0
+  completions_logged: int = 8
 
   def __post_init__(self):
-    _positive_int(self, 'num_steps', 'log_every', prefix='grpo.')
+    _positive_int(self, 'num_steps', 'log_every', 'completions_logged', prefix='grpo.')
+    _require(self.completions_every >= 0, 'grpo.completions_every must be >= 0 (0: never).')
     _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
 
 
@@ -725,6 +767,7 @@ class RunConfig:
   seed: int = 0
   stages: tuple[str, ...] = ('sft', 'grpo')
   task: TaskSpec = TaskSpec()
+  data: DataConfig = DataConfig()
   model: ModelSpec = ModelSpec()
   mesh: MeshConfig = MeshConfig()
   sft: SFTConfig = SFTConfig()

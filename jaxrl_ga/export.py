@@ -75,7 +75,7 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   step = steps[-1] if step is None else step
   if step not in steps:
     raise FileNotFoundError(f'no step {step} in {path}; available steps: {steps}.')
-  state, _, fingerprint = checkpoint.Checkpointer(path).restore_raw(step)
+  state, _, fingerprint = checkpoint.Checkpointer(path, read_only=True).restore_raw(step)
   if 'model' not in fingerprint:
     raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
                      f'by jaxrl_ga.main?')
@@ -109,7 +109,7 @@ def base_params(cfg, fingerprint: dict) -> dict:
 def _model_source(step_dir: str) -> str | None:
   """model.hf_path of the run that wrote checkpoint ``step_dir`` (DIR/STEP), or None."""
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir)).read_record(
+  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir), read_only=True).read_record(
       int(os.path.basename(step_dir)))
   return fingerprint.get('model_source') or None
 
@@ -178,6 +178,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  cli.warnings_only_unless_asked()  # no orbax INFO lines (--verbosity=0 brings them)
   from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:

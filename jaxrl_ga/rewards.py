@@ -1,23 +1,44 @@
 """Reward functions and group-normalized advantages (host side, numpy).
 
-A reward function is a plain Python callable
+A reward function is a plain Python callable, TRL's signature:
 
-    fn(prompts: list[str], completions: list[str], **fields) -> Sequence[float]
+    fn(prompts: list, completions: list[str], **columns) -> Sequence[float | None]
 
-where ``fields`` holds the dataset's extra columns, one list entry per completion (a prompt's
-fields are repeated for each of its G completions). Several functions combine with weights.
+where ``columns`` holds the dataset's other columns, one list entry per completion (a prompt's
+values are repeated for each of its G completions); a prompt is a string or a list of chat
+messages, as in the dataset. ``None`` means "does not apply to this completion" (TRL's
+convention): a completion's reward is the weighted sum over the functions that apply to it, and
+one to which none applies gets 0 (with a warning, once). Several functions combine with weights.
 A function that raises, returns the wrong number of values, or returns NaN gets a clear error that
 names it.
+
+Where rewards come from (``resolve``): import strings ``module:function[=weight]``, comma
+separated (``grpo.reward_funcs``; the module must be importable: on ``sys.path`` or
+``PYTHONPATH``), callables, ``(callable, weight)`` pairs, or the built-ins below by name:
+
+  final_answer    1.0 iff the completion's final number (``\\boxed{42}``, else after the last
+                  ``#### ``, else its last number) equals the row's ``answer`` column (a number, or
+                  a solution ending in ``#### 42``) numerically; None for a row without one.
+                  Marks correctness: the run's accuracy is the share of completions it gives 1.
+  answer_format   1.0 iff the completion states a final answer as ``#### <number>`` or
+                  ``\\boxed{...}``.
+  length_penalty  -len(completion) / 1000 (characters).
+
+A reward marks correctness when its function has ``marks_correctness = True``
+(:func:`marks_correctness`); the accuracy is then the share of completions it scores above 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+import importlib
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+from absl import logging
 import numpy as np
 
-RewardFn = Callable[..., Sequence[float]]
+RewardFn = Callable[..., Sequence[Optional[float]]]
 
 
 class RewardError(RuntimeError):
@@ -26,41 +47,69 @@ class RewardError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class WeightedReward:
+  """A reward function, its name (in metrics and logs) and weight. ``marks_correctness``:
+  default the function's attribute of that name (:func:`marks_correctness`)."""
   name: str
   fn: RewardFn
   weight: float = 1.0
+  marks_correctness: Optional[bool] = None
+
+  def __post_init__(self):
+    if self.marks_correctness is None:
+      object.__setattr__(self, 'marks_correctness',
+                         bool(getattr(self.fn, 'marks_correctness', False)))
 
 
-def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[str],
+def marks_correctness(fn: RewardFn) -> RewardFn:
+  """Decorator: ``fn`` scores correctness (> 0: correct); the run reports its accuracy."""
+  fn.marks_correctness = True
+  return fn
+
+
+_warned_none_apply = False
+
+
+def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
                     completions: Sequence[str], fields: Mapping[str, Sequence[Any]] | None = None
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-  """Weighted sum of the reward functions. -> (total [N] float32, {name: [N] float32})."""
+  """Weighted sum of the reward functions over those that apply (not None) to each completion.
+  -> (total [N] float32, {name: [N] float32, NaN where the function returned None})."""
+  global _warned_none_apply
   n = len(completions)
   if len(prompts) != n:
     raise ValueError(f'{len(prompts)} prompts for {n} completions; pass one prompt per completion.')
   fields = dict(fields or {})
   per_fn: dict[str, np.ndarray] = {}
   total = np.zeros(n, np.float32)
+  applies = np.zeros(n, bool)
   for r in rewards:
     try:
       values = r.fn(list(prompts), list(completions), **fields)
     except Exception as e:  # pylint: disable=broad-except
       raise RewardError(f'reward function {r.name!r} raised {type(e).__name__}: {e}') from e
     try:
-      arr = np.asarray(values, np.float32).reshape(-1)
+      values = list(values)
+      arr = np.asarray([np.nan if v is None else v for v in values], np.float32).reshape(-1)
     except (TypeError, ValueError) as e:
-      raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}') from e
+      raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}; return '
+                        f'one float (or None) per completion.') from None
     if arr.shape != (n,):
       raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
-                        f'completions; return one float per completion.')
-    bad = np.flatnonzero(~np.isfinite(arr))
+                        f'completions; return one float (or None) per completion.')
+    none = np.array([v is None for v in values], bool)  # bool also when there are none
+    bad = np.flatnonzero(~np.isfinite(arr) & ~none)
     if bad.size:
       raise RewardError(
           f'reward function {r.name!r} returned {arr[bad[0]]} for completion {bad[0]} '
           f'({completions[bad[0]]!r}) and {bad.size - 1} more; return finite floats (e.g. 0.0 '
-          f'for an unparsable completion).')
+          f'for an unparsable completion, or None where the reward does not apply).')
     per_fn[r.name] = arr
-    total += np.float32(r.weight) * arr
+    total += np.where(none, np.float32(0), np.float32(r.weight) * arr)
+    applies |= ~none
+  if rewards and not applies.all() and not _warned_none_apply:
+    _warned_none_apply = True
+    logging.warning('no reward function applies to %d of %d completions (every one returned '
+                    'None); they get reward 0. (Warned once.)', int((~applies).sum()), n)
   return total, per_fn
 
 
@@ -89,3 +138,146 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
   # Exactly zero for all-equal groups (the centered values are already exact zeros).
   adv = np.where(np.all(groups == groups[:, :1], axis=1, keepdims=True), 0.0, adv)
   return adv.reshape(-1).astype(np.float32)
+
+
+# -- built-in rewards -----------------------------------------------------------------------------
+_BOXED = re.compile(r'\\boxed\{([^{}]*)\}')
+_NUMBER = re.compile(r'-?\d[\d,]*(?:\.\d+)?|-?\.\d+')
+
+
+def final_number(text: str) -> Optional[str]:
+  """The final answer a text states: the last ``\\boxed{...}``'s number, else the number after the
+  last ``####``, else the last number; commas dropped. None if it states no number.
+  ``'so \\boxed{1,234}'`` -> ``'1234'``; ``'... #### 42'`` -> ``'42'``; ``'it is 7.'`` -> ``'7'``."""
+  from jaxrl_ga.tasks import gsm8k  # pylint: disable=g-import-not-at-top  (it imports this module)
+  text = str(text)
+  boxed = _BOXED.findall(text)
+  if boxed:
+    numbers = _NUMBER.findall(boxed[-1])
+    return numbers[-1].replace(',', '') if numbers else None
+  if '####' in text:
+    return gsm8k.extract_final_number(text)
+  numbers = _NUMBER.findall(text)
+  return numbers[-1].replace(',', '') if numbers else None
+
+
+@marks_correctness
+def final_answer(prompts, completions, answer=None, **unused_columns):
+  """1.0 iff the completion's :func:`final_number` equals the row's ``answer`` numerically; None
+  for a row without an answer (or a dataset without the column)."""
+  from jaxrl_ga.tasks import gsm8k  # pylint: disable=g-import-not-at-top
+  del prompts, unused_columns
+  answers = answer if answer is not None else [None] * len(completions)
+  out = []
+  for completion, ref in zip(completions, answers, strict=True):
+    ref = None if ref is None else final_number(str(ref))
+    if ref is None:
+      out.append(None)
+      continue
+    got = final_number(completion)
+    out.append(float(got is not None and gsm8k.numbers_equal(got, ref)))
+  return out
+
+
+ANSWER_FORMAT = r'(?s).*(####\s*-?\$?\s*[\d,]*\.?\d+|\\boxed\{[^{}]+\}).*'
+
+
+def regex_reward(pattern: str, name: str = 'regex') -> RewardFn:
+  """A reward of 1.0 for completions that ``re.fullmatch`` ``pattern``, else 0.0."""
+  compiled = re.compile(pattern)
+
+  def fn(prompts, completions, **unused_columns):
+    del prompts, unused_columns
+    return [float(compiled.fullmatch(c) is not None) for c in completions]
+
+  fn.__name__ = fn.__qualname__ = name
+  return fn
+
+
+answer_format = regex_reward(ANSWER_FORMAT, 'answer_format')
+
+
+def length_penalty(prompts, completions, **unused_columns):
+  """-len(completion) / 1000: a thousandth of a point per character."""
+  del prompts, unused_columns
+  return [-len(c) / 1000.0 for c in completions]
+
+
+BUILTIN = {'final_answer': final_answer, 'answer_format': answer_format,
+           'length_penalty': length_penalty}
+
+
+def resolve(reward_funcs, what: str = 'grpo.reward_funcs') -> list[WeightedReward]:
+  """Reward functions from a comma-separated string of ``module:function[=weight]`` (or a
+  built-in name, ``final_answer=1.0``), or a list of such strings, callables, ``(callable,
+  weight)`` pairs and WeightedRewards. A string that does not import, or names something not
+  callable, raises ConfigError naming it. Names must be unique."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  if isinstance(reward_funcs, str):
+    reward_funcs = [s for s in (p.strip() for p in reward_funcs.split(',')) if s]
+  out: list[WeightedReward] = []
+  for item in reward_funcs or ():
+    if isinstance(item, WeightedReward):
+      out.append(item)
+    elif isinstance(item, str):
+      out.append(_from_import_string(item, what))
+    elif isinstance(item, tuple) and len(item) == 2 and callable(item[0]):
+      out.append(WeightedReward(_name_of(item[0]), item[0], float(item[1])))
+    elif callable(item):
+      out.append(WeightedReward(_name_of(item), item))
+    else:
+      raise ConfigError(f'{what}: {item!r} is neither a callable, a (callable, weight) pair nor '
+                        f'an import string "module:function[=weight]".')
+  names = [r.name for r in out]
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ConfigError(f'{what}: reward function name(s) {", ".join(twice)} given twice; each '
+                      f'reward needs its own name (wrap one in rewards.WeightedReward(name, fn)).')
+  return out
+
+
+def _name_of(fn) -> str:
+  return getattr(fn, '__name__', None) or type(fn).__name__
+
+
+def _from_import_string(spec: str, what: str) -> WeightedReward:
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  target, sep, weight_text = spec.partition('=')
+  target = target.strip()
+  weight = 1.0
+  if sep:
+    try:
+      weight = float(weight_text)
+    except ValueError:
+      raise ConfigError(f'{what}: {spec!r}: the weight {weight_text!r} is not a number; write '
+                        f'module:function=0.5.') from None
+  if target in BUILTIN:
+    return WeightedReward(target, BUILTIN[target], weight)
+  if ':' not in target:
+    raise ConfigError(f'{what}: {spec!r} is not "module:function[=weight]" nor a built-in reward '
+                      f'({", ".join(BUILTIN)}).')
+  return WeightedReward(target.partition(':')[2], import_callable(target, what, spec), weight)
+
+
+def import_callable(target: str, what: str, spec: Optional[str] = None) -> Callable[..., Any]:
+  """The callable that the import string ``module:function`` names; ConfigError naming ``what``
+  and ``spec`` (default ``target``) when it does not import or is not callable."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  spec = target if spec is None else spec
+  module_name, colon, attr = target.strip().partition(':')
+  if not colon or not module_name or not attr:
+    raise ConfigError(f'{what}: {spec!r} is not "module:function".')
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # pylint: disable=broad-except  (ImportError, or the module's own error)
+    raise ConfigError(f'{what}: {spec!r}: module {module_name!r} does not import '
+                      f'({type(e).__name__}: {e}); put its directory on PYTHONPATH.') from None
+  fn = module
+  for part in attr.split('.'):
+    if not hasattr(fn, part):
+      raise ConfigError(f'{what}: {spec!r}: module {module_name!r} has no {attr!r}.')
+    fn = getattr(fn, part)
+  if not callable(fn):
+    raise ConfigError(f'{what}: {spec!r}: {module_name}:{attr} is not callable (type '
+                      f'{type(fn).__name__}); name a function fn(prompts, completions, **columns).')
+  return fn

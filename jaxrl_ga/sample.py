@@ -97,6 +97,8 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
+  cli.warnings_only_unless_asked()  # no orbax INFO lines (--verbosity=0 brings them)
   f = flags.FLAGS
   from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
   bad = [(name, why) for name, ok, why in [

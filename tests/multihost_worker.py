@@ -8,6 +8,7 @@ length) from a fresh model, through jax.distributed
 with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
 WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
 WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
+With JAXRL_GA_TEST_DATA=<file.jsonl>: GRPO alone on those rows (jaxrl_ga.data).
 """
 
 import json
@@ -29,7 +30,8 @@ if nproc > 1:
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import data  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
 
@@ -38,12 +40,22 @@ _train_example = arithmetic.ArithmeticTask.train_example
 
 
 def _recording_train_example(self, index, seed):
-  if seed != main_lib.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
+  if seed != api.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
     loaded.append((int(index), int(seed)))
   return _train_example(self, index, seed)
 
 
 arithmetic.ArithmeticTask.train_example = _recording_train_example
+_data_train_example = data.DataTask.train_example
+
+
+def _recording_data_example(self, index, seed):
+  if seed != api.LENGTH_CHECK_STREAM:
+    loaded.append((int(index), int(seed)))
+  return _data_train_example(self, index, seed)
+
+
+data.DataTask.train_example = _recording_data_example
 
 # JAXRL_GA_TEST_REWARD_RAISES_ON=<process id>: that process's reward function raises at the
 # second rollout (tests/test_multihost.py checks that every process then stops).
@@ -74,8 +86,15 @@ d['checkpoint']['every_steps'] = 0
 # B = 16 over 8 devices: pairs of rows share their prompt's forward (model.share_prompt_prefix),
 # each pair on one device, on either host.
 d['grpo']['schedule']['micro_batch_size'] = 16
+# JAXRL_GA_TEST_DATA=<a .jsonl file>: GRPO alone on those rows (jaxrl_ga.data), final_answer.
+if os.environ.get('JAXRL_GA_TEST_DATA'):
+  d['stages'] = 'grpo'
+  d['data']['train'] = os.environ['JAXRL_GA_TEST_DATA']
+  d['grpo']['reward_funcs'] = 'final_answer,answer_format=0.1'
+  d['grpo']['sampling']['max_prompt_length'] = 32
+  d['model']['max_position_embeddings'] = 64
 try:
-  main_lib.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+  api.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
 except checkpoint.Preempted as e:  # what jaxrl_ga.main does
   print(f'stopped early at micro-step {e.micro_step}', flush=True)
   sys.exit(128 + e.signum)

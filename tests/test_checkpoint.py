@@ -251,6 +251,21 @@ def test_a_save_killed_midway_is_ignored(tmp_path):
     assert ck.all_steps() == [1, 2] and sorted(os.listdir(d)) == ['1', '2']
 
 
+def test_a_reader_leaves_a_save_in_flight_alone(tmp_path):
+  """export and sample read a workdir that a run may be writing: opening it read-only must not
+  delete the run's save in flight (orbax's tmp directory) nor create anything."""
+  d = tmp_path / 'ck'
+  with checkpoint.Checkpointer(d) as ck:
+    ck.save(1, {'w': jnp.ones(4)}, meta={'step': 1})
+  in_flight = d / '2.orbax-checkpoint-tmp' / 'state'
+  in_flight.mkdir(parents=True)  # as a live run's save of step 2 looks on disk
+  state, meta, _ = checkpoint.Checkpointer(d, read_only=True).restore_raw(1)
+  assert meta == {'step': 1} and np.array_equal(state['w'], np.ones(4))
+  assert in_flight.is_dir(), sorted(os.listdir(d))
+  assert not checkpoint.Checkpointer(tmp_path / 'none', read_only=True).all_steps()
+  assert not (tmp_path / 'none').exists()
+
+
 def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
   child = _run_child(tmp_path, '''
       mesh = jax.make_mesh((2,), ('data',))

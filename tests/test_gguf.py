@@ -20,7 +20,7 @@ import transformers
 from flax import traverse_util
 
 from jaxrl_ga import export
-from jaxrl_ga import main
+from jaxrl_ga import api
 from jaxrl_ga import rewards
 from jaxrl_ga import sample
 from jaxrl_ga import sampling
@@ -191,14 +191,14 @@ def test_larger_is_position_balanced():
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-  """configs/grpo_smollm2.py:smoke run through main.run (2 GRPO steps on 8 simulated devices)."""
+  """configs/grpo_smollm2.py:smoke run through api.run (2 GRPO steps on 8 simulated devices)."""
   workdir = str(tmp_path_factory.mktemp('smollm2_run'))
   spec = importlib.util.spec_from_file_location('grpo_smollm2', os.path.join(
       ROOT, 'configs', 'grpo_smollm2.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = main.load_run_config(module.get_config('smoke'))
-  return workdir, main.run(cfg, workdir)
+  cfg = api.load_run_config(module.get_config('smoke'))
+  return workdir, api.run(cfg, workdir)
 
 
 @pytest.mark.slow

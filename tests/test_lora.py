@@ -195,11 +195,11 @@ def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
   reloads with the logits of the checkpoint's base + adapters, computed here from the stored
   arrays and a fresh base of the run's seed."""
   import smoke_configs  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import checkpoint, export, main  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, checkpoint, export  # pylint: disable=g-import-not-at-top
   overrides = {'stages': ('sft', 'grpo'), 'sft.num_steps': 2, 'model.lora.rank': 4, 'model.lora.targets': 'q,v,down',
                'grpo.loss.beta': 0.04, 'grpo.num_steps': 2}
   cfg = smoke_configs.smoke('grpo_arith', **overrides)
-  summary = main.run(cfg, str(tmp_path / 'wd'))
+  summary = api.run(cfg, str(tmp_path / 'wd'))
   assert summary['grpo/optimizer_steps'] == 2 and not summary['stopped_early']
 
   for stage in ('sft', 'grpo'):
@@ -222,7 +222,7 @@ def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
 
   bad = smoke_configs.smoke('grpo_arith', **{**overrides, 'model.lora.rank': 8})
   with pytest.raises(ConfigError, match='lora'):
-    main.run(bad, str(tmp_path / 'wd'))
+    api.run(bad, str(tmp_path / 'wd'))
 
   export.export_checkpoint(str(tmp_path / 'wd'), str(tmp_path / 'hf'),
                            adapter_out=str(tmp_path / 'peft'))

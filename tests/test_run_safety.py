@@ -15,7 +15,7 @@ import smoke_configs
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import export
-from jaxrl_ga import main as main_lib
+from jaxrl_ga import api
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.trainers import stage
 
@@ -34,7 +34,7 @@ def _env():
 def finished_run(tmp_path_factory):
   """A finished 2-step GRPO stage with checkpoints at micro-steps 3 and 6."""
   workdir = tmp_path_factory.mktemp('finished')
-  main_lib.run(_smoke(stages='grpo', **{'grpo.num_steps': 2, 'checkpoint.every_steps': 1}),
+  api.run(_smoke(stages='grpo', **{'grpo.num_steps': 2, 'checkpoint.every_steps': 1}),
                str(workdir))
   assert checkpoint.all_steps(workdir / 'checkpoints' / 'grpo') == [3, 6]
   return workdir
@@ -52,7 +52,7 @@ def finished_run(tmp_path_factory):
 def test_bad_settings_are_refused_before_any_stage(tmp_path, overrides, named):
   """Each is found before SFT (the first stage) trains a step or anything compiles."""
   with pytest.raises(ConfigError) as e:
-    main_lib.run(_smoke(**overrides), str(tmp_path))
+    api.run(_smoke(**overrides), str(tmp_path))
   assert named in str(e.value)
   assert not (tmp_path / 'checkpoints' / 'sft').exists() or not os.listdir(
       tmp_path / 'checkpoints' / 'sft')
@@ -63,17 +63,17 @@ def test_bad_model_and_task_files_are_named(tmp_path):
   bad_model.mkdir()
   (bad_model / 'config.json').write_text(json.dumps({'model_type': 'not_a_model_type'}))
   with pytest.raises(ConfigError, match='not_a_model_type'):
-    main_lib.run(_smoke(**{'model.hf_path': str(bad_model)}), str(tmp_path / 'a'))
+    api.run(_smoke(**{'model.hf_path': str(bad_model)}), str(tmp_path / 'a'))
   data = tmp_path / 'gsm8k.jsonl'
   data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": oops\n')
   cfg = from_mapping(RunConfig, dict(
       load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke').to_dict(),
       task={'name': 'gsm8k', 'options': {'source': str(data)}}))
   with pytest.raises(ConfigError, match=rf'{data}:2: not a JSON record'):
-    main_lib.run(cfg, str(tmp_path / 'b'))
+    api.run(cfg, str(tmp_path / 'b'))
   (tmp_path / 'file').write_text('x')
   with pytest.raises(ConfigError, match='is a file, not a directory'):
-    main_lib.run(_smoke(), str(tmp_path / 'file'))
+    api.run(_smoke(), str(tmp_path / 'file'))
 
 
 def test_a_misspelled_override_is_one_line_with_status_2(tmp_path):
@@ -130,7 +130,7 @@ def test_non_finite_windows_stop_the_run_and_keep_the_last_good_checkpoint(tmp_p
                                'sft.optimizer.total_steps': 8,
                                'sft.optimizer.max_consecutive_nonfinite': 2})
   with pytest.raises(stage.NonFiniteError, match='2 optimizer-step windows in a row'):
-    main_lib.run(cfg, str(tmp_path))
+    api.run(cfg, str(tmp_path))
   k = cfg.sft.grad_accum_steps
   assert checkpoint.all_steps(tmp_path / 'checkpoints' / 'sft') == [1 * k]
   rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
@@ -163,3 +163,14 @@ def test_export_refuses_a_non_empty_directory_and_replaces_it_whole(finished_run
     f.truncate(1000)
   with pytest.raises(ValueError, match=f'{out}/model.safetensors: not a readable safetensors'):
     hf.load_params(str(out), hf.model_config_from_hf(str(out)))
+
+
+def test_export_and_sample_consoles_hold_only_their_result(finished_run, tmp_path):
+  """No orbax INFO lines (nor anything else) around the result a user asked for."""
+  ckpts = str(finished_run / 'checkpoints' / 'grpo')
+  done = subprocess.run([sys.executable, '-m', 'jaxrl_ga.export', f'--checkpoint={ckpts}',
+                         f'--out={tmp_path / "hf"}'], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == f'exported {ckpts}/6 to {tmp_path / "hf"}'
+  assert not [l for l in done.stderr.splitlines() if l.strip()], done.stderr[-3000:]

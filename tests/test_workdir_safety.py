@@ -21,7 +21,7 @@ import smoke_configs
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
-from jaxrl_ga import main as main_lib
+from jaxrl_ga import api
 from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError
 
@@ -71,7 +71,7 @@ def test_a_second_run_on_a_held_workdir_stops_at_once_naming_the_holder(tmp_path
     assert first.poll() is None  # the holder was not disturbed
     # The library's entry point refuses it too.
     with pytest.raises(ConfigError, match=f'pid {first.pid}'):
-      main_lib.run(smoke_configs.smoke(stages='grpo'), str(workdir))
+      api.run(smoke_configs.smoke(stages='grpo'), str(workdir))
   finally:
     first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=300)
@@ -113,7 +113,7 @@ def test_a_reused_pid_is_not_the_holder_and_another_host_is_never_guessed(tmp_pa
 
 def test_the_lock_is_released_when_a_run_stops_with_an_error(tmp_path):
   with pytest.raises(ConfigError, match='no such directory'):
-    main_lib.run(smoke_configs.smoke(**{'model.hf_path': '/nonexistent/dir'}), str(tmp_path))
+    api.run(smoke_configs.smoke(**{'model.hf_path': '/nonexistent/dir'}), str(tmp_path))
   assert not (tmp_path / workdir_lock.LOCK_NAME).exists()
   workdir_lock.WorkdirLock(str(tmp_path)).acquire().release()
 

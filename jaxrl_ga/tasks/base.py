@@ -27,18 +27,21 @@ class Example:
   """One problem.
 
   Attributes:
-    prompt: the text the model is conditioned on.
-    answer: the reference final answer in canonical form (e.g. ``'82'``).
+    prompt: the text the model is conditioned on, or a list of chat messages
+      (``{'role', 'content'}``, ``jaxrl_ga.data``).
+    answer: the reference final answer in canonical form (e.g. ``'82'``); None for a data row
+      (``jaxrl_ga.data.DataTask``), whose reward functions read its columns.
     fields: the dataset columns handed to reward functions (a private copy; treat it as
-      read-only). Always holds ``answer`` (filled in when missing; a different value is an error).
+      read-only). Holds ``answer`` when it is given (filled in when missing; a different value
+      is an error).
   """
-  prompt: str
-  answer: str
+  prompt: Any
+  answer: Optional[str]
   fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     fields = dict(self.fields)
-    if fields.setdefault('answer', self.answer) != self.answer:
+    if self.answer is not None and fields.setdefault('answer', self.answer) != self.answer:
       raise ValueError(f'Example.fields["answer"]={fields["answer"]!r} differs from '
                        f'answer={self.answer!r}.')
     object.__setattr__(self, 'fields', fields)  # a plain dict, so that examples pickle
@@ -122,5 +125,5 @@ class Task(abc.ABC):
       del prompts, unused_fields
       return [float(self.is_well_formed(c)) for c in completions]
 
-    return [WeightedReward('correct', correct, correct_weight),
+    return [WeightedReward('correct', correct, correct_weight, marks_correctness=True),
             WeightedReward('format', well_formed, format_weight)]

@@ -21,20 +21,23 @@ def has_chat_template(tokenizer) -> bool:
   return bool(getattr(tokenizer, 'chat_template', None))
 
 
-def prompt_text(tokenizer, text: str, chat: Optional[bool] = None) -> str:
+def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:
   """The prompt as the model sees it (the template applied when ``chat``; default: when the
-  tokenizer has one)."""
+  tokenizer has one). ``text`` may also be a list of chat messages (``{'role', 'content'}``,
+  TRL's conversational prompt), which needs a chat template."""
+  messages = None if isinstance(text, str) else list(text)
   if chat is None:
-    chat = has_chat_template(tokenizer)
+    chat = has_chat_template(tokenizer) or messages is not None
   if not chat:
     return text
   if not has_chat_template(tokenizer):
-    raise ValueError('chat=True but the tokenizer has no chat template.')
-  return tokenizer.apply_chat_template([{'role': 'user', 'content': text}],
+    raise ValueError('a chat prompt (a list of messages, or chat=True) but the tokenizer has no '
+                     'chat template; give a model whose tokenizer has one, or string prompts.')
+  return tokenizer.apply_chat_template(messages or [{'role': 'user', 'content': text}],
                                        add_generation_prompt=True, tokenize=False)
 
 
-def prompt_ids(tokenizer, text: str, chat: Optional[bool] = None) -> list[int]:
+def prompt_ids(tokenizer, text, chat: Optional[bool] = None) -> list[int]:
   """Token ids of ``prompt_text(tokenizer, text, chat)``; no special tokens are added beyond
   those the template writes."""
   return list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 
@@ -32,6 +32,9 @@ class RunContext:
   # SIGTERM/SIGINT -> a flag for the whole run (main.run holds it); None: each stage loop holds
   # its own.
   guard: Optional[checkpoint.PreemptionGuard] = None
+  # metric(prompts, completions, **columns) of the held-out evaluation (eval.metric, or the
+  # Python API's metric=); None: none.
+  eval_metric: Optional[Callable[..., Any]] = None
 
   @property
   def is_primary(self) -> bool:
@@ -58,16 +61,19 @@ class RunContext:
     for name in RESUMABLE_SETTINGS:
       stage_cfg.pop(name, None)
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
+    if not stage_cfg.get('reward_funcs', True):
+      del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
+    data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     return _jsonable({'stage': stage, 'seed': self.cfg.seed, stage: stage_cfg,
                       'model': dataclasses.asdict(self.model_cfg),
                       'model_source': self.cfg.model.hf_path,
-                      'task': dataclasses.asdict(self.cfg.task)})
+                      'task': dataclasses.asdict(self.cfg.task), **data})
 
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
 RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
-                      'probe_examples')
+                      'probe_examples', 'completions_every', 'completions_logged')
 
 
 def _jsonable(x):

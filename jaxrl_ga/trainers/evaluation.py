@@ -1,18 +1,26 @@
-"""Held-out evaluation: greedy exact-match accuracy, each process scoring its own rows."""
+"""Held-out evaluation with greedy decoding, each process scoring its own rows: exact-match
+accuracy on a built-in task; on your data (``jaxrl_ga.data.DataTask``) each reward's mean, the
+accuracy of the reward that marks correctness (``rewards.marks_correctness``; > 0 counts as
+correct), and the means of ``eval.metric`` / the Python API's ``metric(prompts, completions,
+**columns)``, which returns one float per completion or a dict of such lists."""
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import placement
+from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import sampling
+from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import text
 
 
 class Evaluator:
-  """Greedy held-out exact-match accuracy; one compile for the run (fixed batch shape)."""
+  """Greedy held-out evaluation; one compile for the run (fixed batch shape)."""
 
   def __init__(self, ctx, max_prompt_length: int, examples=None):
     """examples: default the task's held-out set (eval.num_examples of it)."""
@@ -28,12 +36,25 @@ class Evaluator:
     self._generate = sampling.make_generate_fn(ctx.graphdef, sampler, greedy=True, mesh=ctx.mesh,
                                                param_shardings=ctx.param_shardings)
     self.batch_size = placement.padded_batch_size(ecfg.batch_size, ctx.mesh)
+    # Your data is scored by its rewards; a built-in task by its own exact match.
+    self.rewards = (ctx.task.reward_functions() if getattr(ctx.task, 'name', '') == 'data'
+                    else [])
+    self.marked = next((r.name for r in self.rewards if r.marks_correctness), None)
+    self.metric = ctx.eval_metric
+    self._names: Optional[list[str]] = None  # the scores' names, fixed by the first chunk
 
-  def accuracy(self, params) -> float:
-    """Each process encodes, decodes and checks only the rows its devices hold."""
+  def accuracy(self, params) -> Optional[float]:
+    return self.evaluate(params)['accuracy']
+
+  def evaluate(self, params) -> dict[str, Any]:
+    """{'accuracy': float (None when no reward marks correctness), 'reward/<name>': mean,
+    'metric[/<name>]': mean}. Each process encodes, decodes and scores only its rows."""
     ctx, bs = self.ctx, self.batch_size
     rows = placement.batch_rows(bs, ctx.mesh)
     correct = np.zeros(bs, np.float32)
+    sums: Optional[np.ndarray] = None  # [bs, F] sums and counts of the scores that applied
+    counts: Optional[np.ndarray] = None
+    error = None  # a reward or metric that failed here: the others must still reach the gathers
     for start in range(0, len(self.examples), bs):
       if ctx.guard is not None and ctx.guard.should_stop:  # a long evaluation is interruptible
         raise checkpoint.Preempted('', -1, ctx.guard.signal_received)
@@ -44,8 +65,77 @@ class Evaluator:
           ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
       out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
       texts = text.decode_completions(ctx.tokenizer, placement.local_part(out.tokens)[1],
-                                 placement.local_part(out.mask)[1])
-      correct[rows] += [float(r < n and ctx.task.is_correct(e, t))
-                        for r, e, t in zip(rows, chunk, texts)]
-    total = placement.gather_rows(correct[rows], rows, bs, ctx.mesh).sum()
-    return float(total) / max(len(self.examples), 1)
+                                      placement.local_part(out.mask)[1])
+      valid = np.asarray(rows) < n
+      if not self.rewards and self.metric is None:
+        correct[rows] += [float(v and ctx.task.is_correct(e, t))
+                          for v, e, t in zip(valid, chunk, texts)]
+        continue
+      if error is not None:
+        continue  # generation is collective: this process keeps taking part, scoring nothing
+      try:  # only the real rows are scored (the functions never see the padding rows)
+        real = self._scores([e for e, v in zip(chunk, valid) if v],
+                            [t for t, v in zip(texts, valid) if v])  # [n real, F], NaN: n/a
+      except rewards_lib.RewardError as e:
+        error = e
+        continue
+      scores = np.full((len(rows), real.shape[1]), np.nan)
+      scores[valid] = real
+      if sums is None:
+        sums = np.zeros((bs, scores.shape[1]), np.float64)
+        counts = np.zeros((bs, scores.shape[1]), np.float64)
+      sums[rows] += np.nan_to_num(scores)
+      counts[rows] += ~np.isnan(scores)
+      if self.marked is not None:
+        correct[rows] += valid & (np.nan_to_num(scores[:, self._names.index(
+            f'reward/{self.marked}')]) > 0)
+    # First the accuracy and whether scoring failed anywhere (every process reaches this gather,
+    # and raises after it if any failed), then the score sums, whose width all then agree on.
+    failed = np.full(bs, 0.0 if error is None else jax.process_index() + 1.0)
+    first = placement.gather_rows(np.stack([correct, failed], 1)[rows], rows, bs, ctx.mesh)
+    if error is not None:
+      raise error
+    hosts = sorted({int(p) - 1 for p in np.unique(first[:, 1]) if p})
+    if hosts:
+      raise rewards_lib.RewardError(
+          f'a reward or metric failed in the held-out evaluation on process(es) {hosts} (their '
+          f'log has the error); every process stops.')
+    total = np.concatenate([first[:, :1]] + ([] if sums is None else [placement.gather_rows(
+        np.concatenate([sums, counts], 1)[rows], rows, bs, ctx.mesh)]), 1).sum(0)
+    size = max(len(self.examples), 1)
+    results: dict[str, Any] = {'accuracy': float(total[0]) / size}
+    if sums is not None:
+      f = len(self._names)
+      for i, name in enumerate(self._names):
+        results[name] = float(total[1 + i] / total[1 + f + i]) if total[1 + f + i] else None
+      if self.marked is None:
+        results['accuracy'] = None
+    return results
+
+  def _scores(self, examples, texts) -> np.ndarray:
+    """[N, F] per-completion scores: each reward, then the metric's values."""
+    prompts = [e.prompt for e in examples]
+    # No rows here (on one of several processes): the functions still get every column, empty.
+    fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
+    names, columns = [], []
+    if self.rewards:
+      _, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)
+      for r in self.rewards:
+        names.append(f'reward/{r.name}')
+        columns.append(per_fn[r.name])
+    if self.metric is not None:
+      try:
+        values = self.metric(list(prompts), list(texts), **fields)
+      except Exception as e:  # pylint: disable=broad-except
+        raise rewards_lib.RewardError(f'eval metric raised {type(e).__name__}: {e}') from e
+      named = values.items() if isinstance(values, dict) else [('', values)]
+      for key, vals in sorted(named):
+        vals = [np.nan if v is None else float(v) for v in vals]
+        if len(vals) != len(texts):
+          raise rewards_lib.RewardError(f'eval metric returned {len(vals)} values for '
+                                        f'{len(texts)} completions; return one per completion.')
+        names.append(f'metric/{key}' if key else 'metric')
+        columns.append(np.asarray(vals, np.float64))
+    if self._names is None:
+      self._names = names
+    return np.stack(columns, 1).astype(np.float64)

@@ -113,10 +113,11 @@ class GRPOTrainer:
     summary = meta['summary']  # saved with every checkpoint
     resumed_from = meta['micro_step']
     evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
+    evaluate = lambda st: evaluator.evaluate(self.policy(st))
     if 'eval/accuracy_before' not in summary:
-      summary['eval/accuracy_before'] = stage.evaluate_or_save(
-          ctx, ckpt, state, meta, lambda st: evaluator.accuracy(self.policy(st)))
-      reporting.report_accuracy(ctx, 'grpo', 0, summary['eval/accuracy_before'], 'before GRPO')
+      results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
+      summary.update(_eval_summary(results, 'before'))
+      reporting.report_accuracy(ctx, 'grpo', 0, results, 'before GRPO')
 
     t_start = time.time()
     with stage.StageLoop(ctx, 'grpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
@@ -141,7 +142,7 @@ class GRPOTrainer:
           loop.log(step, out, meta.get('host_stats', {}) | {
               'rollout/forward_passes_total': state['rollout'].forward_passes})
           if loop.eval_due(step):
-            loop.report_eval(step, evaluator.accuracy(self.policy(state)))
+            loop.report_eval(step, evaluate(state))
           loop.save_if_due(step, state)
         if loop.stop_requested(state):
           break
@@ -151,10 +152,9 @@ class GRPOTrainer:
                 'grpo/micro_steps_this_run': meta['micro_step'] - resumed_from}
     if loop.stopped:
       return params, summary | this_run | {'stopped_at_micro_step': meta['micro_step']}
-    summary['eval/accuracy_after'] = stage.evaluate_or_save(
-        ctx, ckpt, state, meta, lambda st: evaluator.accuracy(self.policy(st)))
-    reporting.report_accuracy(ctx, 'grpo', cfg.num_steps, summary['eval/accuracy_after'],
-                              'after GRPO')
+    results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
+    summary.update(_eval_summary(results, 'after'))
+    reporting.report_accuracy(ctx, 'grpo', cfg.num_steps, results, 'after GRPO')
     rollouts = int(state['rollout'].counter)
     summary.update({
         'grpo/optimizer_steps': cfg.num_steps, 'grpo/rollouts': rollouts,
@@ -184,8 +184,11 @@ class GRPOTrainer:
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()
-    rewards, reward_metrics = self._score(buffer, examples)  # [S*B], every process
-    state['buffer'], state['advantages'] = self._advantages(state, buffer, rewards)
+    rewards, reward_metrics, scored = self._score(buffer, examples)  # [S*B], every process
+    state['buffer'], state['advantages'], adv = self._advantages(state, buffer, rewards)
+    rollout_index = meta['micro_step'] // self.cfg.schedule.micro_steps_per_rollout
+    if self.cfg.completions_every and rollout_index % self.cfg.completions_every == 0:
+      self._log_completions(meta['micro_step'], examples, scored, rewards, adv)
     host_stats = reward_metrics | {k: float(np.asarray(v))
                                    for k, v in jax.device_get(rollout_metrics).items()}
     if self.on_rollout is not None:
@@ -215,7 +218,8 @@ class GRPOTrainer:
 
   def _score(self, buffer, examples) -> tuple[np.ndarray, dict[str, float]]:
     """Decodes and scores this process's completions, then gathers the per-row scores of every
-    process. -> (total reward of each row [S*B] in [S, B] order, the reward metrics)."""
+    process. -> (total reward of each row [S*B] in [S, B] order, the reward metrics, (this
+    process's completion texts, {reward name: its values on them}))."""
     ctx, sched = self.ctx, self.cfg.schedule
     s, b = sched.steps_per_generation, sched.micro_batch_size
     rows = self.engine.local_rows()
@@ -223,11 +227,15 @@ class GRPOTrainer:
     texts = text.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
                                     local(buffer.completion_mask))
     names = [r.name for r in self.rewards]
-    error = None
+    error, per_fn = None, {}
     try:
       total, per_fn = rewards_lib.compute_rewards(
           self.rewards, [ex.prompt for ex in examples], texts, task_base.reward_fields(examples))
-      correct = [ctx.task.is_correct(ex, t) for ex, t in zip(examples, texts)]
+      marked = next((r.name for r in self.rewards if r.marks_correctness), None)
+      if marked is not None:  # > 0 counts as correct; NaN (None: does not apply) does not
+        correct = np.nan_to_num(per_fn[marked]) > 0
+      else:
+        correct = [ctx.task.is_correct(ex, t) for ex, t in zip(examples, texts)]
       fields = np.stack([total, np.asarray(correct, np.float32)] + [per_fn[k] for k in names])
     except Exception as e:  # pylint: disable=broad-except
       # Every host must still reach the gather below, or the others wait there forever: this
@@ -249,10 +257,34 @@ class GRPOTrainer:
     total, correct = fields[0].reshape(-1), fields[1]
     return total, {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
                    'reward/accuracy': float(correct.mean()),
-                   **{f'reward/{k}': float(fields[2 + i].mean()) for i, k in enumerate(names)}}
+                   **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
+                      for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()}
+                   }, (texts, per_fn)
+
+  def _log_completions(self, micro_step: int, examples, scored, rewards: np.ndarray,
+                       adv: np.ndarray) -> None:
+    """grpo.completions_logged of process 0's rows of this rollout (each with its prompt,
+    completion, reward functions' values, total reward and advantage) -> completions.jsonl and
+    TensorBoard text, at the optimizer step the rollout starts training."""
+    if jax.process_index() != 0:
+      return
+    texts, per_fn = scored
+    sched = self.cfg.schedule
+    rows = self.engine.local_rows()
+    # Local row j of slice i is global row i*B + rows[j] of the [S*B] rewards and advantages.
+    index = (np.arange(sched.steps_per_generation)[:, None] * sched.micro_batch_size
+             + np.asarray(rows)[None, :]).reshape(-1)
+    records = []
+    for j in range(min(self.cfg.completions_logged, len(texts))):
+      records.append({
+          'prompt': examples[j].prompt, 'completion': texts[j],
+          **{f'reward/{k}': (None if np.isnan(v[j]) else float(v[j])) for k, v in per_fn.items()},
+          'reward': float(rewards[index[j]]), 'advantage': float(adv[index[j]])})
+    self.ctx.writer.write_completions('grpo', micro_step // sched.optimizer_every, records)
 
   def _advantages(self, state, buffer, rewards: np.ndarray):
-    """Group advantages of the rewards, on the device -> (buffer, advantages [S, B]); with
+    """Group advantages of the rewards, on the device -> (buffer, advantages [S, B], the same on
+    the host [S*B] in rollout order); with
     advantage.order_by_advantage_sign the rows are reordered (positive first) and only then get
     their old log-probs (state['rollout'] counts those passes)."""
     cfg = self.cfg
@@ -262,11 +294,11 @@ class GRPOTrainer:
     adv_dev = placement.put(adv.reshape(sched.steps_per_generation, sched.micro_batch_size),
                             self.engine.advantage_sharding)
     if not cfg.advantage.order_by_advantage_sign:
-      return buffer, adv_dev
+      return buffer, adv_dev, adv
     order = np.argsort(-adv, kind='stable')  # positive first, negative last
     buffer, state['rollout'], adv_dev = self.engine.reorder(
         self.policy(state), buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
-    return buffer, adv_dev
+    return buffer, adv_dev, adv
 
 
 def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
@@ -284,6 +316,11 @@ def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
   if share > 1:
     print(f'[grpo] each prompt\'s forward runs once per {share} of its completions '
           '(model.share_prompt_prefix)', flush=True)
+
+
+def _eval_summary(results: dict[str, Any], when: str) -> dict[str, Any]:
+  """An evaluation in the summary: eval/accuracy_<when>, eval/<reward or metric>_<when>."""
+  return {f'eval/{k}_{when}': v for k, v in results.items()}
 
 
 def _counts_for(table, rollouts: int) -> dict[str, int]:

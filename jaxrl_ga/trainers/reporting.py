@@ -22,6 +22,8 @@ class MetricWriter:
     self._active = jax.process_index() == 0
     self._jsonl = None
     self._tb = None
+    self._completions = None
+    self._workdir = workdir
     if self._active:
       fileio.makedirs(workdir)
       self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
@@ -39,6 +41,21 @@ class MetricWriter:
       if v is not None:
         self._tb.add_scalar(f'{phase}/{k}', v, int(step))
 
+  def write_completions(self, phase: str, step: int, records: list[dict[str, Any]]):
+    """Sampled completions: one JSON object per completion in completions.jsonl (with phase and
+    step), and one TensorBoard text entry per call."""
+    if not self._active or not records:
+      return
+    if self._completions is None:
+      self._completions = fileio.TextAppender(fileio.join(self._workdir, 'completions.jsonl'))
+    for r in records:
+      self._completions.write(json.dumps({'phase': phase, 'step': int(step), **r},
+                                         ensure_ascii=False, default=str) + '\n')
+    keys = list(records[0])
+    table = ['| ' + ' | '.join(keys) + ' |', '|' + ' --- |' * len(keys)] + [
+        '| ' + ' | '.join(_cell(r.get(k)) for k in keys) + ' |' for r in records]
+    self._tb.add_text(f'{phase}/completions', '\n'.join(table), int(step))
+
   def drop_after(self, stage: str, step: int):
     """Drops the rows of ``stage`` (and its eval and probe rows) logged after optimizer step
     ``step``: a run resumed from that step logs them again. (TensorBoard keeps both; its
@@ -54,7 +71,9 @@ class MetricWriter:
       phases = {stage, f'{stage}_eval', f'{stage}_probe'}
       lines = fileio.read_text(path).splitlines(keepends=True)
       keep = [l for l in lines if not _logged_after(l, phases, step)]
-      if len(keep) != len(lines):
+      if keep and not keep[-1].endswith('\n'):  # a whole last row whose newline was cut
+        keep[-1] += '\n'
+      if keep != lines:
         fileio.write_text(path, ''.join(keep))
     finally:
       self._jsonl = fileio.TextAppender(path)
@@ -70,6 +89,8 @@ class MetricWriter:
       return
     try:
       self._jsonl.close()
+      if self._completions is not None:
+        self._completions.close()
       with fileio.writing(self._tb_path):
         self._tb.close()
     except fileio.WriteError as e:
@@ -77,11 +98,18 @@ class MetricWriter:
         raise
       logging.info('%s', e)
 
+
+def _cell(value) -> str:
+  """A markdown table cell: text on one line, pipes escaped."""
+  text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+  return text.replace('|', '\\|').replace('\n', '\\n')
+
+
 def _logged_after(line: str, phases: set[str], step: int) -> bool:
   try:
     row = json.loads(line)
   except json.JSONDecodeError:
-    return not line.strip()  # a row cut short by a kill goes too
+    return True  # a row cut short by a kill (or a blank line) goes too
   return row.get('phase') in phases and int(row.get('step', 0)) > step
 
 def _to_float(v) -> Optional[float]:
@@ -114,6 +142,15 @@ def _fmt_s(s: float) -> str:
 def fmt_metrics(m: dict[str, Any], keys: Sequence[str]) -> str:
   return '  '.join(f'{k} {float(np.asarray(m[k])):.4g}' for k in keys if k in m)
 
-def report_accuracy(ctx, stage: str, step: int, accuracy: float, when: str):
-  ctx.writer.write(f'{stage}_eval', step, {'accuracy': accuracy})
-  print(f'[{stage}] held-out accuracy {when}: {accuracy:.3f}', flush=True)
+def report_accuracy(ctx, stage: str, step: int, results, when: str):
+  """One held-out evaluation: an accuracy, or ``Evaluator.evaluate``'s dict (accuracy None when
+  no reward marks correctness; reward and metric means besides) -> metrics.jsonl, TensorBoard
+  and one console line."""
+  results = results if isinstance(results, dict) else {'accuracy': results}
+  ctx.writer.write(f'{stage}_eval', step, {k: v for k, v in results.items() if v is not None})
+  accuracy = results['accuracy']
+  others = ''.join(f', {k} {v:.4g}' for k, v in results.items()
+                   if k != 'accuracy' and v is not None)
+  print(f'[{stage}] held-out accuracy {when}: '
+        f'{"n/a (no reward marks correctness)" if accuracy is None else f"{accuracy:.3f}"}'
+        f'{others}', flush=True)

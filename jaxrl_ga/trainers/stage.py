@@ -199,8 +199,9 @@ class StageLoop:
   def eval_due(self, step: int) -> bool:
     return bool(self.eval_every) and step % self.eval_every == 0 and step < self.num_steps
 
-  def report_eval(self, step: int, accuracy: float) -> None:
-    reporting.report_accuracy(self.ctx, self.stage, step, accuracy, f'at step {step}')
+  def report_eval(self, step: int, results) -> None:
+    """An accuracy, or an ``Evaluator.evaluate`` dict."""
+    reporting.report_accuracy(self.ctx, self.stage, step, results, f'at step {step}')
 
   def save_if_due(self, step: int, state) -> None:
     """Every ``checkpoint.every_steps`` optimizer steps (not the last: ``finish`` writes it),

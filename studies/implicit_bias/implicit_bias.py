@@ -45,7 +45,7 @@ it is recorded as it comes, but only the per-rollout measure compares the arms.
 
 The one hook: GRPOTrainer's public ``on_rollout`` callback reads each fresh rollout (its
 micro-batches, advantages, rewards) and the learner's params and optimizer-step counter. Everything
-else is the library's public path (main.build_context, run_sft, GRPOTrainer.run, metrics.jsonl).
+else is the library's public path (api.build_context, run_sft, GRPOTrainer.run, metrics.jsonl).
 
 Outputs: a table on stdout, --out (JSON: every per-rollout, per-step and eval series, statistics,
 machine, load average) and --plot (PNG). Runs go under --runs_dir (default: a fresh temp dir).
@@ -235,7 +235,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
   """SFT once, then both arms from the same params. -> the seed's results."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import main as main_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import plot as plot_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import reporting  # pylint: disable=g-import-not-at-top
@@ -248,7 +248,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
   t0 = time.time()
   with open(os.path.join(_mkdir(sft_dir), 'stdout.log'), 'a') as log, \
       contextlib.redirect_stdout(log):
-    ctx, params = main_lib.build_context(sft_cfg, sft_dir)
+    ctx, params = api.build_context(sft_cfg, sft_dir)
     sft_summary = {'sft/optimizer_steps': 0, 'eval/accuracy_after_sft': math.nan}
     if study.warm_start:
       params, sft_summary = sft_lib.run_sft(ctx, sft_cfg.sft, params)
@@ -266,7 +266,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
   probe = None
   for arm in ARMS:
     cfg = arm_config(study, base, arm)
-    main_lib.validate_against_mesh(cfg, ctx.mesh)
+    api.validate_against_mesh(cfg, ctx.mesh)
     if probe is None:  # the arms differ in schedule and ordering only: one probe serves both
       probe = make_alignment_probe(ctx.graphdef, learner_lib.grpo_task_loss(
           cfg.grpo.loss, cfg.grpo.sampling.max_completion_length, cfg.grpo.sampling.temperature))

