@@ -162,26 +162,31 @@ def brute_force_minimum(cfg: ScheduleConfig, num_micro_steps: int) -> int:
 # -- one schedule ----------------------------------------------------------------------------------
 class PeriodClock:
   """The trainer's hooks -> per period: wall, rollout and learner seconds (learner steps are
-  waited for in the hook, so that a period's end is its last step's)."""
+  waited for in the hook, so that a period's end is its last step's).
+
+  Attributes:
+    period: micro-steps per schedule period.
+    periods: one dict per finished period (wall, rollout, learn seconds, 1-minute load).
+    current: the period being timed: its start time and its rollout and learn seconds so far.
+  """
 
   def __init__(self, period: int):
     self.period, self.periods = period, []
-    self._start = self._last = None
-    self._rollout = self._learn = 0.0
+    self.current = {'start': None, 'rollout': 0.0, 'learn': 0.0}
 
   def on_rollout(self, event: grpo.RolloutEvent):
-    self._rollout += event.generate_s
+    self.current['rollout'] += event.generate_s
 
   def on_micro_step(self, micro_step: int, started: float, out: dict):
     jax.block_until_ready(out)
     now = time.perf_counter()
-    if self._start is None:
-      self._start = started
-    self._learn += now - started
+    if self.current['start'] is None:
+      self.current['start'] = started
+    self.current['learn'] += now - started
     if (micro_step + 1) % self.period == 0:
-      self.periods.append({'wall': now - self._start, 'rollout': self._rollout,
-                           'learn': self._learn, 'load_avg_1min': os.getloadavg()[0]})
-      self._start, self._rollout, self._learn = now, 0.0, 0.0
+      self.periods.append({'wall': now - self.current['start'], 'rollout': self.current['rollout'],
+                           'learn': self.current['learn'], 'load_avg_1min': os.getloadavg()[0]})
+      self.current = {'start': now, 'rollout': 0.0, 'learn': 0.0}
 
 
 def run_rule(size: Size, sched: ScheduleConfig, table: schedule.ScheduleTable, rule: str,
