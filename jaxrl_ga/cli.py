@@ -34,13 +34,13 @@ def define_print_config() -> flags.FlagHolder:
       'overrides) with its value, its default and its meaning, then exit.')
 
 
-def warnings_only_unless_asked() -> None:
+def warnings_only_unless_asked(verbose: bool = False) -> None:
   """absl's verbosity (which orbax's INFO lines and, through the root logger, JAX's follow):
-  WARNING unless an explicit --verbosity/-v asks for more. Call it in a program's main(): absl's
-  app.run raises a verbosity left unset to INFO after parsing."""
+  WARNING unless ``verbose`` or an explicit --verbosity/-v asks for more. Call it after parsing
+  (absl's app.run raises a verbosity left unset to INFO then)."""
   from absl import logging  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS['verbosity'].present:
-    flags.FLAGS.verbosity = logging.WARNING
+    flags.FLAGS.verbosity = logging.INFO if verbose else logging.WARNING
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -89,14 +89,19 @@ def _raised_in(e: BaseException, path: str) -> Optional[BaseException]:
   return None
 
 
+def _file_and_arg(config_arg: str) -> list[str]:
+  """``--config=<file>[:<arg>]`` -> [file] or [file, arg]."""
+  return config_arg.split('=', 1)[1].split(':', 1)
+
+
 def _report_flag_error(argv: list[str], e: BaseException) -> typing.NoReturn:
   config_arg = next((a for a in argv[1:] if a.startswith(('--config=', '-config='))), None)
-  original = _raised_in(e, config_arg.split('=', 1)[1].split(':', 1)[0]) if config_arg else None
+  original = _raised_in(e, _file_and_arg(config_arg)[0]) if config_arg else None
   if isinstance(original, config_lib.ConfigError):
     fail(f'{config_arg}: {original}')
   if original is not None:  # the user's own code failed: its traceback, from its first frame
     frames = traceback.extract_tb(original.__traceback__)
-    target = os.path.realpath(config_arg.split('=', 1)[1].split(':', 1)[0])
+    target = os.path.realpath(_file_and_arg(config_arg)[0])
     first = next(i for i, f in enumerate(frames) if os.path.realpath(f.filename) == target)
     print('Traceback (most recent call last):\n'
           + ''.join(traceback.format_list(frames[first:]))
@@ -139,7 +144,7 @@ def _known_fields(config_arg: Optional[str], override: str) -> str:
   config = flags.FLAGS['config'].value if 'config' in flags.FLAGS else None
   if config is None and config_arg:  # absl stopped before setting it: read the file again
     try:
-      config = config_lib.load_config_file(*config_arg.split('=', 1)[1].split(':', 1))
+      config = config_lib.load_config_file(*_file_and_arg(config_arg))
     except Exception:  # pylint: disable=broad-except
       return ''
   parts = override[len('--config.'):].split('.')
@@ -213,12 +218,7 @@ def _task_option_rows(task: Any, prefix: str) -> Iterator[tuple[str, ...]]:
       yield prefix + key, _show(value), '', ''
     return
   option_cls = tasks.TASKS[name][1]
-  docs = _attribute_docs(option_cls)
-  for f in dataclasses.fields(option_cls):
-    default = f.default if f.default is not dataclasses.MISSING else (
-        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-    yield (prefix + f.name, _show(options.get(f.name, default)), _show(default),
-           _one_line(docs.get(f.name, f'option of task {name!r}')))
+  yield from _rows(option_cls, options, config_lib.to_config_dict(option_cls()), prefix)
 
 
 def _show(value: Any) -> str:

@@ -72,6 +72,11 @@ def pci_vendors(pci_root: str = '/sys/bus/pci/devices') -> set[str]:
   return vendors
 
 
+def on_tpu_vm(pci_root: str = '/sys/bus/pci/devices') -> bool:
+  """A Google TPU on the PCI bus (vendor 0x1ae0), as jax's own TPU detection checks."""
+  return TPU_PCI_VENDOR in pci_vendors(pci_root)
+
+
 def accelerator_expected(pci_root: str = '/sys/bus/pci/devices') -> bool:
   """Whether JAX will run on an accelerator, judged without starting its backend: from
   ``JAX_PLATFORMS`` when set (anything besides 'cpu'), else a TPU or NVIDIA device on the PCI
@@ -98,7 +103,7 @@ def quiet_absent_tpu(pci_root: str = '/sys/bus/pci/devices') -> bool:
   (the [test] extra brings one for ``plan``) prints warnings and a stack trace when JAX starts
   its backends, none of which a user can act on: quiet it (:func:`quiet_libtpu_env`). Returns
   whether it did."""
-  if os.environ.get('JAX_PLATFORMS') or TPU_PCI_VENDOR in pci_vendors(pci_root):
+  if os.environ.get('JAX_PLATFORMS') or on_tpu_vm(pci_root):
     return False
   quiet_libtpu_env()
   return True

@@ -71,6 +71,7 @@ def init_distributed(coordinator_address: Optional[str] = None,
   """jax.distributed: explicit with a coordinator address, automatic on a Cloud TPU VM.
   -> 'explicit', 'tpu_vm' or 'none' (one process)."""
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise app.UsageError('--coordinator_address needs --num_processes and --process_id.')
@@ -80,32 +81,18 @@ def init_distributed(coordinator_address: Optional[str] = None,
     return 'explicit'
   if num_processes is not None or process_id is not None:
     raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
-  if _on_cloud_tpu_vm(pci_root):
+  if host_memory.on_tpu_vm(pci_root):
     jax.distributed.initialize()  # jax reads the slice's workers from the VM metadata
     return 'tpu_vm'
   return 'none'
-
-
-def _on_cloud_tpu_vm(pci_root: str) -> bool:
-  """A Google TPU on the PCI bus (vendor 0x1ae0), as jax's own TPU detection checks."""
-  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
-  return host_memory.TPU_PCI_VENDOR in host_memory.pci_vendors(pci_root)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with bad flags or config file as one ``error:`` line, exit status 2
   (jaxrl_ga.cli.parse_flags); --print_config prints the settings and exits."""
   remaining = cli.parse_flags(argv)
-  set_console_verbosity()
+  cli.warnings_only_unless_asked(_VERBOSE.value)
   return remaining
-
-
-def set_console_verbosity() -> None:
-  """absl's verbosity (which the 'absl' logger, orbax's log lines and, through the root logger,
-  JAX's follow): WARNING unless --verbose or an explicit --verbosity/-v asks for more. absl's
-  app.run raises a verbosity left unset to INFO after parsing; setting it here keeps WARNING."""
-  if not flags.FLAGS['verbosity'].present:
-    flags.FLAGS.verbosity = logging.INFO if _VERBOSE.value else logging.WARNING
 
 
 def main(argv):
