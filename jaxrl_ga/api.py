@@ -36,6 +36,7 @@ from jaxrl_ga import sharding
 from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import dpo
 from jaxrl_ga.trainers import grpo
@@ -157,7 +158,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     raise ConfigError(f'task {cfg.task.name!r} (task.options={dict(cfg.task.options)}): '
                       f'{e}') from None
   hf.check_model_source(cfg.model.hf_path)
-  model_cfg = context.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
+  model_cfg = policy.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
   try:
     tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
                  else task.tokenizer())
@@ -172,7 +173,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   fileio.makedirs(workdir)
   if jax.process_index() == 0:
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
-  model_cfg = model_cfg or context.model_config(cfg, len(tokenizer))
+  model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   validate_lengths(cfg, task, tokenizer, model_cfg)
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
@@ -182,7 +183,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           writer=reporting.MetricWriter(workdir), eval_metric=metric)
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   try:
-    graphdef, params, ctx.param_shardings = context.build_model(cfg, model_cfg, mesh)
+    graphdef, params, ctx.param_shardings = policy.build_model(cfg, model_cfg, mesh)
   except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)
     if isinstance(e, ConfigError):
       raise

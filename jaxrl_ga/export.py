@@ -42,12 +42,6 @@ def _define_flags():
   flags.mark_flags_as_required(['checkpoint', 'out'])
 
 
-def model_config_from_dict(d: dict):
-  """``models.policy.model_config_from_dict``: a checkpoint fingerprint's model config."""
-  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
-  return policy.model_config_from_dict(d)
-
-
 def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   """(model config, params, tokenizer or None, 'DIR/STEP' read) of a checkpoint.
 
@@ -79,7 +73,8 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   if 'model' not in fingerprint:
     raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
                      f'by jaxrl_ga.main?')
-  cfg = model_config_from_dict(fingerprint['model'])
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+  cfg = policy.model_config_from_dict(fingerprint['model'])
   params = state['learner']['params'] if 'learner' in state else state['params']
   if cfg.lora.rank:  # the adapters only: on the base weights the run started from
     from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top

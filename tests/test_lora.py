@@ -21,6 +21,7 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, GRPOLossConfig, LoRAConfig, RunConfig, ScheduleConfig
 from jaxrl_ga.config import from_mapping, default_config_dict
 from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 from test_learner import MODEL, _run_grpo
 
@@ -227,7 +228,7 @@ def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
   export.export_checkpoint(str(tmp_path / 'wd'), str(tmp_path / 'hf'),
                            adapter_out=str(tmp_path / 'peft'))
   re_cfg, re_g, re_params = hf.load_model(tmp_path / 'hf')
-  run_cfg = export.model_config_from_dict(fingerprint['model'])
+  run_cfg = policy.model_config_from_dict(fingerprint['model'])
   base = tfm.split(tfm.Transformer(lora.base_config(run_cfg), rngs=nnx.Rngs(cfg.seed)))[1]
   tokens, mask = _tokens(vocab=run_cfg.vocab_size)
   want = tfm.merge(sharding.abstract_model(run_cfg)[0], base, adapters)(tokens, mask)

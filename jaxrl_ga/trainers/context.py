@@ -13,7 +13,6 @@ from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
 from jaxrl_ga import lora
 from jaxrl_ga.config import RunConfig
-from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 
@@ -92,7 +91,3 @@ class TrainedPart:
     """The whole policy's params from the learner's (``state.params``)."""
     return tfm.combine(self.frozen, trained)
 
-
-# -- the policy: models/policy.py (main builds a run's from here) ----------------------------------
-model_config = policy.model_config
-build_model = policy.build_model
