@@ -59,10 +59,7 @@ import machine  # benchmarks/machine.py
 _K_VALUES = flags.DEFINE_list('k_values', ['1', '2', '4', '8'], 'K values of both series.')
 _MICRO_BATCH = flags.DEFINE_integer('micro_batch_size', 8, 'b of the fixed-micro-batch series.')
 _WINDOW = flags.DEFINE_integer('window_size', 64, 'W of the fixed-window series (sequences).')
-_HIDDEN = flags.DEFINE_integer('hidden_size', 512, 'Model: hidden size.')
-_LAYERS = flags.DEFINE_integer('layers', 8, 'Model: decoder layers.')
-_INTERMEDIATE = flags.DEFINE_integer('intermediate_size', 1536, 'Model: MLP width.')
-_HEADS = flags.DEFINE_integer('heads', 8, 'Model: attention heads (= key/value heads).')
+_BIG_MODEL = machine.define_big_model_flags()  # --big_hidden_size, ... (machine.BIG_MODEL_FLAGS)
 _VOCAB = flags.DEFINE_integer('vocab_size', 32000, 'Model: vocabulary size.')
 _PROMPT = flags.DEFINE_integer('prompt_length', 16, 'Prompt tokens per sequence.')
 _COMPLETION = flags.DEFINE_integer('completion_length', 16, 'Completion tokens per sequence.')
@@ -106,11 +103,9 @@ def _rss_mib() -> float:
 
 def _model_config():
   from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
-  return tfm.ModelConfig(
-      vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, intermediate_size=_INTERMEDIATE.value,
-      num_hidden_layers=_LAYERS.value, num_attention_heads=_HEADS.value,
-      num_key_value_heads=_HEADS.value,
-      max_position_embeddings=2 * (_PROMPT.value + _COMPLETION.value))
+  return tfm.ModelConfig(vocab_size=_VOCAB.value,
+                        max_position_embeddings=2 * (_PROMPT.value + _COMPLETION.value),
+                        **_BIG_MODEL())
 
 
 def run_child(cfg: Config) -> dict:
@@ -133,16 +128,7 @@ def run_child(cfg: Config) -> dict:
   rng = np.random.default_rng(0)
 
   def host_batch() -> dict:  # numpy arrays: moved to the device right before each step
-    prompt_len = rng.integers(1, tp + 1, size=b)
-    comp_len = rng.integers(1, tc + 1, size=b)
-    prompt_mask = (np.arange(tp)[None] >= tp - prompt_len[:, None]).astype(np.int32)
-    comp_mask = (np.arange(tc)[None] < comp_len[:, None]).astype(np.int32)
-    return dict(prompt_tokens=rng.integers(0, model.vocab_size, (b, tp)).astype(np.int32)
-                * prompt_mask, prompt_mask=prompt_mask,
-                completion_tokens=rng.integers(0, model.vocab_size, (b, tc)).astype(np.int32)
-                * comp_mask, completion_mask=comp_mask,
-                advantages=rng.normal(size=b).astype(np.float32),
-                old_logps=np.zeros((b, tc), np.float32), has_old=np.zeros((b,), bool))
+    return machine.random_grpo_batch(rng, b, tp, tc, model.vocab_size)
 
   host_batches = [host_batch() for _ in range(k + 1)]
   sched = ScheduleConfig(micro_batch_size=b, num_generations=1, steps_per_generation=1,
@@ -240,8 +226,8 @@ def spawn(cfg: Config) -> dict:
       p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                   env.get('PYTHONPATH')) if p)
   passed = [f'--{name}={flags.FLAGS[name].value}' for name in (
-      'micro_batch_size', 'window_size', 'hidden_size', 'layers', 'intermediate_size', 'heads',
-      'vocab_size', 'prompt_length', 'completion_length')]
+      'micro_batch_size', 'window_size', *machine.BIG_MODEL_FLAGS, 'vocab_size', 'prompt_length',
+      'completion_length')]
   cmd = [sys.executable, os.path.abspath(__file__), *passed,
          f'--child={json.dumps(dataclasses.asdict(cfg))}']
   t0 = time.perf_counter()
@@ -322,8 +308,8 @@ def main(argv):
     print(f"fixed micro-batch: the largest peak over K is {worst:.2f}× that of K=1 "
           f"({'meets' if worst <= 1.2 else 'misses'} the 1.2× target).")
   machine.write_json(_OUT.value, {'machine': info, 'flags': {k: flags.FLAGS[k].value for k in (
-      'k_values', 'micro_batch_size', 'window_size', 'hidden_size', 'layers',
-      'intermediate_size', 'heads', 'vocab_size', 'prompt_length', 'completion_length')},
+      'k_values', 'micro_batch_size', 'window_size', *machine.BIG_MODEL_FLAGS, 'vocab_size',
+      'prompt_length', 'completion_length')},
       'results': results, 'optimizer_reference': reference})
 
 

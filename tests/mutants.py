@@ -29,7 +29,7 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
   lora_trains_biases  lora.split puts the q/k/v biases with the adapters, so LoRA trains them too.
       Caught by test_accumulated_adapter_update_is_exact's structural assertions on the initial
       state, before any numeric check: what trains (float32 base), AdamW's moments not all float32
-      (bfloat16 base: tests/test_learner.py's _check_state). The numeric checks need not see
+      (bfloat16 base: tests/learner_refs.py's check_structure). The numeric checks need not see
       it: the one-pass reference differentiates the same (mutated) trainable set.
 """
 

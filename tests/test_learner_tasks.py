@@ -1,6 +1,6 @@
 """SFT and DPO exactness, the per-micro-batch normalization bug, non-finite skipping, sequential
 mode, the alignment diagnostic. References are one-pass computations written out in the test,
-compared as in tests/test_learner.py: clipping off (OPT), so the applied gradient is linear in the
+compared as in tests/test_learner.py (helpers in tests/learner_refs.py): clipping off (OPT), so the applied gradient is linear in the
 accumulated one; the learner's grad_norm and loss outputs; the state's structure before any step.
 """
 
@@ -12,97 +12,15 @@ import pytest
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, ScheduleConfig
-from jaxrl_ga.models import transformer as tfm
-
-from test_learner import (CLIPPED, MODEL, OPT, TC, TP, _applied_grad_err, _check_state, _mesh,
-                          _norm, _rel_err, _rollout)
-
-T = 8  # SFT / DPO sequence length
-
-
-def _logp(graphdef, params, tokens, mask):
-  logits = tfm.merge(graphdef, params)(tokens, mask)[:, :-1]
-  return jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
-
-
-def _sft_batch(rng, n):
-  length = rng.integers(3, T + 1, size=n)
-  mask = (np.arange(T)[None] < length[:, None]).astype(np.int32)
-  prompt = rng.integers(1, 3, size=n)
-  loss_mask = mask * (np.arange(T)[None] >= prompt[:, None])
-  return dict(tokens=rng.integers(0, MODEL.vocab_size, (n, T)).astype(np.int32) * mask,
-              attention_mask=mask, loss_mask=loss_mask.astype(np.int32))
-
-
-def _ref_sft(graphdef, params, b):
-  m = b['loss_mask'][:, 1:].astype(jnp.float32)
-  return -jnp.sum(m * _logp(graphdef, params, b['tokens'], b['attention_mask'])) / jnp.sum(m)
-
-
-def _dpo_batch(rng, n):
-  out = {}
-  for side in ('chosen', 'rejected'):
-    b = _sft_batch(rng, n)
-    out.update({f'{side}_{k}': v for k, v in b.items()})
-  out['ref_chosen_logps'] = rng.normal(-20, 2, n).astype(np.float32)
-  out['ref_rejected_logps'] = rng.normal(-20, 2, n).astype(np.float32)
-  return out
-
-
-def _ref_dpo(cfg):
-  def ref(graphdef, params, b):
-    def seq(side):
-      m = b[f'{side}_loss_mask'][:, 1:].astype(jnp.float32)
-      lp = _logp(graphdef, params, b[f'{side}_tokens'], b[f'{side}_attention_mask'])
-      return jnp.sum(m * lp, 1), jnp.sum(m, 1)
-    (c, nc), (r, nr) = seq('chosen'), seq('rejected')
-    h = (c - r) - (b['ref_chosen_logps'] - b['ref_rejected_logps'])
-    per_pair = -jax.nn.log_sigmoid(cfg.beta * h)
-    if cfg.aggregation == 'pair':
-      return jnp.mean(per_pair)
-    return jnp.sum((nc + nr) * per_pair) / jnp.sum(nc + nr)
-  return ref
-
-
-def _run(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_steps=2, opt=OPT,
-         update_mode='accumulate'):
-  """Feeds k*n_steps micro-batches; checks the state's structure first. -> (the applied
-  gradient's relative error per window, the window outputs with the one-pass loss and gradient
-  norm as 'ref_loss' and 'ref_grad_norm', the learner, the final state)."""
-  mesh = _mesh(mesh_shape)
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
-  sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
-                         grad_accum_steps=k, update_mode=update_mode)
-  lrn = learner_lib.Learner(graphdef, task_loss, opt, mesh, shardings,
-                            optimizer_every=sched.optimizer_every,
-                            lr_scale=learner_lib.sequential_lr_scale(opt, sched))
-  rng = np.random.default_rng(0)
-  ref_grad = jax.jit(jax.value_and_grad(lambda p, b: ref_loss(graphdef, p, b)))
-  bsh = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))
-  state, errs, outs = None, [], []
-  window_every = sched.optimizer_every
-  for s in range(k * n_steps):
-    mb = make_batch(rng, s)
-    dev = {kk: bsh(v) for kk, v in mb.items()}
-    if state is None:
-      state = lrn.init(params, dev)
-      _check_state(state, params)
-    if s % window_every == 0:
-      theta, window = jax.device_get(state.params), []
-    window.append(mb)
-    state, out = lrn.step(state, dev)
-    if bool(out['stepped']):
-      full = {kk: np.concatenate([w[kk] for w in window]) for kk in window[0]}
-      loss, g = ref_grad(theta, full)
-      errs.append(_applied_grad_err(state, g, opt))
-      outs.append(jax.device_get(out) | {'ref_loss': float(loss), 'ref_grad_norm': _norm(g)})
-  return errs, outs, lrn, state
+from learner_refs import (CLIPPED, MODEL, OPT, TC, TP, make_mesh, ref_dpo, ref_sft, rel_err,
+                          run_learner, synthetic_dpo_batch, synthetic_rollout, synthetic_sft_batch,
+                          token_logps)
 
 
 @pytest.mark.parametrize('k,mesh', [(1, (1, 1, 1)), (3, (2, 2, 2))])
 def test_sft_accumulation_is_exact(k, mesh):
-  errs, outs, _, _ = _run(learner_lib.sft_task_loss(), _ref_sft,
-                          lambda rng, s: _sft_batch(rng, 4), k, mesh_shape=mesh)
+  errs, outs, _, _ = run_learner(learner_lib.sft_task_loss(), ref_sft,
+                          lambda rng, s: synthetic_sft_batch(rng, 4), k, mesh_shape=mesh)
   assert max(errs) <= 1e-5, errs
   for o in outs:
     np.testing.assert_allclose(o['grad_norm'], o['ref_grad_norm'], rtol=1e-5)
@@ -113,8 +31,8 @@ def test_sft_accumulation_is_exact(k, mesh):
                                               ('token', (1, 1, 1)), ('token', (2, 2, 2))])
 def test_dpo_accumulation_is_exact(aggregation, mesh):
   cfg = DPOLossConfig(aggregation=aggregation)
-  errs, outs, _, _ = _run(learner_lib.dpo_task_loss(cfg), _ref_dpo(cfg),
-                          lambda rng, s: _dpo_batch(rng, 4), 3, mesh_shape=mesh)
+  errs, outs, _, _ = run_learner(learner_lib.dpo_task_loss(cfg), ref_dpo(cfg),
+                          lambda rng, s: synthetic_dpo_batch(rng, 4), 3, mesh_shape=mesh)
   assert max(errs) <= 1e-5, errs
   for o in outs:
     np.testing.assert_allclose(o['grad_norm'], o['ref_grad_norm'], rtol=1e-5)
@@ -123,7 +41,7 @@ def test_dpo_accumulation_is_exact(aggregation, mesh):
 
 def _grpo_batch(equal_counts):
   def make(rng, s):
-    b = _rollout(rng, 4)
+    b = synthetic_rollout(rng, 4)
     if equal_counts:
       b['completion_mask'][:] = 1
     elif s % 2:  # alternate short and long micro-batches
@@ -141,7 +59,7 @@ def _ref_token_pg(graphdef, params, b):
   """On-policy (ratio 1) GRPO with token aggregation is the token-mean policy gradient."""
   tokens = jnp.concatenate([b['prompt_tokens'], b['completion_tokens']], 1)
   mask = jnp.concatenate([b['prompt_mask'], b['completion_mask']], 1)
-  lp = _logp(graphdef, params, tokens, mask)[:, TP - 1:]
+  lp = token_logps(graphdef, params, tokens, mask)[:, TP - 1:]
   m = b['completion_mask'].astype(jnp.float32)
   return -jnp.sum(m * lp * b['advantages'][:, None]) / jnp.sum(m)
 
@@ -151,9 +69,9 @@ def test_microbatch_token_shows_seed_003_bug(equal_counts):
   """Normalizing per micro-batch differs from the window's token mean unless the micro-batches
   hold the same number of tokens; `token` matches the on-policy policy gradient either way."""
   make = _grpo_batch(equal_counts)
-  errs_bug, *_ = _run(learner_lib.grpo_task_loss(
+  errs_bug, *_ = run_learner(learner_lib.grpo_task_loss(
       GRPOLossConfig(aggregation='microbatch_token'), TC), _ref_token_pg, make, 4, n_steps=1)
-  errs_ok, *_ = _run(learner_lib.grpo_task_loss(GRPOLossConfig(aggregation='token'), TC),
+  errs_ok, *_ = run_learner(learner_lib.grpo_task_loss(GRPOLossConfig(aggregation='token'), TC),
                      _ref_token_pg, make, 4, n_steps=1)
   assert errs_ok[0] <= 1e-5
   if equal_counts:
@@ -171,7 +89,7 @@ def test_nonfinite_window_is_skipped_and_counted():
       b['advantages'][0] = np.nan
     return b
 
-  mesh = _mesh((1, 1, 1))
+  mesh = make_mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=3)
@@ -189,7 +107,7 @@ def test_nonfinite_window_is_skipped_and_counted():
   (p1, n1), (p2, n2), (p3, n3) = snapshots
   assert (n1, n2, n3) == (0, 1, 1)
   jax.tree.map(np.testing.assert_array_equal, p2, p1)  # the NaN window left params unchanged
-  assert _rel_err(p3, p2) > 0  # and training went on
+  assert rel_err(p3, p2) > 0  # and training went on
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(p3))
   # Windows are counted (the schedule's policy versions advance), the skip is counted apart.
   assert int(state.optimizer_step) == 3 and int(state.nonfinite_skipped) == 1
@@ -197,7 +115,7 @@ def test_nonfinite_window_is_skipped_and_counted():
 
 def test_sequential_mode_steps_every_micro_batch_with_scaled_lr():
   k = 4
-  errs, outs, lrn, state = _run(
+  errs, outs, lrn, state = run_learner(
       learner_lib.grpo_task_loss(GRPOLossConfig(), TC), _ref_token_pg, _grpo_batch(False), k,
       n_steps=1, update_mode='sequential')
   assert len(outs) == k  # one optimizer step per micro-batch
@@ -208,7 +126,7 @@ def test_sequential_mode_steps_every_micro_batch_with_scaled_lr():
 
 
 def test_alignment_diagnostic_matches_direct_computation():
-  mesh = _mesh((1, 1, 1))
+  mesh = make_mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=2)
@@ -247,7 +165,7 @@ def test_lazy_inner_optimizer_keeps_multisteps_semantics(k):
   """lazy_inner=True (the inner optimizer runs only when a step fires, without MultiSteps'
   selects) ends in the same state, bit for bit, as plain optax.MultiSteps, a skipped non-finite
   window included, the clip in the inner chain; K=1 fires at every micro-step (no cond)."""
-  mesh = _mesh((1, 1, 1))
+  mesh = make_mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=k)

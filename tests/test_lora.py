@@ -23,7 +23,8 @@ from jaxrl_ga.config import from_mapping, default_config_dict
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
-from test_learner import MODEL, _run_grpo
+
+from learner_refs import MODEL, run_grpo_learner
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=('q', 'k', 'v', 'o', 'gate', 'up', 'down'))
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'qwen2_tiny')
@@ -144,7 +145,7 @@ def test_accumulated_adapter_update_is_exact(mesh, base_dtype, compile_log):
     for tree in (state.params, state.opt_state.acc_grads, optax.tree.get(state.opt_state, 'mu')):
       assert {x.dtype for x in jax.tree.leaves(tree)} == {jnp.dtype('float32')}
 
-  grad_err, upd_err = _run_grpo(sched, GRPOLossConfig(aggregation='token'), mesh, n_opt_steps=2,
+  grad_err, upd_err = run_grpo_learner(sched, GRPOLossConfig(aggregation='token'), mesh, n_opt_steps=2,
                                 model=model, trainable=_adapters_of, check_state=check_state)
   print(f'mesh {mesh}, base {base_dtype}: max relative error of the applied gradient '
         f'{grad_err:.2e}, of the adapter update {upd_err:.2e}')

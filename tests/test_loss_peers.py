@@ -11,8 +11,6 @@ that value and gradient. Crafted windows exercise the differences: an empty GRPO
 completions of different lengths, long and short pairs.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +20,9 @@ from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import losses
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig
 
-from test_losses import (CFG_FULL, L_MAX, accumulated, bounds_of, fd_grad, grpo_terms,
-                         log_sigmoid, make_grpo_batch, one_pass, ref_per_token)
+from learner_refs import TC, run_learner, synthetic_dpo_batch, synthetic_rollout, token_logps
+from loss_refs import (CFG_FULL, L_MAX, accumulated, bounds_of, fd_grad, grpo_terms,
+                       log_sigmoid, make_grpo_batch, one_pass, ref_per_token)
 
 RTOL = 1e-5
 
@@ -297,9 +296,6 @@ def test_open_instruct_weighting_depends_on_the_split_ours_does_not():
 # Through the learner: the accumulated K-step gradient is the one-pass gradient
 # ---------------------------------------------------------------------------------------------
 
-from test_learner import TC, _rollout  # noqa: E402
-from test_learner_tasks import _dpo_batch, _logp, _run  # noqa: E402
-
 
 def _ref_grpo_on_policy(cfg):
   """TRL's grpo / dr_grpo over the concatenated window, on-policy (ratio 1): written out."""
@@ -326,14 +322,14 @@ def test_learner_grpo_with_empty_rows_is_exact(aggregation):
   cfg = GRPOLossConfig(aggregation=aggregation)
 
   def make(rng, s):
-    b = _rollout(rng, 4)
+    b = synthetic_rollout(rng, 4)
     b['completion_mask'][s % 4] = 0  # an empty row in every micro-batch
     b['completion_tokens'] *= b['completion_mask']
     b['old_logps'] = np.zeros((4, TC), np.float32)
     b['has_old'] = np.zeros(4, bool)
     return b
 
-  errs, outs, _, _ = _run(learner_lib.grpo_task_loss(cfg, TC), _ref_grpo_on_policy(cfg), make, 3)
+  errs, outs, _, _ = run_learner(learner_lib.grpo_task_loss(cfg, TC), _ref_grpo_on_policy(cfg), make, 3)
   assert max(errs) <= 1e-5, errs
   for o in outs:
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5, atol=1e-7)
@@ -345,7 +341,7 @@ def _ref_dpo_peer(cfg):
   def ref(graphdef, params, b):
     both = lambda key: jnp.concatenate([b[f'chosen_{key}'], b[f'rejected_{key}']])
     m = both('loss_mask')[:, 1:].astype(jnp.float32)  # [2P, T-1], chosen rows first
-    summed = jnp.sum(m * _logp(graphdef, params, both('tokens'), both('attention_mask')), 1)
+    summed = jnp.sum(m * token_logps(graphdef, params, both('tokens'), both('attention_mask')), 1)
     (c, r), (nc, nr) = jnp.split(summed, 2), jnp.split(jnp.sum(m, 1), 2)
     cs, rs = c - b['ref_chosen_logps'], r - b['ref_rejected_logps']
     if cfg.loss_type == 'ipo':
@@ -375,7 +371,7 @@ def test_learner_dpo_peer_losses_are_exact():
 
   def make(rng, s):
     if s % k == 0:  # the host builds the whole window first (as trainers/dpo.py does)
-      mbs = [_dpo_batch(rng, 4) for _ in range(k)]
+      mbs = [synthetic_dpo_batch(rng, 4) for _ in range(k)]
       count = lambda key: np.concatenate([mb[key] for mb in mbs]).sum(-1)
       den, chosen = losses.dpo_window_normalizers(
           count('chosen_loss_mask'), count('rejected_loss_mask'),
@@ -385,7 +381,7 @@ def test_learner_dpo_peer_losses_are_exact():
       windows[s // k] = mbs
     return windows[s // k][s % k]
 
-  errs, outs, _, _ = _run(learner_lib.dpo_task_loss(cfg), _ref_dpo_peer(cfg), make, k)
+  errs, outs, _, _ = run_learner(learner_lib.dpo_task_loss(cfg), _ref_dpo_peer(cfg), make, k)
   assert max(errs) <= 1e-5, errs
   for o in outs:
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5)

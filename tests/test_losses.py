@@ -20,7 +20,10 @@ import pytest
 from jaxrl_ga import losses
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig
 
-L_MAX = 9  # max_completion_length of the test batches (= T)
+from loss_refs import (CFG_FULL, L_MAX, accumulated, assert_away_from_kinks, bounds_of, dpo_terms,
+                       fd_grad, grpo_terms, make_dpo_batch, make_grpo_batch, one_pass, ref_dpo_pair,
+                       ref_dpo_window, ref_per_token, ref_ratios, ref_window_loss)
+
 AGGREGATIONS = ('token', 'sequence', 'constant')
 # K = 2, 3, 4 over B = 8 rows, even and uneven. Few distinct part sizes keep the number of
 # eager-mode compilations (the bulk of this file's run time) small.
@@ -31,141 +34,9 @@ SPLITS = ((4, 4), (2, 2, 4), (2, 4, 2), (4, 2, 2), (2, 2, 2, 2))
 # ---------------------------------------------------------------------------------------------
 
 
-def ref_ratios(logps, old, mask, level):
-  """[B, T] importance ratios per valid token (nan elsewhere)."""
-  b_size, t_size = logps.shape
-  out = np.full((b_size, t_size), np.nan)
-  for i in range(b_size):
-    valid = [t for t in range(t_size) if mask[i, t] > 0]
-    if level == 'sequence' and valid:
-      seq = sum(float(logps[i, t]) - float(old[i, t]) for t in valid) / len(valid)
-    for t in valid:
-      lr = seq if level == 'sequence' else float(logps[i, t]) - float(old[i, t])
-      out[i, t] = math.exp(lr)
-  return out
-
-
-def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None):
-  """[B, T] per-token GRPO loss (0 at masked positions)."""
-  ratios = ref_ratios(logps, old, mask, cfg.importance_level)
-  out = np.zeros(logps.shape)
-  for i in range(logps.shape[0]):
-    a = float(adv[i])
-    for t in range(logps.shape[1]):
-      if mask[i, t] == 0:
-        continue
-      r = ratios[i, t]
-      r_clip = min(max(r, 1 - cfg.epsilon_low), 1 + cfg.epsilon_high)
-      r_cap = r if cfg.delta is None else min(r, cfg.delta)
-      value = -min(r_cap * a, r_clip * a)
-      if cfg.beta > 0:
-        d = float(ref[i, t]) - float(logps[i, t])
-        value += cfg.beta * (math.exp(d) - d - 1)
-      if cfg.entropy_coef > 0:
-        value -= cfg.entropy_coef * float(ent[i, t])
-      out[i, t] = value
-  return out
-
-
-def ref_window_loss(per_token, mask, aggregation, bounds=None):
-  """The design doc's one-pass window loss; bounds (micro-batch row ranges) only for
-  microbatch_token."""
-  rows = range(per_token.shape[0])
-  cells = lambda i: [t for t in range(per_token.shape[1]) if mask[i, t] > 0]
-  total = sum(per_token[i, t] for i in rows for t in cells(i))
-  tokens = sum(len(cells(i)) for i in rows)
-  seqs = [i for i in rows if cells(i)]
-  n_rows = per_token.shape[0]  # TRL's grpo and dr_grpo count a row without tokens too
-  if aggregation == 'token':
-    return total / tokens
-  if aggregation == 'sequence':
-    return sum(sum(per_token[i, t] for t in cells(i)) / len(cells(i)) for i in seqs) / n_rows
-  if aggregation == 'constant':
-    return total / (n_rows * L_MAX)
-  assert aggregation == 'microbatch_token'
-  means = []
-  for lo, hi in bounds:
-    n = sum(len(cells(i)) for i in range(lo, hi))
-    s = sum(per_token[i, t] for i in range(lo, hi) for t in cells(i))
-    means.append(s / n if n else 0.0)
-  return sum(means) / len(means)
-
-
-def fd_grad(f, x, h=1e-6):
-  """Central finite differences of scalar f at x, in float64."""
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for idx in np.ndindex(x.shape):
-    xp, xm = x.copy(), x.copy()
-    xp[idx] += h
-    xm[idx] -= h
-    g[idx] = (f(xp) - f(xm)) / (2 * h)
-  return g
-
-
 # ---------------------------------------------------------------------------------------------
 # Test data
 # ---------------------------------------------------------------------------------------------
-
-
-def make_grpo_batch(seed=0, lengths=(0, 9, 3, 1, 7, 5, 9, 2), t_size=L_MAX):
-  """A batch with variable lengths (one empty row) and nan garbage at masked positions."""
-  rng = np.random.default_rng(seed)
-  b_size = len(lengths)
-  mask = np.zeros((b_size, t_size), np.float32)
-  for i, n in enumerate(lengths):
-    mask[i, :n] = 1
-  logps = -rng.uniform(0.05, 3.0, (b_size, t_size)).astype(np.float32)
-  log_ratio = rng.uniform(-0.6, 0.6, (b_size, 1)) + rng.normal(0, 0.2, (b_size, t_size))
-  old = (logps - log_ratio).astype(np.float32)
-  adv = rng.normal(size=b_size).astype(np.float32)
-  ref = (logps + rng.normal(0, 0.3, (b_size, t_size))).astype(np.float32)
-  ent = rng.uniform(0, 2, (b_size, t_size)).astype(np.float32)
-  for x in (old, ref, ent):
-    x[mask == 0] = np.nan
-  return dict(logps=logps, old=old, adv=adv, mask=mask, ref=ref, ent=ent)
-
-
-def assert_away_from_kinks(batch, cfg, margin=1e-4):
-  """Finite differences need every ratio away from the clip boundaries and delta."""
-  r = ref_ratios(batch['logps'], batch['old'], batch['mask'], cfg.importance_level)
-  kinks = [1 - cfg.epsilon_low, 1 + cfg.epsilon_high] + ([cfg.delta] if cfg.delta else [])
-  for k in kinks:
-    assert np.nanmin(np.abs(r - k)) > margin
-
-
-CFG_FULL = dict(epsilon_low=0.2, epsilon_high=0.28, delta=1.5, beta=0.04, entropy_coef=0.01)
-
-
-def grpo_terms(batch, cfg, lo=0, hi=None, logps=None):
-  """grpo_loss on rows [lo, hi) of batch, optionally with other logps (full batch)."""
-  logps = batch['logps'] if logps is None else logps
-  sl = slice(lo, hi)
-  return losses.grpo_loss(
-      logps[sl], batch['old'][sl], batch['adv'][sl], batch['mask'][sl], cfg, L_MAX,
-      ref_logps=batch['ref'][sl], entropy=batch['ent'][sl])
-
-
-def bounds_of(split):
-  edges = np.concatenate([[0], np.cumsum(split)])
-  return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-
-
-def accumulated(terms_fn, x, split):
-  """(window loss, window metrics, gradient) the learner's way: sum numerator grads, divide."""
-  terms, grad = [], jnp.zeros_like(x)
-  for lo, hi in bounds_of(split):
-    grad = grad + jax.grad(lambda y: terms_fn(y, lo, hi).numerator)(x)
-    terms.append(terms_fn(x, lo, hi))
-  loss, metrics = losses.window_value(terms)
-  den = sum(t.denominator for t in terms)
-  return loss, metrics, grad / den
-
-
-def one_pass(terms_fn, x, n):
-  """(loss, gradient) of num/den over the whole batch in one call."""
-  f = lambda y: (lambda t: t.numerator / t.denominator)(terms_fn(y, 0, n))
-  return jax.value_and_grad(f)(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,75 +344,6 @@ def test_sft_loss_exact_over_microbatches():
 # ---------------------------------------------------------------------------------------------
 # DPO
 # ---------------------------------------------------------------------------------------------
-
-
-def log_sigmoid(x):
-  return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
-
-
-def ref_dpo_pair(pc, pr, rc, rr, cfg, nc=1.0, nr=1.0):
-  h = (pc - pr) - (rc - rr)
-  bh, ls = cfg.beta * h, cfg.label_smoothing
-  if cfg.loss_type == 'sigmoid':
-    return -(1 - ls) * log_sigmoid(bh) - ls * log_sigmoid(-bh)
-  if cfg.loss_type == 'ipo':  # TRL 1.16: each log-ratio divided by its completion length
-    return ((pc - rc) / max(nc, 1.0) - (pr - rr) / max(nr, 1.0) - 1 / (2 * cfg.beta))**2
-  if cfg.loss_type == 'hinge':
-    return max(0.0, 1 - bh)
-  return (-(1 - ls) * log_sigmoid(bh) + ls * log_sigmoid(-bh)) / (1 - 2 * ls)
-
-
-def ref_dpo_window(d, cfg, pc=None, pr=None):
-  """One-pass window loss and metrics (weighted per cfg.aggregation) over all pairs."""
-  pc = d['pc'] if pc is None else pc
-  pr = d['pr'] if pr is None else pr
-  sums, weight, pairs, correct, nll, chosen_tokens = {}, 0.0, 0, 0, 0.0, 0.0
-  for i in range(len(pc)):
-    n = float(d['nc'][i] + d['nr'][i])
-    if n == 0:
-      continue
-    w = 1.0 if cfg.aggregation == 'pair' else n
-    chosen = cfg.beta * (pc[i] - d['rc'][i])
-    rejected = cfg.beta * (pr[i] - d['rr'][i])
-    values = {
-        'loss': ref_dpo_pair(pc[i], pr[i], d['rc'][i], d['rr'][i], cfg, float(d['nc'][i]),
-                             float(d['nr'][i])),
-        'rewards/chosen': chosen, 'rewards/rejected': rejected,
-        'rewards/margins': chosen - rejected, 'logps/chosen': pc[i], 'logps/rejected': pr[i],
-    }
-    nll -= float(pc[i])
-    chosen_tokens += float(d['nc'][i])
-    for k, v in values.items():
-      sums[k] = sums.get(k, 0.0) + w * float(v)
-    weight += w
-    pairs += 1
-    correct += int(chosen > rejected)
-  metrics = {k: v / weight for k, v in sums.items()}
-  metrics['rewards/accuracies'] = correct / pairs
-  metrics['nll/chosen'] = nll / chosen_tokens  # token mean, whatever the aggregation
-  return metrics
-
-
-def make_dpo_batch(seed=7, p=8):
-  rng = np.random.default_rng(seed)
-  nc = rng.integers(1, 40, p).astype(np.float32)
-  nr = rng.integers(1, 40, p).astype(np.float32)
-  nc[3] = nr[3] = 0  # a padding pair, with garbage values
-  d = dict(nc=nc, nr=nr)
-  for k, scale in (('pc', nc), ('pr', nr)):
-    d[k] = (-scale * rng.uniform(0.5, 2.0, p)).astype(np.float32)
-    d['r' + k[1]] = (d[k] + rng.normal(0, 3.0, p)).astype(np.float32)
-  for k in ('pc', 'pr', 'rc', 'rr'):
-    d[k][3] = np.nan
-  return d
-
-
-def dpo_terms(d, cfg, lo=0, hi=None, pc=None, pr=None):
-  sl = slice(lo, hi)
-  pc = d['pc'] if pc is None else pc
-  pr = d['pr'] if pr is None else pr
-  return losses.dpo_loss(pc[sl], pr[sl], d['rc'][sl], d['rr'][sl], d['nc'][sl], d['nr'][sl],
-                         cfg)
 
 
 @pytest.mark.parametrize('aggregation', ['pair', 'token'])

@@ -11,7 +11,6 @@ import functools
 
 import jax
 import numpy as np
-import pytest
 
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import logprobs

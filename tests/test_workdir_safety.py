@@ -8,7 +8,6 @@ safetensors file. Without the right to mount they are skipped."""
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
