@@ -32,9 +32,11 @@ def _env():
 
 @pytest.fixture(scope='module')
 def finished_run(tmp_path_factory):
-  """A finished 2-step GRPO stage with checkpoints at micro-steps 3 and 6."""
+  """A finished 2-step GRPO stage with checkpoints at micro-steps 3 and 6, every rollout's
+  completions in completions.jsonl."""
   workdir = tmp_path_factory.mktemp('finished')
-  api.run(_smoke(stages='grpo', **{'grpo.num_steps': 2, 'checkpoint.every_steps': 1}),
+  api.run(_smoke(stages='grpo', **{'grpo.num_steps': 2, 'checkpoint.every_steps': 1,
+                                   'grpo.completions_every': 1}),
                str(workdir))
   assert checkpoint.all_steps(workdir / 'checkpoints' / 'grpo') == [3, 6]
   return workdir
@@ -97,7 +99,7 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(finished
   done = subprocess.run(
       [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
        f'--workdir={workdir}', '--config.stages=grpo', '--config.grpo.num_steps=2',
-       '--config.checkpoint.every_steps=1'],
+       '--config.checkpoint.every_steps=1', '--config.grpo.completions_every=1'],
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   assert f'checkpoint {ckpts}/6 cannot be read' in done.stderr
@@ -108,6 +110,10 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(finished
   original, _, _ = checkpoint.Checkpointer(finished_run / 'checkpoints' / 'grpo').restore_raw(6)
   jax.tree.map(np.testing.assert_array_equal, redone['learner']['params'],
                original['learner']['params'])
+  # The rollouts after micro-step 3 were generated again: logged once, as the first time.
+  logged = (workdir / 'completions.jsonl').read_text(encoding='utf-8')
+  assert logged == (finished_run / 'completions.jsonl').read_text(encoding='utf-8')
+  assert [json.loads(l)['micro_step'] for l in logged.splitlines()] == [0] * 8 + [2] * 8 + [4] * 8
 
   # With every checkpoint unreadable: one clear error, no traceback.
   for step in (3, 6):

@@ -280,7 +280,8 @@ class GRPOTrainer:
           'prompt': examples[j].prompt, 'completion': texts[j],
           **{f'reward/{k}': (None if np.isnan(v[j]) else float(v[j])) for k, v in per_fn.items()},
           'reward': float(rewards[index[j]]), 'advantage': float(adv[index[j]])})
-    self.ctx.writer.write_completions('grpo', micro_step // sched.optimizer_every, records)
+    self.ctx.writer.write_completions('grpo', micro_step // sched.optimizer_every, micro_step,
+                                     records)
 
   def _advantages(self, state, buffer, rewards: np.ndarray):
     """Group advantages of the rewards, on the device -> (buffer, advantages [S, B], the same on

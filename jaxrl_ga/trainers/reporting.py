@@ -28,6 +28,7 @@ class MetricWriter:
       fileio.makedirs(workdir)
       self._jsonl_path = fileio.join(workdir, 'metrics.jsonl')
       self._jsonl = fileio.TextAppender(self._jsonl_path)
+      self._completions_path = fileio.join(workdir, 'completions.jsonl')
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb_path = fileio.join(workdir, 'tensorboard')
       self._tb = SummaryWriter(self._tb_path)
@@ -41,46 +42,48 @@ class MetricWriter:
       if v is not None:
         self._tb.add_scalar(f'{phase}/{k}', v, int(step))
 
-  def write_completions(self, phase: str, step: int, records: list[dict[str, Any]]):
-    """Sampled completions: one JSON object per completion in completions.jsonl (with phase and
-    step), and one TensorBoard text entry per call."""
+  def write_completions(self, phase: str, step: int, micro_step: int,
+                        records: list[dict[str, Any]]):
+    """Sampled completions of the rollout generated at ``micro_step``: one JSON object per
+    completion in completions.jsonl (with phase, optimizer step and micro-step), and one
+    TensorBoard text entry per call."""
     if not self._active or not records:
       return
     if self._completions is None:
-      self._completions = fileio.TextAppender(fileio.join(self._workdir, 'completions.jsonl'))
+      self._completions = fileio.TextAppender(self._completions_path)
     for r in records:
-      self._completions.write(json.dumps({'phase': phase, 'step': int(step), **r},
+      self._completions.write(json.dumps({'phase': phase, 'step': int(step),
+                                          'micro_step': int(micro_step), **r},
                                          ensure_ascii=False, default=str) + '\n')
     keys = list(records[0])
     table = ['| ' + ' | '.join(keys) + ' |', '|' + ' --- |' * len(keys)] + [
         '| ' + ' | '.join(_cell(r.get(k)) for k in keys) + ' |' for r in records]
     self._tb.add_text(f'{phase}/completions', '\n'.join(table), int(step))
 
-  def drop_after(self, stage: str, step: int):
-    """Drops the rows of ``stage`` (and its eval and probe rows) logged after optimizer step
-    ``step``: a run resumed from that step logs them again. (TensorBoard keeps both; its
-    viewer shows the later point.)"""
+  def drop_after(self, stage: str, step: int, micro_step: int):
+    """A run resumed at ``micro_step`` (optimizer step ``step``) logs again what came after it:
+    drops from metrics.jsonl the rows of ``stage`` (and its eval and probe rows) logged after
+    optimizer step ``step``, and from completions.jsonl the completions of the rollouts
+    generated at or after ``micro_step``. (TensorBoard keeps both; its viewer shows the later
+    point.)"""
     if not self._active:
       return
-    path = self._jsonl_path
+    phases = {stage, f'{stage}_eval', f'{stage}_probe'}
     self._jsonl.close()  # flushes lines still buffered (a bucket's appender buffers)
-    self._jsonl = None
     try:
-      if not fileio.exists(path):
-        return
-      phases = {stage, f'{stage}_eval', f'{stage}_probe'}
-      lines = fileio.read_text(path).splitlines(keepends=True)
-      keep = [l for l in lines if not _logged_after(l, phases, step)]
-      if keep and not keep[-1].endswith('\n'):  # a whole last row whose newline was cut
-        keep[-1] += '\n'
-      if keep != lines:
-        fileio.write_text(path, ''.join(keep))
+      dropped = _drop_rows(self._jsonl_path, lambda row: row.get('phase') in phases
+                           and int(row.get('step', 0)) > step)
     finally:
-      self._jsonl = fileio.TextAppender(path)
-    if len(keep) == len(lines):
-      return
-    logging.info('metrics.jsonl: dropped %d %s rows after step %d (resumed there)',
-                 len(lines) - len(keep), stage, step)
+      self._jsonl = fileio.TextAppender(self._jsonl_path)
+    if self._completions is not None:
+      self._completions.close()
+      self._completions = None
+    dropped_completions = _drop_rows(self._completions_path, lambda row: row.get(
+        'phase') == stage and int(row.get('micro_step', 0)) >= micro_step)
+    for name, n in (('metrics.jsonl', dropped), ('completions.jsonl', dropped_completions)):
+      if n:
+        logging.info('%s: dropped %d %s rows after micro-step %d (resumed there)', name, n,
+                     stage, micro_step)
 
   def close(self, quiet: bool = False):
     """Flushes and closes both files; a failed write raises fileio.WriteError, or with ``quiet``
@@ -105,16 +108,29 @@ def _cell(value) -> str:
   return text.replace('|', '\\|').replace('\n', '\\n')
 
 
-def _logged_after(line: str, phases: set[str], step: int) -> bool:
-  try:
-    row = json.loads(line)
-  except json.JSONDecodeError:
-    return True  # a row cut short by a kill (or a blank line) goes too
-  return row.get('phase') in phases and int(row.get('step', 0)) > step
+def _drop_rows(path: str, after) -> int:
+  """Rewrites the JSON-lines file ``path`` without the rows ``after(row)`` selects and without a
+  row a kill cut short (or a blank line). -> how many lines went."""
+  if not fileio.exists(path):
+    return 0
+  lines = fileio.read_text(path).splitlines(keepends=True)
+  keep = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if not after(row):
+      keep.append(line if line.endswith('\n') else line + '\n')  # a whole row, newline cut
+  if keep != lines:
+    fileio.write_text(path, ''.join(keep))
+  return len(lines) - len(keep)
+
 
 def _to_float(v) -> Optional[float]:
   v = float(np.asarray(v))
   return v if np.isfinite(v) else None
+
 
 class Progress:
   """A progress line with rate and ETA, printed by process 0 at most every ``min_interval`` s."""

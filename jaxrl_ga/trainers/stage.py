@@ -49,14 +49,14 @@ def restore(ctx, ckpt, stage: str, state, k: int) -> tuple[Any, dict[str, Any]]:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   restored = ckpt.restore_latest(abstract)
   if restored is None:
-    ctx.writer.drop_after(stage, 0)
+    ctx.writer.drop_after(stage, 0, 0)
     return state, fresh_meta()
   meta = restored[1]
   if not meta['done']:
     print(f'[{stage}] resumed at micro-step {meta["micro_step"]} (optimizer step '
           f'{meta["micro_step"] // k}) from {ckpt.directory}', flush=True)
   logging.info('%s: resumed at micro-step %d', stage, meta['micro_step'])
-  ctx.writer.drop_after(stage, meta['micro_step'] // k)
+  ctx.writer.drop_after(stage, meta['micro_step'] // k, meta['micro_step'])
   return restored
 
 
