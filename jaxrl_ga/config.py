@@ -653,6 +653,11 @@ class SFTConfig:
     probe_every: optimizer steps between the target_accuracy probes.
     probe_examples: training problems in the target_accuracy probe set.
     optimizer: AdamW, schedule and clipping of this stage.
+    packing: several examples per row of max_length tokens (attention and positions never cross
+      an example's boundary); micro_batch_size then counts packed rows. The loss is normalized
+      per token over the optimizer-step window either way (``jaxrl_ga.sft_data``).
+    too_long: a data.train row over max_length: 'error' (naming it), 'drop' (left out, counted)
+      or 'truncate' (its first max_length tokens).
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -664,10 +669,14 @@ class SFTConfig:
   probe_every: int = 25
   probe_examples: int = 200
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, max_grad_norm=1.0)
+  packing: bool = False
+  too_long: str = 'error'
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
                   'log_every', prefix='sft.')
+    _require(self.too_long in ('error', 'drop', 'truncate'),
+             f'sft.too_long must be error, drop or truncate, got {self.too_long!r}.')
     _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
     _require(0.0 <= self.target_accuracy <= 1.0,
              f'sft.target_accuracy must be in [0, 1] (0 disables), got {self.target_accuracy}.')
