@@ -351,7 +351,9 @@ class GRPOTrainer(Trainer):
 
 
 class SFTTrainer(Trainer):
-  """The SFT stage (on the built-in task's data for now); see :class:`Trainer`."""
+  """The SFT stage on your data (``train_dataset``: rows of ``messages``, ``prompt`` +
+  ``completion`` or ``text``, ``jaxrl_ga.sft_data``; ``reward_funcs``, optional, score the
+  held-out replies) or the built-in task's; see :class:`Trainer`."""
   stage = 'sft'
 
 

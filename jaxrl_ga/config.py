@@ -572,7 +572,8 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO).
+  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO, or SFT alone:
+  ``jaxrl_ga.sft_data``).
 
   Attributes:
     train: a .jsonl/.json/.csv/.parquet file (local or gs://), a ``datasets.save_to_disk``
@@ -638,13 +639,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """Supervised warm start: token cross-entropy on the task's reference completions.
+  """Supervised fine-tuning: token cross-entropy on the task's reference completions, or on your
+  data's rows (data.train with stages=sft: ``jaxrl_ga.sft_data``).
 
   Attributes:
     num_steps: optimizer steps.
-    micro_batch_size: sequences per micro-step (global).
+    micro_batch_size: sequences (packed: rows) per micro-step (global).
     grad_accum_steps: K, micro-steps per optimizer step.
-    max_length: tokens per sequence (prompt + completion + eos), padded or rejected.
+    max_length: tokens per row (prompt + completion + eos; packed: several examples), padded;
+      a longer example is rejected (your data: as too_long says).
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
     target_accuracy: stop early once greedy accuracy on a probe set of training problems
@@ -658,6 +661,7 @@ class SFTConfig:
       per token over the optimizer-step window either way (``jaxrl_ga.sft_data``).
     too_long: a data.train row over max_length: 'error' (naming it), 'drop' (left out, counted)
       or 'truncate' (its first max_length tokens).
+    eval_before: a held-out evaluation before the first step too (eval/accuracy_before_sft).
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -671,6 +675,7 @@ class SFTConfig:
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, max_grad_norm=1.0)
   packing: bool = False
   too_long: str = 'error'
+  eval_before: bool = False
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',

@@ -7,7 +7,9 @@
       HF_DATASETS_OFFLINE=1), split ``data.train_split`` / ``data.eval_split``,
     and from Python also a list of dicts or a ``datasets.Dataset``.
 
-Rows follow TRL's conventions for GRPO: ``prompt`` is a string or a list of chat messages
+With ``stages=sft`` the rows are SFT rows (``messages``, ``prompt`` + ``completion`` or ``text``;
+``jaxrl_ga.sft_data``), read, renamed, split and ordered here. Rows follow TRL's conventions for
+GRPO: ``prompt`` is a string or a list of chat messages
 (``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
 one user message when the tokenizer has a template); every other column goes to the reward
 functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``).

@@ -81,6 +81,10 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
       ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
       if cfg.target_accuracy else None
 
+  before = {}
+  if cfg.eval_before and meta['micro_step'] == 0:
+    before['eval/accuracy_before_sft'] = evaluator.accuracy(part.policy(state.params))
+    reporting.report_accuracy(ctx, 'sft', 0, before['eval/accuracy_before_sft'], 'before SFT')
   reached_target = False
   with stage.StageLoop(ctx, 'sft', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
                        log_every=cfg.log_every, log_keys=('loss', 'grad_norm'),
@@ -104,7 +108,7 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
       if loop.stop_requested(state):
         break
 
-  summary = {'eval/accuracy_after_sft': stage.evaluate_or_save(
+  summary = {**before, 'eval/accuracy_after_sft': stage.evaluate_or_save(
                  ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params))),
              'sft/optimizer_steps': meta['micro_step'] // k,
              'sft/stopped_at_target': reached_target}
