@@ -142,7 +142,7 @@ def _chat_sequences(n, seed=0):
 def tiny():
   sequences, vocab = _chat_sequences(16)
   model_cfg = tfm.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
   mesh = _mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(model_cfg, seed=0, mesh=mesh)
   return types.SimpleNamespace(sequences=sequences, graphdef=graphdef, params=params,
