@@ -244,6 +244,17 @@ def test_the_trainer_packs_the_stream_in_order_and_counts_what_it_used():
   assert used == 2 and unpacked['attention_mask'].max() == 1
 
 
+def test_held_out_rows_are_asked_up_to_their_last_assistant_turn():
+  conversation = CONVERSATIONS[1]
+  held = [_row(messages=conversation), _row(messages=conversation, answer='8'),
+          _row(prompt='What is 2+3?', completion='5'), _row(text='abc')]
+  task = sft_data.build_task([_row(text='x')], held, [], shuffle=False)
+  examples = task.eval_examples()
+  assert len(examples) == 3  # text rows are not evaluated
+  assert examples[0].prompt == conversation[:4]
+  assert [e.fields['answer'] for e in examples] == ['8, since 4+4=8', '8', '5']
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def _sft_cfg(path, **overrides):
   return api.make_config(os.path.join(ROOT, 'configs', 'sft_arith.py') + ':smoke',
