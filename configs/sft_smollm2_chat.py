@@ -12,6 +12,10 @@ prefix by prefix, ``jaxrl_ga.sft_data``); ``sft.packing`` puts several conversat
 problems whose greedy reply's final number is the ``answer`` column (the built-in reward
 ``final_answer``, which the evaluation of your data uses when it is among ``grpo.reward_funcs``).
 The model, mesh and layer settings are configs/grpo_smollm2.py's.
+
+One run (seed 0, data --seed=0, a shared and loaded 2-core CPU VM, 2026-11-25, 749 s): held-out
+accuracy 0.125 before SFT, 0.667 after 20 optimizer steps (loss 0.153 at step 5, 0.053 at 20).
+Untrained, the model often writes a wrong two-digit sum; SFT teaches "a + b = c" and the sums.
 """
 
 import os
