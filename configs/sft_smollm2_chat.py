@@ -15,7 +15,6 @@ The model, mesh and layer settings are configs/grpo_smollm2.py's.
 
 One run (seed 0, data --seed=0, a shared and loaded 2-core CPU VM, 2026-11-25, 749 s): held-out
 accuracy 0.125 before SFT, 0.667 after 20 optimizer steps (loss 0.153 at step 5, 0.053 at 20).
-Untrained, the model often writes a wrong two-digit sum; SFT teaches "a + b = c" and the sums.
 """
 
 import os
