@@ -32,6 +32,7 @@ from jaxrl_ga import data
 from jaxrl_ga import fileio
 from jaxrl_ga import rewards
 from jaxrl_ga import schedule
+from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
 from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
@@ -97,6 +98,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   if isinstance(task, data.DataTask):
     probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+  if isinstance(task, sft_data.SFTDataTask):
+    probe = 0  # every row is encoded and fitted to sft.max_length (SFTDataTask.encode)
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
@@ -107,8 +110,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
     sft = cfg.sft
-    example = longest(train, lambda e: prompt(e) + text.encode(
-        tokenizer, task.sft_completion(e))) + 1  # + eos
+    example = task.longest() if isinstance(task, sft_data.SFTDataTask) else longest(
+        train, lambda e: prompt(e) + text.encode(tokenizer, task.sft_completion(e))) + 1  # + eos
     needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
     positions += [('sft.max_length + eval.max_completion_length',
                    sft.max_length + cfg.eval.max_completion_length)]
@@ -175,6 +178,12 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
+  if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
+    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length, cfg.sft.too_long)
+    if task.dropped and jax.process_index() == 0:
+      print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
+            f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
+            f'{cfg.sft.too_long}).', flush=True)
   validate_lengths(cfg, task, tokenizer, model_cfg)
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
@@ -342,7 +351,9 @@ class GRPOTrainer(Trainer):
 
 
 class SFTTrainer(Trainer):
-  """The SFT stage (on the built-in task's data for now); see :class:`Trainer`."""
+  """The SFT stage on your data (``train_dataset``: rows of ``messages``, ``prompt`` +
+  ``completion`` or ``text``, ``jaxrl_ga.sft_data``; ``reward_funcs``, optional, score the
+  held-out replies) or the built-in task's; see :class:`Trainer`."""
   stage = 'sft'
 
 

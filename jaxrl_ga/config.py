@@ -572,7 +572,8 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO).
+  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO, or SFT alone:
+  ``jaxrl_ga.sft_data``).
 
   Attributes:
     train: a .jsonl/.json/.csv/.parquet file (local or gs://), a ``datasets.save_to_disk``
@@ -638,13 +639,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """Supervised warm start: token cross-entropy on the task's reference completions.
+  """Supervised fine-tuning: token cross-entropy on the task's reference completions, or on your
+  data's rows (data.train with stages=sft: ``jaxrl_ga.sft_data``).
 
   Attributes:
     num_steps: optimizer steps.
-    micro_batch_size: sequences per micro-step (global).
+    micro_batch_size: sequences (packed: rows) per micro-step (global).
     grad_accum_steps: K, micro-steps per optimizer step.
-    max_length: tokens per sequence (prompt + completion + eos), padded or rejected.
+    max_length: tokens per row (prompt + completion + eos; packed: several examples), padded;
+      a longer example is rejected (your data: as too_long says).
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
     target_accuracy: stop early once greedy accuracy on a probe set of training problems
@@ -653,6 +656,12 @@ class SFTConfig:
     probe_every: optimizer steps between the target_accuracy probes.
     probe_examples: training problems in the target_accuracy probe set.
     optimizer: AdamW, schedule and clipping of this stage.
+    packing: several examples per row of max_length tokens (attention and positions never cross
+      an example's boundary); micro_batch_size then counts packed rows. The loss is normalized
+      per token over the optimizer-step window either way (``jaxrl_ga.sft_data``).
+    too_long: a data.train row over max_length: 'error' (naming it), 'drop' (left out, counted)
+      or 'truncate' (its first max_length tokens).
+    eval_before: a held-out evaluation before the first step too (eval/accuracy_before_sft).
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -664,10 +673,15 @@ class SFTConfig:
   probe_every: int = 25
   probe_examples: int = 200
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=3e-3, max_grad_norm=1.0)
+  packing: bool = False
+  too_long: str = 'error'
+  eval_before: bool = False
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
                   'log_every', prefix='sft.')
+    _require(self.too_long in ('error', 'drop', 'truncate'),
+             f'sft.too_long must be error, drop or truncate, got {self.too_long!r}.')
     _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
     _require(0.0 <= self.target_accuracy <= 1.0,
              f'sft.target_accuracy must be in [0, 1] (0 disables), got {self.target_accuracy}.')

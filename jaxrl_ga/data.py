@@ -7,7 +7,9 @@
       HF_DATASETS_OFFLINE=1), split ``data.train_split`` / ``data.eval_split``,
     and from Python also a list of dicts or a ``datasets.Dataset``.
 
-Rows follow TRL's conventions for GRPO: ``prompt`` is a string or a list of chat messages
+With ``stages=sft`` the rows are SFT rows (``messages``, ``prompt`` + ``completion`` or ``text``;
+``jaxrl_ga.sft_data``), read, renamed, split and ordered here. Rows follow TRL's conventions for
+GRPO: ``prompt`` is a string or a list of chat messages
 (``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
 one user message when the tokenizer has a template); every other column goes to the reward
 functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``).
@@ -211,8 +213,7 @@ def prepare(rows: Sequence[Row], columns: Mapping[str, str], what: str) -> list[
   """Columns renamed; each row's prompt checked (a string, or a list of {role, content})."""
   out = []
   for row in rows:
-    renamed = Row({columns.get(k, k): v for k, v in row.items()})
-    renamed.where = row.where
+    renamed = _renamed(row, columns)
     if 'prompt' not in renamed:
       hint = '; rename a column with data.columns=<name>:prompt' if not columns else ''
       raise ConfigError(f'{row.where}: no "prompt" column (columns: '
@@ -230,12 +231,20 @@ def check_prompt(prompt, where: str):
     if not prompt:
       raise ConfigError(f'{where}: an empty prompt.')
     return prompt
-  if isinstance(prompt, (list, tuple)) and prompt and all(
-      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
-          m.get('content'), str) for m in prompt):
-    return [{'role': m['role'], 'content': m['content']} for m in prompt]
+  messages = as_messages(prompt)
+  if messages is not None:
+    return messages
   raise ConfigError(f'{where}: the prompt is a {type(prompt).__name__} ({str(prompt)[:60]!r}); '
                     f'give a string or a list of chat messages {{"role": ..., "content": ...}}.')
+
+
+def as_messages(value) -> Optional[list[dict[str, str]]]:
+  """A non-empty list of chat messages ({role, content} strings) as plain dicts; else None."""
+  if isinstance(value, (list, tuple)) and value and all(
+      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
+          m.get('content'), str) for m in value):
+    return [{'role': m['role'], 'content': m['content']} for m in value]
+  return None
 
 
 def held_out_split(rows: Sequence[Row], fraction: float, seed: int
@@ -275,6 +284,10 @@ class DataTask(base.Task):
     return base.Example(prompt=row['prompt'], answer=None, fields=fields)
 
   def train_example(self, index: int, seed: int) -> base.Example:
+    return self.example(self.train[self.row_index(index, seed)])
+
+  def row_index(self, index: int, seed: int) -> int:
+    """The index in ``self.train`` of the row at data position ``index`` of seed ``seed``."""
     if index < 0 or seed < 0:
       raise ValueError(f'index={index}, seed={seed}; both must be >= 0.')
     epoch, position = divmod(index, len(self.train))
@@ -283,7 +296,7 @@ class DataTask(base.Task):
         self._order = np.random.default_rng([seed, epoch]).permutation(len(self.train))
         self._order_key = (seed, epoch)
       position = int(self._order[position])
-    return self.example(self.train[position])
+    return position
 
   def eval_examples(self) -> list[base.Example]:
     return [self.example(r) for r in self.eval_rows]
@@ -358,9 +371,11 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
     if rewards:  # grpo.reward_funcs replace the task's own (on this instance only)
       task.reward_functions = lambda *unused_args, **unused_kwargs: list(rewards)
     return task
+  if tuple(cfg.stages) == ('sft',):  # SFT rows: messages, prompt+completion or text
+    return _sft_task(cfg, train_source, eval_source, rewards)
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
-    raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO only for now '
-                      f'(SFT and DPO data formats come later); set stages=grpo.')
+    raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO, or SFT alone '
+                      f'(stages=sft); DPO data formats come later.')
   if not rewards:
     raise ConfigError('data.train needs reward functions: set grpo.reward_funcs='
                       '"module:function[=weight],..." (or a built-in: '
@@ -380,3 +395,24 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
                       f'*micro_batch_size/num_generations); give more rows or a smaller '
                       f'schedule.')
   return DataTask(train, eval_rows, rewards, shuffle=spec.shuffle)
+
+
+def _sft_task(cfg, train_source, eval_source, rewards):
+  """data.train as SFT rows (``jaxrl_ga.sft_data``); rewards (optional) score the held-out rows."""
+  from jaxrl_ga import sft_data  # pylint: disable=g-import-not-at-top  (it builds on this module)
+  spec, columns = cfg.data, parse_columns(cfg.data.columns)
+  rename = lambda rows: [_renamed(r, columns) for r in rows]
+  train = rename(read_rows(train_source, spec.train_split, 'data.train'))
+  if not train:
+    raise ConfigError('data.train is empty; give at least one row.')
+  if eval_source is None:
+    train, eval_rows = held_out_split(train, spec.eval_fraction, cfg.seed)
+  else:
+    eval_rows = rename(read_rows(eval_source, spec.eval_split, 'data.eval'))
+  return sft_data.build_task(train, eval_rows, rewards, shuffle=spec.shuffle)
+
+
+def _renamed(row: Row, columns: Mapping[str, str]) -> Row:
+  out = Row({columns.get(k, k): v for k, v in row.items()})
+  out.where = row.where
+  return out

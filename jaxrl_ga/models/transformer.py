@@ -147,15 +147,27 @@ class KVCache:
     return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
 
 
+# A packed row (SFT's sft.packing) holds several examples: its attention_mask is their segment
+# ids, 1, 2, ... ascending along the row (0: padding), and both functions below keep each example
+# to itself: positions restart at a segment's first token and a token attends only to its own
+# segment. A 0/1 mask is one segment per row, for which they are the plain mask's rules.
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-  """[B, T] 0/1 mask -> [B, T] int32 positions: the count of real tokens before each token."""
-  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+  """[B, T] mask (0/1, or segment ids) -> [B, T] int32 positions: the count of real tokens of the
+  same segment before each token."""
+  ids = attention_mask.astype(jnp.int32)
+  count = jnp.cumsum((ids > 0).astype(jnp.int32), axis=-1)  # real tokens up to t
+  before = jnp.pad(jax.lax.cummax(ids, axis=1)[:, :-1], ((0, 0), (1, 0)))
+  offset = jax.lax.cummax(jnp.where(ids > before, count - 1, 0), axis=1)  # at segment starts
+  return jnp.maximum(count - 1 - offset, 0)
 
 
 def causal_mask(attention_mask: jax.Array) -> jax.Array:
-  """[B, T] 0/1 mask -> [B, T, T] bool: position t attends to the real positions <= t."""
+  """[B, T] mask (0/1, or segment ids) -> [B, T, T] bool: position t attends to the real positions
+  <= t of its own segment (a padding position t: to every real position <= t)."""
   t = attention_mask.shape[-1]
-  return jnp.tril(jnp.ones((t, t), bool))[None] & attention_mask.astype(bool)[:, None, :]
+  ids = attention_mask.astype(jnp.int32)
+  same = (ids[:, :, None] == ids[:, None, :]) | (ids[:, :, None] == 0)
+  return jnp.tril(jnp.ones((t, t), bool))[None] & (ids > 0)[:, None, :] & same
 
 
 def _scan_layers(body, carry, xs, options: ForwardOptions):

@@ -1,4 +1,5 @@
-"""SFT host loop: the task's reference completions, token cross-entropy, exact accumulation."""
+"""SFT host loop: the task's reference completions or your data's rows (``jaxrl_ga.sft_data``),
+packed or one per row, token cross-entropy, exact accumulation."""
 
 from __future__ import annotations
 
@@ -8,20 +9,47 @@ import numpy as np
 
 from jaxrl_ga import placement
 from jaxrl_ga import programs
-from jaxrl_ga.config import SFTConfig
+from jaxrl_ga import sft_data
+from jaxrl_ga.config import ConfigError, SFTConfig
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
 from jaxrl_ga.trainers import stage
-from jaxrl_ga.trainers import text
 
 
-def sft_batch(ctx: context.RunContext, examples, max_length: int) -> dict[str, np.ndarray]:
-  """Right-padded prompt+completion+eos rows; the loss covers the completion and the eos."""
-  return text.right_padded_rows(
-      [text.encode_prompt(ctx.tokenizer, ex.prompt) for ex in examples],
-      [text.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id] for ex in examples],
-      max_length, ctx.pad_id, 'sft.max_length')
+def example_sequence(ctx: context.RunContext, index: int, seed: int, max_length: int
+                     ) -> tuple[list[int], list[int]]:
+  """(token ids, loss mask) of the training example at data position ``index``: a row of your
+  data (``sft_data.SFTDataTask``, encoded once), or a built-in task's prompt + reference
+  completion + eos with the loss on the completion and the eos."""
+  if isinstance(ctx.task, sft_data.SFTDataTask):
+    return ctx.task.train_sequence(index, seed)
+  ex = ctx.task.train_example(index, seed)
+  ids, mask = sft_data.prompt_completion_ids(ctx.tokenizer, ex.prompt,
+                                             ctx.task.sft_completion(ex), ctx.eos_id)
+  if len(ids) > max_length:
+    raise ConfigError(f'a sequence of {len(ids)} tokens (prompt + completion) exceeds '
+                      f'sft.max_length={max_length}; raise sft.max_length.')
+  return ids, mask
+
+
+def micro_batch(ctx: context.RunContext, cfg: SFTConfig, position: int, seed: int, rows
+                ) -> tuple[dict[str, np.ndarray], int]:
+  """The micro-batch at data position ``position``: its rows ``rows`` (this process's) of
+  tokens, attention_mask and loss_mask [len(rows), sft.max_length], and the examples it consumes
+  (micro_batch_size; with sft.packing as many as greedily fill micro_batch_size packed rows,
+  ``sft_data.greedy_rows``: every process packs the whole micro-batch, then keeps its rows)."""
+  b, length = cfg.micro_batch_size, cfg.max_length
+  at = lambda i: example_sequence(ctx, position + i, seed, length)
+  if not cfg.packing:
+    return sft_data.padded_rows([at(int(i)) for i in rows], length, ctx.pad_id), b
+  sequences = []
+  while sum(len(ids) for ids, _ in sequences) < b * length:  # enough to fill every row
+    sequences.append(at(len(sequences)))
+  packed = sft_data.greedy_rows([len(ids) for ids, _ in sequences], b, length)
+  batch = sft_data.pack([[sequences[j] for j in packed[int(i)]] for i in rows], length,
+                        ctx.pad_id)
+  return batch, sum(len(r) for r in packed)
 
 
 def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
@@ -33,13 +61,16 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
                                        ctx.graphdef, sft=cfg)
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
-  def batch_at(position):  # each process builds only its own rows
-    return placement.shard_rows(lambda rows: sft_batch(
-        ctx, [ctx.task.train_example(position + int(i), seed) for i in rows], cfg.max_length),
-        b, ctx.mesh)
+  def batch_at(position):  # each process builds only its own rows -> (batch, examples used)
+    consumed = []
+    def build(rows):
+      batch, n = micro_batch(ctx, cfg, position, seed, rows)
+      consumed.append(n)
+      return batch
+    return placement.shard_rows(build, b, ctx.mesh), consumed[0]
 
   ckpt = ctx.checkpointer('sft')
-  fresh = learner.init(part.trained, batch_at(0), part.frozen)
+  fresh = learner.init(part.trained, batch_at(0)[0], part.frozen)
   state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
   if not stage.trains_on('sft', meta, cfg.num_steps, k):
     return part.policy(state.params), meta['summary']
@@ -50,14 +81,19 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
       ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
       if cfg.target_accuracy else None
 
+  before = {}
+  if cfg.eval_before and meta['micro_step'] == 0:
+    before['eval/accuracy_before_sft'] = evaluator.accuracy(part.policy(state.params))
+    reporting.report_accuracy(ctx, 'sft', 0, before['eval/accuracy_before_sft'], 'before SFT')
   reached_target = False
   with stage.StageLoop(ctx, 'sft', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
                        log_every=cfg.log_every, log_keys=('loss', 'grad_norm'),
                        eval_every=cfg.eval_every,
                        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
     while not loop.done:
-      state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
-      meta['data_position'] += b
+      batch, consumed = batch_at(meta['data_position'])
+      state, out = learner.step(state, batch, part.frozen)
+      meta['data_position'] += consumed
       step = loop.micro_step_done(state, out)
       if step:  # an optimizer step fired
         loop.log(step, out, {})
@@ -72,7 +108,7 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
       if loop.stop_requested(state):
         break
 
-  summary = {'eval/accuracy_after_sft': stage.evaluate_or_save(
+  summary = {**before, 'eval/accuracy_after_sft': stage.evaluate_or_save(
                  ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params))),
              'sft/optimizer_steps': meta['micro_step'] // k,
              'sft/stopped_at_target': reached_target}

@@ -1,0 +1,340 @@
+"""SFT from your data: rows -> token ids and a loss mask, and packing several rows into one.
+
+Rows come through the one data layer (``jaxrl_ga.data``: read_rows, columns, held-out split,
+order); each holds one of TRL's SFT formats:
+
+  {"messages": [{"role": ..., "content": ...}, ...]}   loss on the assistant turns only
+  {"prompt": ..., "completion": ...}                   loss on the completion only
+  {"text": "..."}                                      loss on every token
+
+``prompt`` and ``completion`` may each be a string or a list of chat messages (TRL's
+conversational prompt-completion). Strings follow the library's rule for prompts
+(``trainers.text.encode_prompt``): a string prompt is one user message through the chat template
+when the tokenizer has one, and a string completion (or ``text``) is followed by the tokenizer's
+eos, as the built-in tasks' SFT targets are. Conversations end as the template renders them.
+
+What is assistant text is the chat template's decision:
+  - a template with generation markers (``{% generation %} ... {% endgeneration %}``): the tokens
+    ``tokenizer.apply_chat_template(..., return_assistant_tokens_mask=True)`` marks;
+  - a template without them: each assistant turn ``i`` is the text that rendering
+    ``messages[:i+1]`` adds to rendering ``messages[:i]`` with the generation prompt. Every such
+    render must be a prefix of the next and of the whole conversation's (true of ChatML-style
+    templates); a template that rewrites earlier turns (e.g. drops earlier reasoning) is refused
+    for that row with one line asking for a template with generation markers.
+The text between the marked spans is tokenized piece by piece (no token straddles a boundary).
+
+Lengths (``sft.max_length``, ``sft.too_long``): a row longer than max_length is an error naming it
+('error'), left out with a count ('drop'), or cut to its first max_length tokens ('truncate', TRL's
+rule; a row with no loss token left is then left out and counted).
+
+Packing (``sft.packing``, ``pack``): rows placed one after another into packed rows of max_length
+tokens, the attention mask holding their segment ids 1, 2, ... so that positions and attention
+never cross a row's boundary (``models.transformer.causal_mask``/``positions_from_mask``). The loss
+is the per-token cross-entropy normalized over the optimizer-step window (docs/design.md), which
+sums over tokens whichever rows hold them: the same examples give the same gradient packed or not.
+
+Bad input is a ConfigError naming the row (``file:line``): no known column, a message list that
+is not ``{role, content}`` dicts, an empty completion or text, a conversation without an assistant
+turn (or with only empty ones).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from jaxrl_ga import data
+from jaxrl_ga.config import ConfigError
+from jaxrl_ga.tasks import base
+from jaxrl_ga.tasks import chat
+
+TOO_LONG = ('error', 'drop', 'truncate')
+_GENERATION_MARKER = re.compile(r'\{%-?\s*generation\s*-?%\}')
+
+
+# -- checking rows (no tokenizer needed) -----------------------------------------------------------
+def check_row(row: data.Row) -> data.Row:
+  """The row with its SFT columns checked and normalized (message lists as plain dicts)."""
+  where = row.where
+  out = data.Row(row)
+  out.where = where
+  if 'messages' in row:
+    messages = _messages(row['messages'], where, 'messages')
+    if not any(m['role'] == 'assistant' and m['content'] for m in messages):
+      raise ConfigError(f'{where}: the conversation has no assistant turn with content; SFT '
+                        f'trains on the assistant turns (add one or drop the row).')
+    out['messages'] = messages
+  elif 'prompt' in row or 'completion' in row:
+    for column in ('prompt', 'completion'):
+      if column not in row:
+        raise ConfigError(f'{where}: a "{"prompt" if column == "completion" else "completion"}" '
+                          f'column but no "{column}" column; SFT rows need both (or "messages",'
+                          f' or "text").')
+    out['prompt'] = data.check_prompt(row['prompt'], where)
+    completion = row['completion']
+    if isinstance(completion, str):
+      if not completion:
+        raise ConfigError(f'{where}: an empty completion; SFT needs a target to train on.')
+    else:
+      completion = _messages(completion, where, 'completion')
+      if not any(m['content'] for m in completion):
+        raise ConfigError(f'{where}: an empty completion; SFT needs a target to train on.')
+    out['completion'] = completion
+  elif 'text' in row:
+    if not isinstance(row['text'], str) or not row['text']:
+      raise ConfigError(f'{where}: "text" must be a non-empty string, got '
+                        f'{str(row["text"])[:60]!r}.')
+  else:
+    raise ConfigError(f'{where}: no SFT column (columns: {", ".join(map(str, row)) or "none"}); '
+                      f'give "messages", "prompt" and "completion", or "text" (rename with '
+                      f'data.columns=<name>:messages).')
+  return out
+
+
+def _messages(value, where: str, column: str) -> list[dict[str, str]]:
+  messages = data.as_messages(value)
+  if messages is not None:
+    return messages
+  raise ConfigError(f'{where}: "{column}" is a {type(value).__name__} ({str(value)[:60]!r}); '
+                    f'give a non-empty list of chat messages {{"role": ..., "content": ...}}.')
+
+
+def row_format(row: Mapping[str, Any]) -> str:
+  """'messages', 'prompt_completion' or 'text' (of a checked row)."""
+  return 'messages' if 'messages' in row else ('text' if 'prompt' not in row
+                                                else 'prompt_completion')
+
+
+# -- tokens and loss masks ---------------------------------------------------------------------------
+def has_generation_markers(tokenizer) -> bool:
+  template = getattr(tokenizer, 'chat_template', None)
+  return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
+
+
+def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[int]]:
+  """A checked row -> (token ids, loss mask), the mask 1 on the tokens SFT trains on. The first
+  token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
+  kind = row_format(row)
+  if kind == 'text':
+    ids = _encode(tokenizer, row['text']) + [eos_id]
+    return ids, [0] + [1] * (len(ids) - 1)
+  if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
+      row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
+    return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], eos_id)
+  _need_template(tokenizer, row.where)
+  if kind == 'prompt_completion':
+    prompt = row['prompt']
+    prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
+    completion = row['completion']
+    completion = ([{'role': 'assistant', 'content': completion}]
+                  if isinstance(completion, str) else completion)
+    head = _render(tokenizer, prompt, True, row.where)
+    whole = _render(tokenizer, prompt + completion, False, row.where)
+    _check_prefix(head, whole, row.where)
+    pieces = [(head, 0), (whole[len(head):], 1)]
+  elif has_generation_markers(tokenizer):
+    out = tokenizer.apply_chat_template(row['messages'], tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids, mask = list(out['input_ids']), list(out['assistant_masks'])
+    return _checked(ids, [0] + mask[1:], row.where)
+  else:
+    pieces = assistant_pieces(tokenizer, row['messages'], row.where)
+  ids, mask = [], []
+  for piece, trained in pieces:
+    piece_ids = _encode(tokenizer, piece) if piece else []
+    ids += piece_ids
+    mask += [trained] * len(piece_ids)
+  return _checked(ids, [0] + mask[1:], row.where)
+
+
+def prompt_completion_ids(tokenizer, prompt, completion: str, eos_id: int
+                          ) -> tuple[list[int], list[int]]:
+  """prompt (through ``encode_prompt``) + completion + eos, the loss on completion and eos: the
+  SFT sequence of a built-in task's example and of a string prompt-completion row."""
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top  (trainers import us)
+  head = text.encode_prompt(tokenizer, prompt)
+  tail = _encode(tokenizer, completion) + [eos_id]
+  return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: str
+                     ) -> list[tuple[str, int]]:
+  """The rendered conversation as (text, 1 if assistant text else 0) pieces, prefix by prefix
+  (for a template without generation markers; see the module docstring)."""
+  whole = _render(tokenizer, messages, False, where)
+  pieces, done = [], ''
+  for i, m in enumerate(messages):
+    if m['role'] != 'assistant':
+      continue
+    head = _render(tokenizer, messages[:i], True, where) if i else ''
+    upto = _render(tokenizer, messages[:i + 1], False, where)
+    _check_prefix(done, head, where)
+    _check_prefix(head, upto, where)
+    _check_prefix(upto, whole, where)
+    pieces += [(head[len(done):], 0), (upto[len(head):], 1)]
+    done = upto
+  pieces.append((whole[len(done):], 0))
+  return pieces
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
+  try:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+  except Exception as e:  # pylint: disable=broad-except  (a template's own raise_exception)
+    raise ConfigError(f'{where}: the chat template cannot render this conversation '
+                      f'({data._first_line(e)}).') from None  # pylint: disable=protected-access
+
+
+def _check_prefix(head: str, whole: str, where: str) -> None:
+  if not whole.startswith(head):
+    raise ConfigError(f'{where}: the chat template renders an earlier part of this conversation '
+                      f'differently from the whole, so its assistant text cannot be found; give a '
+                      f'template with {{% generation %}} markers.')
+
+
+def _need_template(tokenizer, where: str) -> None:
+  if not chat.has_chat_template(tokenizer):
+    raise ConfigError(f'{where}: a conversation, but the tokenizer has no chat template; give a '
+                      f'model whose tokenizer has one, or "text" / string prompt-completion rows.')
+
+
+def _checked(ids, mask, where: str):
+  if not any(mask):
+    raise ConfigError(f'{where}: the chat template marks no assistant token in this row; check '
+                      f'its {{% generation %}} markers, or that the row has assistant text.')
+  return ids, mask
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+  return list(tokenizer(text, add_special_tokens=False)['input_ids'])
+
+
+def fit_length(ids, mask, max_length: int, too_long: str, where: str):
+  """(ids, mask) within ``max_length`` by the ``too_long`` rule; None: left out."""
+  if len(ids) <= max_length:
+    return ids, mask
+  if too_long == 'error':
+    raise ConfigError(f'{where}: {len(ids)} tokens exceeds sft.max_length={max_length}; raise '
+                      f'sft.max_length, or set sft.too_long=drop or truncate.')
+  if too_long == 'truncate' and any(mask[:max_length]):
+    return ids[:max_length], mask[:max_length]
+  return None
+
+
+# -- batches -------------------------------------------------------------------------------------------
+def padded_rows(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], length: int,
+                pad_id: int) -> dict[str, np.ndarray]:
+  """One sequence per row, right-padded: tokens, attention_mask (0/1), loss_mask [N, length]."""
+  return pack([[s] for s in sequences], length, pad_id)
+
+
+def pack(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], length: int,
+         pad_id: int) -> dict[str, np.ndarray]:
+  """Rows of sequences placed one after another: tokens, attention_mask (segment ids 1, 2, ...;
+  0 padding) and loss_mask [len(rows), length] int32."""
+  n = len(rows)
+  out = {k: np.zeros((n, length), np.int32) for k in ('tokens', 'attention_mask', 'loss_mask')}
+  out['tokens'][:] = pad_id
+  for r, row in enumerate(rows):
+    at = 0
+    for segment, (ids, mask) in enumerate(row, 1):
+      end = at + len(ids)
+      if end > length:
+        raise ValueError(f'packed row {r}: {end} tokens exceed {length}.')
+      out['tokens'][r, at:end] = ids
+      out['attention_mask'][r, at:end] = segment
+      out['loss_mask'][r, at:end] = mask
+      out['loss_mask'][r, at] = 0  # predicted by nothing of its own
+      at = end
+  return out
+
+
+def greedy_rows(lengths: Sequence[int], num_rows: int, length: int) -> list[list[int]]:
+  """Sequences in stream order filled into ``num_rows`` rows of ``length`` tokens: the next one
+  goes into the current row if it fits, else starts the next row; it stops at the first sequence
+  that fits in no row left. -> the indices per row (their total: the sequences consumed)."""
+  rows, at, i = [[]], 0, 0
+  for i, n in enumerate(lengths):
+    if n > length:
+      raise ValueError(f'sequence {i}: {n} tokens exceed the packed length {length}.')
+    if at + n > length:
+      if len(rows) == num_rows:
+        break
+      rows.append([])
+      at = 0
+    rows[-1].append(i)
+    at += n
+  return rows + [[] for _ in range(num_rows - len(rows))]
+
+
+# -- the task --------------------------------------------------------------------------------------------
+class SFTDataTask(data.DataTask):
+  """SFT rows as a task: ``train_sequence(index, seed)`` gives the (ids, loss mask) of the row at
+  a data position (the order of ``data.DataTask``), after ``encode(tokenizer, ...)`` has
+  tokenized every row (and left out those too long, by sft.too_long). Held-out rows are evaluated
+  on their prompt: a conversation up to its last assistant turn (or the prompt column), scored by
+  the run's reward functions with the reference reply as the ``answer`` column (unless the row
+  has its own); ``text`` rows are not evaluated."""
+
+  def __init__(self, train, eval_rows, reward_funcs=(), shuffle: bool = True):
+    super().__init__(train, eval_rows, reward_funcs, shuffle)
+    self.sequences: Optional[list[tuple[list[int], list[int]]]] = None
+    self.dropped = 0
+
+  def encode(self, tokenizer, eos_id: int, max_length: int, too_long: str) -> None:
+    kept, sequences = [], []
+    for row in self.train:
+      ids, mask = encode_row(tokenizer, row, eos_id)
+      fitted = fit_length(ids, mask, max_length, too_long, row.where)
+      if fitted is not None:
+        kept.append(row)
+        sequences.append(fitted)
+    self.dropped = len(self.train) - len(kept)
+    if not kept:
+      raise ConfigError(f'data.train: all {len(self.train)} rows exceed sft.max_length='
+                        f'{max_length}; raise it.')
+    self.train, self.sequences = kept, sequences
+    self._order_key = None
+
+  def train_sequence(self, index: int, seed: int) -> tuple[list[int], list[int]]:
+    if self.sequences is None:
+      raise RuntimeError('SFTDataTask.encode(tokenizer, ...) first.')
+    return self.sequences[self.row_index(index, seed)]
+
+  @staticmethod
+  def example(row: Mapping[str, Any]) -> base.Example:
+    kind = row_format(row)
+    fields = {k: v for k, v in row.items() if k not in ('messages', 'prompt', 'completion', 'text')}
+    if kind == 'text':
+      return base.Example(prompt=row['text'], answer=None, fields=fields)
+    if kind == 'messages':
+      messages = row['messages']
+      last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant' and m['content'])
+      prompt, reply = messages[:last], messages[last]['content']
+    else:
+      prompt, completion = row['prompt'], row['completion']
+      reply = completion if isinstance(completion, str) else completion[-1]['content']
+    fields.setdefault('answer', reply)
+    return base.Example(prompt=prompt, answer=None, fields=fields)
+
+  def eval_examples(self) -> list[base.Example]:
+    return [self.example(r) for r in self.eval_rows if row_format(r) != 'text']
+
+  def sft_completion(self, example: base.Example) -> str:
+    raise RuntimeError('SFT rows train through train_sequence (trainers.sft).')
+
+  def longest(self) -> int:
+    return max(len(ids) for ids, _ in self.sequences)
+
+
+def build_task(rows: Sequence[data.Row], eval_rows: Sequence[data.Row], rewards, shuffle: bool
+               ) -> SFTDataTask:
+  """The SFT task of (already read and renamed) rows: each checked (``check_row``)."""
+  train = [check_row(r) for r in rows]
+  if not train:
+    raise ConfigError('data.train is empty; give at least one row.')
+  held = [check_row(r) for r in eval_rows]
+  return SFTDataTask(train, held, rewards, shuffle=shuffle)
