@@ -24,7 +24,7 @@ from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import tokenizer as tokenizer_lib
 from jaxrl_ga.trainers import sft as sft_trainer
 
-from test_learner import OPT, _applied_grad, _mesh, _rel_err
+from learner_refs import OPT, applied_grad, make_mesh, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A ChatML-like template with generation markers around each assistant reply and its end, and
@@ -143,7 +143,7 @@ def tiny():
   sequences, vocab = _chat_sequences(16)
   model_cfg = tfm.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-  mesh = _mesh((1, 1, 1))
+  mesh = make_mesh((1, 1, 1))
   graphdef, params, shardings = sharding.init_params(model_cfg, seed=0, mesh=mesh)
   return types.SimpleNamespace(sequences=sequences, graphdef=graphdef, params=params,
                                shardings=shardings, mesh=mesh)
@@ -186,7 +186,7 @@ def _learner_grads(tiny, k, *windows):
     for b in micro_batches:
       state, out = lrn.step(state, put(b))
     assert bool(out['stepped'])
-    grads.append(jax.device_get(_applied_grad(state)))  # AdamW's first moment, b1 = 0
+    grads.append(jax.device_get(applied_grad(state)))  # AdamW's first moment, b1 = 0
   return grads
 
 
@@ -217,9 +217,9 @@ def test_packing_gives_the_unpacked_accumulated_gradient(tiny, k):
             for i in range(k)]
   g_unpacked, g_packed = _learner_grads(tiny, k, unpacked, packed)
   reference = _one_pass_grad(tiny, seqs)
-  assert _rel_err(g_packed, g_unpacked) <= 1e-5
-  assert _rel_err(g_packed, reference) <= 1e-5
-  assert _rel_err(g_unpacked, reference) <= 1e-5
+  assert rel_err(g_packed, g_unpacked) <= 1e-5
+  assert rel_err(g_packed, reference) <= 1e-5
+  assert rel_err(g_unpacked, reference) <= 1e-5
 
 
 def test_the_trainer_packs_the_stream_in_order_and_counts_what_it_used():
