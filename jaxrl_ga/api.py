@@ -30,6 +30,7 @@ import jax
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import preference
 from jaxrl_ga import rewards
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
@@ -97,6 +98,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   if isinstance(task, data.DataTask):
     probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+  if isinstance(task, preference.PreferenceTask):
+    probe = 0  # DPO samples only to evaluate; PreferenceTask.encode checks every row's prompt
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
@@ -176,6 +179,9 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   validate_lengths(cfg, task, tokenizer, model_cfg)
+  if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
+    task.encode(tokenizer, cfg.dpo)
+    preference.check_cache(workdir, task)
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,

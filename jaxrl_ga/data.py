@@ -345,6 +345,9 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
   rewards = rewards_lib.resolve(reward_funcs)
   train_source = train_dataset if train_dataset is not None else (spec.train or None)
   eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
+  if train_source is None and cfg.dpo.pairs == 'dataset' and 'dpo' in cfg.stages:
+    raise ConfigError("dpo.pairs=dataset needs data.train (a preference file of prompt, chosen "
+                      "and rejected), or train_dataset= in Python.")
   if train_source is None:
     if eval_source is not None:
       raise ConfigError('data.eval needs data.train (the built-in task has its own held-out set).')
@@ -358,9 +361,13 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
     if rewards:  # grpo.reward_funcs replace the task's own (on this instance only)
       task.reward_functions = lambda *unused_args, **unused_kwargs: list(rewards)
     return task
+  if 'dpo' in cfg.stages and cfg.dpo.pairs == 'dataset':  # preference rows: jaxrl_ga.preference
+    from jaxrl_ga import preference  # pylint: disable=g-import-not-at-top
+    return preference.build_task(cfg, train_source, eval_source, rewards)
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO only for now '
-                      f'(SFT and DPO data formats come later); set stages=grpo.')
+                      f'(SFT data formats come later; DPO reads preference rows with '
+                      f'dpo.pairs=dataset); set stages=grpo.')
   if not rewards:
     raise ConfigError('data.train needs reward functions: set grpo.reward_funcs='
                       '"module:function[=weight],..." (or a built-in: '
