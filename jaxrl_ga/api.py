@@ -179,6 +179,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   validate_lengths(cfg, task, tokenizer, model_cfg)
+  if 'dpo' in cfg.stages:
+    dpo.check_reference(cfg, cfg.dpo, model_cfg)
   if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
     task.encode(tokenizer, cfg.dpo)
     preference.check_cache(workdir, task)

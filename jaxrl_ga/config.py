@@ -746,6 +746,9 @@ class DPOConfig:
       'drop'ped (the count is printed and in the summary as ``dpo/dropped_rows``) or 'truncate'd
       on ``truncation_side``.
     truncation_side: 'left' (keep a long prompt's last tokens, TRL's keep_end) or 'right'.
+    ref_model: the reference policy of the log-ratios: '' the policy at the start of the stage,
+      else a model like ``model.hf_path`` takes (HF directory, .gguf, pkg:, hub id) with the
+      policy's vocabulary; its log-probs are computed once, before training.
     reference_as_chosen: when no sampled completion of a prompt is correct, pair the task's
       reference completion (chosen) with an incorrect sample (rejected).
     sampling: how the pairs' completions are sampled.
@@ -764,6 +767,7 @@ class DPOConfig:
   max_prompt_length: int = 0
   long_prompts: str = 'error'
   truncation_side: str = 'left'
+  ref_model: str = ''
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
   loss: DPOLossConfig = DPOLossConfig()
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)

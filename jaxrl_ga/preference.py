@@ -25,9 +25,9 @@ neither a string nor a message list, an empty reply, a reply conversation withou
 turn, chosen equal to rejected, conversations that share no leading turn (implicit prompt), a
 template that renders the prompt differently inside the conversation.
 
-The encoded pairs have a fingerprint (their tokens and masks): trainers/dpo.py caches them with
-their reference log-probs in ``WORKDIR/dpo_dataset_pairs.npz`` and refuses a workdir whose cache
-was built from other rows.
+The encoded pairs have a fingerprint (their tokens and masks, and ``dpo.ref_model``):
+trainers/dpo.py caches them with their reference log-probs in ``WORKDIR/dpo_dataset_pairs.npz``
+and api.build_context refuses a workdir whose cache was built from other rows.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class PreferenceTask(data.DataTask):
                                     'dpo.max_length')
       pairs.update({f'{side}_{key}': value for key, value in rows.items()})
     self.pairs = pairs
-    self.fingerprint = fingerprint(pairs)
+    self.fingerprint = fingerprint(pairs, cfg.ref_model)
 
 
 def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], list[int], list[int]]:
@@ -207,9 +207,10 @@ def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], lis
           text.encode(tokenizer, pref.rejected) + [eos_id])
 
 
-def fingerprint(pairs: Mapping[str, np.ndarray]) -> str:
-  """sha256 of the encoded pairs (every array's name, shape, dtype and bytes, in name order)."""
-  h = hashlib.sha256()
+def fingerprint(pairs: Mapping[str, np.ndarray], ref_model: str = '') -> str:
+  """sha256 of the encoded pairs (every array's name, shape, dtype and bytes, in name order) and
+  of the reference model (``dpo.ref_model``; '' the starting policy)."""
+  h = hashlib.sha256(f'ref_model={ref_model};'.encode())
   for key in sorted(pairs):
     value = np.ascontiguousarray(pairs[key])
     h.update(f'{key}:{value.shape}:{value.dtype};'.encode())
@@ -229,7 +230,7 @@ def check_cache(workdir: str, task: PreferenceTask) -> None:
   cached = str(fileio.load_npz(path).get('fingerprint', ''))
   if cached != task.fingerprint:
     raise ConfigError(f'data.train: {path} holds the pairs and reference log-probs of another '
-                      f'dataset (fingerprint {cached[:12] or "none"}, now {task.fingerprint[:12]}); '
+                      f'dataset or dpo.ref_model (fingerprint {cached[:12] or "none"}, now {task.fingerprint[:12]}); '
                       f'use a fresh --workdir, or delete that file and the dpo checkpoints to '
                       f'start over.')
 

@@ -10,6 +10,7 @@ weighting split as the learner's micro-batches are), its gradient with respect t
 log-probs in float64, pulled back through the forward in float32.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -256,6 +257,36 @@ def test_reference_logps_are_cached_reused_and_a_changed_dataset_is_refused(buil
   assert str(e.value).startswith(f'data.train: {wd}/{preference.CACHE_FILE} holds the pairs and '
                                  'reference log-probs of another dataset')
   assert train != changed
+
+
+def test_a_separate_reference_model(built, tmp_path):
+  """dpo.ref_model: the reference log-probs are that model's (here another initialization of
+  the same architecture, exported as an HF directory), by the reference forward; it is part of
+  the cache's fingerprint; a model with another vocabulary is refused before anything runs."""
+  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  ctx = built['ctx']
+  _, other, _ = sharding.init_params(ctx.model_cfg, seed=7, mesh=built['mesh'])
+  hf.export(other, ctx.model_cfg, str(tmp_path / 'ref'))
+  cfg = api.make_config(ctx.cfg, **{'dpo.ref_model': str(tmp_path / 'ref')})
+  ctx2, params2 = api.build_context(cfg, str(tmp_path / 'wd'))
+  assert ctx2.task.fingerprint != ctx.task.fingerprint
+  pairs = dpo.load_or_build_pairs(ctx2, cfg.dpo, params2)
+  rows = [_by_hand(ctx.tokenizer, r) for r in built['rows'][:8]]
+  c, r = _padded([x[0] for x in rows]), _padded([x[1] for x in rows])
+  want_c, want_r = built['fwd'](jax.device_get(other), c, r)
+  np.testing.assert_allclose(pairs['ref_chosen_logps'][:8], want_c, rtol=1e-5)
+  np.testing.assert_allclose(pairs['ref_rejected_logps'][:8], want_r, rtol=1e-5)
+  assert np.abs(pairs['ref_chosen_logps'] - built['pairs']['ref_chosen_logps']).min() > 1e-3
+  small = dataclasses.replace(ctx.model_cfg, vocab_size=ctx.model_cfg.vocab_size - 1)
+  _, params_small, _ = sharding.init_params(small, seed=0, mesh=built['mesh'])
+  hf.export(params_small, small, str(tmp_path / 'small'))
+  with pytest.raises(ConfigError) as e:
+    api.build_context(api.make_config(ctx.cfg, **{'dpo.ref_model': str(tmp_path / 'small')}),
+                      str(tmp_path / 'wd2'))
+  assert str(e.value) == (f'dpo.ref_model={tmp_path}/small: a vocabulary of '
+                          f'{small.vocab_size} tokens, the policy\'s has '
+                          f'{ctx.model_cfg.vocab_size}; give a reference model with the '
+                          f'policy\'s tokenizer.')
 
 
 # -- bad input -------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's finger
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,7 +22,9 @@ from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import programs
 from jaxrl_ga import sampling
-from jaxrl_ga.config import DPOConfig
+from jaxrl_ga.config import ConfigError, DPOConfig, LoRAConfig, RunConfig
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
@@ -80,9 +83,16 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
 def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
                         pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """``pairs`` with ``ref_chosen_logps`` and ``ref_rejected_logps`` [N] (float32): the summed
-  completion log-probs under ``params`` (the policy at the start of the stage), computed once."""
-  _, ref_fn = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
-                                          ctx.param_shardings, ctx.graphdef, dpo=cfg)
+  completion log-probs under ``params`` (the policy at the start of the stage) or under
+  ``dpo.ref_model``, computed once."""
+  if cfg.ref_model:
+    ref_cfg = reference_config(ctx.cfg, cfg)
+    model_cfg = policy.model_config(ref_cfg, len(ctx.tokenizer))
+    graphdef, params, shardings = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
+  else:
+    model_cfg, graphdef, shardings = ctx.model_cfg, ctx.graphdef, ctx.param_shardings
+  _, ref_fn = programs.build_dpo_programs(ctx.cfg, model_cfg, ctx.mesh, shardings, graphdef,
+                                          dpo=cfg)
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(pairs['chosen_tokens'])
   pairs = dict(pairs)
@@ -94,6 +104,24 @@ def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
       vals.append(placement.to_host(ref_fn(params, *placement.shard_batch(args, ctx.mesh))))
     pairs[f'ref_{side}_logps'] = np.concatenate(vals)[:n].astype(np.float32)
   return pairs
+
+
+def reference_config(run_cfg: RunConfig, cfg: DPOConfig) -> RunConfig:
+  """The run's config with ``dpo.ref_model`` as its model (without adapters)."""
+  model = dataclasses.replace(run_cfg.model, hf_path=cfg.ref_model, lora=LoRAConfig())
+  return dataclasses.replace(run_cfg, model=model)
+
+
+def check_reference(run_cfg: RunConfig, cfg: DPOConfig, model_cfg) -> None:
+  """Before anything compiles: ``dpo.ref_model`` exists and has the policy's vocabulary."""
+  if not cfg.ref_model:
+    return
+  hf.check_model_source(cfg.ref_model, 'dpo.ref_model')
+  ref = policy.model_config(reference_config(run_cfg, cfg), model_cfg.vocab_size)
+  if ref.vocab_size != model_cfg.vocab_size:
+    raise ConfigError(f'dpo.ref_model={cfg.ref_model}: a vocabulary of {ref.vocab_size} tokens, '
+                      f'the policy\'s has {model_cfg.vocab_size}; give a reference model with the '
+                      f'policy\'s tokenizer.')
 
 
 def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
