@@ -355,5 +355,13 @@ class SFTTrainer(Trainer):
 
 
 class DPOTrainer(Trainer):
-  """The DPO stage (on the built-in task's data for now); see :class:`Trainer`."""
+  """The DPO stage on your preference rows (``train_dataset`` or ``data.train``: prompt, chosen
+  and rejected, ``jaxrl_ga.preference``; ``dpo.pairs='dataset'`` is then implied), else on pairs
+  it samples from the built-in task; see :class:`Trainer`."""
   stage = 'dpo'
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    if self.train_dataset is not None or self.config.data.train:
+      self.config = dataclasses.replace(
+          self.config, dpo=dataclasses.replace(self.config.dpo, pairs='dataset'))

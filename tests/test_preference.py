@@ -289,6 +289,17 @@ def test_a_separate_reference_model(built, tmp_path):
                           f'policy\'s tokenizer.')
 
 
+def test_dpo_trainer_on_rows_reads_them_as_preferences():
+  rows = _rows(4)
+  trainer = api.DPOTrainer(train_dataset=rows, config={'dpo': {'max_length': MAX_LENGTH}})
+  assert trainer.config.dpo.pairs == 'dataset'
+  task = data.build_task(trainer.config, train_dataset=rows)
+  assert [p.where for p in task.preferences] == [f'data.train row {i}' for i in range(4)
+                                                 if f'data.train row {i}' not in {
+                                                     r.where for r in task.eval_rows}]
+  assert api.DPOTrainer().config.dpo.pairs == 'sampled'
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 def test_bad_preference_rows_name_the_row(tmp_path):
   good = _rows(8)
