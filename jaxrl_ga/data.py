@@ -10,7 +10,8 @@
 Rows follow TRL's conventions for GRPO: ``prompt`` is a string or a list of chat messages
 (``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
 one user message when the tokenizer has a template); every other column goes to the reward
-functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``).
+functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``). DPO's
+preference rows (prompt, chosen, rejected; ``dpo.pairs='dataset'``): ``jaxrl_ga.preference``.
 ``data.columns='question:prompt,solution:answer'`` renames columns first. Without ``data.eval``, a
 seeded ``data.eval_fraction`` of ``data.train``'s rows is held out (the seed is the run's).
 

@@ -216,7 +216,10 @@ CASES = [  # every loss type and aggregation, RPO; K = 1, 2, 4
 
 @pytest.mark.parametrize('loss_cfg,k', CASES)
 def test_dataset_dpo_update_equals_one_pass_float64_reference(built, loss_cfg, k):
-  for err, loss, ref_loss, _ in _train_two_windows(built, loss_cfg, k):
+  for window, (err, loss, ref_loss, _) in enumerate(_train_two_windows(built, loss_cfg, k)):
+    print(f'{loss_cfg.loss_type} {loss_cfg.aggregation} rpo_alpha={loss_cfg.rpo_alpha} K={k} '
+          f'window {window}: applied-gradient rel. error {err:.1e}, loss {loss:.6f} vs '
+          f'{ref_loss:.6f}')
     assert err <= 1e-5, (err, loss_cfg, k)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
 
@@ -226,6 +229,8 @@ def test_microbatch_token_depends_on_the_split_as_open_instruct_predicts(built):
   its own split's reference gradient (open-instruct's formula, previous test), and the two
   differ (the pairs' lengths vary)."""
   applied = {k: _train_two_windows(built, MICROBATCH_TOKEN, k)[1][3] for k in (1, 4)}
+  print(f'microbatch_token: K=1 vs K=4 applied gradients differ by '
+        f'{_rel_err(applied[1], applied[4]):.2e} (relative)')
   assert _rel_err(applied[1], applied[4]) > 1e-3
 
 
