@@ -30,6 +30,7 @@ import jax
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import preference
 from jaxrl_ga import rewards
 from jaxrl_ga import schedule
 from jaxrl_ga import sft_data
@@ -100,6 +101,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
     probe = min(task.num_train(), LENGTH_CHECK_ROWS)
   if isinstance(task, sft_data.SFTDataTask):
     probe = 0  # every row is encoded and fitted to sft.max_length (SFTDataTask.encode)
+  if isinstance(task, preference.PreferenceTask):
+    probe = 0  # DPO samples only to evaluate; PreferenceTask.encode checks every row's prompt
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
@@ -185,6 +188,11 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
   validate_lengths(cfg, task, tokenizer, model_cfg)
+  if 'dpo' in cfg.stages:
+    dpo.check_reference(cfg, cfg.dpo, model_cfg)
+  if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
+    task.encode(tokenizer, cfg.dpo)
+    preference.check_cache(workdir, task)
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
@@ -358,5 +366,13 @@ class SFTTrainer(Trainer):
 
 
 class DPOTrainer(Trainer):
-  """The DPO stage (on the built-in task's data for now); see :class:`Trainer`."""
+  """The DPO stage on your preference rows (``train_dataset`` or ``data.train``: prompt, chosen
+  and rejected, ``jaxrl_ga.preference``; ``dpo.pairs='dataset'`` is then implied), else on pairs
+  it samples from the built-in task; see :class:`Trainer`."""
   stage = 'dpo'
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    if self.train_dataset is not None or self.config.data.train:
+      self.config = dataclasses.replace(
+          self.config, dpo=dataclasses.replace(self.config.dpo, pairs='dataset'))

@@ -88,6 +88,8 @@ TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'consta
                          'bnpo': 'microbatch_token'}
 DPO_AGGREGATIONS = ('pair', 'token', 'microbatch_token')
 DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
+DPO_PAIRS = ('sampled', 'dataset')
+DPO_LONG_PROMPTS = ('error', 'drop', 'truncate')
 IMPORTANCE_LEVELS = ('token', 'sequence')
 SCALE_REWARDS = ('group', 'batch', 'none')
 OLD_LOGPROB_SOURCES = ('recompute', 'sampler')
@@ -572,8 +574,9 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Your own rows instead of the built-in task (``jaxrl_ga.data``; GRPO, or SFT alone:
-  ``jaxrl_ga.sft_data``).
+  """Your own rows instead of the built-in task (``jaxrl_ga.data``): GRPO's prompts, SFT's
+  conversations alone (``jaxrl_ga.sft_data``), or DPO's preference rows with
+  ``dpo.pairs='dataset'`` (``jaxrl_ga.preference``).
 
   Attributes:
     train: a .jsonl/.json/.csv/.parquet file (local or gs://), a ``datasets.save_to_disk``
@@ -731,18 +734,35 @@ class GRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig:
-  """Offline preference optimization on pairs sampled from the current (SFT) policy.
+  """Offline preference optimization on pairs sampled from the current (SFT) policy, or read from
+  a preference dataset (``pairs='dataset'``).
 
-  Pairs: for each prompt, ``samples_per_prompt`` completions are sampled; a correct and an
-  incorrect one make a (chosen, rejected) pair. Reference log-probs are computed once and cached.
+  Pairs ('sampled'): for each prompt, ``samples_per_prompt`` completions are sampled; a correct
+  and an incorrect one make a (chosen, rejected) pair. Pairs ('dataset'): the rows of
+  ``data.train``, each ``prompt`` + ``chosen`` + ``rejected`` (strings or chat messages; without
+  ``prompt``, the turns chosen and rejected share; ``jaxrl_ga.preference``). Either way the
+  reference log-probs (the policy at the start of the stage) are computed once and cached in the
+  workdir.
 
   Attributes:
     num_steps: optimizer steps.
     micro_batch_size: pairs per micro-step (global).
     grad_accum_steps: K, micro-steps per optimizer step.
-    num_prompts: prompts sampled to build pairs.
-    samples_per_prompt: completions sampled per prompt to find a correct and an incorrect one.
-    max_length: tokens per sequence (prompt + completion).
+    pairs: 'sampled' (the policy's own correct and incorrect completions of the task's prompts)
+      or 'dataset' (the preference rows of ``data.train``).
+    num_prompts: prompts sampled to build pairs ('sampled').
+    samples_per_prompt: completions sampled per prompt to find a correct and an incorrect one
+      ('sampled').
+    max_length: tokens per sequence (prompt + completion); 'dataset': a longer completion is cut
+      at its end to fit.
+    max_prompt_length: 'dataset': tokens a prompt may have (0: up to ``max_length - 1``).
+    long_prompts: 'dataset': a prompt over ``max_prompt_length`` is an 'error' naming its row, is
+      'drop'ped (the count is printed and in the summary as ``dpo/dropped_rows``) or 'truncate'd
+      on ``truncation_side``.
+    truncation_side: 'left' (keep a long prompt's last tokens, TRL's keep_end) or 'right'.
+    ref_model: the reference policy of the log-ratios: '' the policy at the start of the stage,
+      else a model like ``model.hf_path`` takes (HF directory, .gguf, pkg:, hub id) with the
+      policy's vocabulary; its log-probs are computed once, before training.
     reference_as_chosen: when no sampled completion of a prompt is correct, pair the task's
       reference completion (chosen) with an incorrect sample (rejected).
     sampling: how the pairs' completions are sampled.
@@ -753,10 +773,15 @@ class DPOConfig:
   num_steps: int = 60
   micro_batch_size: int = 16
   grad_accum_steps: int = 2
+  pairs: str = 'sampled'
   num_prompts: int = 512
   samples_per_prompt: int = 8
   reference_as_chosen: bool = False
   max_length: int = 16
+  max_prompt_length: int = 0
+  long_prompts: str = 'error'
+  truncation_side: str = 'left'
+  ref_model: str = ''
   sampling: SamplingConfig = SamplingConfig(temperature=1.0)
   loss: DPOLossConfig = DPOLossConfig()
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
@@ -765,6 +790,12 @@ class DPOConfig:
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'num_prompts',
                   'samples_per_prompt', 'max_length', 'log_every', prefix='dpo.')
+    _one_of(self, 'pairs', DPO_PAIRS, 'dpo.')
+    _one_of(self, 'long_prompts', DPO_LONG_PROMPTS, 'dpo.')
+    _one_of(self, 'truncation_side', ('left', 'right'), 'dpo.')
+    _require(self.max_prompt_length >= 0,
+             f'dpo.max_prompt_length must be >= 0 (0: max_length - 1), got '
+             f'{self.max_prompt_length}.')
 
 
 STAGES = ('sft', 'grpo', 'dpo')

@@ -12,7 +12,8 @@ With ``stages=sft`` the rows are SFT rows (``messages``, ``prompt`` + ``completi
 GRPO: ``prompt`` is a string or a list of chat messages
 (``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
 one user message when the tokenizer has a template); every other column goes to the reward
-functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``).
+functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``). DPO's
+preference rows (prompt, chosen, rejected; ``dpo.pairs='dataset'``): ``jaxrl_ga.preference``.
 ``data.columns='question:prompt,solution:answer'`` renames columns first. Without ``data.eval``, a
 seeded ``data.eval_fraction`` of ``data.train``'s rows is held out (the seed is the run's).
 
@@ -358,6 +359,9 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
   rewards = rewards_lib.resolve(reward_funcs)
   train_source = train_dataset if train_dataset is not None else (spec.train or None)
   eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
+  if train_source is None and cfg.dpo.pairs == 'dataset' and 'dpo' in cfg.stages:
+    raise ConfigError("dpo.pairs=dataset needs data.train (a preference file of prompt, chosen "
+                      "and rejected), or train_dataset= in Python.")
   if train_source is None:
     if eval_source is not None:
       raise ConfigError('data.eval needs data.train (the built-in task has its own held-out set).')
@@ -373,9 +377,12 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
     return task
   if tuple(cfg.stages) == ('sft',):  # SFT rows: messages, prompt+completion or text
     return _sft_task(cfg, train_source, eval_source, rewards)
+  if 'dpo' in cfg.stages and cfg.dpo.pairs == 'dataset':  # preference rows: jaxrl_ga.preference
+    from jaxrl_ga import preference  # pylint: disable=g-import-not-at-top
+    return preference.build_task(cfg, train_source, eval_source, rewards)
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
-    raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO, or SFT alone '
-                      f'(stages=sft); DPO data formats come later.')
+    raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO (stages=grpo), '
+                      f'SFT alone (stages=sft) or DPO alone with dpo.pairs=dataset (stages=dpo).')
   if not rewards:
     raise ConfigError('data.train needs reward functions: set grpo.reward_funcs='
                       '"module:function[=weight],..." (or a built-in: '

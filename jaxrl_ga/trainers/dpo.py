@@ -1,13 +1,16 @@
-"""DPO host loop on pairs sampled from the current (SFT) policy.
+"""DPO host loop on pairs sampled from the current (SFT) policy, or read from a preference
+dataset (``dpo.pairs='dataset'``, ``jaxrl_ga.preference``).
 
-For each of ``num_prompts`` prompts the policy samples ``samples_per_prompt`` completions; the
-first correct and the first incorrect one make a (chosen, rejected) pair. The pairs and their
-reference log-probs (the policy at the start of the stage) are computed once and cached in
-``WORKDIR/dpo_pairs.npz`` (written atomically), so a resumed run trains on the same data.
+Sampled: for each of ``num_prompts`` prompts the policy samples ``samples_per_prompt``
+completions; the first correct and the first incorrect one make a (chosen, rejected) pair. The
+pairs and their reference log-probs (the policy at the start of the stage) are computed once and
+cached in ``WORKDIR/dpo_pairs.npz`` (written atomically), so a resumed run trains on the same
+data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's fingerprint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,9 +19,12 @@ import numpy as np
 from jaxrl_ga import fileio
 from jaxrl_ga import losses
 from jaxrl_ga import placement
+from jaxrl_ga import preference
 from jaxrl_ga import programs
 from jaxrl_ga import sampling
-from jaxrl_ga.config import DPOConfig
+from jaxrl_ga.config import ConfigError, DPOConfig, LoRAConfig, RunConfig
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
@@ -71,11 +77,25 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
   for side, comps in (('chosen', chosen), ('rejected', rejected)):
     rows = text.right_padded_rows(prompts, comps, cfg.max_length, ctx.pad_id, 'dpo.max_length')
     pairs.update({f'{side}_{key}': value for key, value in rows.items()})
-  # Reference log-probs, once, with the policy at the start of the stage.
-  _, ref_fn = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
-                                          ctx.param_shardings, ctx.graphdef, dpo=cfg)
+  return add_reference_logps(ctx, cfg, params, pairs)
+
+
+def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
+                        pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """``pairs`` with ``ref_chosen_logps`` and ``ref_rejected_logps`` [N] (float32): the summed
+  completion log-probs under ``params`` (the policy at the start of the stage) or under
+  ``dpo.ref_model``, computed once."""
+  if cfg.ref_model:
+    ref_cfg = reference_config(ctx.cfg, cfg)
+    model_cfg = policy.model_config(ref_cfg, len(ctx.tokenizer))
+    graphdef, params, shardings = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
+  else:
+    model_cfg, graphdef, shardings = ctx.model_cfg, ctx.graphdef, ctx.param_shardings
+  _, ref_fn = programs.build_dpo_programs(ctx.cfg, model_cfg, ctx.mesh, shardings, graphdef,
+                                          dpo=cfg)
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
-  n = len(chosen)
+  n = len(pairs['chosen_tokens'])
+  pairs = dict(pairs)
   for side in ('chosen', 'rejected'):
     vals = []
     for start in range(0, n, bs):
@@ -86,7 +106,38 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
   return pairs
 
 
-def _load_or_build_pairs(ctx, cfg, params):
+def reference_config(run_cfg: RunConfig, cfg: DPOConfig) -> RunConfig:
+  """The run's config with ``dpo.ref_model`` as its model (without adapters)."""
+  model = dataclasses.replace(run_cfg.model, hf_path=cfg.ref_model, lora=LoRAConfig())
+  return dataclasses.replace(run_cfg, model=model)
+
+
+def check_reference(run_cfg: RunConfig, cfg: DPOConfig, model_cfg) -> None:
+  """Before anything compiles: ``dpo.ref_model`` exists and has the policy's vocabulary."""
+  if not cfg.ref_model:
+    return
+  hf.check_model_source(cfg.ref_model, 'dpo.ref_model')
+  ref = policy.model_config(reference_config(run_cfg, cfg), model_cfg.vocab_size)
+  if ref.vocab_size != model_cfg.vocab_size:
+    raise ConfigError(f'dpo.ref_model={cfg.ref_model}: a vocabulary of {ref.vocab_size} tokens, '
+                      f'the policy\'s has {model_cfg.vocab_size}; give a reference model with the '
+                      f'policy\'s tokenizer.')
+
+
+def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
+  """The stage's pairs with their reference log-probs, from the workdir's cache when there is
+  one: sampled ones (``dpo_pairs.npz``), or a preference dataset's (``dpo_dataset_pairs.npz``,
+  with the dataset's fingerprint; api.build_context has refused a cache of other rows)."""
+  if cfg.pairs == 'dataset':
+    path = preference.cache_path(ctx.workdir)
+    if fileio.exists(path):
+      cached = fileio.load_npz(path)
+      cached.pop('fingerprint')
+      return cached
+    pairs = add_reference_logps(ctx, cfg, params, ctx.task.pairs)
+    if ctx.is_primary:  # atomic
+      fileio.save_npz(path, pairs | {'fingerprint': np.asarray(ctx.task.fingerprint)})
+    return pairs
   path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
   if fileio.exists(path):
     return fileio.load_npz(path)
@@ -94,6 +145,52 @@ def _load_or_build_pairs(ctx, cfg, params):
   if ctx.is_primary:
     fileio.save_npz(path, pairs)  # atomic
   return pairs
+
+
+class PairStream:
+  """The stage's micro-batches: pair ``p`` of the training stream is pair ``order_e[p mod N]``
+  of epoch ``e = p // N``, ``order_e`` the permutation ``np.random.default_rng([seed, e])`` (the
+  pairs' order with ``shuffle=False``), so a batch is a function of its data position alone (a
+  resumed run continues exactly)."""
+
+  def __init__(self, pairs: dict[str, np.ndarray], cfg: DPOConfig, seed: int, mesh,
+               shuffle: bool = True):
+    self.pairs, self.cfg, self.seed, self.mesh, self.shuffle = pairs, cfg, seed, mesh, shuffle
+    self.num_pairs = len(pairs['ref_chosen_logps'])
+    self._orders = {}
+
+  def indices(self, position: int, count: int) -> np.ndarray:
+    idx = []
+    for p in range(position, position + count):
+      epoch, i = divmod(p, self.num_pairs)
+      if epoch not in self._orders:
+        self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(
+            self.num_pairs) if self.shuffle else np.arange(self.num_pairs))
+      idx.append(self._orders[epoch][i])
+    return np.asarray(idx)
+
+  def rpo_scale(self, position: int) -> np.float32:
+    """RPO's NLL term is a token mean over the whole optimizer-step window (losses.dpo_loss):
+    the window's denominator / chosen tokens, from the K micro-batches that hold `position`."""
+    window = self.cfg.micro_batch_size * self.cfg.grad_accum_steps
+    w = self.indices(position - position % window, window)
+    count = lambda key: self.pairs[key][w].sum(axis=-1)
+    den, chosen = losses.dpo_window_normalizers(
+        count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
+        count('rejected_attention_mask'), self.cfg.loss)
+    return np.float32(den / max(chosen, 1.0))
+
+  def batch_at(self, position: int):
+    """The micro-batch of ``micro_batch_size`` pairs from data position ``position``, sharded
+    (each process builds only its rows)."""
+    b = self.cfg.micro_batch_size
+    idx = self.indices(position, b)
+    extra = {}
+    if self.cfg.loss.rpo_alpha:
+      extra['rpo_scale'] = np.full(b, self.rpo_scale(position), np.float32)
+    return placement.shard_rows(
+        lambda rows: {k: v[idx[rows]] for k, v in self.pairs.items()} |
+        {k: v[rows] for k, v in extra.items()}, b, self.mesh)
 
 
 def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
@@ -104,40 +201,11 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
                                            ctx.param_shardings, ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
-  pairs = _load_or_build_pairs(ctx, cfg, params)
-  n_pairs = len(pairs['ref_chosen_logps'])
-  b = cfg.micro_batch_size
-  epochs = {}
-
-  def pair_indices(position, count):
-    idx = []
-    for p in range(position, position + count):
-      epoch, i = divmod(p, n_pairs)
-      if epoch not in epochs:  # a fixed shuffle per epoch: resumable from the position alone
-        epochs[epoch] = np.random.default_rng([ctx.cfg.seed, epoch]).permutation(n_pairs)
-      idx.append(epochs[epoch][i])
-    return np.asarray(idx)
-
-  window_pairs = b * cfg.grad_accum_steps
-
-  def rpo_scale(position):
-    """RPO's NLL term is a token mean over the whole optimizer-step window (losses.dpo_loss):
-    the window's denominator / chosen tokens, from the K micro-batches that hold `position`."""
-    w = pair_indices(position - position % window_pairs, window_pairs)
-    count = lambda key: pairs[key][w].sum(axis=-1)
-    den, chosen = losses.dpo_window_normalizers(
-        count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
-        count('rejected_attention_mask'), cfg.loss)
-    return np.float32(den / max(chosen, 1.0))
-
-  def batch_at(position):
-    idx = pair_indices(position, b)
-    extra = {}
-    if cfg.loss.rpo_alpha:
-      extra['rpo_scale'] = np.full(b, rpo_scale(position), np.float32)
-    return placement.shard_rows(
-        lambda rows: {k: v[idx[rows]] for k, v in pairs.items()} |
-        {k: v[rows] for k, v in extra.items()}, b, ctx.mesh)
+  pairs = load_or_build_pairs(ctx, cfg, params)
+  shuffle = ctx.cfg.data.shuffle if cfg.pairs == 'dataset' else True
+  stream = PairStream(pairs, cfg, ctx.cfg.seed, ctx.mesh, shuffle=shuffle)
+  n_pairs, b = stream.num_pairs, cfg.micro_batch_size
+  batch_at = stream.batch_at
 
   ckpt = ctx.checkpointer('dpo')
   k = cfg.grad_accum_steps
@@ -152,6 +220,12 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
     reporting.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
                               f'before DPO ({n_pairs} pairs)')
   summary['dpo/pairs'] = n_pairs
+  if cfg.pairs == 'dataset':
+    summary['dpo/dropped_rows'] = ctx.task.dropped
+    summary['dpo/truncated_replies'] = ctx.task.truncated
+    if ctx.task.dropped or ctx.task.truncated:
+      print(f'[dpo] {ctx.task.dropped} preference row(s) dropped (a prompt over the limit), '
+            f'{ctx.task.truncated} reply(ies) cut to dpo.max_length={cfg.max_length}', flush=True)
 
   with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
                        log_every=cfg.log_every, log_keys=_LOG_KEYS,
