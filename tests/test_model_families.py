@@ -162,7 +162,9 @@ def test_grpo_cli_smoke(name, extra, tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cmd = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
          f'--workdir={tmp_path}', f'--config.model.hf_path={_dir(name)}', '--config.stages=grpo',
-         '--config.grpo.num_steps=1', '--config.eval.num_examples=0', *extra]
+         '--config.grpo.num_steps=1', '--config.eval.num_examples=4', '--config.eval.batch_size=4',
+         '--config.grpo.schedule.grad_accum_steps=1', '--config.grpo.schedule.steps_per_generation=1',
+         *extra]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=root)
   done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300,
                         check=False)
