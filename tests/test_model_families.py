@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import transformers
 
+from jaxrl_ga import fileio
 from jaxrl_ga import logprobs
 from jaxrl_ga import lora
 from jaxrl_ga import sharding
@@ -24,6 +25,7 @@ from jaxrl_ga.config import LoRAConfig
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 
+from test_fileio import fake_gcs  # noqa: F401  pylint: disable=unused-import  (a pytest fixture)
 from test_model_hf import _dir, _reference  # the fixtures' paths and reference arrays
 
 FAMILIES = ('qwen3_tiny', 'gemma3_tiny', 'mistral_tiny')
@@ -173,3 +175,30 @@ def test_grpo_cli_smoke(name, extra, tmp_path):
   lines = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert any(l['phase'] == 'grpo' and 'reward/mean' in l for l in lines)
   assert os.path.isdir(tmp_path / 'checkpoints' / 'grpo')
+
+
+def test_checkpoint_from_a_bucket(fake_gcs, tmp_path, monkeypatch):  # pylint: disable=redefined-outer-name
+  """model.hf_path=gs://...: config, tokenizer and weights through a local copy (the fake bucket
+  of tests/test_fileio.py stands in for Cloud Storage); a second load fetches nothing."""
+  name = 'gemma3_tiny'
+  del fake_gcs  # registered for gs://; written through fsspec as a client would
+  for f in os.listdir(_dir(name)):
+    with open(os.path.join(_dir(name), f), 'rb') as src:
+      fileio.write_bytes(f'gs://bucket/models/{name}/{f}', src.read())
+  monkeypatch.setenv(hf.MODEL_CACHE_ENV, str(tmp_path))
+  remote = f'gs://bucket/models/{name}'
+  hf.check_model_source(remote)  # no error
+  cfg, _, params = hf.load_model(remote)
+  want_cfg, _, want = _loaded(name)
+  assert cfg == want_cfg
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               params, want)
+  text = 'Hi 12+3'
+  assert hf.load_tokenizer(remote)(text)['input_ids'] == hf.load_tokenizer(_dir(name))(text)[
+      'input_ids']
+  copied = tmp_path / 'bucket' / 'models' / name / 'model.safetensors'
+  stamp = copied.stat().st_mtime_ns
+  hf.load_model(remote)
+  assert copied.stat().st_mtime_ns == stamp
+  with pytest.raises(Exception, match='no config.json'):
+    hf.check_model_source('gs://bucket/models')

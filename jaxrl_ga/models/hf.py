@@ -52,6 +52,7 @@ import safetensors
 import safetensors.numpy
 import transformers
 
+from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import sharding as shd
 from jaxrl_ga.models import transformer
@@ -170,7 +171,9 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
   """
   hf = hf_config_or_dir
   if not isinstance(hf, transformers.PretrainedConfig):
-    hf = transformers.AutoConfig.from_pretrained(os.fspath(hf))
+    path = os.fspath(hf)
+    hf = transformers.AutoConfig.from_pretrained(
+        _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
   arch = _architecture(hf)
   gemma = arch == 'gemma3'
   act_name, act_want = ('hidden_activation', 'gelu_pytorch_tanh') if gemma else ('hidden_act',
@@ -227,11 +230,33 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
 
 
 # -- weights ---------------------------------------------------------------------------------------
+_REMOTE_SCHEMES = ('gs://', 'gcs://')
+# Where gs:// checkpoints are copied to (one copy per host, reused by later runs).
+MODEL_CACHE_ENV = 'JAXRL_GA_MODEL_CACHE'
+
+
+def _remote_copy(remote: str) -> str:
+  """The local copy of a gs:// checkpoint directory (configs, safetensors, tokenizer files), under
+  $JAXRL_GA_MODEL_CACHE (default ~/.cache/jaxrl_ga/models)/<bucket>/<path>; files already copied
+  with the same size are not fetched again. Each host copies to its own disk, streamed (no file
+  is held in memory); the weights are then read one param at a time as from a local directory."""
+  root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(
+      os.path.expanduser('~'), '.cache', 'jaxrl_ga', 'models')
+  local = os.path.join(root, *remote.split('://', 1)[1].strip('/').split('/'))
+  names = fileio.fetch_directory(remote, local, _HUB_PATTERNS)
+  if 'config.json' not in names:
+    raise FileNotFoundError(f'{remote} has no config.json: not an HF model directory.')
+  return local
+
+
 def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
-  """A local checkpoint dir as is; a hub id through ``huggingface_hub.snapshot_download``."""
+  """A local checkpoint dir as is; a gs:// one copied to the local cache (``_remote_copy``); a
+  hub id through ``huggingface_hub.snapshot_download``."""
   path = os.fspath(path_or_id)
   if os.path.isdir(path):
     return path
+  if path.startswith(_REMOTE_SCHEMES):
+    return _remote_copy(path)
   if os.path.isabs(path) or path.startswith(('.', '~')) or os.path.exists(path):
     raise FileNotFoundError(f'{path!r} is not a checkpoint directory.')
   import huggingface_hub  # pylint: disable=g-import-not-at-top  (hub ids only)
@@ -412,12 +437,25 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if not source or source.startswith('pkg:'):
     return  # pkg: is resolved (with its pip command when missing) by models.gguf
-  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
+  kinds = ('an HF model directory (local or gs://), a .gguf file, pkg:<package> or a hub id '
+           '(org/name)')
+  if source.startswith(_REMOTE_SCHEMES):
+    try:
+      found = fileio.exists(fileio.join(source, 'config.json'))
+    except ImportError as e:
+      raise ConfigError(f'{setting}={source}: reading gs:// needs gcsfs ({e}); pip install '
+                        f'"jaxrl_ga[gcs]".') from None
+    except Exception as e:  # pylint: disable=broad-except  (auth, network: the client's words)
+      raise ConfigError(f'{setting}={source}: cannot read the bucket ({str(e)[:200]}).') from None
+    if not found:
+      raise ConfigError(f'{setting}={source}: no config.json there, so it is not an HF model '
+                        f'directory; give {kinds}.')
+    return
   scheme = re.match(r'^([a-zA-Z][\w+.-]*)://', source)
   if scheme:
     raise ConfigError(f'{setting}={source}: {scheme.group(1)}:// is not a supported model source '
-                      f'(only the workdir may be remote); copy the model to a local directory '
-                      f'and give its path, or give {kinds}.')
+                      f'(gs:// is); copy the model to a local directory and give its path, or '
+                      f'give {kinds}.')
   path = os.path.expanduser(source)
   if os.path.isdir(path):
     if not os.path.exists(os.path.join(path, 'config.json')):
@@ -449,7 +487,9 @@ def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrain
   from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
   if gguf.is_gguf_source(path_or_id):
     return gguf.load_tokenizer(path_or_id)
-  return transformers.AutoTokenizer.from_pretrained(os.fspath(path_or_id))
+  path = os.fspath(path_or_id)
+  return transformers.AutoTokenizer.from_pretrained(
+      _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
 
 
 # -- export ----------------------------------------------------------------------------------------
