@@ -537,8 +537,8 @@ class ModelSpec(ModelConfig):
   fields with the defaults of a tiny model built from scratch.
 
   Attributes:
-    hf_path: where the weights, tokenizer and architecture come from: a local HF model directory
-      (or hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
+    hf_path: where the weights, tokenizer and architecture come from: an HF model directory
+      (local or gs://, which is copied to $JAXRL_GA_MODEL_CACHE; or a hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
       package). Empty: a fresh model of the architecture fields, its vocabulary from the task's
       tokenizer.
     vocab_size: 0 when training (sized from the checkpoint or the tokenizer); configs for
