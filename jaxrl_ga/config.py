@@ -361,6 +361,9 @@ class AdvantageConfig:
 MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'full', 'save_dots')
+# ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
+ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
+LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +422,7 @@ class LoRAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Architecture of a Qwen2/Llama-family decoder (``models.transformer``). Field names follow
+  """Architecture of a Qwen2/Llama/Qwen3/Gemma 3/Mistral decoder (``models.transformer``). Field names follow
   the HF config. ``ModelSpec`` below is the run's ``model.*`` settings: these fields plus where
   the weights come from.
 
@@ -437,7 +440,17 @@ class ModelConfig:
     attention_bias: q/k/v projection biases (Qwen2: True; Llama: False).
     tie_word_embeddings: the output head reuses the token embedding matrix.
     max_position_embeddings: the longest sequence (prompt + completion) the model takes.
-    architecture: 'qwen2' or 'llama': which HF class export writes.
+    architecture: one of ARCHITECTURES, which HF class export writes; it also fixes the layer's
+      structure: 'qwen3' and 'gemma3' RMSNorm q and k per head, 'gemma3' is Gemma 3's layer
+      (``gemma`` below).
+    sliding_window: W > 0: a sliding layer's query at position p sees the keys at positions
+      > p - W (HF's sliding_window_overlay); 0: none.
+    layer_types: per layer 'full_attention' or 'sliding_attention' (HF's layer_types); empty:
+      every layer sliding when sliding_window > 0 (Mistral), else full.
+    rope_local_theta: the RoPE base of the sliding layers, which use no rope scaling (Gemma 3's
+      rope_local_base_freq); 0: they use rope_theta and rope_scaling as the full layers do.
+    query_pre_attn_scalar: attention scores are scaled by its -1/2 power (Gemma); 0: head size.
+    final_logit_softcapping: c > 0: logits = c * tanh(logits / c) (Gemma); 0: none.
     param_dtype: 'float32' or 'bfloat16': the dtype params are stored in.
     dtype: 'float32' or 'bfloat16': the compute dtype; logits and softmax are always float32.
     lora: low-rank adapters on the layers' projections (rank 0: none); part of the architecture.
@@ -455,9 +468,14 @@ class ModelConfig:
   attention_bias: bool = False  # q/k/v biases (Qwen2: True)
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 2048
-  architecture: str = 'qwen2'  # 'qwen2' or 'llama': which HF class export writes
+  architecture: str = 'qwen2'  # ARCHITECTURES: which HF class export writes
   param_dtype: str = 'float32'
   dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
+  sliding_window: int = 0
+  layer_types: tuple[str, ...] = ()
+  rope_local_theta: float = 0.0
+  query_pre_attn_scalar: float = 0.0
+  final_logit_softcapping: float = 0.0
   # Low-rank adapters on the layers' projections (rank 0: none). Part of the architecture: the
   # module's params include them (jaxrl_ga.lora). HF configs carry none (PEFT's are separate).
   lora: LoRAConfig = LoRAConfig()
@@ -471,12 +489,48 @@ class ModelConfig:
       if getattr(self, name) not in MODEL_DTYPES:
         raise ValueError(f'{name}={getattr(self, name)!r}; choose one of '
                          f'{", ".join(MODEL_DTYPES)}.')
-    if self.architecture not in ('qwen2', 'llama'):
-      raise ValueError(f'architecture={self.architecture!r}; choose qwen2 or llama.')
+    if self.architecture not in ARCHITECTURES:
+      raise ValueError(f'architecture={self.architecture!r}; choose one of '
+                       f'{", ".join(ARCHITECTURES)}.')
+    types = self.layer_types
+    types = tuple(t.strip() for t in (types.split(',') if isinstance(types, str) else types)
+                  if t.strip())
+    object.__setattr__(self, 'layer_types', types)
+    if types and (len(types) != self.num_hidden_layers or set(types) - set(LAYER_TYPES)):
+      raise ValueError(f'layer_types={",".join(types)!r}: give {self.num_hidden_layers} entries '
+                       f'(one per layer) among {", ".join(LAYER_TYPES)}, or none.')
+    if self.sliding_window < 0 or ('sliding_attention' in types and not self.sliding_window):
+      raise ValueError(f'sliding_window={self.sliding_window}: sliding layers need a window > 0.')
+    gemma_only = ('layer_types', 'rope_local_theta', 'query_pre_attn_scalar',
+                  'final_logit_softcapping')
+    set_here = [n for n in gemma_only if getattr(self, n)]
+    if self.architecture != 'gemma3' and set_here:
+      raise ValueError(f'{", ".join(set_here)}: Gemma 3 settings, but architecture='
+                       f'{self.architecture!r}; set architecture=gemma3 or leave them unset.')
+    if self.sliding_window and self.architecture not in ('gemma3', 'mistral'):
+      raise ValueError(f'sliding_window={self.sliding_window} with architecture='
+                       f'{self.architecture!r}: only gemma3 and mistral have sliding windows.')
 
   @property
   def head_size(self) -> int:
     return self.head_dim or self.hidden_size // self.num_attention_heads
+
+  @property
+  def qk_norm(self) -> bool:
+    """q and k RMSNormed per head before RoPE (Qwen3, Gemma 3)."""
+    return self.architecture in ('qwen3', 'gemma3')
+
+  @property
+  def gemma(self) -> bool:
+    """Gemma 3's layer: RMSNorms scale by (1 + w) in float32, a norm after attention and after
+    the MLP besides the ones before, embeddings times sqrt(hidden_size), a GELU-tanh MLP."""
+    return self.architecture == 'gemma3'
+
+  def sliding_layers(self) -> tuple[bool, ...]:
+    """Per layer: does it attend through the sliding window."""
+    if self.layer_types:
+      return tuple(t == 'sliding_attention' for t in self.layer_types)
+    return (self.sliding_window > 0,) * self.num_hidden_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,8 +539,8 @@ class ModelSpec(ModelConfig):
   fields with the defaults of a tiny model built from scratch.
 
   Attributes:
-    hf_path: where the weights, tokenizer and architecture come from: a local HF model directory
-      (or hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
+    hf_path: where the weights, tokenizer and architecture come from: an HF model directory
+      (local or gs://, which is copied to $JAXRL_GA_MODEL_CACHE; or a hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
       package). Empty: a fresh model of the architecture fields, its vocabulary from the task's
       tokenizer.
     vocab_size: 0 when training (sized from the checkpoint or the tokenizer); configs for
@@ -532,7 +586,7 @@ class ModelSpec(ModelConfig):
 
   def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'
-    _one_of(self, 'architecture', ('qwen2', 'llama'), p)
+    _one_of(self, 'architecture', ARCHITECTURES, p)
     _one_of(self, 'dtype', MODEL_DTYPES, p)
     _one_of(self, 'param_dtype', MODEL_DTYPES, p)
     _one_of(self, 'remat', REMAT, p)

@@ -227,3 +227,30 @@ def save_directory(p, save: Callable[[str], None]) -> None:
         rel = os.path.relpath(os.path.join(root, name), tmp)
         with open(os.path.join(root, name), 'rb') as f:
           write_bytes(join(p, rel), f.read())
+
+
+def fetch_directory(remote: str, local: str, patterns: tuple[str, ...],
+                    chunk_bytes: int = 64 << 20) -> list[str]:
+  """Copies the files of ``remote`` (one level, names matching one of the fnmatch ``patterns``)
+  into the local directory ``local``, streamed ``chunk_bytes`` at a time (a multi-GB safetensors
+  file never sits in memory), each through a temporary file and ``os.replace``. A file already
+  there with the remote's size is kept (a second run reads the bucket's listing only). Returns
+  the names copied or kept."""
+  import fnmatch  # pylint: disable=g-import-not-at-top
+  fs, root = fsspec.core.url_to_fs(remote)
+  os.makedirs(local, exist_ok=True)
+  names = []
+  for entry in fs.ls(root, detail=True):
+    name = entry['name'].rstrip('/').rsplit('/', 1)[-1]
+    if entry.get('type') == 'directory' or not any(fnmatch.fnmatch(name, p) for p in patterns):
+      continue
+    names.append(name)
+    dst = os.path.join(local, name)
+    if os.path.exists(dst) and os.path.getsize(dst) == entry.get('size'):
+      continue
+    tmp = f'{dst}.{uuid.uuid4().hex}.tmp'
+    with writing(dst), fs.open(entry['name'], 'rb') as src, open(tmp, 'wb') as out:
+      while chunk := src.read(chunk_bytes):
+        out.write(chunk)
+    os.replace(tmp, dst)
+  return names

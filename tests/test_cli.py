@@ -34,7 +34,8 @@ def _one_error_line(done) -> str:
 
 @pytest.mark.parametrize('model,named', [
     ('/nonexistent/dir', 'error: --model=/nonexistent/dir: no such directory or file'),
-    ('gs://b/m', 'error: --model=gs://b/m: gs:// is not a supported model source'),
+    ('s3://b/m', 'error: --model=s3://b/m: s3:// is not a supported model source'),
+    ('gs://b/m', 'error: --model=gs://b/m: '),  # gcsfs missing, or the bucket unreadable
     ('{tmp}/broken.gguf', 'error: model {tmp}/broken.gguf: cannot be read as a GGUF file'),
     ('{tmp}/notes.txt', 'error: --model={tmp}/notes.txt is a file but not a .gguf file'),
     ('{tmp}', 'error: --model={tmp}: the directory has no config.json'),

@@ -58,3 +58,19 @@ def test_explain_accepts_tpu_config(arg):
   assert proc.returncode == 0, proc.stderr
   assert f'Data-parallel size (mesh data*fsdp): {DEVICES[arg]}' in proc.stdout
   assert 'slice rule (jaxrl_ga)' in proc.stdout
+
+
+# Published parameter counts (the model cards): the table's shapes are those models'.
+TUNIX_ROWS = {'qwen3-0.6b-v5e-1': 0.60e9, 'gemma3-1b-v5e-4': 1.00e9, 'llama3.2-1b-v5e-4': 1.24e9,
+              'gemma3-4b-v5p-2': 3.88e9, 'llama3.1-8b-v5p-2': 8.03e9, 'qwen3-14b-v5p-2': 14.8e9}
+
+
+def test_tunix_table_configs_validate():
+  from jaxrl_ga import flops  # pylint: disable=g-import-not-at-top
+  module = _load(os.path.join(REPO, 'configs', 'grpo_tunix_table.py'))
+  for arg, published in TUNIX_ROWS.items():
+    cfg = from_mapping(RunConfig, module.get_config(arg).to_dict())
+    assert cfg.grpo.schedule.num_generations == 4, arg
+    schedule.validate(cfg.grpo.schedule, cfg.mesh.data * cfg.mesh.fsdp)
+    params = flops.param_count(cfg.model.architecture_config())
+    assert abs(params / published - 1) < 0.03, (arg, params)

@@ -225,8 +225,8 @@ def _copy_config(name, dst, **changes):
 
 
 def test_unknown_architecture_names_it(tmp_path):
-  _copy_config('llama_tiny', tmp_path, architectures=['MistralForCausalLM'], model_type='mistral')
-  with pytest.raises(ValueError, match=r'MistralForCausalLM.*Qwen2ForCausalLM, LlamaForCausalLM'):
+  _copy_config('llama_tiny', tmp_path, architectures=['OlmoForCausalLM'], model_type='olmo')
+  with pytest.raises(ValueError, match=r'OlmoForCausalLM.*Qwen2ForCausalLM, LlamaForCausalLM'):
     hf.model_config_from_hf(tmp_path)
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face interop for the Qwen2/Llama decoder: config, weights, tokenizer and export.
+"""Hugging Face interop for the decoder (Qwen2, Llama, Qwen3, Gemma 3 text, Mistral): config,
+weights, tokenizer and export.
 
 No torch: configs and tokenizers go through ``transformers`` (which does not need torch for them),
 weights through ``safetensors``' numpy reader (bfloat16 comes back as an ``ml_dtypes`` array).
@@ -16,7 +17,12 @@ HF -> params layout (L layers stacked on axis 0; HF ``nn.Linear`` weights are [o
   model.layers.{i}.post_attention_layernorm.weight -> layers/mlp_norm [L, D]
   model.layers.{i}.mlp.{gate,up}_proj.weight [F, D] -> layers/{gate,up}_proj [L, D, F]
   model.layers.{i}.mlp.down_proj.weight [D, F]     -> layers/down_proj [L, F, D]
+  model.layers.{i}.self_attn.{q,k}_norm.weight [H] -> layers/{q,k}_norm [L, H] (Qwen3, Gemma 3)
   model.norm.weight [D]                            -> final_norm [D]
+
+Gemma 3 names its norms differently: post_attention_layernorm is the norm after attention
+(layers/post_attn_norm), pre_feedforward_layernorm the one before the MLP (layers/mlp_norm),
+post_feedforward_layernorm the one after it (layers/post_mlp_norm).
   lm_head.weight [V, D]                            -> lm_head [D, V] (absent when tied)
 
 Typical use::
@@ -46,13 +52,18 @@ import safetensors
 import safetensors.numpy
 import transformers
 
+from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import sharding as shd
 from jaxrl_ga.models import transformer
 
 # HF architecture -> our ``ModelConfig.architecture``.
-SUPPORTED_ARCHITECTURES = {'Qwen2ForCausalLM': 'qwen2', 'LlamaForCausalLM': 'llama'}
-_HF_CONFIG_CLASSES = {'qwen2': transformers.Qwen2Config, 'llama': transformers.LlamaConfig}
+SUPPORTED_ARCHITECTURES = {'Qwen2ForCausalLM': 'qwen2', 'LlamaForCausalLM': 'llama',
+                           'Qwen3ForCausalLM': 'qwen3', 'Gemma3ForCausalLM': 'gemma3',
+                           'MistralForCausalLM': 'mistral'}
+_HF_CONFIG_CLASSES = {'qwen2': transformers.Qwen2Config, 'llama': transformers.LlamaConfig,
+                      'qwen3': transformers.Qwen3Config, 'gemma3': transformers.Gemma3TextConfig,
+                      'mistral': transformers.MistralConfig}
 
 # Our param name -> (HF tensor name, whether HF stores it transposed).
 _TOP_TENSORS = {
@@ -74,6 +85,15 @@ _LAYER_TENSORS = {
     'gate_proj': ('mlp.gate_proj.weight', True),
     'up_proj': ('mlp.up_proj.weight', True),
     'down_proj': ('mlp.down_proj.weight', True),
+    'q_norm': ('self_attn.q_norm.weight', False),
+    'k_norm': ('self_attn.k_norm.weight', False),
+}
+# Gemma 3's names where they differ (and its norms after attention and MLP).
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    'mlp_norm': ('pre_feedforward_layernorm.weight', False),
+    'post_attn_norm': ('post_attention_layernorm.weight', False),
+    'post_mlp_norm': ('post_feedforward_layernorm.weight', False),
 }
 _INDEX_FILE = 'model.safetensors.index.json'
 _SINGLE_FILE = 'model.safetensors'
@@ -82,12 +102,15 @@ _HUB_PATTERNS = ('*.json', '*.safetensors', '*.txt', '*.model', '*.jinja')
 
 
 # -- config ----------------------------------------------------------------------------------------
-def _rope_from_hf(
-    hf: transformers.PretrainedConfig) -> tuple[float, Optional[transformer.RopeScaling]]:
+def _rope_from_hf(hf: transformers.PretrainedConfig, layer_type: Optional[str] = None
+                  ) -> tuple[float, Optional[transformer.RopeScaling]]:
   """(rope_theta, scaling or None) from whichever the config carries: ``rope_parameters``
-  (transformers 5) or the older top-level ``rope_theta`` and ``rope_scaling``."""
+  (transformers 5; those of ``layer_type`` when they are per layer type, as Gemma 3's) or the
+  older top-level ``rope_theta`` and ``rope_scaling``."""
   params = getattr(hf, 'rope_parameters', None)
-  if params and all(isinstance(v, dict) for v in params.values()):
+  if params and layer_type is not None and isinstance(params.get(layer_type), dict):
+    params = params[layer_type]
+  elif params and all(isinstance(v, dict) for v in params.values()):
     # Nested per layer type; fine as long as every layer type uses the same rotary embedding.
     distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
     if len(distinct) > 1:
@@ -118,6 +141,7 @@ def _rope_from_hf(
 def _architecture(hf: transformers.PretrainedConfig) -> str:
   names = list(getattr(hf, 'architectures', None) or [])
   by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+  by_type['gemma3_text'] = 'Gemma3ForCausalLM'
   if not names and hf.model_type in by_type:
     names = [by_type[hf.model_type]]
   if len(names) != 1 or names[0] not in SUPPORTED_ARCHITECTURES:
@@ -140,25 +164,48 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
     param_dtype: params dtype, 'float32' or 'bfloat16'.
 
   Raises:
-    ValueError: naming the offender, for an architecture other than Qwen2ForCausalLM /
-      LlamaForCausalLM, an unsupported rope type, or a feature the model lacks (sliding-window
-      attention, MLP or o_proj biases, an activation other than SiLU).
+    ValueError: naming the offender, for an architecture not in SUPPORTED_ARCHITECTURES, an
+      unsupported rope type, or a feature the model lacks (Qwen2/Qwen3 sliding-window layers,
+      biases other than Qwen2's q/k/v ones, an activation other than SiLU (GELU-tanh for
+      Gemma 3), Gemma 3's attention soft-capping or bidirectional attention).
   """
   hf = hf_config_or_dir
   if not isinstance(hf, transformers.PretrainedConfig):
-    hf = transformers.AutoConfig.from_pretrained(os.fspath(hf))
+    path = os.fspath(hf)
+    hf = transformers.AutoConfig.from_pretrained(
+        _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
   arch = _architecture(hf)
-  act = getattr(hf, 'hidden_act', 'silu')
-  if act != 'silu':
-    raise ValueError(f'hidden_act={act!r} is not supported (only silu).')
-  if arch == 'qwen2' and getattr(hf, 'use_sliding_window', False):
+  gemma = arch == 'gemma3'
+  act_name, act_want = ('hidden_activation', 'gelu_pytorch_tanh') if gemma else ('hidden_act',
+                                                                                 'silu')
+  act = getattr(hf, act_name, act_want)
+  if act != act_want:
+    raise ValueError(f'{arch}: {act_name}={act!r} is not supported (only {act_want}).')
+  if arch in ('qwen2', 'qwen3') and getattr(hf, 'use_sliding_window', False):
     raise ValueError('use_sliding_window=True (sliding-window attention) is not supported.')
-  if arch == 'llama':
+  if arch != 'qwen2':
     for name in ('attention_bias', 'mlp_bias'):
       if getattr(hf, name, False):
-        raise ValueError(f'Llama with {name}=True is not supported (the model has q/k/v biases '
+        raise ValueError(f'{arch} with {name}=True is not supported (the model has q/k/v biases '
                          'only, and only for Qwen2).')
-  theta, scaling = _rope_from_hf(hf)
+  extra = {}
+  if gemma:
+    for name in ('attn_logit_softcapping', 'use_bidirectional_attention'):
+      if getattr(hf, name, None):
+        raise ValueError(f'gemma3 with {name}={getattr(hf, name)} is not supported.')
+    local_theta, local_scaling = _rope_from_hf(hf, 'sliding_attention')
+    if local_scaling is not None:
+      raise ValueError(f'gemma3: rope scaling of the sliding layers ({local_scaling}) is not '
+                       'supported.')
+    extra = dict(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window or 0,
+                 rope_local_theta=local_theta,
+                 query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+                 final_logit_softcapping=float(hf.final_logit_softcapping or 0.0))
+    if 'sliding_attention' not in extra['layer_types']:
+      extra.update(sliding_window=0, rope_local_theta=0.0)
+  elif arch == 'mistral':
+    extra = dict(sliding_window=getattr(hf, 'sliding_window', None) or 0)
+  theta, scaling = _rope_from_hf(hf, 'full_attention' if gemma else None)
   default_head_dim = hf.hidden_size // hf.num_attention_heads
   head_dim = getattr(hf, 'head_dim', None) or default_head_dim
   return transformer.ModelConfig(
@@ -178,15 +225,38 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
       architecture=arch,
       param_dtype=param_dtype,
       dtype=dtype,
+      **extra,
   )
 
 
 # -- weights ---------------------------------------------------------------------------------------
+_REMOTE_SCHEMES = ('gs://', 'gcs://')
+# Where gs:// checkpoints are copied to (one copy per host, reused by later runs).
+MODEL_CACHE_ENV = 'JAXRL_GA_MODEL_CACHE'
+
+
+def _remote_copy(remote: str) -> str:
+  """The local copy of a gs:// checkpoint directory (configs, safetensors, tokenizer files), under
+  $JAXRL_GA_MODEL_CACHE (default ~/.cache/jaxrl_ga/models)/<bucket>/<path>; files already copied
+  with the same size are not fetched again. Each host copies to its own disk, streamed (no file
+  is held in memory); the weights are then read one param at a time as from a local directory."""
+  root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(
+      os.path.expanduser('~'), '.cache', 'jaxrl_ga', 'models')
+  local = os.path.join(root, *remote.split('://', 1)[1].strip('/').split('/'))
+  names = fileio.fetch_directory(remote, local, _HUB_PATTERNS)
+  if 'config.json' not in names:
+    raise FileNotFoundError(f'{remote} has no config.json: not an HF model directory.')
+  return local
+
+
 def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
-  """A local checkpoint dir as is; a hub id through ``huggingface_hub.snapshot_download``."""
+  """A local checkpoint dir as is; a gs:// one copied to the local cache (``_remote_copy``); a
+  hub id through ``huggingface_hub.snapshot_download``."""
   path = os.fspath(path_or_id)
   if os.path.isdir(path):
     return path
+  if path.startswith(_REMOTE_SCHEMES):
+    return _remote_copy(path)
   if os.path.isabs(path) or path.startswith(('.', '~')) or os.path.exists(path):
     raise FileNotFoundError(f'{path!r} is not a checkpoint directory.')
   import huggingface_hub  # pylint: disable=g-import-not-at-top  (hub ids only)
@@ -238,11 +308,12 @@ class _NamedTensors:
                        f'damaged: re-export or re-download it.') from None
 
 
-def _hf_names(path: tuple[str, ...], num_layers: int) -> tuple[list[str], bool]:
+def _hf_names(path: tuple[str, ...], num_layers: int,
+              gemma: bool = False) -> tuple[list[str], bool]:
   """Param path (e.g. ('layers', 'q_proj')) -> its HF tensor names (one per layer) and whether
-  HF stores them transposed."""
+  HF stores them transposed; ``gemma``: Gemma 3's names."""
   if path[0] == 'layers':
-    name, transposed = _LAYER_TENSORS[path[1]]
+    name, transposed = (_GEMMA_LAYER_TENSORS if gemma else _LAYER_TENSORS)[path[1]]
     return [f'model.layers.{i}.{name}' for i in range(num_layers)], transposed
   name, transposed = _TOP_TENSORS[path[0]]
   return [name], transposed
@@ -300,7 +371,7 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
   """
   expected = traverse_util.flatten_dict(shd.abstract_model(cfg)[1])
   flat_shardings = traverse_util.flatten_dict(shardings) if shardings is not None else {}
-  names = {path: _hf_names(path, cfg.num_hidden_layers) for path in expected}
+  names = {path: _hf_names(path, cfg.num_hidden_layers, cfg.gemma) for path in expected}
 
   wanted = {name for hf_names, _ in names.values() for name in hf_names}
   missing = sorted(wanted - set(available))
@@ -366,12 +437,25 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
   from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if not source or source.startswith('pkg:'):
     return  # pkg: is resolved (with its pip command when missing) by models.gguf
-  kinds = 'an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name)'
+  kinds = ('an HF model directory (local or gs://), a .gguf file, pkg:<package> or a hub id '
+           '(org/name)')
+  if source.startswith(_REMOTE_SCHEMES):
+    try:
+      found = fileio.exists(fileio.join(source, 'config.json'))
+    except ImportError as e:
+      raise ConfigError(f'{setting}={source}: reading gs:// needs gcsfs ({e}); pip install '
+                        f'"jaxrl_ga[gcs]".') from None
+    except Exception as e:  # pylint: disable=broad-except  (auth, network: the client's words)
+      raise ConfigError(f'{setting}={source}: cannot read the bucket ({str(e)[:200]}).') from None
+    if not found:
+      raise ConfigError(f'{setting}={source}: no config.json there, so it is not an HF model '
+                        f'directory; give {kinds}.')
+    return
   scheme = re.match(r'^([a-zA-Z][\w+.-]*)://', source)
   if scheme:
     raise ConfigError(f'{setting}={source}: {scheme.group(1)}:// is not a supported model source '
-                      f'(only the workdir may be remote); copy the model to a local directory '
-                      f'and give its path, or give {kinds}.')
+                      f'(gs:// is); copy the model to a local directory and give its path, or '
+                      f'give {kinds}.')
   path = os.path.expanduser(source)
   if os.path.isdir(path):
     if not os.path.exists(os.path.join(path, 'config.json')):
@@ -403,14 +487,17 @@ def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrain
   from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
   if gguf.is_gguf_source(path_or_id):
     return gguf.load_tokenizer(path_or_id)
-  return transformers.AutoTokenizer.from_pretrained(os.fspath(path_or_id))
+  path = os.fspath(path_or_id)
+  return transformers.AutoTokenizer.from_pretrained(
+      _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
 
 
 # -- export ----------------------------------------------------------------------------------------
 def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = None,
               tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None
               ) -> transformers.PretrainedConfig:
-  """The ``Qwen2Config`` / ``LlamaConfig`` describing cfg.
+  """The ``Qwen2Config`` / ``LlamaConfig`` / ``Qwen3Config`` / ``Gemma3TextConfig`` /
+  ``MistralConfig`` describing cfg.
 
   ``weights_dtype`` (default cfg.param_dtype) becomes its ``dtype``; pad/bos/eos token ids come
   from the tokenizer when one is given.
@@ -443,12 +530,31 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
   )
   if arch == 'llama':
     kwargs.update(head_dim=cfg.head_size, attention_bias=False, mlp_bias=False)
+  elif arch == 'qwen3':
+    kwargs.update(head_dim=cfg.head_size, attention_bias=False, use_sliding_window=False)
+  elif arch == 'mistral':
+    kwargs.update(head_dim=cfg.head_size, sliding_window=cfg.sliding_window or None)
+  elif arch == 'gemma3':
+    local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}
+    kwargs.update(
+        head_dim=cfg.head_size, attention_bias=False, hidden_activation='gelu_pytorch_tanh',
+        rope_parameters={'full_attention': rope, 'sliding_attention': local},
+        layer_types=list(cfg.layer_types or ['full_attention'] * cfg.num_hidden_layers),
+        sliding_window=cfg.sliding_window or None,
+        query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_size),
+        final_logit_softcapping=cfg.final_logit_softcapping or None,
+        attn_logit_softcapping=None)
   elif cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
     kwargs.update(head_dim=cfg.head_size)  # Qwen2's attention reads an optional head_dim.
   if tokenizer is not None:
     kwargs.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id)
   return _HF_CONFIG_CLASSES[arch](**kwargs)
+
+
+def _number(x: float):
+  """x as an int when it is one (HF's strict configs type some such fields int)."""
+  return int(x) if float(x).is_integer() else x
 
 
 def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.PathLike], *,
@@ -474,7 +580,7 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
   config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer)
   tensors = {}
   for path, value in traverse_util.flatten_dict(params).items():
-    hf_names, transposed = _hf_names(path, cfg.num_hidden_layers)
+    hf_names, transposed = _hf_names(path, cfg.num_hidden_layers, cfg.gemma)
     host = placement.to_host(value).astype(np_dtype, copy=False)
     per_name = list(host) if path[0] == 'layers' else [host]
     for name, x in zip(hf_names, per_name):

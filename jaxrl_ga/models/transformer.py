@@ -1,8 +1,14 @@
-"""A Flax NNX decoder-only transformer covering the Hugging Face Qwen2 and Llama families.
+"""A Flax NNX decoder-only transformer covering the Hugging Face Qwen2, Llama, Qwen3, Gemma 3
+(text) and Mistral families.
 
 RMSNorm, rotary embeddings (rope_theta; 'linear' and Llama-3 scaling), grouped-query attention,
 SwiGLU MLP, optional q/k/v bias (Qwen2), tied or untied embeddings, float32/bfloat16 params and
-compute. The layers' params are stacked on a leading ``layers`` axis and run with ``lax.scan``, so
+compute. Per architecture (``ModelConfig``): q/k RMSNorm per head (Qwen3, Gemma 3); Gemma 3's
+layer (``cfg.gemma``: (1 + w) norms, norms after attention and MLP too, scaled embeddings,
+GELU-tanh, ``query_pre_attn_scalar``, final logit soft-capping); sliding-window attention
+(Mistral, Gemma 3's local layers) as one more mask term, and Gemma 3's local RoPE base. What
+differs between layers (sliding or not, the RoPE frequencies) is arrays stacked with the layer
+params (``layer_constants``), so the layers still run as one scan. The layers' params are stacked on a leading ``layers`` axis and run with ``lax.scan``, so
 compile time does not grow with depth.
 
 Two paths share one layer function:
@@ -210,22 +216,67 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+  """RMSNorm over the last axis. HF Llama's: ``scale * normed`` in x's dtype; with ``plus_one``
+  Gemma's: ``normed * (1 + scale)`` in float32, then cast to x's dtype."""
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if plus_one:
+    return (x32 * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
   return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
+def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
+  """What differs between layers besides their params, stacked on the layers axis to be scanned
+  with them (numpy, static): 'sliding' [L] bool where some layers, not all, use the sliding
+  window; 'rope_inv_freq' [L, H/2] where the sliding layers have their own RoPE base (Gemma 3).
+  Empty for a model whose layers are all alike."""
+  out = {}
+  sliding = np.asarray(cfg.sliding_layers(), bool)
+  if sliding.any() and not sliding.all():
+    out['sliding'] = sliding
+  if cfg.rope_local_theta and sliding.any():
+    local = rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta,
+                                              rope_scaling=None))
+    out['rope_inv_freq'] = np.where(sliding[:, None], local, rope_inv_freq(cfg)[None])
+  return out
+
+
+def window_masks(cfg: ModelConfig, mask: jax.Array, q_positions: jax.Array,
+                 k_positions: jax.Array) -> Any:
+  """The attention mask(s) a layer chooses from (``_layer_mask``): ``mask`` [B, T, S] itself
+  without sliding layers; ``mask`` and the keys at positions > q - W when every layer slides
+  (Mistral); the pair (full, sliding) when some do (Gemma 3). Positions: q [B, T], k [B, S]."""
+  sliding = cfg.sliding_layers()
+  if not any(sliding):
+    return mask
+  local = mask & (q_positions[:, :, None] - k_positions[:, None, :] < cfg.sliding_window)
+  return local if all(sliding) else (mask, local)
+
+
+def _layer_mask(p: dict[str, jax.Array], masks: Any) -> jax.Array:
+  """The layer's mask: one of the (full, sliding) pair by its 'sliding' flag, else ``masks``."""
+  if isinstance(masks, tuple):
+    return jnp.where(p['sliding'], masks[1], masks[0])
+  return masks
+
+
+def _softcap(logits: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(logits / cap) (Gemma's soft-capping); logits unchanged when cap is 0."""
+  return logits if not cap else jnp.tanh(logits / cap) * cap
+
+
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-               heads_first: bool = False) -> jax.Array:
+               heads_first: bool = False, scale_dim: Optional[float] = None) -> jax.Array:
   """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H], or [B, K, S, H] with
-  heads_first (the KV cache's layout); mask: [B, T, S] bool."""
+  heads_first (the KV cache's layout); mask: [B, T, S] bool. Scores are divided by
+  sqrt(scale_dim) (default H; Gemma's query_pre_attn_scalar)."""
   b, t, n, h = q.shape
   kv = 'BKSH' if heads_first else 'BSKH'
   kv_heads = k.shape[1 if heads_first else 2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
   logits = jnp.einsum(f'BTKGH,{kv}->BKGTS', q, k, preferred_element_type=jnp.float32)
-  logits = logits / np.sqrt(h).astype(np.float32)
+  logits = logits / np.sqrt(scale_dim or h).astype(np.float32)
   logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   if heads_first:
@@ -256,7 +307,14 @@ class DecoderStack(nnx.Module):
     def const(value, shape, axes):
       return nnx.Param(jnp.full((n_layers, *shape), value, pdt), logical_axes=('layers', *axes))
 
-    self.attn_norm = const(1.0, (d,), ('norm',))
+    norm_init = 0.0 if cfg.gemma else 1.0  # Gemma's norms scale by (1 + w)
+    self.attn_norm = const(norm_init, (d,), ('norm',))
+    if cfg.qk_norm:  # per head, over the head dim (Qwen3, Gemma 3)
+      self.q_norm = const(norm_init, (cfg.head_size,), ('norm',))
+      self.k_norm = const(norm_init, (cfg.head_size,), ('norm',))
+    if cfg.gemma:  # the norms after attention and after the MLP
+      self.post_attn_norm = const(norm_init, (d,), ('norm',))
+      self.post_mlp_norm = const(norm_init, (d,), ('norm',))
     self.q_proj = weight((d, q_dim), ('embed', 'q_heads'))
     self.k_proj = weight((d, kv_dim), ('embed', 'kv_heads'))
     self.v_proj = weight((d, kv_dim), ('embed', 'kv_heads'))
@@ -265,7 +323,7 @@ class DecoderStack(nnx.Module):
       self.k_bias = const(0.0, (kv_dim,), ('kv_heads',))
       self.v_bias = const(0.0, (kv_dim,), ('kv_heads',))
     self.o_proj = weight((q_dim, d), ('q_heads', 'embed'))
-    self.mlp_norm = const(1.0, (d,), ('norm',))
+    self.mlp_norm = const(norm_init, (d,), ('norm',))
     self.gate_proj = weight((d, f), ('embed', 'mlp'))
     self.up_proj = weight((d, f), ('embed', 'mlp'))
     self.down_proj = weight((f, d), ('mlp', 'embed'))
@@ -323,10 +381,14 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
   rotary embeddings applied to q and k."""
   b, t, _ = h.shape
   hs = cfg.head_size
-  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps).reshape(b * t, -1)
+  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps, cfg.gemma).reshape(b * t, -1)
   q = constrain(_proj(cfg, p, x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
   k = constrain(_proj(cfg, p, x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
   v = constrain(_proj(cfg, p, x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  if cfg.qk_norm:
+    q = _rms_norm(q, p['q_norm'], cfg.rms_norm_eps, cfg.gemma)
+    k = _rms_norm(k, p['k_norm'], cfg.rms_norm_eps, cfg.gemma)
+  inv_freq = p.get('rope_inv_freq', inv_freq)  # the layer's own (layer_constants), if any
   return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
 
 
@@ -337,11 +399,16 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   b, t, _ = h.shape
   rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
   per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
-  h = constrain(h + per_token(_proj(cfg, p, rows(attn), 'o_proj')), *_EMBED)
-  x = rows(_rms_norm(h, p['mlp_norm'], cfg.rms_norm_eps))
+  eps, gemma = cfg.rms_norm_eps, cfg.gemma
+  post = lambda y, name: _rms_norm(y, p[name], eps, True) if gemma else y  # Gemma's post-norms
+  h = constrain(h + post(per_token(_proj(cfg, p, rows(attn), 'o_proj')), 'post_attn_norm'),
+                *_EMBED)
+  x = rows(_rms_norm(h, p['mlp_norm'], eps, gemma))
   gate = rows(constrain(per_token(_proj(cfg, p, x, 'gate_proj')), *_MLP))
   up = rows(constrain(per_token(_proj(cfg, p, x, 'up_proj')), *_MLP))
-  return constrain(h + per_token(_proj(cfg, p, jax.nn.silu(gate) * up, 'down_proj')), *_EMBED)
+  act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+  return constrain(h + post(per_token(_proj(cfg, p, act * up, 'down_proj')), 'post_mlp_norm'),
+                   *_EMBED)
 
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
@@ -349,6 +416,7 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
            write_index: Optional[jax.Array]):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None)."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
+  mask, scale_dim = _layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
   if kv is not None:
     def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
@@ -356,21 +424,22 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
     new_kv = (write(kv[0], k), write(kv[1], v))
     attn = _attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
-                      heads_first=True)
+                      heads_first=True, scale_dim=scale_dim)
   else:
-    attn = _attention(q, k, v, mask)
+    attn = _attention(q, k, v, mask, scale_dim=scale_dim)
   return _after_attention(cfg, p, h, attn), new_kv
 
 
 def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
                             prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
-                            mask: jax.Array) -> jax.Array:
+                            mask: jax.Array, scale_dim: Optional[float] = None) -> jax.Array:
   """Grouped-query attention of a suffix over a shared prefix and itself: ``_attention`` over the
   keys [prefix; suffix] without repeating the prefix for every row.
 
   q: [B, T, N, H] suffix queries, rows ``i*R .. i*R+R-1`` sharing prefix row i; prefix_kv: k, v
   [P, S, K, H] with B = P*R; prefix_valid: [P, S] bool (every suffix position sees every valid
-  prefix slot); k, v: [B, T, K, H] the suffix's own; mask: [B, T, T] bool (suffix to suffix).
+  prefix slot), or [P, R, T, S] (a sliding window); k, v: [B, T, K, H] the suffix's own; mask:
+  [B, T, T] bool (suffix to suffix); scale_dim as ``_attention``'s.
   The logits against the prefix broadcast over the R rows (no copy); in the backward the prefix's
   key and value gradients sum over them. One softmax over both parts, the keys in the order of the
   unshared sequence, so the values are ``_attention``'s on the concatenated rows.
@@ -380,10 +449,11 @@ def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array]
   p, s, kv_heads, _ = pk.shape
   r = b // p
   q = q.reshape(p, r, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
-  scale = np.sqrt(h).astype(np.float32)
+  scale = np.sqrt(scale_dim or h).astype(np.float32)
   on_prefix = jnp.einsum('PRTKGH,PSKH->PRKGTS', q, pk, preferred_element_type=jnp.float32) / scale
-  on_prefix = jnp.where(prefix_valid[:, None, None, None, None, :], on_prefix,
-                        jnp.finfo(jnp.float32).min)
+  seen = (prefix_valid[:, None, None, None, None, :] if prefix_valid.ndim == 2
+          else prefix_valid[:, :, None, None, :, :])
+  on_prefix = jnp.where(seen, on_prefix, jnp.finfo(jnp.float32).min)
   on_self = jnp.einsum('BTKGH,BSKH->BKGTS', q.reshape(b, t, kv_heads, n // kv_heads, h), k,
                        preferred_element_type=jnp.float32) / scale
   on_self = jnp.where(mask[:, None, None, :, :], on_self, jnp.finfo(jnp.float32).min)
@@ -400,11 +470,12 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
   themselves as ``_layer`` does; the suffix rows to their prefix and themselves."""
-  prefix_mask, prefix_valid, suffix_mask = masks
+  prefix_mask, prefix_valid, suffix_mask = (_layer_mask(p, m) for m in masks)
+  scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
-  attn_p = _attention(qp, kp, vp, prefix_mask)
-  attn_s = _attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask)
+  attn_p = _attention(qp, kp, vp, prefix_mask, scale_dim=scale_dim)
+  attn_s = _attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask, scale_dim)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
 
@@ -428,7 +499,8 @@ class Transformer(nnx.Module):
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
              options: ForwardOptions = ForwardOptions()):
-    """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
+    """tokens, positions: [B, T]; mask: [B, T, S], or ``window_masks``' pair. Returns final
+    hidden [B, T, D] and cache.
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
@@ -448,21 +520,30 @@ class Transformer(nnx.Module):
       p, kv = xs
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
 
-    h, new_kv = _scan_layers(body, h, (self.layers.arrays(options.adapters), cache_kv), options)
+    h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
+
+  def _layer_arrays(self, adapters: bool = True) -> dict[str, jax.Array]:
+    """The stacked layer params and ``layer_constants``, what the layer scan runs over."""
+    return {**self.layers.arrays(adapters),
+            **{k: jnp.asarray(v) for k, v in layer_constants(self.cfg).items()}}
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     """[B, T] token ids -> [B, T, D] embeddings in the compute dtype."""
-    h = jnp.take(self.embed[...], tokens, axis=0).astype(_DTYPES[self.cfg.dtype])
+    h = jnp.take(self.embed[...], tokens, axis=0)
+    if self.cfg.gemma:  # times sqrt(D) rounded to the table's dtype, as HF's Gemma
+      h = h * jnp.asarray(math.sqrt(self.cfg.hidden_size), h.dtype)
+    h = h.astype(_DTYPES[self.cfg.dtype])
     return constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
 
   def _final_norm(self, h: jax.Array) -> jax.Array:
-    return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps)
+    return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.gemma)
 
   def _logits(self, h: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
     logits = jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = _softcap(logits, self.cfg.final_logit_softcapping)
     lead = ('activation_batch', 'activation_length')[:logits.ndim - 1]
     return constrain(logits, *lead, *([None] * (logits.ndim - 1 - len(lead))),
                      'activation_vocab')
@@ -495,6 +576,7 @@ class Transformer(nnx.Module):
 
     e = self.embed[...].astype(h.dtype)
     logits = jax.lax.platform_dependent(h, e, cpu=blocked, default=plain)
+    logits = _softcap(logits, self.cfg.final_logit_softcapping)
     return constrain(logits, 'activation_batch', 'activation_vocab')
 
   # -- training path -----------------------------------------------------------------------------
@@ -502,8 +584,9 @@ class Transformer(nnx.Module):
              options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
     ``options``: layers scanned or unrolled, remat, adapters on or off."""
-    h, _ = self._trunk(tokens, positions_from_mask(attention_mask), causal_mask(attention_mask),
-                       options=options)
+    positions = positions_from_mask(attention_mask)
+    mask = window_masks(self.cfg, causal_mask(attention_mask), positions, positions)
+    h, _ = self._trunk(tokens, positions, mask, options=options)
     return h
 
   def hidden_after_prefix(self, prefix_tokens: jax.Array, prefix_mask: jax.Array,
@@ -539,13 +622,21 @@ class Transformer(nnx.Module):
     suffix_positions = (jnp.repeat(prefix_len, b // p)[:, None] - 1
                         + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1))
     positions = (positions_from_mask(prefix_mask), suffix_positions)
-    masks = (causal_mask(prefix_mask), prefix_mask.astype(bool), causal_mask(attention_mask))
+    prefix_valid = prefix_mask.astype(bool)  # [P, Tp]
+    if any(cfg.sliding_layers()):  # the window cuts each suffix position's prefix keys
+      r, t, tp = b // p, tokens.shape[1], prefix_tokens.shape[1]
+      rows = jnp.broadcast_to(prefix_valid[:, None, None, :], (p, r, t, tp)).reshape(b, t, tp)
+      cut = window_masks(cfg, rows, suffix_positions, jnp.repeat(positions[0], r, axis=0))
+      prefix_valid = jax.tree.map(lambda m: m.reshape(p, r, t, tp), cut)  # [P, R, T, Tp]
+    masks = (window_masks(cfg, causal_mask(prefix_mask), positions[0], positions[0]),
+             prefix_valid,
+             window_masks(cfg, causal_mask(attention_mask), suffix_positions, suffix_positions))
 
     def body(carry, p):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq), None
 
     (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
-                               self.layers.arrays(options.adapters), options)
+                               self._layer_arrays(options.adapters), options)
     return self._final_norm(hp), self._final_norm(hs)
 
   def logits(self, h: jax.Array) -> jax.Array:
@@ -578,8 +669,10 @@ class Transformer(nnx.Module):
     valid = cache.valid.at[:, :t].set(attention_mask.astype(bool))
     slots = jnp.arange(cache_length)
     mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
-    h, (k, v) = self._trunk(tokens, positions_from_mask(attention_mask), mask,
-                            (cache.k, cache.v), jnp.zeros((), jnp.int32))
+    q_positions = positions_from_mask(attention_mask)
+    mask = window_masks(self.cfg, mask, q_positions, positions_from_mask(valid))
+    h, (k, v) = self._trunk(tokens, q_positions, mask, (cache.k, cache.v),
+                            jnp.zeros((), jnp.int32))
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
     return self._next_token_logits(h[:, -1]), cache
@@ -588,7 +681,7 @@ class Transformer(nnx.Module):
     """Each layer's params as its own arrays. A decode loop that takes them (sliced once, before
     the loop) reads the weights in place; with the stacked params, XLA copies every layer's
     weights out of the stack at every token."""
-    arrays = self.layers.arrays()
+    arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
   def decode(self, tokens: jax.Array, cache: KVCache,
@@ -597,7 +690,9 @@ class Transformer(nnx.Module):
     ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop)."""
     valid = jax.lax.dynamic_update_slice_in_dim(
         cache.valid, jnp.ones((tokens.shape[0], 1), bool), cache.index, 1)
-    h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], valid[:, None, :],
+    mask = window_masks(self.cfg, valid[:, None, :], cache.positions[:, None],
+                        positions_from_mask(valid))  # the new token's position: the row's count
+    h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], mask,
                             (cache.k, cache.v), cache.index, layers)
     cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
     return self._next_token_logits(h[:, 0]), cache

@@ -63,11 +63,20 @@ class RunContext:
     if not stage_cfg.get('reward_funcs', True):
       del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
     data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
+    model = dataclasses.asdict(self.model_cfg)
+    for name in _LATER_MODEL_FIELDS:  # unset: as before the fields existed (older runs resume)
+      if not model.get(name):
+        model.pop(name, None)
     return _jsonable({'stage': stage, 'seed': self.cfg.seed, stage: stage_cfg,
-                      'model': dataclasses.asdict(self.model_cfg),
+                      'model': model,
                       'model_source': self.cfg.model.hf_path,
                       'task': dataclasses.asdict(self.cfg.task), **data})
 
+
+# ModelConfig fields added after checkpoints were first written (Gemma 3, Mistral); left out of
+# the fingerprint while unset.
+_LATER_MODEL_FIELDS = ('sliding_window', 'layer_types', 'rope_local_theta',
+                       'query_pre_attn_scalar', 'final_logit_softcapping')
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
