@@ -59,6 +59,20 @@ def fake_pci(tmp_path):
 
 
 @pytest.fixture
+def fake_gcs(monkeypatch):
+  """gs:// (and gcs://) as an in-memory bucket (helpers.FakeGCS); yields its object store."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  helpers.FakeGCS.store.clear()
+  helpers.FakeGCS.uploaded.clear()
+  for name in ('gcs', 'gs'):
+    fsspec.register_implementation(name, helpers.FakeGCS, clobber=True)
+  monkeypatch.setenv('EPATH_USE_TF', 'false')
+  yield helpers.FakeGCS.store
+  helpers.FakeGCS.store.clear()
+
+
+@pytest.fixture
 def compile_log():
   """Yields a CompileLog; compile logging is on only inside the test."""
   log = CompileLog()

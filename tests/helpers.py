@@ -1,7 +1,27 @@
 """Helpers shared by test files (instead of tests importing each other's private functions)."""
 
+import functools
+import os
+
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 import jax
 import numpy as np
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
+
+
+def fixture_dir(name: str) -> str:
+  """tests/fixtures/<name>: a tiny HF checkpoint written by a fixture script."""
+  return os.path.join(FIXTURES, name)
+
+
+@functools.cache
+def reference_arrays(name: str) -> dict:
+  """The transformers reference outputs stored with a checkpoint fixture
+  (reference_logits.npz: logits, greedy tokens, ...)."""
+  with np.load(os.path.join(fixture_dir(name), 'reference_logits.npz')) as f:
+    return dict(f)
 
 
 def assert_trees_equal(got, want) -> None:
@@ -23,3 +43,34 @@ def run_grpo_in_pieces(make_trainer, workdir, stops, total_micro_steps: int):
     assert summary['grpo/micro_steps_this_run'] == (stop or total_micro_steps) - previous
     previous = stop
   return got, summary
+
+
+class FakeGCS(MemoryFileSystem):
+  """Cloud Storage in memory (conftest's ``fake_gcs`` registers it for gs://): no appends, a
+  compose (``merge``), and the bytes of every upload counted."""
+  protocol = ('gcs', 'gs')
+  store = {}
+  pseudo_dirs = ['']
+  uploaded = []  # bytes of every write call the client sends
+
+  def open(self, path, mode='rb', **kwargs):
+    if 'a' in mode:  # as Cloud Storage: objects cannot be appended to
+      raise NotImplementedError('append is not supported')
+    f = super().open(path, mode, **kwargs)
+    if 'w' in mode or 'x' in mode:
+      write = f.write
+
+      def counted(data):
+        FakeGCS.uploaded.append(len(data))
+        return write(data)
+
+      f.write = counted
+    return f
+
+  def merge(self, path, paths, acl=None):
+    """gcsfs's compose: the concatenation of ``paths`` becomes ``path``, server-side (no bytes
+    are uploaded)."""
+    del acl
+    data = b''.join(self.cat_file(p) for p in paths)
+    key = self._strip_protocol(path)
+    self.store[key] = MemoryFile(self, key, data)

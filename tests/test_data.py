@@ -164,7 +164,7 @@ def test_bad_input_names_file_line_column_or_function(tmp_path):
   assert _error(tmp_path, good, **{'grpo.reward_funcs': ''}).startswith(
       'data.train needs reward functions: set grpo.reward_funcs=')
   assert _error(tmp_path, good, **{'stages': 'sft,grpo'}).startswith(
-      'stages=sft,grpo: data.train rows train GRPO, or SFT alone (stages=sft)')
+      'stages=sft,grpo: data.train rows train GRPO (stages=grpo), SFT alone (stages=sft)')
 
 
 def test_reward_import_strings(tmp_path, monkeypatch):

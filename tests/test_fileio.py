@@ -1,11 +1,10 @@
-"""Workdir files in a bucket: a fake gs:// (an in-memory fsspec filesystem registered for the gcs
-protocol, which etils.epath uses without TensorFlow) stands in for Cloud Storage."""
+"""Workdir files in a bucket: a fake gs:// (the ``fake_gcs`` fixture of tests/conftest.py, an
+in-memory fsspec filesystem registered for the gcs protocol, which etils.epath uses without
+TensorFlow) stands in for Cloud Storage."""
 
 import json
 import os
 
-import fsspec
-from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 import numpy as np
 import pytest
 
@@ -13,45 +12,7 @@ from jaxrl_ga import fileio
 from jaxrl_ga.tasks import tokenizer as tok_lib
 from jaxrl_ga.trainers import reporting
 
-
-class _FakeGCS(MemoryFileSystem):
-  protocol = ('gcs', 'gs')
-  store = {}
-  pseudo_dirs = ['']
-  uploaded = []  # bytes of every write call the client sends
-
-  def open(self, path, mode='rb', **kwargs):
-    if 'a' in mode:  # as Cloud Storage: objects cannot be appended to
-      raise NotImplementedError('append is not supported')
-    f = super().open(path, mode, **kwargs)
-    if 'w' in mode or 'x' in mode:
-      write = f.write
-
-      def counted(data):
-        _FakeGCS.uploaded.append(len(data))
-        return write(data)
-
-      f.write = counted
-    return f
-
-  def merge(self, path, paths, acl=None):
-    """gcsfs's compose: the concatenation of ``paths`` becomes ``path``, server-side (no bytes
-    are uploaded)."""
-    del acl
-    data = b''.join(self.cat_file(p) for p in paths)
-    key = self._strip_protocol(path)
-    self.store[key] = MemoryFile(self, key, data)
-
-
-@pytest.fixture
-def fake_gcs(monkeypatch):
-  _FakeGCS.store.clear()
-  _FakeGCS.uploaded.clear()
-  for name in ('gcs', 'gs'):
-    fsspec.register_implementation(name, _FakeGCS, clobber=True)
-  monkeypatch.setenv('EPATH_USE_TF', 'false')
-  yield _FakeGCS.store
-  _FakeGCS.store.clear()
+import helpers
 
 
 def test_metric_writer_summary_tokenizer_and_npz_in_a_bucket(fake_gcs, monkeypatch):
@@ -111,9 +72,9 @@ def test_bucket_appends_upload_only_the_new_lines(fake_gcs):
     if i == 200:  # close and reopen, as a resumed run does
       appender.close()
       appender = fileio.TextAppender(target, flush_every_s=0)
-    before = sum(_FakeGCS.uploaded)
+    before = sum(helpers.FakeGCS.uploaded)
     appender.write(line)
-    sent.append(sum(_FakeGCS.uploaded) - before)
+    sent.append(sum(helpers.FakeGCS.uploaded) - before)
   appender.close()
   # Every write sent its own line's bytes and no more: bounded, not growing with the file
   # (rewriting the object at every write sends the whole file: quadratic in total).
@@ -125,13 +86,13 @@ def test_bucket_appends_upload_only_the_new_lines(fake_gcs):
   # next flush or close, which sends them in one part.
   appender = fileio.TextAppender(target, flush_every_s=3600)
   more = [f'{{"step": {i}}}\n' for i in range(300, 310)]
-  before = sum(_FakeGCS.uploaded)
+  before = sum(helpers.FakeGCS.uploaded)
   for line in more:
     appender.write(line)  # the first one flushes (none yet), the rest are buffered
-  assert sum(_FakeGCS.uploaded) - before == len(more[0])
+  assert sum(helpers.FakeGCS.uploaded) - before == len(more[0])
   assert fileio.read_text(target) == ''.join(lines + more[:1])
   appender.close()
-  assert sum(_FakeGCS.uploaded) - before == len(''.join(more))
+  assert sum(helpers.FakeGCS.uploaded) - before == len(''.join(more))
   assert fileio.read_text(target) == ''.join(lines + more)
 
 

@@ -25,8 +25,7 @@ from jaxrl_ga.config import LoRAConfig
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 
-from test_fileio import fake_gcs  # noqa: F401  pylint: disable=unused-import  (a pytest fixture)
-from test_model_hf import _dir, _reference  # the fixtures' paths and reference arrays
+import helpers
 
 FAMILIES = ('qwen3_tiny', 'gemma3_tiny', 'mistral_tiny')
 # float32 against float32: observed up to 1.2e-6 (forward and decode); without Gemma's (1 + w) or
@@ -36,7 +35,7 @@ RTOL = 1e-5
 
 @functools.cache
 def _loaded(name):
-  return hf.load_model(_dir(name))
+  return hf.load_model(helpers.fixture_dir(name))
 
 
 def _relative_error(ours, ref, real):
@@ -65,7 +64,7 @@ def test_configs_from_hf():
 def test_logits_match_hf(name):
   """The training forward (layers scanned) on a right- and a left-padded batch."""
   _, graphdef, params = _loaded(name)
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   forward = jax.jit(lambda p, t, m: tfm.merge(graphdef, p)(t, m))
   for side in ('right', 'left'):
     tokens, mask = ref[f'{side}_tokens'], ref[f'{side}_mask']
@@ -83,7 +82,7 @@ def test_decode_and_greedy_match_hf(name):
   and their argmax, the greedy tokens, equal to HF ``generate``'s (teacher forcing with HF's
   tokens: equal argmaxes at every step are an equal greedy run)."""
   _, graphdef, params = _loaded(name)
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   prompt, prompt_mask, greedy = ref['left_tokens'], ref['left_mask'], ref['greedy_tokens']
   tp, n = prompt.shape[1], greedy.shape[1]
   prefill = jax.jit(lambda p: tfm.merge(graphdef, p).prefill(prompt, prompt_mask, tp + n))
@@ -115,7 +114,7 @@ def test_shared_prompt_chunked_unrolled_logps_match_hf(name):
   cfg = dataclasses.replace(cfg, lora=LoRAConfig(rank=2))
   graphdef = sharding.abstract_model(cfg)[0]
   adapters = lora.init_adapters(cfg, seed=1)
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   rows = lambda x: np.repeat(x, 2, axis=0)
   prompt, prompt_mask = rows(ref['left_tokens']), rows(ref['left_mask'])
   greedy = rows(ref['greedy_tokens'])
@@ -138,9 +137,9 @@ def test_export_round_trip_and_autoconfig(name, tmp_path):
   """Export writes what transformers reads as the same architecture (AutoConfig, no torch), and
   our loader reads back the same config and params."""
   cfg, _, params = _loaded(name)
-  hf.export(params, cfg, tmp_path, tokenizer=hf.load_tokenizer(_dir(name)))
+  hf.export(params, cfg, tmp_path, tokenizer=hf.load_tokenizer(helpers.fixture_dir(name)))
   auto = transformers.AutoConfig.from_pretrained(tmp_path)
-  original = transformers.AutoConfig.from_pretrained(_dir(name))
+  original = transformers.AutoConfig.from_pretrained(helpers.fixture_dir(name))
   assert type(auto) is type(original) and auto.architectures == original.architectures
   keys = ('model_type', 'head_dim', 'sliding_window', 'layer_types', 'rope_parameters',
           'query_pre_attn_scalar', 'final_logit_softcapping', 'hidden_activation', 'hidden_act',
@@ -163,7 +162,7 @@ def test_grpo_cli_smoke(name, extra, tmp_path):
   architecture is the checkpoint's."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cmd = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
-         f'--workdir={tmp_path}', f'--config.model.hf_path={_dir(name)}', '--config.stages=grpo',
+         f'--workdir={tmp_path}', f'--config.model.hf_path={helpers.fixture_dir(name)}', '--config.stages=grpo',
          '--config.grpo.num_steps=1', '--config.eval.num_examples=4', '--config.eval.batch_size=4',
          '--config.grpo.schedule.grad_accum_steps=1', '--config.grpo.schedule.steps_per_generation=1',
          *extra]
@@ -177,13 +176,13 @@ def test_grpo_cli_smoke(name, extra, tmp_path):
   assert os.path.isdir(tmp_path / 'checkpoints' / 'grpo')
 
 
-def test_checkpoint_from_a_bucket(fake_gcs, tmp_path, monkeypatch):  # pylint: disable=redefined-outer-name
+def test_checkpoint_from_a_bucket(fake_gcs, tmp_path, monkeypatch):
   """model.hf_path=gs://...: config, tokenizer and weights through a local copy (the fake bucket
   of tests/test_fileio.py stands in for Cloud Storage); a second load fetches nothing."""
   name = 'gemma3_tiny'
   del fake_gcs  # registered for gs://; written through fsspec as a client would
-  for f in os.listdir(_dir(name)):
-    with open(os.path.join(_dir(name), f), 'rb') as src:
+  for f in os.listdir(helpers.fixture_dir(name)):
+    with open(os.path.join(helpers.fixture_dir(name), f), 'rb') as src:
       fileio.write_bytes(f'gs://bucket/models/{name}/{f}', src.read())
   monkeypatch.setenv(hf.MODEL_CACHE_ENV, str(tmp_path))
   remote = f'gs://bucket/models/{name}'
@@ -194,7 +193,7 @@ def test_checkpoint_from_a_bucket(fake_gcs, tmp_path, monkeypatch):  # pylint: d
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                params, want)
   text = 'Hi 12+3'
-  assert hf.load_tokenizer(remote)(text)['input_ids'] == hf.load_tokenizer(_dir(name))(text)[
+  assert hf.load_tokenizer(remote)(text)['input_ids'] == hf.load_tokenizer(helpers.fixture_dir(name))(text)[
       'input_ids']
   copied = tmp_path / 'bucket' / 'models' / name / 'model.safetensors'
   stamp = copied.stat().st_mtime_ns

@@ -22,7 +22,8 @@ import safetensors.numpy
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer
 
-FIXTURES = os.path.join(os.path.dirname(__file__), 'fixtures')
+import helpers
+
 NAMES = ('qwen2_tiny', 'llama_tiny')
 ATOL = 1e-4
 # Config fields an exported config.json must carry with the fixture's values.
@@ -33,20 +34,11 @@ KEY_FIELDS = ('architectures', 'model_type', 'vocab_size', 'hidden_size', 'inter
               'hidden_act', 'dtype')
 
 
-def _dir(name):
-  return os.path.join(FIXTURES, name)
-
-
-@functools.cache
-def _reference(name):
-  with np.load(os.path.join(_dir(name), 'reference_logits.npz')) as f:
-    return dict(f)
-
 
 @functools.cache
 def _loaded(name, dtype='float32'):
   """(cfg, graphdef, params), loaded once per fixture and dtype."""
-  return hf.load_model(_dir(name), dtype=dtype, param_dtype=dtype)
+  return hf.load_model(helpers.fixture_dir(name), dtype=dtype, param_dtype=dtype)
 
 
 @functools.cache
@@ -71,7 +63,7 @@ def _assert_trees_equal(a, b):
 @pytest.mark.parametrize('name', NAMES)
 def test_logits_match_hf(name, side):
   _, graphdef, params = _loaded(name)
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   tokens, mask = ref[f'{side}_tokens'], ref[f'{side}_mask']
   logits = np.asarray(_forward(graphdef)(params, tokens, mask))  # [B, T, V]
   real = mask.astype(bool)
@@ -93,9 +85,9 @@ def test_configs_from_hf():
 
 def test_sharded_checkpoint_loads_same_params():
   cfg, _, params = _loaded('llama_tiny')
-  assert os.path.exists(os.path.join(_dir('llama_tiny_sharded'), 'model.safetensors.index.json'))
-  assert hf.model_config_from_hf(_dir('llama_tiny_sharded')) == cfg
-  _assert_trees_equal(hf.load_params(_dir('llama_tiny_sharded'), cfg), params)
+  assert os.path.exists(os.path.join(helpers.fixture_dir('llama_tiny_sharded'), 'model.safetensors.index.json'))
+  assert hf.model_config_from_hf(helpers.fixture_dir('llama_tiny_sharded')) == cfg
+  _assert_trees_equal(hf.load_params(helpers.fixture_dir('llama_tiny_sharded'), cfg), params)
 
 
 @pytest.mark.parametrize('name', NAMES)
@@ -128,16 +120,16 @@ def test_kv_cache_decoding_matches_full_forward(name):
 @pytest.mark.parametrize('name', NAMES)
 def test_export_round_trip(name, tmp_path):
   cfg, _, params = _loaded(name)
-  tokenizer = hf.load_tokenizer(_dir(name))
+  tokenizer = hf.load_tokenizer(helpers.fixture_dir(name))
   hf.export(params, cfg, tmp_path, tokenizer=tokenizer)
 
   assert hf.model_config_from_hf(tmp_path) == cfg
   _assert_trees_equal(hf.load_params(tmp_path, cfg), params)
   assert _tensor_shapes(tmp_path / 'model.safetensors') == _tensor_shapes(
-      os.path.join(_dir(name), 'model.safetensors'))
+      os.path.join(helpers.fixture_dir(name), 'model.safetensors'))
   with open(tmp_path / 'config.json') as f:
     exported = json.load(f)
-  with open(os.path.join(_dir(name), 'config.json')) as f:
+  with open(os.path.join(helpers.fixture_dir(name), 'config.json')) as f:
     original = json.load(f)
   for field in KEY_FIELDS:
     assert exported.get(field) == original.get(field), field
@@ -156,7 +148,7 @@ def _rms(x):
 def test_bfloat16_params_load_and_run(name, tmp_path):
   cfg, graphdef, params = _loaded(name, 'bfloat16')
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   tokens, mask = ref['left_tokens'], ref['left_mask']
   real = mask.astype(bool)
   logits = np.asarray(_forward(graphdef)(params, tokens, mask), np.float64)[real]  # [N, V]
@@ -204,12 +196,12 @@ def test_load_onto_shardings():
         axes, is_leaf=lambda x: isinstance(x, tuple))
 
   name = 'llama_tiny'
-  _, graphdef, params = hf.load_model(_dir(name), shardings_fn=shardings_fn)
+  _, graphdef, params = hf.load_model(helpers.fixture_dir(name), shardings_fn=shardings_fn)
   assert params['layers']['q_proj'].sharding.spec == jax.sharding.PartitionSpec(
       None, 'data', 'tensor')
   assert params['lm_head'].sharding.spec == jax.sharding.PartitionSpec('data', 'tensor')
   _assert_trees_equal(params, _loaded(name)[2])
-  ref = _reference(name)
+  ref = helpers.reference_arrays(name)
   logits = np.asarray(_forward(graphdef)(params, ref['left_tokens'], ref['left_mask']))
   real = ref['left_mask'].astype(bool)
   np.testing.assert_allclose(logits[real], ref['left_logits'][real], rtol=0, atol=ATOL)
@@ -217,7 +209,7 @@ def test_load_onto_shardings():
 
 def _copy_config(name, dst, **changes):
   os.makedirs(dst, exist_ok=True)
-  with open(os.path.join(_dir(name), 'config.json')) as f:
+  with open(os.path.join(helpers.fixture_dir(name), 'config.json')) as f:
     config = json.load(f)
   config.update(changes)
   with open(os.path.join(dst, 'config.json'), 'w') as f:
@@ -241,7 +233,7 @@ def test_unsupported_rope_type_names_it(tmp_path):
 def test_missing_tensor_error_and_extra_tensor_warning(tmp_path, caplog):
   name = 'qwen2_tiny'
   cfg = _loaded(name)[0]
-  with safetensors.safe_open(os.path.join(_dir(name), 'model.safetensors'), 'numpy') as f:
+  with safetensors.safe_open(os.path.join(helpers.fixture_dir(name), 'model.safetensors'), 'numpy') as f:
     tensors = {k: f.get_tensor(k) for k in f.keys()}
   extra = 'model.layers.0.self_attn.rotary_emb.inv_freq'
   tensors[extra] = np.ones(8, np.float32)
@@ -261,7 +253,7 @@ def test_missing_tensor_error_and_extra_tensor_warning(tmp_path, caplog):
 def test_shape_mismatch_names_tensor():
   cfg = dataclasses.replace(_loaded('llama_tiny')[0], intermediate_size=64)
   with pytest.raises(ValueError, match=r'down_proj.*shape \(2, 96, 64\).*wants \(2, 64, 64\)'):
-    hf.load_params(_dir('llama_tiny'), cfg)
+    hf.load_params(helpers.fixture_dir('llama_tiny'), cfg)
 
 
 def test_works_without_torch(tmp_path):
@@ -271,12 +263,12 @@ def test_works_without_torch(tmp_path):
       sys.modules['torch'] = None  # find_spec('torch') -> None, import torch -> ImportError
       import numpy as np
       from jaxrl_ga.models import hf, transformer
-      cfg, graphdef, params = hf.load_model({_dir('qwen2_tiny')!r})
-      ref = np.load({os.path.join(_dir('qwen2_tiny'), 'reference_logits.npz')!r})
+      cfg, graphdef, params = hf.load_model({helpers.fixture_dir('qwen2_tiny')!r})
+      ref = np.load({os.path.join(helpers.fixture_dir('qwen2_tiny'), 'reference_logits.npz')!r})
       logits = transformer.merge(graphdef, params)(ref['left_tokens'], ref['left_mask'])
       real = ref['left_mask'].astype(bool)
       assert np.abs(np.asarray(logits)[real] - ref['left_logits'][real]).max() < 1e-3
-      hf.export(params, cfg, {str(tmp_path)!r}, tokenizer=hf.load_tokenizer({_dir('qwen2_tiny')!r}))
+      hf.export(params, cfg, {str(tmp_path)!r}, tokenizer=hf.load_tokenizer({helpers.fixture_dir('qwen2_tiny')!r}))
       assert hf.model_config_from_hf({str(tmp_path)!r}) == cfg
       print('ok')
   """)
