@@ -139,7 +139,9 @@ class KVCache:
   k: Any  # [L, B, Nkv, S, H], or a tuple of L [B, Nkv, S, H]
   v: Any
   valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
-  index: jax.Array  # [] int32: next slot to write
+  # [] int32: next slot to write; or [B] int32, each row's own next slot (a decode slot pool
+  # whose rows started at different steps, ``sampling``'s slots)
+  index: jax.Array
   positions: jax.Array  # [B] int32: rotary position of the next token of each row
 
   def per_layer(self) -> 'KVCache':
@@ -334,20 +336,67 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
            mask: jax.Array, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
-           write_index: Optional[jax.Array]):
-  """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None)."""
+           write_index: Optional[jax.Array], attend: Any = None):
+  """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
+  With a cache, ``attend`` bounds the slots read (``_cache_attention``)."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
   new_kv = None
   if kv is not None:
     def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
       x = jnp.swapaxes(x, 1, 2).astype(cache.dtype)
+      if jnp.ndim(write_index) == 1:  # each row its own slot (T = 1): a scatter of B vectors
+        return cache.at[jnp.arange(x.shape[0]), :, write_index].set(x[:, :, 0])
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
     new_kv = (write(kv[0], k), write(kv[1], v))
-    attn = _attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
-                      heads_first=True)
+    attn = _cache_attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
+                            attend)
   else:
     attn = _attention(q, k, v, mask)
   return _after_attention(cfg, p, h, attn), new_kv
+
+
+# -- attention over the filled part of a KV cache (issue 36) ---------------------------------------
+# The cache is preallocated for the whole prompt + completion, but at decode step i only the first
+# Tp + i slots hold tokens. Attending over all S slots made every step pay for the maximum length
+# (at 128 completion tokens the tiny model's cache reads already exceeded its weights). Instead
+# the slots are cut into blocks and the step attends over the blocks that hold a token: a
+# ``lax.switch`` over the static prefixes [0, block), [0, 2*block), ..., [0, S), each branch
+# ``_attention`` over a static slice of the cache read in place. The skipped slots are masked
+# out anyway (their softmax weight is exactly 0), so the values are full attention's up to the
+# order of the float32 sums. A loop over blocks with an online softmax would also do; the switch
+# keeps one plain softmax (the full forward's arithmetic) and XLA compiles each branch as a
+# static product (on CPU a library matmul over the slice, on TPU a fixed-shape kernel).
+DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
+_MAX_DECODE_BRANCHES = 32  # longer caches get larger blocks: compile time bounded
+
+
+def decode_blocks(cache_length: int, block: int = DECODE_BLOCK) -> list[int]:
+  """The slot counts the decode attention chooses from (ascending, the last the whole cache)."""
+  if block <= 0 or block >= cache_length:
+    return [cache_length]
+  block = max(block, -(-cache_length // _MAX_DECODE_BRANCHES))
+  return [min(cache_length, block * (i + 1)) for i in range(-(-cache_length // block))]
+
+
+def _cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     attend: Any = None) -> jax.Array:
+  """``_attention`` of q [B, T, N, H] over a cache k, v [B, K, S, H] (mask [B, T, S]) reading
+  only its first slots: ``attend`` None reads all S; a Python int n the static first n (the
+  prefill: its T tokens); a pair (filled, block) with ``filled`` traced (the slots written, the
+  decode step's) the smallest of ``decode_blocks(S, block)`` that covers it. Slots past those
+  read must be masked out (they hold no token of the row)."""
+  def over(n):
+    return lambda q, k, v, mask: _attention(q, k[:, :, :n], v[:, :, :n], mask[..., :n],
+                                            heads_first=True)
+
+  if attend is None or isinstance(attend, int):
+    return over(k.shape[2] if attend is None else attend)(q, k, v, mask)
+  filled, block = attend
+  sizes = decode_blocks(k.shape[2], block)
+  if len(sizes) == 1:
+    return over(sizes[0])(q, k, v, mask)
+  index = jnp.sum(jnp.asarray(sizes[:-1]) < filled).astype(jnp.int32)  # first size >= filled
+  return jax.lax.switch(index, [over(n) for n in sizes], q, k, v, mask)
 
 
 def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
@@ -415,8 +464,9 @@ class Transformer(nnx.Module):
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
-             options: ForwardOptions = ForwardOptions()):
+             options: ForwardOptions = ForwardOptions(), attend=None):
     """tokens, positions: [B, T]; mask: [B, T, S]. Returns final hidden [B, T, D] and cache.
+    ``attend``: the cache slots the attention reads (``_cache_attention``; None: all).
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
@@ -427,14 +477,14 @@ class Transformer(nnx.Module):
     if layers is not None:
       new_k, new_v = [], []
       for p, k, v in zip(layers, *cache_kv):
-        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index)
+        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend)
         new_k.append(k)
         new_v.append(v)
       return self._final_norm(h), (tuple(new_k), tuple(new_v))
 
     def body(h, xs):
       p, kv = xs
-      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
+      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend)
 
     h, new_kv = _scan_layers(body, h, (self.layers.arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
@@ -567,7 +617,7 @@ class Transformer(nnx.Module):
     slots = jnp.arange(cache_length)
     mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
     h, (k, v) = self._trunk(tokens, positions_from_mask(attention_mask), mask,
-                            (cache.k, cache.v), jnp.zeros((), jnp.int32))
+                            (cache.k, cache.v), jnp.zeros((), jnp.int32), attend=t)
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
     return self._next_token_logits(h[:, -1]), cache
@@ -579,14 +629,23 @@ class Transformer(nnx.Module):
     arrays = self.layers.arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
-  def decode(self, tokens: jax.Array, cache: KVCache,
-             layers: Optional[list] = None) -> tuple[jax.Array, KVCache]:
+  def decode(self, tokens: jax.Array, cache: KVCache, layers: Optional[list] = None,
+             block: int = DECODE_BLOCK) -> tuple[jax.Array, KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
-    ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop)."""
-    valid = jax.lax.dynamic_update_slice_in_dim(
-        cache.valid, jnp.ones((tokens.shape[0], 1), bool), cache.index, 1)
+    ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
+    The attention reads the cache's filled blocks only (``decode_blocks(S, block)``, up to the
+    largest row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
+    its own slot."""
+    b = tokens.shape[0]
+    if cache.index.ndim == 1:
+      valid = cache.valid.at[jnp.arange(b), cache.index].set(True)
+      filled = jnp.max(cache.index) + 1
+    else:
+      valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool),
+                                                  cache.index, 1)
+      filled = cache.index + 1
     h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], valid[:, None, :],
-                            (cache.k, cache.v), cache.index, layers)
+                            (cache.k, cache.v), cache.index, layers, attend=(filled, block))
     cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
     return self._next_token_logits(h[:, 0]), cache
 
