@@ -44,6 +44,26 @@ device an equal share of every chunk; outputs are returned in the original row o
 Shared prompts (``generate(share=R)``, GRPO's G completions of one prompt): N / R prompts are
 prefilled once each and every prompt's logits and KV cache are repeated for its R rows, which
 then decode as any other rows; chunks then hold prompts ``j, j + C, ...`` with their R rows.
+
+Filled cache (``Sampler.decode_block``): the KV cache has slots for the prompt and every
+completion token, but each decode step attends only over the blocks written so far
+(``Transformer.decode``): a step's attention costs what the tokens generated so far cost,
+not what the maximum length costs. The values are those of the whole cache's attention (its other
+slots are masked out) up to float32 summation order.
+
+Slot pool (``Sampler.slots`` = P > 0; ``sampling.decode_slots``): the batched loop above holds
+every row of a batch until its longest row ends, so one long reply costs a whole batch of decode
+steps. The pool decodes the N rows in P slots instead. Every prompt is prefilled once (its KV
+and the logits of token 0 kept); a free slot takes the next row of the queue (rows 0, 1, ..., N-1
+in order), copies its prompt's KV into its cache, draws token 0 from the prompt's logits, and
+then decodes one token per loop iteration until the row ends (EOS or L tokens); the slot is then
+free again. Each slot writes its own cache slot (``KVCache.index`` per row). The rollout takes
+about (its tokens / P) iterations instead of (longest reply x batches). Outputs are in row order,
+the same arrays as the batched loop's; ``num_decode_steps`` is the pool's iterations plus one.
+RNG: row i's completion position s draws with ``fold_in(fold_in(rng, i), s)`` (``row_keys``), a
+[V] draw of its own, so a completion depends on its row index only, never on the slot or step it
+ran in (nor on P); this is another (equally valid) stream than the batched loop's. Greedy tokens
+are the batched loop's.
 """
 
 from __future__ import annotations
@@ -76,7 +96,7 @@ class Sampler:
       decodes them in a pool of this many slots, each refilled with the next row as soon as its
       row finishes (see "Slot pool" in the module docstring).
     decode_block: cache slots per block of the decode attention, which reads the blocks written
-      so far (``transformer.decode_blocks``); 0 reads the whole cache at every step.
+      so far (``Transformer.decode``); 0 reads the whole cache at every step.
   """
   max_completion_length: int
   eos_id: int

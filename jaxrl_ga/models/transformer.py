@@ -347,9 +347,7 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
       if jnp.ndim(write_index) == 1:  # each row its own slot (T = 1): a scatter of B vectors
         return cache.at[jnp.arange(x.shape[0]), :, write_index].set(x[:, :, 0])
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
-    new_kv = (write(kv[0], k), write(kv[1], v))
-    attn = _cache_attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
-                            attend)
+    attn, new_kv = _cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend)
   else:
     attn = _attention(q, k, v, mask)
   return _after_attention(cfg, p, h, attn), new_kv
@@ -359,44 +357,70 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
 # The cache is preallocated for the whole prompt + completion, but at decode step i only the first
 # Tp + i slots hold tokens. Attending over all S slots made every step pay for the maximum length
 # (at 128 completion tokens the tiny model's cache reads already exceeded its weights). Instead
-# the slots are cut into blocks and the step attends over the blocks that hold a token: a
-# ``lax.switch`` over the static prefixes [0, block), [0, 2*block), ..., [0, S), each branch
-# ``_attention`` over a static slice of the cache read in place. The skipped slots are masked
-# out anyway (their softmax weight is exactly 0), so the values are full attention's up to the
-# order of the float32 sums. A loop over blocks with an online softmax would also do; the switch
-# keeps one plain softmax (the full forward's arithmetic) and XLA compiles each branch as a
-# static product (on CPU a library matmul over the slice, on TPU a fixed-shape kernel).
+# the slots are cut into blocks and the step loops over the blocks that hold a token (a
+# ``fori_loop`` bound by the filled length) with an online softmax (a running max, sum and
+# weighted values; Milakov & Gimelshein 2018, arXiv:1805.02867, as FlashAttention does): each
+# block is a dynamic slice read in place. The skipped slots are masked out anyway (their softmax
+# weight is exactly 0), so the values are full attention's up to float32 rounding. Two
+# alternatives were slower on XLA:CPU: a ``lax.switch`` over static prefixes of the cache, and a
+# static slice, both copied the whole cache at every layer (its layout or the conditional's
+# operand), so their cost still grew with S.
 DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
-_MAX_DECODE_BRANCHES = 32  # longer caches get larger blocks: compile time bounded
-
-
-def decode_blocks(cache_length: int, block: int = DECODE_BLOCK) -> list[int]:
-  """The slot counts the decode attention chooses from (ascending, the last the whole cache)."""
-  if block <= 0 or block >= cache_length:
-    return [cache_length]
-  block = max(block, -(-cache_length // _MAX_DECODE_BRANCHES))
-  return [min(cache_length, block * (i + 1)) for i in range(-(-cache_length // block))]
 
 
 def _cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     attend: Any = None) -> jax.Array:
+                     attend: Any = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """``_attention`` of q [B, T, N, H] over a cache k, v [B, K, S, H] (mask [B, T, S]) reading
   only its first slots: ``attend`` None reads all S; a Python int n the static first n (the
   prefill: its T tokens); a pair (filled, block) with ``filled`` traced (the slots written, the
-  decode step's) the smallest of ``decode_blocks(S, block)`` that covers it. Slots past those
-  read must be masked out (they hold no token of the row)."""
+  decode step's) the blocks of ``block`` slots up to the one that covers it. Slots
+  past those read must be masked out (they hold no token of the row). Returns the attention
+  [B, T, N, H] and the cache (k, v), to be used in place of the one passed in."""
   def over(n):
-    return lambda q, k, v, mask: _attention(q, k[:, :, :n], v[:, :, :n], mask[..., :n],
-                                            heads_first=True)
+    dt = q.dtype
+    return _attention(q, k[:, :, :n].astype(dt), v[:, :, :n].astype(dt), mask[..., :n],
+                      heads_first=True), (k, v)
 
   if attend is None or isinstance(attend, int):
-    return over(k.shape[2] if attend is None else attend)(q, k, v, mask)
+    return over(k.shape[2] if attend is None else attend)
   filled, block = attend
-  sizes = decode_blocks(k.shape[2], block)
-  if len(sizes) == 1:
-    return over(sizes[0])(q, k, v, mask)
-  index = jnp.sum(jnp.asarray(sizes[:-1]) < filled).astype(jnp.int32)  # first size >= filled
-  return jax.lax.switch(index, [over(n) for n in sizes], q, k, v, mask)
+  if block <= 0 or block >= k.shape[2]:  # one block: the whole cache, no loop
+    return over(k.shape[2])
+  return _blocked_attention(q, k, v, mask, filled, block)
+
+
+def _blocked_attention(q, k, v, mask, filled, block: int
+                       ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Online softmax over the cache's blocks 0 .. ceil(filled / block) - 1 (a fori_loop)."""
+  b, t, n, h = q.shape
+  kv_heads, s = k.shape[1], k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scale = np.sqrt(h).astype(np.float32)
+
+  def body(i, carry):
+    top, total, acc, k, v = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H], the cache
+    start = jnp.minimum(i * block, s - block)  # the last block may overlap the one before
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block, 2).astype(q.dtype)  # [B, K, blk, H]
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block, 2).astype(q.dtype)
+    mb = jax.lax.dynamic_slice_in_dim(mask, start, block, 2)  # [B, T, blk]
+    mb = mb & (start + jnp.arange(block) >= i * block)  # slots of the earlier block: done
+    logits = jnp.einsum('BTKGH,BKSH->BKGTS', q, kb, preferred_element_type=jnp.float32) / scale
+    keep = mb[:, None, None]
+    new_top = jnp.maximum(top, jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1))
+    p = jnp.where(keep, jnp.exp(logits - new_top[..., None]), 0.0)
+    fix = jnp.exp(top - new_top)
+    acc = acc * fix[..., None] + jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
+                                            preferred_element_type=jnp.float32)
+    return new_top, total * fix + jnp.sum(p, axis=-1), acc, k, v
+
+  low = jnp.full((b, kv_heads, n // kv_heads, t), jnp.finfo(jnp.float32).min, jnp.float32)
+  init = (low, jnp.zeros_like(low), jnp.zeros(low.shape + (h,), jnp.float32), k, v)
+  blocks = jnp.minimum((filled + block - 1) // block, -(-s // block))
+  # The cache goes through the loop as a carry and is taken from its result: captured as a
+  # constant instead, XLA copied the whole cache at every layer to keep it for after the loop.
+  _, total, acc, k, v = jax.lax.fori_loop(0, blocks, body, init)
+  out = (acc / total[..., None]).astype(q.dtype)  # [B, K, G, T, H]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), (k, v)
 
 
 def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
@@ -633,8 +657,8 @@ class Transformer(nnx.Module):
              block: int = DECODE_BLOCK) -> tuple[jax.Array, KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
     ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
-    The attention reads the cache's filled blocks only (``decode_blocks(S, block)``, up to the
-    largest row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
+    The attention reads the cache's filled blocks of ``block`` slots only (up to the largest
+    row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
     its own slot."""
     b = tokens.shape[0]
     if cache.index.ndim == 1:
