@@ -632,6 +632,21 @@ def test_slot_pool_greedy_equals_the_batched_sampler(tiny, greedy, pool_greedy, 
   assert (lengths - 1).sum() / 3 <= int(out.num_decode_steps) < batched
 
 
+def test_slot_pool_on_mesh_equals_the_batched_sampler(tiny, greedy):
+  """The pool under a (2, 2, 2) mesh (prompts and outputs sharded over the data axes, params by
+  the rules): the batched sampler's greedy tokens."""
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=4, decode_block=BLOCK)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler, greedy=True, mesh=tiny['mesh'],
+                                 param_shardings=tiny['shardings'])
+  rows = sharding.batch_sharding(tiny['mesh'])
+  out = fn(tiny['mesh_params'], *[jax.device_put(x, rows) for x in tiny['prompts']],
+           jax.random.key(0), 1.0, 1.0)
+  ref = greedy['mixed']
+  for name in ('tokens', 'mask', 'ended_with_eos'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize('share,slot_counts', [(1, (1, 3)), (2, (3,))])
 def test_slot_pool_rows_draw_their_own_keys_whatever_the_slots(tiny, share, slot_counts):
   """A sampled row's tokens do not depend on the slot it ran in or when: for 1 and 3 slots
