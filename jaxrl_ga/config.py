@@ -321,6 +321,10 @@ class SamplingConfig:
       taking the next row as soon as its row finishes (``jaxrl_ga.sampling``, "Slot pool"): the
       rollout takes about (its tokens / slots) steps instead of (longest reply x batches).
       Rows draw from their own keys, so their completions do not depend on the slot count.
+      Off by default: measured 2.59x the batched sampler on SmolLM2's uneven replies up to 512
+      tokens (BENCHMARKS.md, uneven_rollout.py), but not yet at the short completions of the
+      shipped configs nor on a multi-device mesh, where its prefill of the whole rollout's
+      prompts and its per-row scatters have not been timed.
   """
   max_prompt_length: int = 32
   max_completion_length: int = 16
