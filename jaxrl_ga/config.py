@@ -318,6 +318,15 @@ class SamplingConfig:
       marks) or 'sampler' (the sampler's own log-probs, free with generation). Either way they are
       log-probs under the tempered but untruncated softmax, log_softmax(logits / temperature),
       what the learner computes: top-k / top-p only choose which token is drawn.
+    decode_slots: 0 decodes the rollout's rows in batches of rollout_micro_batch_size, each
+      until its longest row finishes; > 0 decodes them in a pool of this many slots, a slot
+      taking the next row as soon as its row finishes (``jaxrl_ga.sampling``, "Slot pool"): the
+      rollout takes about (its tokens / slots) steps instead of (longest reply x batches).
+      Rows draw from their own keys, so their completions do not depend on the slot count.
+      Off by default: measured 2.59x the batched sampler on SmolLM2's uneven replies up to 512
+      tokens (BENCHMARKS.md, uneven_rollout.py), but not yet at the short completions of the
+      shipped configs nor on a multi-device mesh, where its prefill of the whole rollout's
+      prompts and its per-row scatters have not been timed.
   """
   max_prompt_length: int = 32
   max_completion_length: int = 16
@@ -326,6 +335,7 @@ class SamplingConfig:
   top_p: float = 1.0
   rollout_micro_batch_size: int = 0
   old_logprob_source: str = 'recompute'
+  decode_slots: int = 0
 
   def __post_init__(self):
     p = 'sampling.'
@@ -336,6 +346,8 @@ class SamplingConfig:
     _require(self.rollout_micro_batch_size >= 0,
              f'{p}rollout_micro_batch_size must be >= 0 (0: whole rollout at once).')
     _one_of(self, 'old_logprob_source', OLD_LOGPROB_SOURCES, p)
+    _require(self.decode_slots >= 0, f'{p}decode_slots must be >= 0 (0: decode in batches), '
+             f'got {self.decode_slots}.')
 
 
 @dataclasses.dataclass(frozen=True)

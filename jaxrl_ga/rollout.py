@@ -93,7 +93,8 @@ class RolloutEngine:
                        f'num_generations={g} (rollout.prompt_share computes it).')
     self.share_prompts = share_prompts
     chunk = sampling_cfg.rollout_micro_batch_size  # generation shares R rows inside a chunk
-    self.gen_share = math.gcd(share_prompts, chunk) if chunk else share_prompts
+    chunked = chunk and not sampling_cfg.decode_slots  # a slot pool prefills every prompt once
+    self.gen_share = math.gcd(share_prompts, chunk) if chunked else share_prompts
     # reorder() permutes the rows before the old log-probs and the learner see them: its slices
     # no longer hold runs of rows with one prompt.
     self.micro_batch_share = 1 if defer_old_logps else share_prompts

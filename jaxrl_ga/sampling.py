@@ -44,6 +44,26 @@ device an equal share of every chunk; outputs are returned in the original row o
 Shared prompts (``generate(share=R)``, GRPO's G completions of one prompt): N / R prompts are
 prefilled once each and every prompt's logits and KV cache are repeated for its R rows, which
 then decode as any other rows; chunks then hold prompts ``j, j + C, ...`` with their R rows.
+
+Filled cache (``Sampler.decode_block``): the KV cache has slots for the prompt and every
+completion token, but each decode step attends only over the blocks written so far
+(``Transformer.decode``): a step's attention costs what the tokens generated so far cost,
+not what the maximum length costs. The values are those of the whole cache's attention (its other
+slots are masked out) up to float32 summation order.
+
+Slot pool (``Sampler.slots`` = P > 0; ``sampling.decode_slots``): the batched loop above holds
+every row of a batch until its longest row ends, so one long reply costs a whole batch of decode
+steps. The pool decodes the N rows in P slots instead. Every prompt is prefilled once (its KV
+and the logits of token 0 kept); a free slot takes the next row of the queue (rows 0, 1, ..., N-1
+in order), copies its prompt's KV into its cache, draws token 0 from the prompt's logits, and
+then decodes one token per loop iteration until the row ends (EOS or L tokens); the slot is then
+free again. Each slot writes its own cache slot (``KVCache.index`` per row). The rollout takes
+about (its tokens / P) iterations instead of (longest reply x batches). Outputs are in row order,
+the same arrays as the batched loop's; ``num_decode_steps`` is the pool's iterations plus one.
+RNG: row i's completion position s draws with ``fold_in(fold_in(rng, i), s)`` (``row_keys``), a
+[V] draw of its own, so a completion depends on its row index only, never on the slot or step it
+ran in (nor on P); this is another (equally valid) stream than the batched loop's. Greedy tokens
+are the batched loop's.
 """
 
 from __future__ import annotations
@@ -71,12 +91,20 @@ class Sampler:
     pad_id: written at every position after a row's EOS (and after an early exit).
     top_k: keep the k most likely tokens; 0 disables.
     chunk_size: generate this many rows at a time (must divide the batch); 0 = all at once.
+      Unused with ``slots``.
+    slots: 0 decodes the rows in batches (``chunk_size``), each until its last row finishes; > 0
+      decodes them in a pool of this many slots, each refilled with the next row as soon as its
+      row finishes (see "Slot pool" in the module docstring).
+    decode_block: cache slots per block of the decode attention, which reads the blocks written
+      so far (``Transformer.decode``); 0 reads the whole cache at every step.
   """
   max_completion_length: int
   eos_id: int
   pad_id: int
   top_k: int = 0
   chunk_size: int = 0
+  slots: int = 0
+  decode_block: int = tfm.DECODE_BLOCK
 
   def __post_init__(self):
     for name in dataclasses.fields(self):
@@ -91,13 +119,16 @@ class Sampler:
     if self.chunk_size < 0:
       raise ValueError(f'Sampler.chunk_size must be >= 0 (0: all rows at once), got '
                        f'{self.chunk_size}.')
+    if self.slots < 0 or self.decode_block < 0:
+      raise ValueError(f'Sampler.slots and decode_block must be >= 0 (0: off), got '
+                       f'{self.slots} and {self.decode_block}.')
 
   @classmethod
   def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int) -> 'Sampler':
     """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time."""
     return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
-               chunk_size=int(cfg.rollout_micro_batch_size))
+               chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots))
 
 
 @flax.struct.dataclass
@@ -200,12 +231,17 @@ def _argmax(x: jax.Array) -> jax.Array:
 
 def _choose(logits, key, temperature, top_p, top_k: int, greedy: bool):
   """logits [B, V] -> (token [B] int32, its log-prob under the tempered, untruncated softmax
-  [B]): the token is drawn from the warped distribution, its log-prob is the learner's."""
+  [B]): the token is drawn from the warped distribution, its log-prob is the learner's.
+  ``key``: one key for the [B, V] draw, or keys [B], one per row's [V] draw."""
   if greedy:
     token = _argmax(logits)
   else:  # jax.random.categorical's Gumbel-max, with the faster argmax
     warped = warp_logits(logits, temperature, top_p, top_k)
-    token = _argmax(warped + jax.random.gumbel(key, warped.shape, warped.dtype))
+    if key.ndim:
+      noise = jax.vmap(lambda k: jax.random.gumbel(k, warped.shape[1:], warped.dtype))(key)
+    else:
+      noise = jax.random.gumbel(key, warped.shape, warped.dtype)
+    token = _argmax(warped + noise)
   token = token.astype(jnp.int32)
   scaled = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)  # [B, V]
   chosen = jnp.take_along_axis(scaled, token[:, None], axis=-1)[:, 0]
@@ -264,12 +300,124 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
     return (state.step < length) & ~jnp.all(state.done)
 
   def body(state: SamplingState):
-    logits, cache = model.decode(state.last_token, state.cache, layers)  # [B, V]
+    logits, cache = model.decode(state.last_token, state.cache, layers,
+                                 sampler.decode_block)  # [B, V]
     return _write(state.replace(cache=cache), *choose(logits, state.step), sampler)
 
   state = jax.lax.while_loop(cond, body, state)
   return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.done,
                      logps=state.logps, num_decode_steps=state.step)
+
+
+# -- the slot pool -------------------------------------------------------------------------------
+@flax.struct.dataclass
+class PoolState:
+  """The slot pool's carry. P slots, N rows, L = max_completion_length."""
+  steps: jax.Array  # [] int32: decode iterations so far
+  next_row: jax.Array  # [] int32: the queue's head, the next row to start
+  row: jax.Array  # [P] int32: the row in each slot (N: none)
+  position: jax.Array  # [P] int32: the row's completion positions written
+  active: jax.Array  # [P] bool: the slot holds a row that has not finished
+  last_token: jax.Array  # [P] int32
+  tokens: jax.Array  # [N, L] int32
+  mask: jax.Array  # [N, L] int32
+  logps: jax.Array  # [N, L] float32
+  ended: jax.Array  # [N] bool
+  cache: tfm.KVCache  # P rows, each with its own write slot (index [P])
+
+
+def row_keys(rng: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
+  """The slot pool's draws: row ``i``'s completion position ``s`` uses
+  ``fold_in(fold_in(rng, i), s)``, whatever slot and step it runs in. rows, positions [P]."""
+  return jax.vmap(lambda i, s: jax.random.fold_in(jax.random.fold_in(rng, i), s))(rows, positions)
+
+
+def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                   temperature, top_p, greedy: bool, share: int) -> Completions:
+  """Rows 0 .. N-1 decoded by a pool of ``sampler.slots`` slots, refilled from the queue."""
+  n_prompts, tp = prompt_tokens.shape
+  n, length = n_prompts * share, sampler.max_completion_length
+  slots = min(sampler.slots, n)
+  # Every prompt once: its KV (Tp slots) and the logits of completion token 0, copied into a
+  # slot when one of its rows starts.
+  first_logits, prompt_cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp)
+  prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)  # [N / share]
+  cache = model.init_cache(slots, tp + length - 1)
+  cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
+  layers = model.unstacked_layers()
+  slot_ids = jnp.arange(slots)
+
+  def emit(state: PoolState, live, logits) -> PoolState:
+    """Draws each live slot's next token from ``logits`` [P, V] and writes it to its row."""
+    row = jnp.where(live, state.row, n)  # rows out of range: the scatters drop them
+    token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
+                          sampler.top_k, greedy)
+    at = (row, state.position)
+    position = state.position + live
+    stop = live & ((token == sampler.eos_id) | (position >= length))
+    return state.replace(
+        position=position, active=live & ~stop,
+        last_token=jnp.where(live, token, sampler.pad_id),
+        tokens=state.tokens.at[at].set(token, mode='drop'),
+        mask=state.mask.at[at].set(1, mode='drop'),
+        logps=state.logps.at[at].set(logp, mode='drop'),
+        ended=state.ended.at[row].set(token == sampler.eos_id, mode='drop'))
+
+  def refill(state: PoolState) -> PoolState:
+    """Free slots take the next rows of the queue (in slot order) and draw their token 0."""
+    free = ~state.active
+    row = state.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1
+    start = free & (row < n)
+
+    def begin(state: PoolState) -> PoolState:
+      prompt = jnp.where(start, row, 0) // share
+      target = jnp.where(start, slot_ids, slots)  # slots not starting: dropped
+
+      def put(buf, new):  # the starting slots' first Tp cache slots <- their prompt's
+        return buf.at[target, :, :tp].set(new[prompt].astype(buf.dtype), mode='drop')
+
+      c = state.cache
+      valid = jnp.zeros((slots, c.valid.shape[1]), bool).at[:, :tp].set(
+          prompt_mask[prompt].astype(bool))
+      c = c.replace(
+          k=tuple(put(k, prompt_cache.k[i]) for i, k in enumerate(c.k)),
+          v=tuple(put(v, prompt_cache.v[i]) for i, v in enumerate(c.v)),
+          valid=jnp.where(start[:, None], valid, c.valid),
+          index=jnp.where(start, tp, c.index),
+          positions=jnp.where(start, prompt_len[prompt], c.positions))
+      state = state.replace(cache=c, row=jnp.where(start, row, state.row),
+                            position=jnp.where(start, 0, state.position),
+                            next_row=state.next_row + jnp.sum(start.astype(jnp.int32)))
+      started = emit(state, start, first_logits[prompt])
+      keep = lambda new, old: jnp.where(start, new, old)  # the running slots are untouched
+      return started.replace(position=keep(started.position, state.position),
+                             active=keep(started.active, state.active),
+                             last_token=keep(started.last_token, state.last_token))
+
+    return jax.lax.cond(jnp.any(start), begin, lambda s: s, state)
+
+  def cond(state: PoolState):
+    return jnp.any(state.active) | (state.next_row < n)
+
+  def body(state: PoolState):
+    live = state.active
+    logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block)
+    state = emit(state.replace(cache=cache, steps=state.steps + 1), live, logits)
+    # A free slot writes its (discarded) steps at slot Tp, which a refill masks out again: its
+    # index must not hold the attention's reach at the longest row it ever held.
+    return refill(state.replace(cache=state.cache.replace(
+        index=jnp.where(state.active, state.cache.index, tp))))
+
+  state = PoolState(
+      steps=jnp.zeros((), jnp.int32), next_row=jnp.zeros((), jnp.int32),
+      row=jnp.full((slots,), n, jnp.int32), position=jnp.zeros((slots,), jnp.int32),
+      active=jnp.zeros((slots,), bool), last_token=jnp.full((slots,), sampler.pad_id, jnp.int32),
+      tokens=jnp.full((n, length), sampler.pad_id, jnp.int32),
+      mask=jnp.zeros((n, length), jnp.int32), logps=jnp.zeros((n, length), jnp.float32),
+      ended=jnp.zeros((n,), bool), cache=cache)
+  state = jax.lax.while_loop(cond, body, refill(state))
+  return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.ended,
+                     logps=state.logps, num_decode_steps=state.steps + 1)
 
 
 def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.Array,
@@ -299,6 +447,9 @@ def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
   n = prompt_tokens.shape[0] * share
+  if sampler.slots:
+    return _generate_pool(model, prompt_tokens, prompt_mask, rng, sampler, temperature, top_p,
+                          greedy, share)
   size = sampler.chunk_size
   if size == 0 or size >= n:
     return _generate_rows(model, prompt_tokens, prompt_mask, rng, sampler, temperature, top_p,

@@ -74,20 +74,23 @@ def test_logits_match_hf(name):
     assert error < RTOL, (side, error)
 
 
+@pytest.mark.parametrize('block', [0, 4])
 @pytest.mark.parametrize('name', FAMILIES)
-def test_decode_and_greedy_match_hf(name):
+def test_decode_and_greedy_match_hf(name, block):
   """KV-cache decoding as the sampler runs it (``sampling._generate_rows``: prefill the
   left-padded prompts, then per-layer arrays and cache): HF's greedy continuation decoded one
   token at a time, past the sliding window; the logits at every step against HF's one forward,
   and their argmax, the greedy tokens, equal to HF ``generate``'s (teacher forcing with HF's
-  tokens: equal argmaxes at every step are an equal greedy run)."""
+  tokens: equal argmaxes at every step are an equal greedy run). ``block``: the decode
+  attention over the whole cache (0), or looping over the filled blocks of 4 slots (the window
+  mask and Gemma's query_pre_attn_scalar inside the loop)."""
   _, graphdef, params = _loaded(name)
   ref = helpers.reference_arrays(name)
   prompt, prompt_mask, greedy = ref['left_tokens'], ref['left_mask'], ref['greedy_tokens']
   tp, n = prompt.shape[1], greedy.shape[1]
   prefill = jax.jit(lambda p: tfm.merge(graphdef, p).prefill(prompt, prompt_mask, tp + n))
   decode = jax.jit(lambda p, t, c: tfm.merge(graphdef, p).decode(
-      t, c, tfm.merge(graphdef, p).unstacked_layers()))
+      t, c, tfm.merge(graphdef, p).unstacked_layers(), block=block))
   logits, cache = prefill(params)
   cache = cache.per_layer()
   steps = [logits]
@@ -97,7 +100,8 @@ def test_decode_and_greedy_match_hf(name):
   steps = np.stack([np.asarray(x) for x in steps], axis=1)  # positions tp - 1 .. tp + n - 2
   want = ref['greedy_logits'][:, tp - 1:tp + n - 1]
   error = _relative_error(steps, want, np.ones(want.shape[:2], bool))
-  print(f'{name} KV-cache decode: max abs logit error / max |logit| = {error:.1e}')
+  print(f'{name} KV-cache decode (block {block}): max abs logit error / max |logit| = '
+        f'{error:.1e}')
   assert error < RTOL, error
   np.testing.assert_array_equal(steps.argmax(-1), greedy)
 

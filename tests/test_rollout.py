@@ -274,6 +274,43 @@ def test_rollout_log_probs_kl_and_agreement_against_numpy(monkeypatch):
       np.testing.assert_allclose(float(kl_sum) / float(kl_weight), k3[mj].mean(), rtol=1e-4)
 
 
+def test_slot_pool_rollout_keeps_the_buffer_layout():
+  """``sampling.decode_slots``: the rollout decoded by a pool of 3 slots fills the same [S, B]
+  buffer as the batched sampler: at a temperature that makes every draw the argmax, every row's
+  completion is the greedy continuation of its own prompt (the full forward's argmax, numpy)
+  and equals the batched rollout's row for row, with the same masks, EOS flags and log-probs
+  (numpy's)."""
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  graphdef, params, shardings = _sharp_params(0, mesh, 40.0)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=2,
+                         grad_accum_steps=2)
+  table = schedule.build_table(sched)
+  temperature = 1e-3
+  buffers = []
+  prompts = _prompts(np.random.default_rng(3), 4)
+  for slots in (0, 3):
+    samp = SamplingConfig(max_prompt_length=TP, max_completion_length=TC,
+                          temperature=temperature, decode_slots=slots)
+    engine = rollout_lib.RolloutEngine(graphdef, table, samp, GRPOLossConfig(), mesh, shardings,
+                                       eos_id=EOS, pad_id=PAD)
+    buffers.append(engine.rollout(params, None, engine.init_state(0), *prompts)[0])
+  batched, pooled = buffers
+  for name in ('prompt_tokens', 'prompt_mask', 'completion_tokens', 'completion_mask',
+               'ended_with_eos', 'has_old'):
+    np.testing.assert_array_equal(np.asarray(getattr(pooled, name)),
+                                  np.asarray(getattr(batched, name)))
+  pt, pm = np.asarray(pooled.prompt_tokens), np.asarray(pooled.prompt_mask)
+  ct, cm = np.asarray(pooled.completion_tokens), np.asarray(pooled.completion_mask)
+  np.testing.assert_array_equal(pt.reshape(-1, TP), np.repeat(prompts[0], 2, axis=0))
+  logits = np.asarray(_forward(graphdef)(params, np.concatenate([pt, ct], -1).reshape(-1, TP + TC),
+                                         np.concatenate([pm, cm], -1).reshape(-1, TP + TC)))
+  greedy = logits[:, TP - 1:-1].argmax(-1).reshape(ct.shape)
+  m = cm == 1
+  np.testing.assert_array_equal(ct[m], greedy[m])
+  want = _np_logps(graphdef, params, pt, pm, ct, cm, temperature)
+  np.testing.assert_allclose(np.asarray(pooled.sampler_logps)[m], want[m], atol=1e-3, rtol=0)
+
+
 def test_mask_truncated_completions_leave_the_loss():
   """DAPO: with ``mask_truncated_completions``, a completion that hit max_completion_length
   without EOS has no token in the loss mask, and the loss is numpy's over the other rows only;

@@ -562,6 +562,126 @@ def test_tied_head_at_decode_is_split_on_cpu_only_and_matches_full_forward():
                              rtol=0)
 
 
+# -- issue 36: attention over the filled cache, the slot pool ------------------------------------
+BLOCK = 4  # cache slots per block of the decode attention: 4 blocks in TP + L - 1 = 15, the
+# last overlapping the third
+
+
+def _tail_from(cache, source, keep):
+  """``cache`` with its slots from ``keep`` on (k and v) taken from ``source`` (a cache, or a
+  number for every such slot)."""
+  tail = lambda x, y: x.at[..., keep:, :].set(y if np.isscalar(y) else y[..., keep:, :])
+  if np.isscalar(source):
+    return cache.replace(k=tail(cache.k, source), v=tail(cache.v, source))
+  return cache.replace(k=tail(cache.k, source.k), v=tail(cache.v, source.v))
+
+
+def test_decode_attends_over_the_filled_blocks_only(tiny):
+  """Each decode step reads the cache's blocks up to the slot it writes and no further: with every
+  later slot NaN, its logits are still the full forward's (float64 reference) at every step,
+  while the same step over the whole cache (``block=0``) reads the NaNs."""
+  graphdef, params = tiny['graphdef'], tiny['params']
+  prompt_tokens, prompt_mask = tiny['prompts']
+  tokens = tiny['reference']  # the greedy continuation, fed back
+  want = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens,
+                            np.ones_like(tokens))
+
+  @functools.partial(jax.jit, static_argnums=(3,))
+  def step(params, cache, token, block):
+    return tfm.merge(graphdef, params).decode(token, cache, block=block)
+
+  prefill = jax.jit(lambda p, t, m: tfm.merge(graphdef, p).prefill(t, m, TP + L - 1))
+  first, cache = prefill(params, prompt_tokens, prompt_mask)
+  np.testing.assert_allclose(np.asarray(first), want[:, 0], atol=1e-4, rtol=0)
+  for s in range(1, L):
+    written = TP + s  # slots 0 .. TP + s - 1 after this step's write
+    keep = min(-(-written // BLOCK) * BLOCK, TP + L - 1)
+    poisoned = _tail_from(cache, np.nan, keep)
+    logits, new = step(params, poisoned, tokens[:, s - 1], BLOCK)
+    np.testing.assert_allclose(np.asarray(logits), want[:, s], atol=1e-4, rtol=0)
+    if keep < TP + L - 1:  # the whole cache's attention would read the poisoned slots
+      assert np.isnan(np.asarray(step(params, poisoned, tokens[:, s - 1], 0)[0])).all()
+    cache = _tail_from(new, cache, keep)  # the step wrote below keep; the tail stays clean
+
+
+@pytest.fixture(scope='module')
+def pool_greedy(tiny):
+  """Greedy pools of 3 slots (blocked attention) on the mixed and the all-stopping batches."""
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=3, decode_block=BLOCK)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler, greedy=True)
+  key = jax.random.key(0)
+  return {name: fn(tiny['params'], *tiny[f'{name}prompts'], key, 1.0, 1.0)
+          for name in ('', 'stop_')}
+
+
+@pytest.mark.parametrize('batch', ['', 'stop_'])
+def test_slot_pool_greedy_equals_the_batched_sampler(tiny, greedy, pool_greedy, batch):
+  """Rows with early EOS and truncated ones: the pool's greedy tokens, masks and EOS flags are
+  the batched sampler's (and the full forward's argmax), its log-probs equal; and it refills
+  slots as rows finish: fewer decode steps than batches of 3 rows would take."""
+  out, ref = pool_greedy[batch], greedy['mixed' if batch == '' else 'stop']
+  for name in ('tokens', 'mask', 'ended_with_eos'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+  _check_semantics(out.replace(num_decode_steps=np.asarray(out.mask).sum(1).max()),
+                  tiny['eos'])
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], *tiny[f'{batch}prompts'], out)
+  lengths = np.asarray(out.mask).sum(1)
+  batched = sum(lengths[i:i + 3].max() for i in range(0, N, 3))
+  # Each row's token 0 comes from the prefill; then one step per later token, 3 at a time.
+  assert (lengths - 1).sum() / 3 <= int(out.num_decode_steps) < batched
+
+
+def test_slot_pool_on_mesh_equals_the_batched_sampler(tiny, greedy):
+  """The pool under a (2, 2, 2) mesh (prompts and outputs sharded over the data axes, params by
+  the rules): the batched sampler's greedy tokens."""
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=4, decode_block=BLOCK)
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler, greedy=True, mesh=tiny['mesh'],
+                                 param_shardings=tiny['shardings'])
+  rows = sharding.batch_sharding(tiny['mesh'])
+  out = fn(tiny['mesh_params'], *[jax.device_put(x, rows) for x in tiny['prompts']],
+           jax.random.key(0), 1.0, 1.0)
+  ref = greedy['mixed']
+  for name in ('tokens', 'mask', 'ended_with_eos'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('share,slot_counts', [(1, (1, 3)), (2, (3,))])
+def test_slot_pool_rows_draw_their_own_keys_whatever_the_slots(tiny, share, slot_counts):
+  """A sampled row's tokens do not depend on the slot it ran in or when: for 1 and 3 slots
+  (rows in different slots, started at different steps) row i's position s is
+  ``jax.random.categorical(fold_in(fold_in(rng, i), s), logits / T)`` of the full forward's
+  logits (``sampling.row_keys``), its log-probs numpy's log_softmax.
+  With ``share`` = 2, rows 2i and 2i+1 continue prompt i."""
+  temperature, key = 20.0, jax.random.key(5)  # hot enough to undo SHARPEN: real draws
+  prompt_tokens, prompt_mask = (x[:N // share] for x in tiny['prompts'])
+  rows_tokens, rows_mask = (np.repeat(x, share, axis=0) for x in (prompt_tokens, prompt_mask))
+  outs = []
+  for slots in slot_counts:
+    sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots,
+                               decode_block=BLOCK)
+    fn = jax.jit(lambda p, t, m, k, sampler=sampler: sampling.generate(
+        tfm.merge(tiny['graphdef'], p), t, m, k, sampler, temperature=temperature,
+        share=share))
+    outs.append(fn(tiny['params'], prompt_tokens, prompt_mask, key))
+  tokens, mask = np.asarray(outs[0].tokens), np.asarray(outs[0].mask)
+  logits = _completion_logits(tiny['fwd'], tiny['params'], rows_tokens, rows_mask, tokens, mask)
+  assert (logits.argmax(-1) != tokens)[mask == 1].any()  # really sampled, not all argmax
+  draw = lambda i, s, x: jax.random.categorical(
+      jax.random.fold_in(jax.random.fold_in(key, i), s), x)
+  draws = np.asarray(jax.jit(jax.vmap(jax.vmap(draw, (None, 0, 0)), (0, None, 0)))(
+      jnp.arange(N), jnp.arange(L), jnp.asarray(logits / temperature, jnp.float32)))
+  full = np.take_along_axis(_log_softmax(logits / temperature), tokens[..., None], -1)[..., 0]
+  for out in outs:
+    o_tok, o_mask = np.asarray(out.tokens), np.asarray(out.mask)
+    np.testing.assert_array_equal(o_mask, mask)
+    np.testing.assert_array_equal(o_tok[mask == 1], draws[mask == 1])
+    np.testing.assert_allclose(np.asarray(out.logps)[mask == 1], full[mask == 1], atol=1e-4,
+                               rtol=0)
+    _check_semantics(out.replace(num_decode_steps=mask.sum(1).max()), tiny['eos'])
+
+
 # -- validation ----------------------------------------------------------------------------------
 def test_sampler_validation():
   cfg = SamplingConfig(max_completion_length=12, top_k=5, rollout_micro_batch_size=4)

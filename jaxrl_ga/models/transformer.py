@@ -145,7 +145,9 @@ class KVCache:
   k: Any  # [L, B, Nkv, S, H], or a tuple of L [B, Nkv, S, H]
   v: Any
   valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
-  index: jax.Array  # [] int32: next slot to write
+  # [] int32: next slot to write; or [B] int32, each row's own next slot (a decode slot pool
+  # whose rows started at different steps, ``sampling``'s slots)
+  index: jax.Array
   positions: jax.Array  # [B] int32: rotary position of the next token of each row
 
   def per_layer(self) -> 'KVCache':
@@ -413,21 +415,95 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
            mask: jax.Array, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
-           write_index: Optional[jax.Array]):
-  """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None)."""
+           write_index: Optional[jax.Array], attend: Any = None):
+  """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
+  With a cache, ``attend`` bounds the slots read (``_cache_attention``)."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
   mask, scale_dim = _layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
   if kv is not None:
     def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
       x = jnp.swapaxes(x, 1, 2).astype(cache.dtype)
+      if jnp.ndim(write_index) == 1:  # each row its own slot (T = 1): a scatter of B vectors
+        return cache.at[jnp.arange(x.shape[0]), :, write_index].set(x[:, :, 0])
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
-    new_kv = (write(kv[0], k), write(kv[1], v))
-    attn = _attention(q, new_kv[0].astype(h.dtype), new_kv[1].astype(h.dtype), mask,
-                      heads_first=True, scale_dim=scale_dim)
+    attn, new_kv = _cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
+                                    scale_dim)
   else:
     attn = _attention(q, k, v, mask, scale_dim=scale_dim)
   return _after_attention(cfg, p, h, attn), new_kv
+
+
+# -- attention over the filled part of a KV cache (issue 36) ---------------------------------------
+# The cache is preallocated for the whole prompt + completion, but at decode step i only the first
+# Tp + i slots hold tokens. Attending over all S slots made every step pay for the maximum length
+# (at 128 completion tokens the tiny model's cache reads already exceeded its weights). Instead
+# the slots are cut into blocks and the step loops over the blocks that hold a token (a
+# ``fori_loop`` bound by the filled length) with an online softmax (a running max, sum and
+# weighted values; Milakov & Gimelshein 2018, arXiv:1805.02867, as FlashAttention does): each
+# block is a dynamic slice read in place. The skipped slots are masked out anyway (their softmax
+# weight is exactly 0), so the values are full attention's up to float32 rounding. Two
+# alternatives were slower on XLA:CPU: a ``lax.switch`` over static prefixes of the cache, and a
+# static slice, both copied the whole cache at every layer (its layout or the conditional's
+# operand), so their cost still grew with S.
+DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
+
+
+def _cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     attend: Any = None, scale_dim: Optional[float] = None
+                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """``_attention`` of q [B, T, N, H] over a cache k, v [B, K, S, H] (mask [B, T, S]) reading
+  only its first slots: ``attend`` None reads all S; a Python int n the static first n (the
+  prefill: its T tokens); a pair (filled, block) with ``filled`` traced (the slots written, the
+  decode step's) the blocks of ``block`` slots up to the one that covers it. Slots
+  past those read must be masked out (they hold no token of the row). Returns the attention
+  [B, T, N, H] and the cache (k, v), to be used in place of the one passed in. ``scale_dim``:
+  as ``_attention``'s."""
+  def over(n):
+    dt = q.dtype
+    return _attention(q, k[:, :, :n].astype(dt), v[:, :, :n].astype(dt), mask[..., :n],
+                      heads_first=True, scale_dim=scale_dim), (k, v)
+
+  if attend is None or isinstance(attend, int):
+    return over(k.shape[2] if attend is None else attend)
+  filled, block = attend
+  if block <= 0 or block >= k.shape[2]:  # one block: the whole cache, no loop
+    return over(k.shape[2])
+  return _blocked_attention(q, k, v, mask, filled, block, scale_dim)
+
+
+def _blocked_attention(q, k, v, mask, filled, block: int, scale_dim: Optional[float] = None
+                       ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Online softmax over the cache's blocks 0 .. ceil(filled / block) - 1 (a fori_loop)."""
+  b, t, n, h = q.shape
+  kv_heads, s = k.shape[1], k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scale = np.sqrt(scale_dim or h).astype(np.float32)
+
+  def body(i, carry):
+    top, total, acc, k, v = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H], the cache
+    start = jnp.minimum(i * block, s - block)  # the last block may overlap the one before
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block, 2).astype(q.dtype)  # [B, K, blk, H]
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block, 2).astype(q.dtype)
+    mb = jax.lax.dynamic_slice_in_dim(mask, start, block, 2)  # [B, T, blk]
+    mb = mb & (start + jnp.arange(block) >= i * block)  # slots of the earlier block: done
+    logits = jnp.einsum('BTKGH,BKSH->BKGTS', q, kb, preferred_element_type=jnp.float32) / scale
+    keep = mb[:, None, None]
+    new_top = jnp.maximum(top, jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1))
+    p = jnp.where(keep, jnp.exp(logits - new_top[..., None]), 0.0)
+    fix = jnp.exp(top - new_top)
+    acc = acc * fix[..., None] + jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
+                                            preferred_element_type=jnp.float32)
+    return new_top, total * fix + jnp.sum(p, axis=-1), acc, k, v
+
+  low = jnp.full((b, kv_heads, n // kv_heads, t), jnp.finfo(jnp.float32).min, jnp.float32)
+  init = (low, jnp.zeros_like(low), jnp.zeros(low.shape + (h,), jnp.float32), k, v)
+  blocks = jnp.minimum((filled + block - 1) // block, -(-s // block))
+  # The cache goes through the loop as a carry and is taken from its result: captured as a
+  # constant instead, XLA copied the whole cache at every layer to keep it for after the loop.
+  _, total, acc, k, v = jax.lax.fori_loop(0, blocks, body, init)
+  out = (acc / total[..., None]).astype(q.dtype)  # [B, K, G, T, H]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), (k, v)
 
 
 def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
@@ -498,9 +574,10 @@ class Transformer(nnx.Module):
 
   # -- shared trunk ------------------------------------------------------------------------------
   def _trunk(self, tokens, positions, mask, cache_kv=None, write_index=None, layers=None,
-             options: ForwardOptions = ForwardOptions()):
+             options: ForwardOptions = ForwardOptions(), attend=None):
     """tokens, positions: [B, T]; mask: [B, T, S], or ``window_masks``' pair. Returns final
-    hidden [B, T, D] and cache.
+    hidden [B, T, D] and cache. ``attend``: the cache slots the attention reads
+    (``_cache_attention``; None: all).
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
@@ -511,14 +588,14 @@ class Transformer(nnx.Module):
     if layers is not None:
       new_k, new_v = [], []
       for p, k, v in zip(layers, *cache_kv):
-        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index)
+        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend)
         new_k.append(k)
         new_v.append(v)
       return self._final_norm(h), (tuple(new_k), tuple(new_v))
 
     def body(h, xs):
       p, kv = xs
-      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index)
+      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend)
 
     h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
@@ -672,7 +749,7 @@ class Transformer(nnx.Module):
     q_positions = positions_from_mask(attention_mask)
     mask = window_masks(self.cfg, mask, q_positions, positions_from_mask(valid))
     h, (k, v) = self._trunk(tokens, q_positions, mask, (cache.k, cache.v),
-                            jnp.zeros((), jnp.int32))
+                            jnp.zeros((), jnp.int32), attend=t)
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
     return self._next_token_logits(h[:, -1]), cache
@@ -684,16 +761,25 @@ class Transformer(nnx.Module):
     arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
-  def decode(self, tokens: jax.Array, cache: KVCache,
-             layers: Optional[list] = None) -> tuple[jax.Array, KVCache]:
+  def decode(self, tokens: jax.Array, cache: KVCache, layers: Optional[list] = None,
+             block: int = DECODE_BLOCK) -> tuple[jax.Array, KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
-    ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop)."""
-    valid = jax.lax.dynamic_update_slice_in_dim(
-        cache.valid, jnp.ones((tokens.shape[0], 1), bool), cache.index, 1)
+    ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
+    The attention reads the cache's filled blocks of ``block`` slots only (up to the largest
+    row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
+    its own slot."""
+    b = tokens.shape[0]
+    if cache.index.ndim == 1:
+      valid = cache.valid.at[jnp.arange(b), cache.index].set(True)
+      filled = jnp.max(cache.index) + 1
+    else:
+      valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool),
+                                                  cache.index, 1)
+      filled = cache.index + 1
     mask = window_masks(self.cfg, valid[:, None, :], cache.positions[:, None],
                         positions_from_mask(valid))  # the new token's position: the row's count
     h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], mask,
-                            (cache.k, cache.v), cache.index, layers)
+                            (cache.k, cache.v), cache.index, layers, attend=(filled, block))
     cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
     return self._next_token_logits(h[:, 0]), cache
 
