@@ -232,7 +232,10 @@ def _argmax(x: jax.Array) -> jax.Array:
 def _choose(logits, key, temperature, top_p, top_k: int, greedy: bool):
   """logits [B, V] -> (token [B] int32, its log-prob under the tempered, untruncated softmax
   [B]): the token is drawn from the warped distribution, its log-prob is the learner's.
-  ``key``: one key for the [B, V] draw, or keys [B], one per row's [V] draw."""
+  ``key``: one key for the [B, V] draw, or keys [B], one per row's [V] draw; typed keys
+  (``jax.random.key``) or raw uint32 key data (``jax.random.PRNGKey``: the same draws)."""
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)  # raw [2] data is one key, not two rows' keys
   if greedy:
     token = _argmax(logits)
   else:  # jax.random.categorical's Gumbel-max, with the faster argmax

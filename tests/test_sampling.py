@@ -335,6 +335,12 @@ def test_sampled_tokens_are_jax_categorical_draws(tiny):
   logits = _completion_logits(tiny['fwd'], params, prompt_tokens, prompt_mask, tokens, mask)
   assert (logits.argmax(-1) != tokens).any()  # really sampled, not all argmax
   np.testing.assert_array_equal(tokens, _categorical_draws(logits, key, temperature))
+  # Raw key data (jax.random.PRNGKey, as the DPO pair sampler passes) is one key too: the same
+  # draws as jax.random.categorical's with it.
+  raw = jax.random.PRNGKey(7)
+  out = fn(params, prompt_tokens, prompt_mask, raw, temperature, 1.0)
+  np.testing.assert_array_equal(np.asarray(out.tokens), _categorical_draws(logits, raw,
+                                                                           temperature))
 
 
 @pytest.mark.parametrize('chunk_size,on_mesh', [(0, False), (4, False), (0, True)])
