@@ -196,13 +196,13 @@ class PairStream:
 def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
   # dpo.micro_batch_size is checked against the mesh before anything is built
-  # (main.validate_against_mesh), as GRPO's schedule is.
+  # (api.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
   learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
                                            ctx.param_shardings, ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = load_or_build_pairs(ctx, cfg, params)
-  shuffle = ctx.cfg.data.shuffle if cfg.pairs == 'dataset' else True
+  shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
   stream = PairStream(pairs, cfg, ctx.cfg.seed, ctx.mesh, shuffle=shuffle)
   n_pairs, b = stream.num_pairs, cfg.micro_batch_size
   batch_at = stream.batch_at
