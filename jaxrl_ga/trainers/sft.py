@@ -43,9 +43,10 @@ def micro_batch(ctx: context.RunContext, cfg: SFTConfig, position: int, seed: in
   at = lambda i: example_sequence(ctx, position + i, seed, length)
   if not cfg.packing:
     return sft_data.padded_rows([at(int(i)) for i in rows], length, ctx.pad_id), b
-  sequences = []
-  while sum(len(ids) for ids, _ in sequences) < b * length:  # enough to fill every row
+  sequences, tokens = [], 0
+  while tokens < b * length:  # enough to fill every row
     sequences.append(at(len(sequences)))
+    tokens += len(sequences[-1][0])
   packed = sft_data.greedy_rows([len(ids) for ids, _ in sequences], b, length)
   batch = sft_data.pack([[sequences[j] for j in packed[int(i)]] for i in rows], length,
                         ctx.pad_id)
