@@ -212,6 +212,33 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
       assert row == ref_row
 
 
+_UNAWAITED = """
+import asyncio, gc, sys
+from jaxrl_ga import checkpoint
+if sys.argv[1] == 'failed':
+  checkpoint._note_write_failed()  # what a CheckpointWriteError does
+async def save():
+  pass
+pending = save()  # orbax's abandoned save: a coroutine nobody awaits
+del pending
+gc.collect()
+print('end', flush=True)
+"""
+
+
+def test_after_a_failed_write_an_abandoned_coroutine_prints_nothing_after_the_error(tmp_path):
+  """The full-disk error must be the last line on stderr. Under load (CI, 2 cores), an asyncio
+  coroutine of orbax's failed save was collected unawaited after it and printed a RuntimeWarning.
+  Once a write failed that warning is ignored; before, it still prints (so the check can fail)."""
+  env = dict(_env(1), PYTHONWARNINGS='default')
+  run = lambda mode: subprocess.run([sys.executable, '-c', _UNAWAITED, mode], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=120)
+  before, failed = run('ok'), run('failed')
+  assert before.returncode == failed.returncode == 0, before.stderr + failed.stderr
+  assert "coroutine 'save' was never awaited" in before.stderr
+  assert 'never awaited' not in failed.stderr and failed.stdout == 'end\n', failed.stderr
+
+
 def test_a_metrics_row_that_does_not_fit_leaves_no_partial_row(tmp_path):
   """metrics.jsonl on a full disk: the write fails with one error naming the file, and the part
   of the row the kernel did take is cut off again, so a resumed run appends whole rows."""
