@@ -145,6 +145,9 @@ _MU = flags.DEFINE_integer('num_iterations', None, 'mu; default: the config\'s.'
 _K = flags.DEFINE_integer('grad_accum_steps', None, 'K; default: the config\'s.')
 _PROMPT_LEN = flags.DEFINE_integer('max_prompt_length', None, 'Default: the config\'s.')
 _COMPLETION_LEN = flags.DEFINE_integer('max_completion_length', None, 'Default: the config\'s.')
+_SLOTS = flags.DEFINE_integer(
+    'decode_slots', None, "jaxrl_ga's sampling.decode_slots (a slot pool refilled as rows finish; "
+    "0: batched decode); default: the config's. Pays off with --noforce_full_length.")
 _TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', None,
                                    'Tiny: B; default: the config\'s.')
 _TINY_PERIODS = flags.DEFINE_integer('tiny_periods', 20, 'Tiny: timed periods per side.')
@@ -271,7 +274,8 @@ def base_config(size: Size, num_steps: int):
                    steps_per_generation=_S.value, num_iterations=_MU.value,
                    grad_accum_steps=_K.value)
   c.grpo.schedule.update({k: v for k, v in overrides.items() if v is not None})
-  lengths = dict(max_prompt_length=_PROMPT_LEN.value, max_completion_length=_COMPLETION_LEN.value)
+  lengths = dict(max_prompt_length=_PROMPT_LEN.value, max_completion_length=_COMPLETION_LEN.value,
+                 decode_slots=_SLOTS.value)
   c.grpo.sampling.update({k: v for k, v in lengths.items() if v is not None})
   c.model.max_position_embeddings = max(
       c.model.max_position_embeddings,
@@ -816,7 +820,7 @@ def main(argv):
   print()
   print(table(results))
   flag_names = ('sizes', 'base_config', 'num_generations', 'steps_per_generation', 'num_iterations',
-                'grad_accum_steps', 'max_prompt_length', 'max_completion_length',
+                'grad_accum_steps', 'max_prompt_length', 'max_completion_length', 'decode_slots',
                 'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
                 'warmup_periods', *machine.BIG_MODEL_FLAGS, 'force_full_length', 'torch_threads',
                 'smollm2_config', 'smollm2_micro_batch_size', 'smollm2_periods', 'roofline')
