@@ -204,14 +204,15 @@ def _train(b, loss_cfg, k):
 
 
 MICROBATCH_TOKEN = DPOLossConfig(loss_type='sigmoid', aggregation='microbatch_token')
-CASES = [  # every loss type and aggregation, RPO; K = 1, 2, 4
-    (MICROBATCH_TOKEN, 1),
-    (MICROBATCH_TOKEN, 4),
-    (DPOLossConfig(loss_type='ipo', aggregation='token'), 2),
-    (DPOLossConfig(loss_type='hinge', aggregation='pair'), 4),
-    (DPOLossConfig(loss_type='robust', label_smoothing=0.1, aggregation='pair', rpo_alpha=0.5),
-     2),
-]
+_AGGREGATIONS = ('microbatch_token', 'token', 'pair')
+_LOSSES = (dict(loss_type='sigmoid'), dict(loss_type='ipo'), dict(loss_type='hinge'),
+           dict(loss_type='robust', label_smoothing=0.1, rpo_alpha=0.5))
+# Every loss type at K = 1, 2 and 4, the aggregation rotating so that each aggregation also runs
+# at every K (RPO on the robust rows); and the sigmoid open-instruct split at K = 4 as well.
+CASES = [(DPOLossConfig(**loss, aggregation=_AGGREGATIONS[(i + j) % 3]), k)
+         for i, loss in enumerate(_LOSSES) for j, k in enumerate((1, 2, 4))]
+CASES.append((MICROBATCH_TOKEN, 4))
+assert (MICROBATCH_TOKEN, 1) in CASES
 
 
 @pytest.mark.parametrize('loss_cfg,k', CASES)
