@@ -90,6 +90,52 @@ def test_sharded_checkpoint_loads_same_params():
   _assert_trees_equal(hf.load_params(helpers.fixture_dir('llama_tiny_sharded'), cfg), params)
 
 
+def test_a_sharded_load_reads_each_part_once_and_never_a_whole_tensor():
+  """The trainer's load (params on a mesh): each process reads, through safetensors' lazy slices,
+  only the parts its devices hold. One process holds all 8 devices here, so every element of
+  every tensor is read exactly once (a part replicated over the data axis: once, not per
+  device), no read of a sharded param covers its whole tensor, and no tensor is read whole; the
+  params equal the whole-tensor load bitwise, on the requested shardings. (On several processes
+  jax.make_array_from_callback asks each for its own devices' parts only.)"""
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import MeshConfig  # pylint: disable=g-import-not-at-top
+  cfg, _, params = _loaded('llama_tiny')
+  mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices()[:8])
+  _, shapes, axes = sharding.abstract_model(cfg)
+  shardings = sharding.param_shardings(shapes, axes, mesh)
+  loaded = hf.load_params(helpers.fixture_dir('llama_tiny_sharded'), cfg, shardings=shardings)
+  _assert_trees_equal(loaded, params)
+  for array, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(shardings)):
+    assert array.sharding == want
+
+  tensors = safetensors.numpy.load_file(
+      os.path.join(helpers.fixture_dir(NAMES[1]), 'model.safetensors'))
+  reads = {name: [] for name in tensors}
+
+  class View:  # safetensors' get_slice, counting the elements each read returns
+    def __init__(self, name):
+      self.name, self.shape = name, tensors[name].shape
+
+    def __getitem__(self, index):
+      part = tensors[self.name][index]
+      reads[self.name].append(part.size)
+      return part
+
+  def whole(name):
+    raise AssertionError(f'{name} read whole')
+
+  hf.params_from_tensors(whole, tensors.keys(), cfg, source='test', shardings=shardings,
+                         get_slice=View)
+  used = {n for n in tensors if reads[n]}
+  assert used and all(sum(reads[n]) == tensors[n].size for n in used), {
+      n: (sum(r), tensors[n].size) for n, r in reads.items() if r}
+  flat = {'/'.join(str(getattr(k, 'key', k)) for k in path): s for path, s in
+          jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  sharded = [p for p, s in flat.items() if not s.is_fully_replicated]
+  assert sharded  # the mesh really splits params
+  assert sum(max(r) < tensors[n].size for n, r in reads.items() if r) >= len(sharded)
+
+
 @pytest.mark.parametrize('name', NAMES)
 def test_kv_cache_decoding_matches_full_forward(name):
   """Prefill a left-padded prefix, then decode one token at a time: the logits at every

@@ -304,8 +304,32 @@ class _NamedTensors:
     try:
       return self._handle.get_tensor(name)
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(f'{self._file}: tensor {name!r} cannot be read ({e}); the file is '
-                       f'damaged: re-export or re-download it.') from None
+      raise self._damaged(name, e) from None
+
+  def get_slice(self, name: str) -> '_NamedSlice':
+    """A lazy view of tensor ``name``: ``.shape``, and ``[index]`` reads only that part."""
+    try:
+      return _NamedSlice(self._handle.get_slice(name), lambda e: self._damaged(name, e))
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._damaged(name, e) from None
+
+  def _damaged(self, name: str, e: Exception) -> ValueError:
+    return ValueError(f'{self._file}: tensor {name!r} cannot be read ({e}); the file is '
+                      f'damaged: re-export or re-download it.')
+
+
+class _NamedSlice:
+  """safetensors' lazy slice, its read errors naming the file (see _NamedTensors)."""
+
+  def __init__(self, handle, damaged: Callable[[Exception], ValueError]):
+    self._handle, self._damaged = handle, damaged
+    self.shape = tuple(handle.get_shape())
+
+  def __getitem__(self, index) -> np.ndarray:
+    try:
+      return self._handle[index]
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._damaged(e) from None
 
 
 def _hf_names(path: tuple[str, ...], num_layers: int,
@@ -357,17 +381,24 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
     handles = {file: stack.enter_context(_open_safetensors(file))
                for file in sorted(set(files.values()))}
     return params_from_tensors(lambda name: handles[files[name]].get_tensor(name), files.keys(),
-                               cfg, source=model_dir, shardings=shardings)
+                               cfg, source=model_dir, shardings=shardings,
+                               get_slice=lambda name: handles[files[name]].get_slice(name))
 
 
 def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
                         transformer.ModelConfig, *, source: str,
-                        shardings: Optional[dict] = None) -> dict:
+                        shardings: Optional[dict] = None,
+                        get_slice: Optional[Callable[[str], Any]] = None) -> dict:
   """The params pure dict of ``Transformer(cfg)`` from HF-named tensors in HF layout.
 
   ``get_tensor(hf_name)`` returns one tensor as numpy ([out, in] for linear weights); ``available``
   is the set of names it can return; ``source`` names them in errors. Shared by the safetensors
   reader above and ``jaxrl_ga.models.gguf`` (which dequantizes GGUF tensors into HF names).
+
+  With ``shardings`` and ``get_slice`` (a lazy view per name: ``.shape``, and ``[index]`` reading
+  only that part, as safetensors' ``get_slice``), each param is built by
+  ``jax.make_array_from_callback``: every process reads only the parts of each tensor its own
+  devices hold, so no host reads a whole model (docs/models.md).
   """
   expected = traverse_util.flatten_dict(shd.abstract_model(cfg)[1])
   flat_shardings = traverse_util.flatten_dict(shardings) if shardings is not None else {}
@@ -385,6 +416,11 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
   out = {}
   for path, spec in expected.items():
     hf_names, transposed = names[path]
+    sharding = flat_shardings.get(path)
+    if get_slice is not None and sharding is not None:
+      out[path] = _read_sharded([get_slice(n) for n in hf_names], transposed, path, spec,
+                                sharding, hf_names[0])
+      continue
     layers = []
     for name in hf_names:
       x = get_tensor(name)
@@ -394,10 +430,40 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
       raise ValueError(f'{"/".join(path)} (from {hf_names[0]}, ...): shape {host.shape} does not '
                        f'fit the config, which wants {spec.shape}.')
     host = np.ascontiguousarray(host.astype(spec.dtype, copy=False))
-    sharding = flat_shardings.get(path)
     out[path] = placement.put(host, sharding) if sharding is not None else jax.device_put(host)
     del host, layers
   return _unflatten(out)
+
+
+def _read_sharded(views: list, transposed: bool, path: tuple[str, ...], spec, sharding,
+                  first_name: str) -> jax.Array:
+  """One param from its per-layer lazy views (one view for a param outside the layers): each
+  device's shard read from the views' matching part, transposed and stacked on the host."""
+  stacked = path[0] == 'layers'
+  inner = views[0].shape[::-1] if transposed else views[0].shape
+  shape = ((len(views),) if stacked else ()) + tuple(inner)
+  if shape != tuple(spec.shape) or any(v.shape != views[0].shape for v in views):
+    raise ValueError(f'{"/".join(path)} (from {first_name}, ...): shape {shape} does not fit the '
+                     f'config, which wants {spec.shape}.')
+
+  done: dict[tuple, np.ndarray] = {}  # a shard replicated on several local devices: read once
+
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    key = tuple(i.indices(n) for i, n in zip(index, shape))
+    if key not in done:
+      done[key] = _read_part(index)
+    return done[key]
+
+  def _read_part(index: tuple[slice, ...]) -> np.ndarray:
+    layers, part = (index[0], index[1:]) if stacked else (slice(0, 1), index)
+    hf_part = part[::-1] if transposed else part
+    pieces = [views[i][hf_part] for i in range(*layers.indices(len(views)))]
+    pieces = [x.T for x in pieces] if transposed else pieces
+    host = np.stack(pieces) if stacked else pieces[0]
+    return np.ascontiguousarray(host.astype(spec.dtype, copy=False))
+
+  return jax.make_array_from_callback(tuple(spec.shape), sharding, read)
 
 
 def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
