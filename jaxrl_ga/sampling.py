@@ -344,14 +344,21 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   # Every prompt once: its KV (Tp slots) and the logits of completion token 0, copied into a
   # slot when one of its rows starts.
   first_logits, prompt_cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp)
-  prompt_len = jnp.sum(prompt_mask.astype(jnp.int32), axis=-1)  # [N / share]
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
   layers = model.unstacked_layers()
   slot_ids = jnp.arange(slots)
+  # Token 0 of every row, drawn once here from its prompt's logits with the row's own key; a slot
+  # that takes a row starts from it (decode feeds it back), and a row ended by it never decodes.
+  rows = jnp.arange(n)
+  token0, logp0 = _choose(first_logits[rows // share], row_keys(rng, rows, jnp.zeros_like(rows)),
+                          temperature, top_p, sampler.top_k, greedy)
+  ended0 = token0 == sampler.eos_id
+  decodes = ~ended0 & (length > 1)  # [N]: the row needs decode steps
 
-  def emit(state: PoolState, live, logits) -> PoolState:
-    """Draws each live slot's next token from ``logits`` [P, V] and writes it to its row."""
+  def emit(state: PoolState, logits) -> PoolState:
+    """Draws each active slot's next token from ``logits`` [P, V] and writes it to its row."""
+    live = state.active
     row = jnp.where(live, state.row, n)  # rows out of range: the scatters drop them
     token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
                           sampler.top_k, greedy)
@@ -367,35 +374,32 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
         ended=state.ended.at[row].set(token == sampler.eos_id, mode='drop'))
 
   def refill(state: PoolState) -> PoolState:
-    """Free slots take the next rows of the queue (in slot order) and draw their token 0."""
+    """Free slots take the next rows of the queue (in slot order), from their token 0."""
     free = ~state.active
     row = state.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1
     start = free & (row < n)
 
     def begin(state: PoolState) -> PoolState:
-      prompt = jnp.where(start, row, 0) // share
+      new_row = jnp.where(start, row, 0)
+      prompt = new_row // share
       target = jnp.where(start, slot_ids, slots)  # slots not starting: dropped
 
       def put(buf, new):  # the starting slots' first Tp cache slots <- their prompt's
         return buf.at[target, :, :tp].set(new[prompt].astype(buf.dtype), mode='drop')
 
       c = state.cache
-      valid = jnp.zeros((slots, c.valid.shape[1]), bool).at[:, :tp].set(
-          prompt_mask[prompt].astype(bool))
+      valid = jnp.zeros((slots, c.valid.shape[1]), bool).at[:, :tp].set(prompt_cache.valid[prompt])
       c = c.replace(
           k=tuple(put(k, prompt_cache.k[i]) for i, k in enumerate(c.k)),
           v=tuple(put(v, prompt_cache.v[i]) for i, v in enumerate(c.v)),
           valid=jnp.where(start[:, None], valid, c.valid),
           index=jnp.where(start, tp, c.index),
-          positions=jnp.where(start, prompt_len[prompt], c.positions))
-      state = state.replace(cache=c, row=jnp.where(start, row, state.row),
-                            position=jnp.where(start, 0, state.position),
-                            next_row=state.next_row + jnp.sum(start.astype(jnp.int32)))
-      started = emit(state, start, first_logits[prompt])
+          positions=jnp.where(start, prompt_cache.positions[prompt], c.positions))
       keep = lambda new, old: jnp.where(start, new, old)  # the running slots are untouched
-      return started.replace(position=keep(started.position, state.position),
-                             active=keep(started.active, state.active),
-                             last_token=keep(started.last_token, state.last_token))
+      return state.replace(cache=c, row=keep(row, state.row), position=keep(1, state.position),
+                           active=keep(decodes[new_row], state.active),
+                           last_token=keep(token0[new_row], state.last_token),
+                           next_row=state.next_row + jnp.sum(start.astype(jnp.int32)))
 
     return jax.lax.cond(jnp.any(start), begin, lambda s: s, state)
 
@@ -403,9 +407,8 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
     return jnp.any(state.active) | (state.next_row < n)
 
   def body(state: PoolState):
-    live = state.active
     logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block)
-    state = emit(state.replace(cache=cache, steps=state.steps + 1), live, logits)
+    state = emit(state.replace(cache=cache, steps=state.steps + 1), logits)
     # A free slot writes its (discarded) steps at slot Tp, which a refill masks out again: its
     # index must not hold the attention's reach at the longest row it ever held.
     return refill(state.replace(cache=state.cache.replace(
@@ -415,9 +418,10 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
       steps=jnp.zeros((), jnp.int32), next_row=jnp.zeros((), jnp.int32),
       row=jnp.full((slots,), n, jnp.int32), position=jnp.zeros((slots,), jnp.int32),
       active=jnp.zeros((slots,), bool), last_token=jnp.full((slots,), sampler.pad_id, jnp.int32),
-      tokens=jnp.full((n, length), sampler.pad_id, jnp.int32),
-      mask=jnp.zeros((n, length), jnp.int32), logps=jnp.zeros((n, length), jnp.float32),
-      ended=jnp.zeros((n,), bool), cache=cache)
+      tokens=jnp.full((n, length), sampler.pad_id, jnp.int32).at[:, 0].set(token0),
+      mask=jnp.zeros((n, length), jnp.int32).at[:, 0].set(1),
+      logps=jnp.zeros((n, length), jnp.float32).at[:, 0].set(logp0),
+      ended=ended0, cache=cache)
   state = jax.lax.while_loop(cond, body, refill(state))
   return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.ended,
                      logps=state.logps, num_decode_steps=state.steps + 1)
