@@ -23,7 +23,7 @@ naming its row, dropped (counted) or truncated on ``dpo.truncation_side``
 Bad input is a ConfigError naming the row (``file:line``): a missing column, a value that is
 neither a string nor a message list, an empty reply, a reply conversation without an assistant
 turn, chosen equal to rejected, conversations that share no leading turn (implicit prompt), a
-template that renders the prompt differently inside the conversation.
+template that raises on the row or renders the prompt differently inside the conversation.
 
 The encoded pairs have a fingerprint (their tokens and masks, and ``dpo.ref_model``):
 trainers/dpo.py caches them with their reference log-probs in ``WORKDIR/dpo_dataset_pairs.npz``
@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import sft_data
 from jaxrl_ga.config import ConfigError
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import text
@@ -186,13 +187,13 @@ class PreferenceTask(data.DataTask):
 
 def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], list[int], list[int]]:
   """(prompt, chosen, rejected) token ids of a row (see the module docstring)."""
-  if chat.has_chat_template(tokenizer):
+  if chat.has_chat_template(tokenizer):  # rendered as sft_data renders a conversation
     prompt = _as_messages(pref.prompt, 'user')
-    prompt_text = chat.prompt_text(tokenizer, prompt)
+    prompt_text = sft_data.render(tokenizer, prompt, True, pref.where)
     replies = []
     for column in ('chosen', 'rejected'):
-      full = tokenizer.apply_chat_template(
-          prompt + _as_messages(getattr(pref, column), 'assistant'), tokenize=False)
+      full = sft_data.render(tokenizer, prompt + _as_messages(getattr(pref, column), 'assistant'),
+                             False, pref.where)
       if not full.startswith(prompt_text):
         raise ConfigError(f'{pref.where}: the chat template renders the prompt differently at the '
                           f'start of the {column} conversation, so the reply cannot be split off; '

@@ -130,8 +130,8 @@ def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[i
     completion = row['completion']
     completion = ([{'role': 'assistant', 'content': completion}]
                   if isinstance(completion, str) else completion)
-    head = _render(tokenizer, prompt, True, row.where)
-    whole = _render(tokenizer, prompt + completion, False, row.where)
+    head = render(tokenizer, prompt, True, row.where)
+    whole = render(tokenizer, prompt + completion, False, row.where)
     _check_prefix(head, whole, row.where)
     pieces = [(head, 0), (whole[len(head):], 1)]
   elif has_generation_markers(tokenizer):
@@ -163,13 +163,13 @@ def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: st
                      ) -> list[tuple[str, int]]:
   """The rendered conversation as (text, 1 if assistant text else 0) pieces, prefix by prefix
   (for a template without generation markers; see the module docstring)."""
-  whole = _render(tokenizer, messages, False, where)
+  whole = render(tokenizer, messages, False, where)
   pieces, done = [], ''
   for i, m in enumerate(messages):
     if m['role'] != 'assistant':
       continue
-    head = _render(tokenizer, messages[:i], True, where) if i else ''
-    upto = _render(tokenizer, messages[:i + 1], False, where)
+    head = render(tokenizer, messages[:i], True, where) if i else ''
+    upto = render(tokenizer, messages[:i + 1], False, where)
     _check_prefix(done, head, where)
     _check_prefix(head, upto, where)
     _check_prefix(upto, whole, where)
@@ -179,7 +179,9 @@ def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: st
   return pieces
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
+def render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
+  """``messages`` through the chat template as text; a template that raises (its own
+  ``raise_exception``, a bad template): one ConfigError line naming the row ``where``."""
   try:
     return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
