@@ -63,10 +63,10 @@ class Preference:
 def _messages(value, where: str, column: str) -> Union[str, Messages]:
   if isinstance(value, str):
     return value
-  if isinstance(value, (list, tuple)) and all(
-      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
-          m.get('content'), str) for m in value):
-    return [{'role': m['role'], 'content': m['content']} for m in value]
+  # [] as well: parse then names what the row lacks (an assistant turn, a shared prompt).
+  messages = [] if isinstance(value, (list, tuple)) and not value else data.as_messages(value)
+  if messages is not None:
+    return messages
   raise ConfigError(f'{where}: "{column}" is a {type(value).__name__} ({str(value)[:60]!r}); '
                     f'give a string or a list of chat messages {{"role": ..., "content": ...}}.')
 
