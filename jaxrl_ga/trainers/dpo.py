@@ -85,14 +85,12 @@ def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
   """``pairs`` with ``ref_chosen_logps`` and ``ref_rejected_logps`` [N] (float32): the summed
   completion log-probs under ``params`` (the policy at the start of the stage) or under
   ``dpo.ref_model``, computed once."""
+  graphdef = ctx.graphdef
   if cfg.ref_model:
     ref_cfg = reference_config(ctx.cfg, cfg)
     model_cfg = policy.model_config(ref_cfg, len(ctx.tokenizer))
-    graphdef, params, shardings = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
-  else:
-    model_cfg, graphdef, shardings = ctx.model_cfg, ctx.graphdef, ctx.param_shardings
-  _, ref_fn = programs.build_dpo_programs(ctx.cfg, model_cfg, ctx.mesh, shardings, graphdef,
-                                          dpo=cfg)
+    graphdef, params, _ = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
+  ref_fn = programs.build_reference_logps(ctx.cfg, graphdef)
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(pairs['chosen_tokens'])
   pairs = dict(pairs)
@@ -198,8 +196,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   # dpo.micro_batch_size is checked against the mesh before anything is built
   # (api.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
-                                           ctx.param_shardings, ctx.graphdef, dpo=cfg)
+  learner = programs.build_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                      ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = load_or_build_pairs(ctx, cfg, params)
   shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
