@@ -147,6 +147,7 @@ class PreferenceTask(data.DataTask):
     self.pairs: Optional[dict[str, np.ndarray]] = None  # encode() fills these
     self.fingerprint = ''
     self.dropped = self.truncated = 0
+    self.cached: Optional[tuple[str, dict[str, np.ndarray]]] = None  # load_cache: (path, pairs)
 
   def encode(self, tokenizer, cfg) -> None:
     """Tokenizes every row and checks it against ``cfg`` (DPOConfig): fills ``pairs`` (the
@@ -183,6 +184,7 @@ class PreferenceTask(data.DataTask):
       pairs.update({f'{side}_{key}': value for key, value in rows.items()})
     self.pairs = pairs
     self.fingerprint = fingerprint(pairs, cfg.ref_model)
+    self.cached = None  # a cache read for other pairs is read (and checked) again
 
 
 def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], list[int], list[int]]:
@@ -223,17 +225,30 @@ def cache_path(workdir: str) -> str:
   return fileio.join(workdir, CACHE_FILE)
 
 
-def check_cache(workdir: str, task: PreferenceTask) -> None:
-  """Before anything compiles: a cache in ``workdir`` built from other rows is refused."""
+def load_cache(workdir: str, task: PreferenceTask) -> Optional[dict[str, np.ndarray]]:
+  """The pairs and reference log-probs cached in ``workdir`` (None: no cache), read once per task
+  (api.build_context checks it before anything compiles, trainers/dpo.py then trains on it). A
+  cache built from other rows or another ``dpo.ref_model`` is refused."""
   path = cache_path(workdir)
+  if task.cached is not None and task.cached[0] == path:
+    return task.cached[1]
   if not fileio.exists(path):
-    return
-  cached = str(fileio.load_npz(path).get('fingerprint', ''))
+    return None
+  pairs = fileio.load_npz(path)
+  cached = str(pairs.pop('fingerprint', ''))
   if cached != task.fingerprint:
     raise ConfigError(f'data.train: {path} holds the pairs and reference log-probs of another '
                       f'dataset or dpo.ref_model (fingerprint {cached[:12] or "none"}, now {task.fingerprint[:12]}); '
                       f'use a fresh --workdir, or delete that file and the dpo checkpoints to '
                       f'start over.')
+  task.cached = (path, pairs)
+  return pairs
+
+
+def check_cache(workdir: str, task: PreferenceTask) -> None:
+  """Before anything compiles: a cache in ``workdir`` built from other rows is refused
+  (``load_cache``)."""
+  load_cache(workdir, task)
 
 
 # -- the task ---------------------------------------------------------------------------------------

@@ -128,20 +128,18 @@ def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict
   with the dataset's fingerprint; api.build_context has refused a cache of other rows)."""
   if cfg.pairs == 'dataset':
     path = preference.cache_path(ctx.workdir)
-    if fileio.exists(path):
-      cached = fileio.load_npz(path)
-      cached.pop('fingerprint')
-      return cached
-    pairs = add_reference_logps(ctx, cfg, params, ctx.task.pairs)
-    if ctx.is_primary:  # atomic
-      fileio.save_npz(path, pairs | {'fingerprint': np.asarray(ctx.task.fingerprint)})
-    return pairs
-  path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
-  if fileio.exists(path):
-    return fileio.load_npz(path)
-  pairs = build_pairs(ctx, cfg, params)
-  if ctx.is_primary:
-    fileio.save_npz(path, pairs)  # atomic
+    cached = preference.load_cache(ctx.workdir, ctx.task)
+    build = lambda: add_reference_logps(ctx, cfg, params, ctx.task.pairs)
+    stamp = {'fingerprint': np.asarray(ctx.task.fingerprint)}
+  else:
+    path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
+    cached = fileio.load_npz(path) if fileio.exists(path) else None
+    build, stamp = lambda: build_pairs(ctx, cfg, params), {}
+  if cached is not None:
+    return cached
+  pairs = build()
+  if ctx.is_primary:  # atomic
+    fileio.save_npz(path, pairs | stamp)
   return pairs
 
 
