@@ -154,6 +154,7 @@ class PairStream:
     self.pairs, self.cfg, self.seed, self.mesh, self.shuffle = pairs, cfg, seed, mesh, shuffle
     self.num_pairs = len(pairs['ref_chosen_logps'])
     self._orders = {}
+    self._rpo_window = (-1, np.float32(0))  # (window start, its rpo_scale): once per window
 
   def indices(self, position: int, count: int) -> np.ndarray:
     idx = []
@@ -167,14 +168,18 @@ class PairStream:
 
   def rpo_scale(self, position: int) -> np.float32:
     """RPO's NLL term is a token mean over the whole optimizer-step window (losses.dpo_loss):
-    the window's denominator / chosen tokens, from the K micro-batches that hold `position`."""
+    the window's denominator / chosen tokens, from the K micro-batches that hold `position`
+    (computed once per window, kept for its other micro-batches)."""
     window = self.cfg.micro_batch_size * self.cfg.grad_accum_steps
-    w = self.indices(position - position % window, window)
-    count = lambda key: self.pairs[key][w].sum(axis=-1)
-    den, chosen = losses.dpo_window_normalizers(
-        count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
-        count('rejected_attention_mask'), self.cfg.loss)
-    return np.float32(den / max(chosen, 1.0))
+    start = position - position % window
+    if self._rpo_window[0] != start:
+      w = self.indices(start, window)
+      count = lambda key: self.pairs[key][w].sum(axis=-1)
+      den, chosen = losses.dpo_window_normalizers(
+          count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
+          count('rejected_attention_mask'), self.cfg.loss)
+      self._rpo_window = (start, np.float32(den / max(chosen, 1.0)))
+    return self._rpo_window[1]
 
   def batch_at(self, position: int):
     """The micro-batch of ``micro_batch_size`` pairs from data position ``position``, sharded
