@@ -235,17 +235,26 @@ _REMOTE_SCHEMES = ('gs://', 'gcs://')
 MODEL_CACHE_ENV = 'JAXRL_GA_MODEL_CACHE'
 
 
+# (remote, local copy) pairs fetched by this process: the bucket is listed once, not by every
+# loader (config, tokenizer, weights) that asks for the same checkpoint.
+_REMOTE_COPIES: set[tuple[str, str]] = set()
+
+
 def _remote_copy(remote: str) -> str:
   """The local copy of a gs:// checkpoint directory (configs, safetensors, tokenizer files), under
   $JAXRL_GA_MODEL_CACHE (default ~/.cache/jaxrl_ga/models)/<bucket>/<path>; files already copied
-  with the same size are not fetched again. Each host copies to its own disk, streamed (no file
-  is held in memory); the weights are then read one param at a time as from a local directory."""
+  with the same size are not fetched again, and a directory this process has fetched is not
+  listed again. Each host copies to its own disk, streamed (no file is held in memory); the
+  weights are then read one param at a time as from a local directory."""
   root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(
       os.path.expanduser('~'), '.cache', 'jaxrl_ga', 'models')
   local = os.path.join(root, *remote.split('://', 1)[1].strip('/').split('/'))
+  if (remote, local) in _REMOTE_COPIES and os.path.exists(os.path.join(local, 'config.json')):
+    return local
   names = fileio.fetch_directory(remote, local, _HUB_PATTERNS)
   if 'config.json' not in names:
     raise FileNotFoundError(f'{remote} has no config.json: not an HF model directory.')
+  _REMOTE_COPIES.add((remote, local))
   return local
 
 
