@@ -146,17 +146,13 @@ def main(argv):
 
 def next_batch(v, ctx):
   """The variant's next micro-batch from its data position (as trainers.sft builds it)."""
-  used = []
-  def build(rows):
-    b, n = sft.micro_batch(ctx, v['cfg'], v['position'], v['seed'], rows)
-    used.append(n)
-    v['tokens'] += int(np.sum(b['attention_mask'] > 0))
-    v['slots'] += b['tokens'].size
-    return b
-  batch = placement.shard_rows(build, _B.value, ctx.mesh)
-  v['position'] += used[0]
-  v['examples'] += used[0]
-  return batch
+  b, used = sft.micro_batch(ctx, v['cfg'], v['position'], v['seed'],
+                            placement.batch_rows(_B.value, ctx.mesh))
+  v['tokens'] += int(np.sum(b['attention_mask'] > 0))
+  v['slots'] += b['tokens'].size
+  v['position'] += used
+  v['examples'] += used
+  return placement.shard_rows(lambda rows: b, _B.value, ctx.mesh)
 
 
 if __name__ == '__main__':
