@@ -20,11 +20,8 @@ def encode(tokenizer, text: str) -> list[int]:
 def encode_prompt(tokenizer, text) -> list[int]:
   """A task prompt's ids: through the tokenizer's chat template when it has one (a user message
   plus the assistant generation prompt; ``jaxrl_ga.tasks.chat``), else the raw text. A list of
-  chat messages goes through the template as it is."""
-  try:
-    return chat.prompt_ids(tokenizer, text)
-  except ValueError as e:  # a message list for a tokenizer without a chat template
-    raise ConfigError(str(e)) from None
+  chat messages goes through the template as it is (without one: ConfigError)."""
+  return chat.prompt_ids(tokenizer, text)
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, what: str):
   """-> tokens, mask [N, length] int32, right-aligned. Too long: ConfigError naming ``what``."""
