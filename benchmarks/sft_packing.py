@@ -41,10 +41,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import machine  # noqa: E402
 from jaxrl_ga import api  # noqa: E402
+from jaxrl_ga import host_memory  # noqa: E402
 from jaxrl_ga import placement  # noqa: E402
 from jaxrl_ga import programs  # noqa: E402
 from jaxrl_ga.trainers import context  # noqa: E402
 from jaxrl_ga.trainers import sft  # noqa: E402
+
+host_memory.quiet_absent_tpu()  # before JAX starts its backends: an idle libtpu's warnings
 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/sft_packing.json', 'JSON results path.')
 _ROWS = flags.DEFINE_integer('num_rows', 2000, 'chat rows written.')
