@@ -170,14 +170,18 @@ BIG_MODEL_FLAGS = ('big_hidden_size', 'big_layers', 'big_intermediate_size', 'bi
                    'big_kv_heads')
 
 
-def define_big_model_flags():
-  """Defines the big model's size flags (``BIG_MODEL_FLAGS``) for a script. -> a function that
-  gives, once the flags are parsed, its ``ModelConfig`` size fields."""
+def define_big_model_flags(**defaults: int):
+  """Defines the big model's size flags (``BIG_MODEL_FLAGS``) for a script; ``defaults``
+  (``ModelConfig`` field -> value) replace the d=512 model's for a script that runs another by
+  default. -> a function that gives, once the flags are parsed, its ``ModelConfig`` size fields."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   fields = (('hidden_size', 512, 'hidden size'), ('num_hidden_layers', 8, 'decoder layers'),
             ('intermediate_size', 1536, 'MLP width'), ('num_attention_heads', 8, 'attention heads'),
             ('num_key_value_heads', 8, 'key/value heads'))
-  holders = {field: flags.DEFINE_integer(name, default, f'Big model: {what}.')
+  unknown = set(defaults) - {field for field, _, _ in fields}
+  if unknown:
+    raise ValueError(f'define_big_model_flags: no size flag for {sorted(unknown)}.')
+  holders = {field: flags.DEFINE_integer(name, defaults.get(field, default), f'Big model: {what}.')
              for name, (field, default, what) in zip(BIG_MODEL_FLAGS, fields)}
   return lambda: {field: holder.value for field, holder in holders.items()}
 

@@ -8,7 +8,9 @@ sum followed by filler words; each turn's filler length is drawn log-uniformly b
 ``--max_words`` words (seeded), so the rendered rows (the model's plain chat template, one token
 per character) spread from about 30 tokens to ``--max_length``; rows over it are dropped
 (``sft.too_long=drop``, counted). The model: a fresh one of the CPU default's architecture
-(hidden 128, 2 layers, configs/grpo_arith.py) or ``--hidden_size``/``--num_layers``.
+(hidden 128, MLP 256, 2 layers, 4 heads of which 2 key/value, configs/grpo_arith.py), or other
+sizes through the scripts' shared size flags (``--big_hidden_size``, ``--big_layers``, ...;
+``machine.BIG_MODEL_FLAGS``).
 
 Both variants are the library's SFT stage pieces: ``api.build_context`` (rows read, rendered,
 tokenized and fitted once), ``programs.build_sft_learner`` and ``trainers.sft.micro_batch`` (the
@@ -39,10 +41,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import machine  # noqa: E402
 from jaxrl_ga import api  # noqa: E402
+from jaxrl_ga import host_memory  # noqa: E402
 from jaxrl_ga import placement  # noqa: E402
 from jaxrl_ga import programs  # noqa: E402
 from jaxrl_ga.trainers import context  # noqa: E402
 from jaxrl_ga.trainers import sft  # noqa: E402
+
+host_memory.quiet_absent_tpu()  # before JAX starts its backends: an idle libtpu's warnings
 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/sft_packing.json', 'JSON results path.')
 _ROWS = flags.DEFINE_integer('num_rows', 2000, 'chat rows written.')
@@ -51,8 +56,10 @@ _MAX_LENGTH = flags.DEFINE_integer('max_length', 256, 'sft.max_length (row lengt
 _B = flags.DEFINE_integer('micro_batch_size', 8, 'rows per micro-step.')
 _STEPS = flags.DEFINE_integer('steps', 5, 'learner steps per variant per round.')
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'timed rounds.')
-_HIDDEN = flags.DEFINE_integer('hidden_size', 128, 'model width (MLP: twice it).')
-_LAYERS = flags.DEFINE_integer('num_layers', 2, 'decoder layers.')
+# configs/grpo_arith.py's CPU model by default: --big_hidden_size, ... (machine.BIG_MODEL_FLAGS)
+_MODEL = machine.define_big_model_flags(hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2)
 _SEED = flags.DEFINE_integer('seed', 0, 'data seed.')
 
 WORDS = ('the', 'sum', 'of', 'two', 'numbers', 'is', 'found', 'by', 'adding', 'them', 'so',
@@ -81,8 +88,8 @@ def main(argv):
   base = {'stages': 'sft', 'data.train': path, 'data.eval_fraction': 0.01,
           'sft.max_length': _MAX_LENGTH.value, 'sft.too_long': 'drop',
           'sft.micro_batch_size': _B.value, 'sft.grad_accum_steps': 1,
-          'model.hidden_size': _HIDDEN.value, 'model.intermediate_size': 2 * _HIDDEN.value,
-          'model.num_hidden_layers': _LAYERS.value, 'model.max_position_embeddings': 1024}
+          **{f'model.{field}': value for field, value in _MODEL().items()},
+          'model.max_position_embeddings': 1024}
   ctx, params = api.build_context(api.make_config('configs/sft_arith.py', **base),
                                   os.path.join(tmp, 'wd'))
   lengths = [len(ids) for ids, _ in ctx.task.sequences]
@@ -124,8 +131,9 @@ def main(argv):
   speedup = rows['packed']['tokens_per_s'] / rows['one per row']['tokens_per_s']
   print(f'\nSFT, {len(lengths)} chat rows of {min(lengths)}-{max(lengths)} tokens (median '
         f'{int(np.median(lengths))}; {ctx.task.dropped} over {_MAX_LENGTH.value} dropped), '
-        f'{_B.value} rows x {_MAX_LENGTH.value} tokens per step, hidden {_HIDDEN.value}, '
-        f'{_LAYERS.value} layers, {jax.devices()[0].platform}\n')
+        f'{_B.value} rows x {_MAX_LENGTH.value} tokens per step, hidden '
+        f'{ctx.model_cfg.hidden_size}, {ctx.model_cfg.num_hidden_layers} layers, '
+        f'{jax.devices()[0].platform}\n')
   print('| variant | examples/step | padding | step (s) | examples/s | tokens/s | compile (s) |')
   print('|---|---|---|---|---|---|---|')
   for name, r in rows.items():
@@ -137,8 +145,8 @@ def main(argv):
   machine.write_json(_OUT.value, {
       'machine': machine.machine_info(load_avg_end=os.getloadavg()),
       'flags': {f: flags.FLAGS[f].value for f in (
-          'num_rows', 'max_words', 'max_length', 'micro_batch_size', 'steps', 'rounds',
-          'hidden_size', 'num_layers', 'seed')},
+          'num_rows', 'max_words', 'max_length', 'micro_batch_size', 'steps', 'rounds', 'seed',
+          *machine.BIG_MODEL_FLAGS)},
       'row_lengths': {'min': min(lengths), 'median': float(np.median(lengths)),
                       'max': max(lengths), 'dropped': ctx.task.dropped},
       'variants': rows, 'packing_speedup_tokens_per_s': speedup})
@@ -146,17 +154,13 @@ def main(argv):
 
 def next_batch(v, ctx):
   """The variant's next micro-batch from its data position (as trainers.sft builds it)."""
-  used = []
-  def build(rows):
-    b, n = sft.micro_batch(ctx, v['cfg'], v['position'], v['seed'], rows)
-    used.append(n)
-    v['tokens'] += int(np.sum(b['attention_mask'] > 0))
-    v['slots'] += b['tokens'].size
-    return b
-  batch = placement.shard_rows(build, _B.value, ctx.mesh)
-  v['position'] += used[0]
-  v['examples'] += used[0]
-  return batch
+  b, used = sft.micro_batch(ctx, v['cfg'], v['position'], v['seed'],
+                            placement.batch_rows(_B.value, ctx.mesh))
+  v['tokens'] += int(np.sum(b['attention_mask'] > 0))
+  v['slots'] += b['tokens'].size
+  v['position'] += used
+  v['examples'] += used
+  return placement.shard_rows(lambda rows: b, _B.value, ctx.mesh)
 
 
 if __name__ == '__main__':

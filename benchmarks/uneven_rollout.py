@@ -49,6 +49,9 @@ from absl import app
 from absl import flags
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402  benchmarks/machine.py (the standard library only: the HF side too)
+
 PROMPTS = (  # asked for replies of very different lengths, as a mixed chat workload does
     'What is the capital of France? Answer with one word.',
     'Write a detailed essay of at least 600 words about the history of the printing press.',
@@ -182,9 +185,9 @@ def main(argv):
   if _HF_SIDE.value:
     hf_side(_HF_SIDE.value)
     return
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings (as the CLIs do)
   import jax  # pylint: disable=g-import-not-at-top
-  import machine  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import gguf, hf  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top

@@ -49,6 +49,11 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   (WORKDIR/checkpoints/grpo/12), or a run's WORKDIR (the stage whose latest checkpoint was written
   last). The tokenizer: ``tokenizer_path``, else WORKDIR/tokenizer when it exists.
   """
+  return _read_checkpoint(checkpoint_dir, tokenizer_path)[:4]
+
+
+def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
+  """``load_checkpoint``'s tuple and the checkpoint's fingerprint (what the run recorded)."""
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   path = os.path.abspath(checkpoint_dir.rstrip('/'))
@@ -83,7 +88,7 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
   if tokenizer_path or os.path.isdir(tok_path):
     tokenizer = hf.load_tokenizer(tok_path)
-  return cfg, params, tokenizer, f'{path}/{step}'
+  return cfg, params, tokenizer, f'{path}/{step}', fingerprint
 
 
 def base_params(cfg, fingerprint: dict) -> dict:
@@ -99,14 +104,6 @@ def base_params(cfg, fingerprint: dict) -> dict:
   # The adapters are drawn after every base weight: the base model of the same seed.
   return tfm.split(tfm.Transformer(lora.base_config(cfg),
                                    rngs=nnx.Rngs(fingerprint['seed'])))[1]
-
-
-def _model_source(step_dir: str) -> str | None:
-  """model.hf_path of the run that wrote checkpoint ``step_dir`` (DIR/STEP), or None."""
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  fingerprint, _ = checkpoint.Checkpointer(os.path.dirname(step_dir), read_only=True).read_record(
-      int(os.path.basename(step_dir)))
-  return fingerprint.get('model_source') or None
 
 
 def check_out_dir(out_dir: str, overwrite: bool = False) -> None:
@@ -136,13 +133,14 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   check_out_dir(out_dir, overwrite)
   if adapter_out:
     check_out_dir(adapter_out, overwrite)
-  cfg, params, tokenizer, src = load_checkpoint(checkpoint_dir, tokenizer_path)
+  cfg, params, tokenizer, src, fingerprint = _read_checkpoint(checkpoint_dir, tokenizer_path)
   if adapter_out and not cfg.lora.rank:
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
   if cfg.lora.rank:
     if adapter_out:
       with fileio.writing(adapter_out):
-        lora.save_peft(lora.split(params)[0], cfg, adapter_out, base_model=_model_source(src))
+        lora.save_peft(lora.split(params)[0], cfg, adapter_out,
+                       base_model=fingerprint.get('model_source') or None)
     params, cfg = lora.merged(params, cfg)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)

@@ -23,7 +23,7 @@ naming its row, dropped (counted) or truncated on ``dpo.truncation_side``
 Bad input is a ConfigError naming the row (``file:line``): a missing column, a value that is
 neither a string nor a message list, an empty reply, a reply conversation without an assistant
 turn, chosen equal to rejected, conversations that share no leading turn (implicit prompt), a
-template that renders the prompt differently inside the conversation.
+template that raises on the row or renders the prompt differently inside the conversation.
 
 The encoded pairs have a fingerprint (their tokens and masks, and ``dpo.ref_model``):
 trainers/dpo.py caches them with their reference log-probs in ``WORKDIR/dpo_dataset_pairs.npz``
@@ -40,6 +40,7 @@ import numpy as np
 
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import sft_data
 from jaxrl_ga.config import ConfigError
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import text
@@ -62,10 +63,10 @@ class Preference:
 def _messages(value, where: str, column: str) -> Union[str, Messages]:
   if isinstance(value, str):
     return value
-  if isinstance(value, (list, tuple)) and all(
-      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
-          m.get('content'), str) for m in value):
-    return [{'role': m['role'], 'content': m['content']} for m in value]
+  # [] as well: parse then names what the row lacks (an assistant turn, a shared prompt).
+  messages = [] if isinstance(value, (list, tuple)) and not value else data.as_messages(value)
+  if messages is not None:
+    return messages
   raise ConfigError(f'{where}: "{column}" is a {type(value).__name__} ({str(value)[:60]!r}); '
                     f'give a string or a list of chat messages {{"role": ..., "content": ...}}.')
 
@@ -146,6 +147,7 @@ class PreferenceTask(data.DataTask):
     self.pairs: Optional[dict[str, np.ndarray]] = None  # encode() fills these
     self.fingerprint = ''
     self.dropped = self.truncated = 0
+    self.cached: Optional[tuple[str, dict[str, np.ndarray]]] = None  # load_cache: (path, pairs)
 
   def encode(self, tokenizer, cfg) -> None:
     """Tokenizes every row and checks it against ``cfg`` (DPOConfig): fills ``pairs`` (the
@@ -182,17 +184,18 @@ class PreferenceTask(data.DataTask):
       pairs.update({f'{side}_{key}': value for key, value in rows.items()})
     self.pairs = pairs
     self.fingerprint = fingerprint(pairs, cfg.ref_model)
+    self.cached = None  # a cache read for other pairs is read (and checked) again
 
 
 def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], list[int], list[int]]:
   """(prompt, chosen, rejected) token ids of a row (see the module docstring)."""
-  if chat.has_chat_template(tokenizer):
+  if chat.has_chat_template(tokenizer):  # rendered as sft_data renders a conversation
     prompt = _as_messages(pref.prompt, 'user')
-    prompt_text = chat.prompt_text(tokenizer, prompt)
+    prompt_text = sft_data.render(tokenizer, prompt, True, pref.where)
     replies = []
     for column in ('chosen', 'rejected'):
-      full = tokenizer.apply_chat_template(
-          prompt + _as_messages(getattr(pref, column), 'assistant'), tokenize=False)
+      full = sft_data.render(tokenizer, prompt + _as_messages(getattr(pref, column), 'assistant'),
+                             False, pref.where)
       if not full.startswith(prompt_text):
         raise ConfigError(f'{pref.where}: the chat template renders the prompt differently at the '
                           f'start of the {column} conversation, so the reply cannot be split off; '
@@ -222,17 +225,30 @@ def cache_path(workdir: str) -> str:
   return fileio.join(workdir, CACHE_FILE)
 
 
-def check_cache(workdir: str, task: PreferenceTask) -> None:
-  """Before anything compiles: a cache in ``workdir`` built from other rows is refused."""
+def load_cache(workdir: str, task: PreferenceTask) -> Optional[dict[str, np.ndarray]]:
+  """The pairs and reference log-probs cached in ``workdir`` (None: no cache), read once per task
+  (api.build_context checks it before anything compiles, trainers/dpo.py then trains on it). A
+  cache built from other rows or another ``dpo.ref_model`` is refused."""
   path = cache_path(workdir)
+  if task.cached is not None and task.cached[0] == path:
+    return task.cached[1]
   if not fileio.exists(path):
-    return
-  cached = str(fileio.load_npz(path).get('fingerprint', ''))
+    return None
+  pairs = fileio.load_npz(path)
+  cached = str(pairs.pop('fingerprint', ''))
   if cached != task.fingerprint:
     raise ConfigError(f'data.train: {path} holds the pairs and reference log-probs of another '
                       f'dataset or dpo.ref_model (fingerprint {cached[:12] or "none"}, now {task.fingerprint[:12]}); '
                       f'use a fresh --workdir, or delete that file and the dpo checkpoints to '
                       f'start over.')
+  task.cached = (path, pairs)
+  return pairs
+
+
+def check_cache(workdir: str, task: PreferenceTask) -> None:
+  """Before anything compiles: a cache in ``workdir`` built from other rows is refused
+  (``load_cache``)."""
+  load_cache(workdir, task)
 
 
 # -- the task ---------------------------------------------------------------------------------------

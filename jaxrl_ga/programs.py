@@ -2,8 +2,8 @@
 ``jaxrl_ga.plan`` and benchmarks/recompute.py build their engine and learner here
 (``build_grpo_programs``), so that what ``plan`` compiles and what a benchmark times is the program
 that trains (layers scanned or unrolled, remat, the log-prob chunk, the shared prompt forward,
-deferred old log-probs, LoRA); SFT's learner (``build_sft_learner``) and DPO's learner and
-reference pass (``build_dpo_programs``) likewise.
+deferred old log-probs, LoRA); SFT's learner (``build_sft_learner``) and DPO's learner
+(``build_dpo_learner``) and reference pass (``build_reference_logps``) likewise.
 
   programs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
   programs.engine.rollout_rows(...); programs.learner.step(...)
@@ -101,15 +101,25 @@ def build_sft_learner(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_sh
                   mesh, param_shardings, model_cfg, s.grad_accum_steps)
 
 
+def build_dpo_learner(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
+                      graphdef, dpo: Optional[DPOConfig] = None) -> learner_lib.Learner:
+  """DPO's learner (``dpo``: the stage config, default ``cfg.dpo``)."""
+  d = cfg.dpo if dpo is None else dpo
+  return _learner(graphdef, learner_lib.dpo_task_loss(d.loss, forward_options(cfg.model)),
+                  d.optimizer, mesh, param_shardings, model_cfg, d.grad_accum_steps)
+
+
+def build_reference_logps(cfg: RunConfig, graphdef) -> Callable:
+  """DPO's reference pass, the learner's forward (``forward_options``) without a learner:
+  jitted (params, tokens, attention_mask, loss_mask) -> summed log-probs [B]."""
+  options = forward_options(cfg.model)
+  return jax.jit(lambda p, t, a, l: logprobs.sequence_logps(
+      tfm.merge(graphdef, p), t, a, l, options)[0])
+
+
 def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
                        graphdef, dpo: Optional[DPOConfig] = None
                        ) -> tuple[learner_lib.Learner, Callable]:
-  """DPO's learner and its reference pass (``dpo``: the stage config, default ``cfg.dpo``): ->
-  (learner, jitted (params, tokens, attention_mask, loss_mask) -> summed log-probs [B])."""
-  d = cfg.dpo if dpo is None else dpo
-  options = forward_options(cfg.model)
-  learner = _learner(graphdef, learner_lib.dpo_task_loss(d.loss, options), d.optimizer, mesh,
-                     param_shardings, model_cfg, d.grad_accum_steps)
-  reference = jax.jit(lambda p, t, a, l: logprobs.sequence_logps(
-      tfm.merge(graphdef, p), t, a, l, options)[0])
-  return learner, reference
+  """(``build_dpo_learner``, ``build_reference_logps``) of the same model."""
+  return (build_dpo_learner(cfg, model_cfg, mesh, param_shardings, graphdef, dpo),
+          build_reference_logps(cfg, graphdef))

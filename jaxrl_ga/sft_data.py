@@ -43,12 +43,11 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
-
 from jaxrl_ga import data
 from jaxrl_ga.config import ConfigError
 from jaxrl_ga.tasks import base
 from jaxrl_ga.tasks import chat
+from jaxrl_ga.trainers import text
 
 TOO_LONG = ('error', 'drop', 'truncate')
 _GENERATION_MARKER = re.compile(r'\{%-?\s*generation\s*-?%\}')
@@ -118,7 +117,7 @@ def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[i
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
   kind = row_format(row)
   if kind == 'text':
-    ids = _encode(tokenizer, row['text']) + [eos_id]
+    ids = text.encode(tokenizer, row['text']) + [eos_id]
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
@@ -130,8 +129,8 @@ def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[i
     completion = row['completion']
     completion = ([{'role': 'assistant', 'content': completion}]
                   if isinstance(completion, str) else completion)
-    head = _render(tokenizer, prompt, True, row.where)
-    whole = _render(tokenizer, prompt + completion, False, row.where)
+    head = render(tokenizer, prompt, True, row.where)
+    whole = render(tokenizer, prompt + completion, False, row.where)
     _check_prefix(head, whole, row.where)
     pieces = [(head, 0), (whole[len(head):], 1)]
   elif has_generation_markers(tokenizer):
@@ -143,7 +142,7 @@ def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[i
     pieces = assistant_pieces(tokenizer, row['messages'], row.where)
   ids, mask = [], []
   for piece, trained in pieces:
-    piece_ids = _encode(tokenizer, piece) if piece else []
+    piece_ids = text.encode(tokenizer, piece) if piece else []
     ids += piece_ids
     mask += [trained] * len(piece_ids)
   return _checked(ids, [0] + mask[1:], row.where)
@@ -153,9 +152,8 @@ def prompt_completion_ids(tokenizer, prompt, completion: str, eos_id: int
                           ) -> tuple[list[int], list[int]]:
   """prompt (through ``encode_prompt``) + completion + eos, the loss on completion and eos: the
   SFT sequence of a built-in task's example and of a string prompt-completion row."""
-  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top  (trainers import us)
   head = text.encode_prompt(tokenizer, prompt)
-  tail = _encode(tokenizer, completion) + [eos_id]
+  tail = text.encode(tokenizer, completion) + [eos_id]
   return head + tail, [0] * len(head) + [1] * len(tail)
 
 
@@ -163,13 +161,13 @@ def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: st
                      ) -> list[tuple[str, int]]:
   """The rendered conversation as (text, 1 if assistant text else 0) pieces, prefix by prefix
   (for a template without generation markers; see the module docstring)."""
-  whole = _render(tokenizer, messages, False, where)
+  whole = render(tokenizer, messages, False, where)
   pieces, done = [], ''
   for i, m in enumerate(messages):
     if m['role'] != 'assistant':
       continue
-    head = _render(tokenizer, messages[:i], True, where) if i else ''
-    upto = _render(tokenizer, messages[:i + 1], False, where)
+    head = render(tokenizer, messages[:i], True, where) if i else ''
+    upto = render(tokenizer, messages[:i + 1], False, where)
     _check_prefix(done, head, where)
     _check_prefix(head, upto, where)
     _check_prefix(upto, whole, where)
@@ -179,7 +177,9 @@ def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: st
   return pieces
 
 
-def _render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
+def render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
+  """``messages`` through the chat template as text; a template that raises (its own
+  ``raise_exception``, a bad template): one ConfigError line naming the row ``where``."""
   try:
     return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
@@ -208,10 +208,6 @@ def _checked(ids, mask, where: str):
   return ids, mask
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-  return list(tokenizer(text, add_special_tokens=False)['input_ids'])
-
-
 def fit_length(ids, mask, max_length: int, too_long: str, where: str):
   """(ids, mask) within ``max_length`` by the ``too_long`` rule; None: left out."""
   if len(ids) <= max_length:
@@ -225,31 +221,9 @@ def fit_length(ids, mask, max_length: int, too_long: str, where: str):
 
 
 # -- batches -------------------------------------------------------------------------------------------
-def padded_rows(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], length: int,
-                pad_id: int) -> dict[str, np.ndarray]:
-  """One sequence per row, right-padded: tokens, attention_mask (0/1), loss_mask [N, length]."""
-  return pack([[s] for s in sequences], length, pad_id)
-
-
-def pack(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], length: int,
-         pad_id: int) -> dict[str, np.ndarray]:
-  """Rows of sequences placed one after another: tokens, attention_mask (segment ids 1, 2, ...;
-  0 padding) and loss_mask [len(rows), length] int32."""
-  n = len(rows)
-  out = {k: np.zeros((n, length), np.int32) for k in ('tokens', 'attention_mask', 'loss_mask')}
-  out['tokens'][:] = pad_id
-  for r, row in enumerate(rows):
-    at = 0
-    for segment, (ids, mask) in enumerate(row, 1):
-      end = at + len(ids)
-      if end > length:
-        raise ValueError(f'packed row {r}: {end} tokens exceed {length}.')
-      out['tokens'][r, at:end] = ids
-      out['attention_mask'][r, at:end] = segment
-      out['loss_mask'][r, at:end] = mask
-      out['loss_mask'][r, at] = 0  # predicted by nothing of its own
-      at = end
-  return out
+# One sequence per row (``padded_rows``) or several (``pack``): the row layout of
+# ``trainers.text``, the one for SFT and DPO.
+padded_rows, pack = text.padded_rows, text.pack
 
 
 def greedy_rows(lengths: Sequence[int], num_rows: int, length: int) -> list[list[int]]:

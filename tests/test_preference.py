@@ -28,6 +28,7 @@ from jaxrl_ga import programs
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, DPOConfig, DPOLossConfig, MeshConfig
 from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.tasks import tokenizer as tokenizer_lib
 from jaxrl_ga.trainers import dpo
 
 from learner_refs import OPT, applied_grad, rel_err
@@ -345,6 +346,22 @@ def test_bad_preference_rows_name_the_row(tmp_path):
     data.build_task(_config(path, stages='sft,dpo'))
   assert str(e.value).startswith('stages=sft,dpo: with dpo.pairs=dataset, data.train holds '
                                  'preference rows')
+
+
+def test_a_chat_template_that_raises_names_the_row():
+  """A template's own raise_exception on a reply (the prompt alone renders): one ConfigError line
+  naming the row, not the template engine's error."""
+  tok = tokenizer_lib.build_char_tokenizer(data.BASE_ALPHABET)
+  tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+                       "{{ raise_exception('this template takes no assistant turn') }}{% endif %}"
+                       "{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant: {% endif %}")
+  row = data.Row(prompt='q', chosen='a', rejected='b')
+  row.where = 'pref.jsonl:3'
+  with pytest.raises(ConfigError) as e:
+    preference.encode_row(tok, preference.parse(row, {}), tok.eos_token_id)
+  assert str(e.value) == ('pref.jsonl:3: the chat template cannot render this conversation '
+                          '(this template takes no assistant turn).')
 
 
 def _cli(tmp_path, rows):

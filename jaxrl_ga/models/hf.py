@@ -61,6 +61,7 @@ from jaxrl_ga.models import transformer
 SUPPORTED_ARCHITECTURES = {'Qwen2ForCausalLM': 'qwen2', 'LlamaForCausalLM': 'llama',
                            'Qwen3ForCausalLM': 'qwen3', 'Gemma3ForCausalLM': 'gemma3',
                            'MistralForCausalLM': 'mistral'}
+_HF_ARCHITECTURES = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}  # ours -> HF's
 _HF_CONFIG_CLASSES = {'qwen2': transformers.Qwen2Config, 'llama': transformers.LlamaConfig,
                       'qwen3': transformers.Qwen3Config, 'gemma3': transformers.Gemma3TextConfig,
                       'mistral': transformers.MistralConfig}
@@ -140,8 +141,7 @@ def _rope_from_hf(hf: transformers.PretrainedConfig, layer_type: Optional[str] =
 
 def _architecture(hf: transformers.PretrainedConfig) -> str:
   names = list(getattr(hf, 'architectures', None) or [])
-  by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-  by_type['gemma3_text'] = 'Gemma3ForCausalLM'
+  by_type = {**_HF_ARCHITECTURES, 'gemma3_text': 'Gemma3ForCausalLM'}
   if not names and hf.model_type in by_type:
     names = [by_type[hf.model_type]]
   if len(names) != 1 or names[0] not in SUPPORTED_ARCHITECTURES:
@@ -235,17 +235,26 @@ _REMOTE_SCHEMES = ('gs://', 'gcs://')
 MODEL_CACHE_ENV = 'JAXRL_GA_MODEL_CACHE'
 
 
+# (remote, local copy) pairs fetched by this process: the bucket is listed once, not by every
+# loader (config, tokenizer, weights) that asks for the same checkpoint.
+_REMOTE_COPIES: set[tuple[str, str]] = set()
+
+
 def _remote_copy(remote: str) -> str:
   """The local copy of a gs:// checkpoint directory (configs, safetensors, tokenizer files), under
   $JAXRL_GA_MODEL_CACHE (default ~/.cache/jaxrl_ga/models)/<bucket>/<path>; files already copied
-  with the same size are not fetched again. Each host copies to its own disk, streamed (no file
-  is held in memory); the weights are then read one param at a time as from a local directory."""
+  with the same size are not fetched again, and a directory this process has fetched is not
+  listed again. Each host copies to its own disk, streamed (no file is held in memory); the
+  weights are then read one param at a time as from a local directory."""
   root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(
       os.path.expanduser('~'), '.cache', 'jaxrl_ga', 'models')
   local = os.path.join(root, *remote.split('://', 1)[1].strip('/').split('/'))
+  if (remote, local) in _REMOTE_COPIES and os.path.exists(os.path.join(local, 'config.json')):
+    return local
   names = fileio.fetch_directory(remote, local, _HUB_PATTERNS)
   if 'config.json' not in names:
     raise FileNotFoundError(f'{remote} has no config.json: not an HF model directory.')
+  _REMOTE_COPIES.add((remote, local))
   return local
 
 
@@ -581,7 +590,7 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
                 high_freq_factor=sc.high_freq_factor,
                 original_max_position_embeddings=sc.original_max_position_embeddings)
   kwargs = dict(
-      architectures=[{v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[arch]],
+      architectures=[_HF_ARCHITECTURES[arch]],
       vocab_size=cfg.vocab_size,
       hidden_size=cfg.hidden_size,
       intermediate_size=cfg.intermediate_size,
@@ -594,24 +603,25 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
       rope_parameters=rope,
       dtype=weights_dtype or cfg.param_dtype,
   )
+  # head_dim for every architecture; Qwen2's attention reads an optional one (when it differs).
+  if arch != 'qwen2' or cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
+    kwargs.update(head_dim=cfg.head_size)
   if arch == 'llama':
-    kwargs.update(head_dim=cfg.head_size, attention_bias=False, mlp_bias=False)
+    kwargs.update(attention_bias=False, mlp_bias=False)
   elif arch == 'qwen3':
-    kwargs.update(head_dim=cfg.head_size, attention_bias=False, use_sliding_window=False)
+    kwargs.update(attention_bias=False, use_sliding_window=False)
   elif arch == 'mistral':
-    kwargs.update(head_dim=cfg.head_size, sliding_window=cfg.sliding_window or None)
+    kwargs.update(sliding_window=cfg.sliding_window or None)
   elif arch == 'gemma3':
     local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}
     kwargs.update(
-        head_dim=cfg.head_size, attention_bias=False, hidden_activation='gelu_pytorch_tanh',
+        attention_bias=False, hidden_activation='gelu_pytorch_tanh',
         rope_parameters={'full_attention': rope, 'sliding_attention': local},
         layer_types=list(cfg.layer_types or ['full_attention'] * cfg.num_hidden_layers),
         sliding_window=cfg.sliding_window or None,
         query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_size),
         final_logit_softcapping=cfg.final_logit_softcapping or None,
         attn_logit_softcapping=None)
-  elif cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
-    kwargs.update(head_dim=cfg.head_size)  # Qwen2's attention reads an optional head_dim.
   if tokenizer is not None:
     kwargs.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jaxrl_ga.config import ConfigError
+
 __all__ = ['has_chat_template', 'prompt_ids', 'prompt_text']
 
 
@@ -24,15 +26,15 @@ def has_chat_template(tokenizer) -> bool:
 def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:
   """The prompt as the model sees it (the template applied when ``chat``; default: when the
   tokenizer has one). ``text`` may also be a list of chat messages (``{'role', 'content'}``,
-  TRL's conversational prompt), which needs a chat template."""
+  TRL's conversational prompt), which needs a chat template (without one: ConfigError)."""
   messages = None if isinstance(text, str) else list(text)
   if chat is None:
     chat = has_chat_template(tokenizer) or messages is not None
   if not chat:
     return text
   if not has_chat_template(tokenizer):
-    raise ValueError('a chat prompt (a list of messages, or chat=True) but the tokenizer has no '
-                     'chat template; give a model whose tokenizer has one, or string prompts.')
+    raise ConfigError('a chat prompt (a list of messages, or chat=True) but the tokenizer has no '
+                      'chat template; give a model whose tokenizer has one, or string prompts.')
   return tokenizer.apply_chat_template(messages or [{'role': 'user', 'content': text}],
                                        add_generation_prompt=True, tokenize=False)
 

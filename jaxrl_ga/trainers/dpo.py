@@ -85,14 +85,12 @@ def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
   """``pairs`` with ``ref_chosen_logps`` and ``ref_rejected_logps`` [N] (float32): the summed
   completion log-probs under ``params`` (the policy at the start of the stage) or under
   ``dpo.ref_model``, computed once."""
+  graphdef = ctx.graphdef
   if cfg.ref_model:
     ref_cfg = reference_config(ctx.cfg, cfg)
     model_cfg = policy.model_config(ref_cfg, len(ctx.tokenizer))
-    graphdef, params, shardings = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
-  else:
-    model_cfg, graphdef, shardings = ctx.model_cfg, ctx.graphdef, ctx.param_shardings
-  _, ref_fn = programs.build_dpo_programs(ctx.cfg, model_cfg, ctx.mesh, shardings, graphdef,
-                                          dpo=cfg)
+    graphdef, params, _ = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
+  ref_fn = programs.build_reference_logps(ctx.cfg, graphdef)
   bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
   n = len(pairs['chosen_tokens'])
   pairs = dict(pairs)
@@ -130,20 +128,18 @@ def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict
   with the dataset's fingerprint; api.build_context has refused a cache of other rows)."""
   if cfg.pairs == 'dataset':
     path = preference.cache_path(ctx.workdir)
-    if fileio.exists(path):
-      cached = fileio.load_npz(path)
-      cached.pop('fingerprint')
-      return cached
-    pairs = add_reference_logps(ctx, cfg, params, ctx.task.pairs)
-    if ctx.is_primary:  # atomic
-      fileio.save_npz(path, pairs | {'fingerprint': np.asarray(ctx.task.fingerprint)})
-    return pairs
-  path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
-  if fileio.exists(path):
-    return fileio.load_npz(path)
-  pairs = build_pairs(ctx, cfg, params)
-  if ctx.is_primary:
-    fileio.save_npz(path, pairs)  # atomic
+    cached = preference.load_cache(ctx.workdir, ctx.task)
+    build = lambda: add_reference_logps(ctx, cfg, params, ctx.task.pairs)
+    stamp = {'fingerprint': np.asarray(ctx.task.fingerprint)}
+  else:
+    path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
+    cached = fileio.load_npz(path) if fileio.exists(path) else None
+    build, stamp = lambda: build_pairs(ctx, cfg, params), {}
+  if cached is not None:
+    return cached
+  pairs = build()
+  if ctx.is_primary:  # atomic
+    fileio.save_npz(path, pairs | stamp)
   return pairs
 
 
@@ -158,6 +154,7 @@ class PairStream:
     self.pairs, self.cfg, self.seed, self.mesh, self.shuffle = pairs, cfg, seed, mesh, shuffle
     self.num_pairs = len(pairs['ref_chosen_logps'])
     self._orders = {}
+    self._rpo_window = (-1, np.float32(0))  # (window start, its rpo_scale): once per window
 
   def indices(self, position: int, count: int) -> np.ndarray:
     idx = []
@@ -171,14 +168,18 @@ class PairStream:
 
   def rpo_scale(self, position: int) -> np.float32:
     """RPO's NLL term is a token mean over the whole optimizer-step window (losses.dpo_loss):
-    the window's denominator / chosen tokens, from the K micro-batches that hold `position`."""
+    the window's denominator / chosen tokens, from the K micro-batches that hold `position`
+    (computed once per window, kept for its other micro-batches)."""
     window = self.cfg.micro_batch_size * self.cfg.grad_accum_steps
-    w = self.indices(position - position % window, window)
-    count = lambda key: self.pairs[key][w].sum(axis=-1)
-    den, chosen = losses.dpo_window_normalizers(
-        count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
-        count('rejected_attention_mask'), self.cfg.loss)
-    return np.float32(den / max(chosen, 1.0))
+    start = position - position % window
+    if self._rpo_window[0] != start:
+      w = self.indices(start, window)
+      count = lambda key: self.pairs[key][w].sum(axis=-1)
+      den, chosen = losses.dpo_window_normalizers(
+          count('chosen_loss_mask'), count('rejected_loss_mask'), count('chosen_attention_mask'),
+          count('rejected_attention_mask'), self.cfg.loss)
+      self._rpo_window = (start, np.float32(den / max(chosen, 1.0)))
+    return self._rpo_window[1]
 
   def batch_at(self, position: int):
     """The micro-batch of ``micro_batch_size`` pairs from data position ``position``, sharded
@@ -198,8 +199,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   # dpo.micro_batch_size is checked against the mesh before anything is built
   # (api.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, ctx.mesh,
-                                           ctx.param_shardings, ctx.graphdef, dpo=cfg)
+  learner = programs.build_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                      ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = load_or_build_pairs(ctx, cfg, params)
   shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle

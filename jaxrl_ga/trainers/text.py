@@ -1,5 +1,5 @@
 """Text <-> token rows: prompts through the chat template, left-padded prompt batches for
-generation, right-padded prompt+completion rows for SFT and DPO, and completions decoded back."""
+generation, right-padded (and packed) rows for SFT and DPO, and completions decoded back."""
 
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ from jaxrl_ga.tasks import chat
 
 
 def encode(tokenizer, text: str) -> list[int]:
-  return tokenizer(text, add_special_tokens=False)['input_ids']
+  """``text``'s token ids, no special tokens added."""
+  return list(tokenizer(text, add_special_tokens=False)['input_ids'])
+
 
 def encode_prompt(tokenizer, text) -> list[int]:
   """A task prompt's ids: through the tokenizer's chat template when it has one (a user message
   plus the assistant generation prompt; ``jaxrl_ga.tasks.chat``), else the raw text. A list of
-  chat messages goes through the template as it is."""
-  try:
-    return chat.prompt_ids(tokenizer, text)
-  except ValueError as e:  # a message list for a tokenizer without a chat template
-    raise ConfigError(str(e)) from None
+  chat messages goes through the template as it is (without one: ConfigError)."""
+  return chat.prompt_ids(tokenizer, text)
 
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, what: str):
   """-> tokens, mask [N, length] int32, right-aligned. Too long: ConfigError naming ``what``."""
@@ -43,18 +42,41 @@ def right_padded_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Se
   """prompt + completion rows, right-padded to ``max_length``: tokens, attention_mask and
   loss_mask (1 on the completion) [N, max_length] int32, the layout of SFT and DPO batches
   (``logprobs.sequence_logps``). Too long: ConfigError naming the setting ``what``."""
-  n = len(prompts)
-  tokens = np.full((n, max_length), pad_id, np.int32)
-  attn = np.zeros((n, max_length), np.int32)
-  loss = np.zeros((n, max_length), np.int32)
-  for i, (p, c) in enumerate(zip(prompts, completions)):
+  for p, c in zip(prompts, completions):
     if len(p) + len(c) > max_length:
       raise ConfigError(f'a sequence of {len(p) + len(c)} tokens (prompt + completion) exceeds '
                         f'{what}={max_length}; raise {what}.')
-    tokens[i, :len(p) + len(c)] = list(p) + list(c)
-    attn[i, :len(p) + len(c)] = 1
-    loss[i, len(p):len(p) + len(c)] = 1
-  return {'tokens': tokens, 'attention_mask': attn, 'loss_mask': loss}
+  return padded_rows([(list(p) + list(c), [0] * len(p) + [1] * len(c))
+                      for p, c in zip(prompts, completions)], max_length, pad_id)
+
+
+def padded_rows(sequences: Sequence[tuple[Sequence[int], Sequence[int]]], length: int,
+                pad_id: int) -> dict[str, np.ndarray]:
+  """One (ids, loss mask) sequence per row, right-padded: tokens, attention_mask (0/1),
+  loss_mask [N, length] int32."""
+  return pack([[s] for s in sequences], length, pad_id)
+
+
+def pack(rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], length: int,
+         pad_id: int) -> dict[str, np.ndarray]:
+  """Rows of (ids, loss mask) sequences placed one after another: tokens, attention_mask
+  (segment ids 1, 2, ...; 0 padding) and loss_mask [len(rows), length] int32, each sequence's
+  first token's loss mask 0 (nothing of its own predicts it; ``logprobs.sequence_logps``)."""
+  n = len(rows)
+  out = {k: np.zeros((n, length), np.int32) for k in ('tokens', 'attention_mask', 'loss_mask')}
+  out['tokens'][:] = pad_id
+  for r, row in enumerate(rows):
+    at = 0
+    for segment, (ids, mask) in enumerate(row, 1):
+      end = at + len(ids)
+      if end > length:
+        raise ValueError(f'packed row {r}: {end} tokens exceed {length}.')
+      out['tokens'][r, at:end] = ids
+      out['attention_mask'][r, at:end] = segment
+      out['loss_mask'][r, at:end] = mask
+      out['loss_mask'][r, at] = 0  # predicted by nothing of its own
+      at = end
+  return out
 
 
 def decode_completions(tokenizer, tokens, mask) -> list[str]:
