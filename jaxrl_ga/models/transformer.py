@@ -359,14 +359,15 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
 
 
 def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
-                      scale_dim: Optional[float] = None) -> jax.Array:
+                      scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
   """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
   or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
   per row under ``vmap``, per shard of the batch under ``shard_map`` inside
   ``constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call). The rows
   are padded to a multiple of the kernel's block with segment id 0, which no real token attends
   to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
-  TPU, and XLA:CPU has no kernel to run."""
+  TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
+  ``pallas.tpu.InterpretParams()``, which runs the kernel's code on CPU: tests)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
   b, t, n, h = q.shape
   size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
@@ -374,7 +375,7 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
   base = (splash.LocalMask(shape, (mask.window - 1, 0), 0) if mask.window
           else splash.CausalMask(shape))
   kernel = splash.make_splash_mha(splash.MultiHeadMask([base] * n), head_shards=1,
-                                  q_seq_shards=1)
+                                  q_seq_shards=1, interpret=interpret)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, size - t)) + ((0, 0),) * (x.ndim - 2))
   heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, T', H]: the kernel's layout per row
   scale = jnp.asarray(1.0 / math.sqrt(scale_dim or h), q.dtype)
