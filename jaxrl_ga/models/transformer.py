@@ -363,7 +363,8 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
   """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
   or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
   per row under ``vmap``, per shard of the batch under ``shard_map`` inside
-  ``constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call). The rows
+  ``constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call; the heads
+  are not split, so a tensor-parallel mesh gathers them for the kernel). The rows
   are padded to a multiple of the kernel's block with segment id 0, which no real token attends
   to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
   TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
