@@ -54,7 +54,13 @@ def load_run_config(config_dict):
 
 
 def validate_against_mesh(cfg, mesh) -> None:
-  """Checks that need the device count (batch sizes vs data parallelism), before compiling."""
+  """Checks that need the devices (batch sizes vs data parallelism; a TPU for the splash
+  kernel), before compiling."""
+  platform = mesh.devices.flat[0].platform
+  if cfg.model.attention == 'splash' and platform != 'tpu':
+    raise ConfigError(f"model.attention='splash' is a TPU kernel but the devices are {platform}; "
+                      "set model.attention to 'einsum' or 'xla' (python -m jaxrl_ga.plan compiles "
+                      "'splash' for a TPU topology).")
   dp = sharding.data_parallel_size(mesh)
   if 'grpo' in cfg.stages:
     schedule.validate(cfg.grpo.schedule, dp)

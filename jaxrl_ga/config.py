@@ -373,6 +373,7 @@ class AdvantageConfig:
 MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'full', 'save_dots')
+ATTENTION = ('einsum', 'xla', 'splash')  # model.attention (models/transformer.ATTENTION_IMPLS)
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
 LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
@@ -576,6 +577,13 @@ class ModelSpec(ModelConfig):
       prefills each prompt once. The same values (float32 rounding aside); the prompt positions'
       share of the work is divided by R. Off with advantage.order_by_advantage_sign's reordered
       rows (learner and old log-probs only).
+    attention: the attention of the training forward (learners, old and reference log-probs)
+      and of the rollout's prefill: 'einsum' (two einsums and a softmax over a dense mask),
+      'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
+      stages it) or 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
+      measure with ``python -m jaxrl_ga.plan``). The decode steps keep their filled-cache
+      attention. What an implementation cannot express runs the einsum (models/transformer.py,
+      "Fused attention"); benchmarks/attention.py compares them.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
@@ -595,10 +603,12 @@ class ModelSpec(ModelConfig):
   logprob_chunk_size: int = 0
   scan_layers: bool = True
   share_prompt_prefix: bool = True
+  attention: str = 'einsum'
 
   def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'
     _one_of(self, 'architecture', ARCHITECTURES, p)
+    _one_of(self, 'attention', ATTENTION, p)
     _one_of(self, 'dtype', MODEL_DTYPES, p)
     _one_of(self, 'param_dtype', MODEL_DTYPES, p)
     _one_of(self, 'remat', REMAT, p)

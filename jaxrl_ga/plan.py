@@ -308,6 +308,7 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                 'hidden_size': m.hidden_size, 'vocab_size': m.vocab_size,
                 'dtype': m.dtype, 'param_dtype': m.param_dtype,
                 'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size,
+                'attention': cfg.model.attention,
                 'lora': None if not m.lora.rank else {
                     'rank': m.lora.rank, 'alpha': m.lora.alpha, 'targets': list(m.lora.targets),
                     'trainable_params': m.num_hidden_layers * flops_lib.lora_params_per_layer(m)}},
@@ -366,7 +367,8 @@ def render_text(rep: dict[str, Any]) -> str:
   lines = [f'topology {rep["topology"]}: {rep["chips"]} x {rep["chip"]} on {rep["hosts"]} '
            f'host(s), {rep["slices"]} slice(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
            f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}, '
-           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}'
+           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}, '
+           f'attention={rep["model"]["attention"]}'
            + ('' if not rep['model']['lora'] else
               f'; LoRA rank {rep["model"]["lora"]["rank"]} on '
               f'{",".join(rep["model"]["lora"]["targets"])}: '

@@ -33,11 +33,11 @@ from jaxrl_ga.models import transformer as tfm
 
 
 def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptions:
-  """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size);
-  ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only)."""
+  """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
+  attention); ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only)."""
   return tfm.ForwardOptions(scan_layers=spec.scan_layers, remat=spec.remat,
                             logprob_chunk_size=spec.logprob_chunk_size,
-                            share_prompts=share_prompts)
+                            share_prompts=share_prompts, attention=spec.attention)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,8 @@ class Sampler:
       row finishes (see "Slot pool" in the module docstring).
     decode_block: cache slots per block of the decode attention, which reads the blocks written
       so far (``Transformer.decode``); 0 reads the whole cache at every step.
+    attention: the prefill's attention (``Transformer.prefill``; model.attention, set by the
+      rollout engine from its forward options); the decode steps keep their own.
   """
   max_completion_length: int
   eos_id: int
@@ -105,9 +107,15 @@ class Sampler:
   chunk_size: int = 0
   slots: int = 0
   decode_block: int = tfm.DECODE_BLOCK
+  attention: str = 'einsum'
 
   def __post_init__(self):
+    if self.attention not in tfm.ATTENTION_IMPLS:
+      raise ValueError(f'Sampler.attention must be one of {tfm.ATTENTION_IMPLS}, got '
+                       f'{self.attention!r}.')
     for name in dataclasses.fields(self):
+      if name.name == 'attention':
+        continue
       value = getattr(self, name.name)
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f'Sampler.{name.name} must be an int, got {value!r}.')
@@ -276,7 +284,8 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   b = n * share
   length = sampler.max_completion_length
   # Slots for the prompt and every fed-back token (the last sampled token is never decoded).
-  logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1)
+  logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1,
+                                attention=sampler.attention)
   if share > 1:  # prompt i's logits and cache for rows i*share .. i*share+share-1
     rows = lambda x, axis: jnp.repeat(x, share, axis=axis)
     logits = rows(logits, 0)
@@ -343,7 +352,8 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   slots = min(sampler.slots, n)
   # Every prompt once: its KV (Tp slots) and the logits of completion token 0, copied into a
   # slot when one of its rows starts.
-  first_logits, prompt_cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp)
+  first_logits, prompt_cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp,
+                                              attention=sampler.attention)
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
   layers = model.unstacked_layers()

@@ -113,10 +113,12 @@ def activation_sharding(mesh: Mesh, rules=DEFAULT_RULES):
   """A context manager under which the model's named activations get sharding constraints on
   ``mesh`` (``rules`` map their logical axes); enter it while tracing a step, e.g. with
   ``with_activation_sharding``."""
+  def spec(x, axes):
+    return logical_to_spec(axes, x.shape, mesh, rules)
+
   def fn(x, axes):
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules)))
-  return tfm.constrain_activations_with(fn)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x, axes)))
+  return tfm.constrain_activations_with(fn, kernel_mesh=(mesh, spec))
 
 
 def with_activation_sharding(f, mesh: Mesh, rules=DEFAULT_RULES):

@@ -38,7 +38,8 @@ layer scan here runs on stacked arrays, so the adapters are stacked arrays besid
 
 How the training forward runs is one explicit argument, ``ForwardOptions`` (frozen, hashable):
 the layers scanned or unrolled, the per-layer remat policy, the log-prob chunk, the rows that
-share a prompt's forward and the adapters on or off. There are no trace-time flags besides the
+share a prompt's forward, the adapters on or off and the attention's implementation
+(``ATTENTION_IMPLS``; see "Fused attention" below). There are no trace-time flags besides the
 sharding-constraint context (``constrain_activations_with``, MaxText's axis-rules idiom).
 
 Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIES``, a
@@ -46,6 +47,20 @@ Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIE
 'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
 the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
 the rest (attention, norms, activations).
+
+Fused attention (``ForwardOptions.attention``, model.attention; issue 36): the attention of the
+training forward and of the prefill is 'einsum' (``_attention``: two einsums and a float32 softmax
+over a dense [B, T, S] mask), 'xla' (``jax.nn.dot_product_attention(implementation='xla')`` with
+that mask: the same arithmetic as jax stages it, which every backend compiles) or 'splash' (TPU
+only: the Pallas splash-attention kernel, ``jax.experimental.pallas.ops.tpu.splash_attention``,
+which never materializes the [T, S] scores; its mask is causal (or local: the sliding window) and
+the rows' segment ids, 0/1 masks and SFT's packed ids alike, so a padding query attends to the
+padding before it instead of ``causal_mask``'s real positions: only padding positions' outputs
+differ, and no loss reads them). Every implementation keeps GQA, the sliding window, Gemma's
+``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
+einsum: the suffix-over-shared-prefix attention of ``hidden_after_prefix`` (every
+implementation), and with 'splash' a model whose layers mix sliding and full attention (Gemma
+3). The decode step keeps its own filled-cache loop (``_cache_attention``).
 """
 
 from __future__ import annotations
@@ -72,18 +87,23 @@ REMAT_POLICIES = {
 
 # (array, logical axis names) -> array with a sharding constraint; None: no constraint.
 _constrain_fn: list[Optional[Callable[[jax.Array, tuple], jax.Array]]] = [None]
+# (mesh, (array, logical axis names) -> PartitionSpec): where a kernel that the partitioner
+# cannot split (the splash-attention Pallas call) runs per shard under ``shard_map``; None: as is.
+_kernel_mesh: list[Optional[tuple[Any, Callable[[jax.Array, tuple], Any]]]] = [None]
 
 
 @contextlib.contextmanager
-def constrain_activations_with(fn: Optional[Callable[[jax.Array, tuple], jax.Array]]):
-  """While active (at trace time), ``constrain(x, *axes)`` calls ``fn(x, axes)``.
+def constrain_activations_with(fn: Optional[Callable[[jax.Array, tuple], jax.Array]],
+                               kernel_mesh: Optional[tuple[Any, Callable]] = None):
+  """While active (at trace time), ``constrain(x, *axes)`` calls ``fn(x, axes)``, and the
+  splash-attention kernel runs per shard of ``kernel_mesh`` (mesh, spec function).
   ``jaxrl_ga.sharding.activation_sharding`` is the user-facing wrapper."""
-  prev = _constrain_fn[0]
-  _constrain_fn[0] = fn
+  prev = _constrain_fn[0], _kernel_mesh[0]
+  _constrain_fn[0], _kernel_mesh[0] = fn, kernel_mesh
   try:
     yield
   finally:
-    _constrain_fn[0] = prev
+    _constrain_fn[0], _kernel_mesh[0] = prev
 
 
 def constrain(x: jax.Array, *axes: Optional[str]) -> jax.Array:
@@ -100,6 +120,9 @@ _HEAD_BLOCKS = 32
 def check_remat(remat: str) -> None:
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r}; choose one of {", ".join(REMAT_POLICIES)}.')
+
+
+ATTENTION_IMPLS = ('einsum', 'xla', 'splash')  # ForwardOptions.attention (model.attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +142,21 @@ class ForwardOptions:
       ``rollout.prompt_share``); 1: every row computes its prompt.
     adapters: the LoRA adapters on (the policy) or off (the frozen base: a LoRA run's reference
       policy); a no-op without adapters.
+    attention: the attention of the training forward and the prefill, one of
+      ``ATTENTION_IMPLS`` (model.attention; "Fused attention" in the module docstring).
   """
   scan_layers: bool = True
   remat: str = 'none'
   logprob_chunk_size: int = 0
   share_prompts: int = 1
   adapters: bool = True
+  attention: str = 'einsum'
 
   def __post_init__(self):
     check_remat(self.remat)
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f'attention={self.attention!r}; choose one of '
+                       f'{", ".join(ATTENTION_IMPLS)}.')
     if self.share_prompts < 1 or self.logprob_chunk_size < 0:
       raise ValueError(f'{self}: share_prompts must be >= 1 and logprob_chunk_size >= 0.')
 
@@ -292,6 +321,78 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return out.reshape(b, t, n, h)
 
 
+# -- fused attention (ForwardOptions.attention; "Fused attention" in the module docstring) ---------
+_SPLASH_BLOCK = 128  # the splash kernel's default block (BlockSizes.get_default): T is padded to it
+
+
+@flax.struct.dataclass
+class Segments:
+  """The mask of the 'splash' attention in place of the dense [B, T, S] one: the rows' [B, T]
+  segment ids (0/1, or SFT's packed ids; 0: padding), causal self-attention, and keys within
+  ``window`` positions of the query (0: no window)."""
+  ids: jax.Array
+  window: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def _splash_mask(cfg: ModelConfig, attention_mask: jax.Array, attention: str
+                 ) -> Optional[Segments]:
+  """``Segments`` of the rows with 'splash' when every layer attends alike (all sliding, or
+  none); None: the dense masks (``window_masks``) and, with 'splash', the einsum."""
+  sliding = cfg.sliding_layers()
+  if attention != 'splash' or (any(sliding) and not all(sliding)):
+    return None
+  return Segments(attention_mask.astype(jnp.int32), cfg.sliding_window if all(sliding) else 0)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
+            scale_dim: Optional[float] = None) -> jax.Array:
+  """Self-attention of the training forward and the prefill by ``attention`` (ATTENTION_IMPLS).
+  q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool, or ``Segments`` (splash).
+  ``scale_dim``: as ``_attention``'s."""
+  if isinstance(mask, Segments):
+    return _splash_attention(q, k, v, mask, scale_dim)
+  if attention == 'xla':  # the scores times 1/sqrt(d) (the einsum divides: float32 rounding)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                        scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
+                                        implementation='xla')
+  return _attention(q, k, v, mask, scale_dim=scale_dim)
+
+
+def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
+                      scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
+  """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
+  or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
+  per row under ``vmap``, per shard of the batch under ``shard_map`` inside
+  ``constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call; the heads
+  are not split, so a tensor-parallel mesh gathers them for the kernel). The rows
+  are padded to a multiple of the kernel's block with segment id 0, which no real token attends
+  to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
+  TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
+  ``pallas.tpu.InterpretParams()``, which runs the kernel's code on CPU: tests)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  b, t, n, h = q.shape
+  size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
+  shape = (size, size)
+  base = (splash.LocalMask(shape, (mask.window - 1, 0), 0) if mask.window
+          else splash.CausalMask(shape))
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([base] * n), head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, size - t)) + ((0, 0),) * (x.ndim - 2))
+  heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, T', H]: the kernel's layout per row
+  scale = jnp.asarray(1.0 / math.sqrt(scale_dim or h), q.dtype)
+  args = (heads(q * scale), heads(k), heads(v), pad(mask.ids))
+
+  def rows(q, k, v, ids):
+    return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(a[3], a[3])))(
+        q, k, v, ids)
+
+  if _kernel_mesh[0] is not None:
+    mesh, spec = _kernel_mesh[0]
+    specs = tuple(spec(x, ('activation_batch',) + (None,) * (x.ndim - 1)) for x in args)
+    rows = jax.shard_map(rows, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+  return jnp.swapaxes(rows(*args), 1, 2)[:, :t]
+
+
 class DecoderStack(nnx.Module):
   """The params of all decoder layers, stacked on a leading ``layers`` axis."""
 
@@ -414,10 +515,11 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
 
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
-           mask: jax.Array, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
-           write_index: Optional[jax.Array], attend: Any = None):
+           mask: Any, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
+           write_index: Optional[jax.Array], attend: Any = None, attention: str = 'einsum'):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
-  With a cache, ``attend`` bounds the slots read (``_cache_attention``)."""
+  With a cache, ``attend`` bounds the slots read (``_cache_attention``). ``attention``: the
+  implementation of the self-attention without a cache and of the prefill's (``_attend``)."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
   mask, scale_dim = _layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
@@ -427,10 +529,16 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
       if jnp.ndim(write_index) == 1:  # each row its own slot (T = 1): a scatter of B vectors
         return cache.at[jnp.arange(x.shape[0]), :, write_index].set(x[:, :, 0])
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
-    attn, new_kv = _cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
-                                    scale_dim)
+    if attention != 'einsum' and isinstance(attend, int):
+      # The prefill (attend = its T tokens, written at slot 0): the slots it reads are k and v.
+      dense = not isinstance(mask, Segments)
+      attn = _attend(q, k, v, mask[..., :attend] if dense else mask, attention, scale_dim)
+      new_kv = (write(kv[0], k), write(kv[1], v))
+    else:
+      attn, new_kv = _cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
+                                      scale_dim)
   else:
-    attn = _attention(q, k, v, mask, scale_dim=scale_dim)
+    attn = _attend(q, k, v, mask, attention, scale_dim)
   return _after_attention(cfg, p, h, attn), new_kv
 
 
@@ -542,15 +650,17 @@ def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array]
 
 def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array, hs: jax.Array,
                         positions: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, ...],
-                        inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+                        inv_freq: jax.Array, attention: str = 'einsum'
+                        ) -> tuple[jax.Array, jax.Array]:
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
-  themselves as ``_layer`` does; the suffix rows to their prefix and themselves."""
+  themselves as ``_layer`` does (by ``attention``); the suffix rows to their prefix and
+  themselves (the einsum: no fused kernel takes the prefix's keys shared by R rows)."""
   prefix_mask, prefix_valid, suffix_mask = (_layer_mask(p, m) for m in masks)
   scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
-  attn_p = _attention(qp, kp, vp, prefix_mask, scale_dim=scale_dim)
+  attn_p = _attend(qp, kp, vp, prefix_mask, attention, scale_dim)
   attn_s = _attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask, scale_dim)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
@@ -595,7 +705,8 @@ class Transformer(nnx.Module):
 
     def body(h, xs):
       p, kv = xs
-      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend)
+      return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend,
+                    options.attention)
 
     h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
@@ -660,9 +771,11 @@ class Transformer(nnx.Module):
   def hidden(self, tokens: jax.Array, attention_mask: jax.Array,
              options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
-    ``options``: layers scanned or unrolled, remat, adapters on or off."""
+    ``options``: layers scanned or unrolled, remat, adapters on or off, the attention."""
     positions = positions_from_mask(attention_mask)
-    mask = window_masks(self.cfg, causal_mask(attention_mask), positions, positions)
+    mask = _splash_mask(self.cfg, attention_mask, options.attention)
+    if mask is None:
+      mask = window_masks(self.cfg, causal_mask(attention_mask), positions, positions)
     h, _ = self._trunk(tokens, positions, mask, options=options)
     return h
 
@@ -705,12 +818,15 @@ class Transformer(nnx.Module):
       rows = jnp.broadcast_to(prefix_valid[:, None, None, :], (p, r, t, tp)).reshape(b, t, tp)
       cut = window_masks(cfg, rows, suffix_positions, jnp.repeat(positions[0], r, axis=0))
       prefix_valid = jax.tree.map(lambda m: m.reshape(p, r, t, tp), cut)  # [P, R, T, Tp]
-    masks = (window_masks(cfg, causal_mask(prefix_mask), positions[0], positions[0]),
+    own = _splash_mask(cfg, prefix_mask, options.attention)
+    masks = (window_masks(cfg, causal_mask(prefix_mask), positions[0], positions[0])
+             if own is None else own,
              prefix_valid,
              window_masks(cfg, causal_mask(attention_mask), suffix_positions, suffix_positions))
 
     def body(carry, p):
-      return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq), None
+      return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq,
+                                 options.attention), None
 
     (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
                                self._layer_arrays(options.adapters), options)
@@ -735,21 +851,25 @@ class Transformer(nnx.Module):
                    valid=jnp.zeros((batch_size, cache_length), bool),
                    index=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch_size,), jnp.int32))
 
-  def prefill(self, tokens: jax.Array, attention_mask: jax.Array,
-              cache_length: int) -> tuple[jax.Array, KVCache]:
+  def prefill(self, tokens: jax.Array, attention_mask: jax.Array, cache_length: int,
+              attention: str = 'einsum') -> tuple[jax.Array, KVCache]:
     """Runs left-padded prompts [B, Tp] into a fresh cache of ``cache_length`` slots.
+    ``attention``: the implementation of its attention (ATTENTION_IMPLS).
 
     Returns the logits of the last slot [B, V] (the next-token distribution) and the cache.
     """
     b, t = tokens.shape
     cache = self.init_cache(b, cache_length)
     valid = cache.valid.at[:, :t].set(attention_mask.astype(bool))
-    slots = jnp.arange(cache_length)
-    mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
     q_positions = positions_from_mask(attention_mask)
-    mask = window_masks(self.cfg, mask, q_positions, positions_from_mask(valid))
+    mask = _splash_mask(self.cfg, attention_mask, attention)
+    if mask is None:
+      slots = jnp.arange(cache_length)
+      mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
+      mask = window_masks(self.cfg, mask, q_positions, positions_from_mask(valid))
     h, (k, v) = self._trunk(tokens, q_positions, mask, (cache.k, cache.v),
-                            jnp.zeros((), jnp.int32), attend=t)
+                            jnp.zeros((), jnp.int32), attend=t,
+                            options=ForwardOptions(attention=attention))
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
     return self._next_token_logits(h[:, -1]), cache

@@ -1,0 +1,237 @@
+"""Fused attention (``ForwardOptions.attention``, model.attention; issue 36) on the model-family
+fixtures: 'xla' (``jax.nn.dot_product_attention``) against transformers' logits, as the einsum is
+checked in tests/test_model_families.py: GQA, Gemma 3's mixed sliding layers and
+query_pre_attn_scalar, Mistral's window, right and left padding, a packed (SFT) row, the
+prefill, the shared-prompt forward; and the learner's gradient against the einsum's. The 'splash'
+kernel is TPU only: tests/test_plan.py compiles it with libtpu. Nothing here imports torch.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_ga import api
+from jaxrl_ga import logprobs
+from jaxrl_ga import programs
+from jaxrl_ga import sharding
+from jaxrl_ga.config import ConfigError, MeshConfig, ModelSpec, RunConfig, from_mapping
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import transformer as tfm
+
+import helpers
+
+FAMILIES = ('qwen3_tiny', 'gemma3_tiny', 'mistral_tiny')
+RTOL = 1e-5  # as tests/test_model_families.py: float32 against HF's float32 logits
+XLA = tfm.ForwardOptions(attention='xla')
+
+
+@functools.cache
+def _loaded(name):
+  return hf.load_model(helpers.fixture_dir(name))
+
+
+def _relative_error(ours, ref, real):
+  return float(np.abs(np.asarray(ours)[real] - ref[real]).max() / np.abs(ref[real]).max())
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+  """The implementations ``jax.nn.dot_product_attention`` was traced with: proof that the 'xla'
+  path ran (the einsum alone matches the same references)."""
+  calls, original = [], jax.nn.dot_product_attention
+
+  def spy(*args, **kwargs):
+    calls.append(kwargs.get('implementation'))
+    return original(*args, **kwargs)
+  monkeypatch.setattr(jax.nn, 'dot_product_attention', spy)
+  return calls
+
+
+def _packed(ref):
+  """Rows 0 and 1 of the right-padded batch packed into one row (segment ids 1 and 2, then
+  padding), and the HF logits each segment must reproduce (each row's own forward)."""
+  mask = ref['right_mask'].astype(bool)
+  n0, n1 = int(mask[0].sum()), int(mask[1].sum())
+  width = n0 + n1 + 3
+  tokens = np.zeros((1, width), np.int32)
+  ids = np.zeros((1, width), np.int32)
+  tokens[0, :n0], tokens[0, n0:n0 + n1] = ref['right_tokens'][0, :n0], ref['right_tokens'][1, :n1]
+  ids[0, :n0], ids[0, n0:n0 + n1] = 1, 2
+  want = np.concatenate([ref['right_logits'][0, :n0], ref['right_logits'][1, :n1]])[None]
+  real = np.zeros((1, width), bool)
+  real[0, :n0 + n1] = True
+  want = np.concatenate([want, np.zeros((1, width - n0 - n1, want.shape[-1]), want.dtype)], 1)
+  return tokens, ids, want, real
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_xla_attention_forward_matches_hf(name, fused_calls):
+  """The training forward with 'xla' attention on a right-padded, a left-padded and a packed
+  batch (two fixture rows in one row, segment ids 1 and 2: each must give its own row's HF
+  logits, so no token attends across the boundary and positions restart)."""
+  _, graphdef, params = _loaded(name)
+  ref = helpers.reference_arrays(name)
+  forward = jax.jit(lambda p, t, m: tfm.merge(graphdef, p)(t, m, XLA))
+  cases = {side: (ref[f'{side}_tokens'], ref[f'{side}_mask'], ref[f'{side}_logits'],
+                  ref[f'{side}_mask'].astype(bool)) for side in ('right', 'left')}
+  cases['packed'] = _packed(ref)
+  for case, (tokens, mask, want, real) in cases.items():
+    error = _relative_error(forward(params, tokens, mask), want, real)
+    print(f'{name} {case} forward, xla attention: max abs logit error / max |logit| = '
+          f'{error:.1e}')
+    assert error < RTOL, (case, error)
+  assert set(fused_calls) == {'xla'}
+
+
+@pytest.mark.parametrize('name', ['gemma3_tiny', 'mistral_tiny'])
+def test_xla_prefill_then_decode_matches_hf(name, fused_calls):
+  """The prefill with 'xla' attention (its keys: the prompt's own, written to the cache), then
+  the decode steps over that cache: HF's greedy continuation logits at every step."""
+  _, graphdef, params = _loaded(name)
+  ref = helpers.reference_arrays(name)
+  prompt, prompt_mask, greedy = ref['left_tokens'], ref['left_mask'], ref['greedy_tokens']
+  tp, n = prompt.shape[1], greedy.shape[1]
+  logits, cache = jax.jit(lambda p: tfm.merge(graphdef, p).prefill(
+      prompt, prompt_mask, tp + n, attention='xla'))(params)
+  assert fused_calls  # the prefill's; the decode steps keep their own attention
+  fused_calls.clear()
+  decode = jax.jit(lambda p, t, c: tfm.merge(graphdef, p).decode(t, c, block=4))
+  steps = [logits]
+  for t in range(n - 1):
+    logits, cache = decode(params, greedy[:, t], cache)
+    steps.append(logits)
+  steps = np.stack([np.asarray(x) for x in steps], axis=1)
+  want = ref['greedy_logits'][:, tp - 1:tp + n - 1]
+  error = _relative_error(steps, want, np.ones(want.shape[:2], bool))
+  print(f'{name} xla prefill + decode: max abs logit error / max |logit| = {error:.1e}')
+  assert error < RTOL, error
+  np.testing.assert_array_equal(steps.argmax(-1), greedy)
+  assert not fused_calls
+
+
+def test_xla_shared_prompt_logps_match_hf(fused_calls):
+  """The shared-prompt forward (``hidden_after_prefix``: the prompt's attention by 'xla', the
+  completions' over [prompt; own] by the einsum) on Mistral, its window cutting into the
+  prompt: log_softmax of HF's logits at the greedy continuation."""
+  _, graphdef, params = _loaded('mistral_tiny')
+  ref = helpers.reference_arrays('mistral_tiny')
+  rows = lambda x: np.repeat(x, 2, axis=0)
+  prompt, prompt_mask, greedy = rows(ref['left_tokens']), rows(ref['left_mask']), rows(
+      ref['greedy_tokens'])
+  options = dataclasses.replace(XLA, share_prompts=2)
+  logps, _ = jax.jit(lambda p: logprobs.completion_logps(
+      tfm.merge(graphdef, p), prompt, prompt_mask, greedy, np.ones_like(greedy), options))(params)
+  tp = prompt.shape[1]
+  ref_logits = rows(ref['greedy_logits'][:, tp - 1:-1]).astype(np.float64)
+  ref_logps = ref_logits - np.log(np.exp(ref_logits).sum(-1, keepdims=True))
+  want = np.take_along_axis(ref_logps, greedy[..., None], axis=-1)[..., 0]
+  error = float(np.abs(np.asarray(logps) - want).max())
+  print(f'mistral shared-prompt log-probs, xla attention: max abs error = {error:.1e}')
+  assert error < 1e-5, error
+  assert fused_calls
+
+
+def test_xla_attention_gradient_equals_einsum(fused_calls):
+  """The learner's backward: the gradient of the summed token log-probs of Gemma 3 (mixed
+  sliding layers, query_pre_attn_scalar) on a left-padded batch and a packed row is the
+  einsum's (checked against HF's forward in tests/test_model_families.py) to float32 rounding,
+  and it is not zero."""
+  _, graphdef, params = _loaded('gemma3_tiny')
+  ref = helpers.reference_arrays('gemma3_tiny')
+  tokens, ids, _, _ = _packed(ref)  # one batch: the left-padded rows, further padded, and it
+  left = lambda x: np.pad(x, ((0, 0), (tokens.shape[1] - x.shape[1], 0)))
+  t = np.concatenate([left(ref['left_tokens']), tokens])
+  m = np.concatenate([left(ref['left_mask']), ids])
+
+  def loss(p, options):
+    return jnp.sum(logprobs.sequence_logps(tfm.merge(graphdef, p), t, m, m > 0, options)[0])
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  want = jax.tree.leaves(grad(params, tfm.ForwardOptions()))
+  assert not fused_calls
+  got = jax.tree.leaves(grad(params, XLA))
+  assert fused_calls
+  scale = max(float(np.abs(np.asarray(w)).max()) for w in want)
+  error = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, want))
+  print(f'gemma3 gradient, xla vs einsum: max abs diff / max |grad| = {error / scale:.1e}')
+  assert scale > 0 and error / scale < 1e-5
+
+
+def test_model_attention_setting():
+  """model.attention reaches the forward options (and so the learners, the log-prob passes and
+  the rollout's prefill); an unknown name is a ConfigError naming the setting."""
+  assert programs.forward_options(ModelSpec(attention='xla')).attention == 'xla'
+  assert programs.forward_options(ModelSpec()).attention == 'einsum'
+  with pytest.raises(ConfigError, match=r"model.attention='flash' is not a known value.*'einsum', 'xla', 'splash'"):
+    ModelSpec(attention='flash')
+
+
+def test_splash_needs_a_tpu():
+  """model.attention='splash' on CPU devices is a ConfigError before anything compiles (the
+  check the CLI runs with the mesh, ``api.validate_against_mesh``); 'xla' passes it."""
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  for attention, ok in (('xla', True), ('splash', False)):
+    cfg = from_mapping(RunConfig, {'model': {'attention': attention}})
+    if ok:
+      api.validate_against_mesh(cfg, mesh)
+    else:
+      with pytest.raises(ConfigError, match=r"model.attention='splash' is a TPU kernel but the "
+                         r"devices are cpu"):
+        api.validate_against_mesh(cfg, mesh)
+
+
+def _reference_attention(q, k, v, ids, window, scale_dim):
+  """Float64 attention, one query at a time: a real query (segment id > 0) attends to the keys
+  at or before it of its own segment, within ``window`` positions (0: all); GQA head i uses
+  key/value head i // (N/K). Padding queries: zeros (they are not compared)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, n, h = q.shape
+  group = n // k.shape[2]
+  out = np.zeros(q.shape)
+  for row in range(b):
+    for i in range(t):
+      if ids[row, i] == 0:
+        continue
+      keys = [j for j in range(i + 1) if ids[row, j] == ids[row, i] and
+              (not window or i - j < window)]
+      for head in range(n):
+        s = k[row, keys, head // group] @ q[row, i, head] / np.sqrt(scale_dim or h)
+        p = np.exp(s - s.max())
+        out[row, i, head] = (p / p.sum()) @ v[row, keys, head // group]
+  return out
+
+
+def test_splash_kernel_in_the_pallas_interpreter():
+  """The 'splash' attention (the TPU kernel's own code, run by Pallas' interpreter on CPU) on
+  one row holding left padding, two packed segments and right padding, GQA (2 query heads per
+  key/value head), a length that is not a multiple of the kernel's block: against a float64
+  reference, causal with the default scale, then with Gemma's query_pre_attn_scalar and a
+  window of 5, where the kernel's own backward is checked against the einsum's autodiff."""
+  rng = np.random.default_rng(0)
+  b, t, n, kv, h = 1, 24, 2, 1, 16
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, heads, h)), jnp.float32)
+             for heads in (n, kv, kv))
+  ids = np.zeros((b, t), np.int32)
+  ids[0, 3:12], ids[0, 12:21] = 1, 2
+  real = ids > 0
+  splash = lambda window, scale_dim: lambda q, k, v: tfm._splash_attention(
+      q, k, v, tfm.Segments(jnp.asarray(ids), window), scale_dim, interpret=True)
+  positions = tfm.positions_from_mask(jnp.asarray(ids))
+  dense = tfm.causal_mask(jnp.asarray(ids)) & (positions[:, :, None] - positions[:, None, :] < 5)
+  einsum = lambda q, k, v: tfm._attention(q, k, v, dense, scale_dim=24.0)
+  weight = jnp.asarray(rng.normal(size=(b, t, n, h)) * real[..., None, None], jnp.float32)
+  causal = splash(0, None)(q, k, v)
+  windowed, vjp = jax.vjp(splash(5, 24.0), q, k, v)
+  for out, window, scale_dim in ((causal, 0, None), (windowed, 5, 24.0)):
+    want = _reference_attention(q, k, v, ids, window, scale_dim)
+    error = float(np.abs(np.asarray(out) - want)[real].max())
+    print(f'splash (interpreted), window {window}: max abs error {error:.1e}')
+    assert error < 1e-5, (window, error)
+  want = jax.vjp(einsum, q, k, v)[1](weight)
+  for got, ref in zip(vjp(weight), want):
+    assert float(jnp.abs(ref).max()) > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
