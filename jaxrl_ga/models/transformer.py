@@ -448,23 +448,30 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
 # ``optimization_barrier`` that ties them to a value the loop computes, then constrains them to the
 # gathered sharding: the all-gather depends on a loop variant and cannot be hoisted, so a decode
 # step gathers each layer's weights when it gets there (layer i's tied to layer i-1's input, so
-# its gather may overlap layer i-1's work: at most two layers gathered at a time). The values are
-# unchanged: a sharding constraint and the barrier are identities.
+# its gather may overlap layer i-1's work: at most two layers gathered at a time). The weights
+# with an embed axis (the projections and their adapters, which ``_proj`` casts to the compute
+# dtype) are cast before the gather: float32 master weights move and land in bfloat16, half the
+# bytes. The values are unchanged: the constraints and the barrier are identities, and the cast
+# is the one ``_proj`` makes.
+# The price: each decode step all-gathers the layer weights again (a weight's (n-1)/n over the
+# interconnect per step) where the hoisted gather paid that once per rollout.
 _GATHERED = {'embed': 'activation_embed'}  # a gathered weight's embed axis: as the activations'
 
 
-def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple],
+def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
                   anchor: Optional[jax.Array] = None) -> dict[str, jax.Array]:
   """One layer's params ``p`` (``axes``: ``DecoderStack.axes()``; other entries, the layer
   constants, pass unchanged) constrained at rest, then, after a barrier with ``anchor`` (None:
-  none), gathered as the activations need them. A no-op outside ``constrain_activations_with``."""
+  none), those with an embed axis cast to ``dtype`` (the compute dtype) and every one gathered
+  as the activations need them. A no-op outside ``constrain_activations_with``."""
   if _constrain_fn[0] is None:
     return p
   named = {k: v for k, v in p.items() if k in axes}
   named = {k: constrain(v, *axes[k]) for k, v in named.items()}
   if anchor is not None:
     named, _ = jax.lax.optimization_barrier((named, anchor))
-  named = {k: constrain(v, *(_GATHERED.get(a, a) for a in axes[k])) for k, v in named.items()}
+  named = {k: constrain(v.astype(dtype) if 'embed' in axes[k] else v,
+                        *(_GATHERED.get(a, a) for a in axes[k])) for k, v in named.items()}
   return {**p, **named}
 
 
@@ -623,7 +630,7 @@ class Transformer(nnx.Module):
     if layers is not None:  # the decode loop's: each layer gathered in the step (_gather_layer)
       new_k, new_v, anchor = [], [], h
       for p, k, v in zip(layers, *cache_kv):
-        p, anchor = _gather_layer(p, axes, anchor), h
+        p, anchor = _gather_layer(p, axes, _DTYPES[cfg.dtype], anchor), h
         h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend)
         new_k.append(k)
         new_v.append(v)
@@ -632,7 +639,7 @@ class Transformer(nnx.Module):
     def body(h, xs):
       p, kv = xs
       if kv is not None:  # the prefill: one layer's weights gathered per scan iteration
-        p = _gather_layer(p, axes)
+        p = _gather_layer(p, axes, _DTYPES[cfg.dtype])
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend)
 
     h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
