@@ -28,13 +28,28 @@ numbers and estimates, not a measurement:
     loop) once; tests/test_plan.py checks the analytic count against a compile with the layers
     unrolled (``model.scan_layers=False``).
   * ``bytes_accessed``: the larger of the compiler's count (loop bodies once) and a lower bound
-    from the shapes (weights read per pass, the KV cache read per decode step).
+    from the shapes (weights read per pass, the filled KV cache read per decode step, as many
+    decode steps as ``decode.steps_at_max_length``).
   * ``roofline_seconds`` = max(flops / peak flop/s, bytes / HBM bandwidth) with the chip's
     published peaks; ``optimal_seconds``: the compiler's cost-model time, reported only when it
     is sane, else null: positive (it comes back negative for most of these programs on libtpu
     0.0.42.1) and not below the flops at the chip's peak (it too counts a loop body once).
   * ``mfu_estimate``: model flops (no recompute) / (roofline time * peak): an upper bound, as the
     roofline assumes perfect overlap of compute and memory traffic.
+
+The rollout is the trainer's (``decode``, ``prompt_share`` in the report): with
+``grpo.sampling.decode_slots`` > 0 its decode loop is the slot pool's, else batches of
+``rollout_micro_batch_size`` rows (0: all); each prompt is prefilled once for its
+``prompt_share.generation`` rows, and the old-log-prob pass runs each prompt's forward once per
+``prompt_share.old_logprobs`` rows. ``decode`` models the loop from one of its steps, compiled
+alone (``lower_decode_step``: the loop's per-layer weights, sharded at rest, and a KV cache at the
+mean fill of a completion of max_completion_length tokens, Tp + Tc // 2 slots, read whole: the
+filled-blocks attention reads that many on average): the compiler's ``compiler_flops`` and
+``compiler_bytes_accessed`` per chip, ``roofline_seconds`` = max(flops / peak, bytes / HBM
+bandwidth), ``optimal_seconds`` (the cost model's, when sane), ``step_seconds`` (the larger),
+``tokens_per_second`` = ``rows_per_step`` / step_seconds (an upper bound), and
+``steps_at_max_length`` / ``seconds_at_max_length``: a rollout whose completions all reach the
+maximum (the pool: its tokens over its slots; batches: each chunk's Tc - 1 steps).
 
 With ``model.lora`` the learner is the LoRA one (adapters trained, the frozen base a step
 argument; ``jaxrl_ga.lora``), its flops count no gradient of the base weights, and the report
@@ -124,6 +139,9 @@ class Steps:
   learner_rows: int  # sequences per micro-step (global)
   rollout_rows: int  # completions per rollout (global)
   recompute_rows: int  # old-log-prob rows of the rollout with the most marked slices
+  decode: Any = None  # one step of the rollout's decode loop (``lower_decode_step``); None without
+  decode_rows: int = 0  # rows that step decodes (global): the pool's slots, or a batch's rows
+  decode_cache_slots: int = 0  # the KV cache slots it reads: their mean over a whole completion
 
 
 def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
@@ -177,9 +195,73 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   marks = int(progs.table.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
   b = sched.micro_batch_size
+  rows = decode_rows(engine.sampler, sched.completions_per_rollout)
+  slots = g.sampling.max_prompt_length + g.sampling.max_completion_length // 2
+  decode = lower_decode_step(graphdef, params, mesh, rows, slots, model_cfg,
+                             pool=bool(engine.sampler.slots)) if 'rollout' in steps else None
   return Steps(mesh=mesh, model_cfg=model_cfg, programs=progs, rollout=rollout, learner=learner,
                reorder=reorder, learner_rows=b, rollout_rows=sched.completions_per_rollout,
-               recompute_rows=marks * b)
+               recompute_rows=marks * b, decode=decode, decode_rows=rows,
+               decode_cache_slots=slots)
+
+
+def decode_rows(sampler, completions: int) -> int:
+  """Rows one iteration of the rollout's decode loop decodes (global): the slot pool's slots
+  (``sampling.decode_slots``), else a generation chunk's rows (``rollout_micro_batch_size``; 0:
+  all ``completions`` at once)."""
+  size = sampler.slots or sampler.chunk_size
+  return min(size, completions) if size else completions
+
+
+def decode_steps(sampler, completions: int, completion_length: int) -> int:
+  """Decode-loop iterations of a rollout whose completions all reach ``completion_length``
+  tokens (token 0 comes from the prefill): the pool's (its tokens over its slots), or every
+  chunk's ``completion_length - 1``."""
+  rows, tokens = decode_rows(sampler, completions), completion_length - 1
+  if sampler.slots:
+    return -(-completions * tokens // rows)
+  return completions // rows * tokens
+
+
+def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model_cfg, *,
+                      pool: bool = False):
+  """One iteration of the rollout's decode loop, lowered alone for its cost: ``Transformer.decode``
+  of ``rows`` tokens (a pool's rows each at its own cache slot) with the loop's per-layer weights
+  (``unstacked_layers``, sharded at rest as the params are) and a KV cache of ``cache_slots`` slots,
+  read whole (``block`` 0: no loop, so the compiler's cost analysis counts all of it). A step's
+  attention reads the filled blocks only, so over a completion its cost is that of a step at the
+  mean fill, which the caller passes. Sampling the token is not included."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+
+  layers = jax.eval_shape(lambda p: tfm.merge(graphdef, p).unstacked_layers(), params)
+  stacked = params['layers']
+  layers = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+      mesh, PartitionSpec(*stacked[k].sharding.spec[1:])) if k in stacked
+      else sharding.replicated(mesh)) for k, v in layer.items()} for layer in layers]
+  m = model_cfg
+  dt = jnp.bfloat16 if m.dtype == 'bfloat16' else jnp.float32
+  spec = lambda *axes, shape: NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh))
+  kv_shape = (rows, m.num_key_value_heads, cache_slots, m.head_size)
+  kv = jax.ShapeDtypeStruct(kv_shape, dt, sharding=spec('activation_batch', 'activation_heads',
+                                                        None, None, shape=kv_shape))
+  row = lambda dtype, *shape: jax.ShapeDtypeStruct(
+      (rows, *shape), dtype, sharding=spec('activation_batch', *[None] * len(shape),
+                                           shape=(rows, *shape)))
+  index = row(jnp.int32) if pool else jax.ShapeDtypeStruct(
+      (), jnp.int32, sharding=sharding.replicated(mesh))
+  cache = tfm.KVCache(k=(kv,) * m.num_hidden_layers, v=(kv,) * m.num_hidden_layers,
+                      valid=row(jnp.bool_, cache_slots), index=index,
+                      positions=row(jnp.int32))
+
+  def step(params, layers, tokens, cache):
+    return tfm.merge(graphdef, params).decode(tokens, cache, layers, block=0)
+
+  fn = jax.jit(sharding.with_activation_sharding(step, mesh))
+  return fn.lower(params, layers, row(jnp.int32), cache)
 
 
 # -- compiling and reporting ---------------------------------------------------------------------
@@ -265,13 +347,16 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
       old_logp_rows=0 if deferred else steps.recompute_rows,
       old_logp_share=engine.micro_batch_share,
       ref_rows=steps.rollout_rows if engine.use_ref else 0, ref_share=engine.share_prompts) / n
-  cache_row = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_size * (tp + tc - 1) * dt
-  rows_chip = steps.rollout_rows / n
-  analytic_bytes = (tc + 1) * weights + (tc - 1) * rows_chip * cache_row  # decode reads
+  # Decode reads: every step the weights and its rows' filled cache (on average the mean fill).
+  slot_bytes = m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_size * dt
+  n_steps = decode_steps(engine.sampler, steps.rollout_rows, tc)
+  analytic_bytes = (n_steps + 2) * weights + n_steps * (
+      steps.decode_rows / n) * steps.decode_cache_slots * slot_bytes
   r.update(_timing(r, flops, flops, analytic_bytes, chip))
   r['completions_per_second'] = steps.rollout_rows / r['roofline_seconds']
   r['decode_tokens_per_second'] = steps.rollout_rows * tc / r['roofline_seconds']
   report_steps['rollout'] = r
+  decode = _decode_report(compile_step(steps.decode), steps, engine, n_steps, chip)
 
   # the reorder by advantage sign, which then computes the old log-probs (rows in any order)
   if deferred:
@@ -319,10 +404,35 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
       'completions_per_second_estimate': (rollouts_per_opt * steps.rollout_rows) / opt_seconds,
       'steps': {k: {kk: vv for kk, vv in v.items() if kk != 'executable'}
                 for k, v in report_steps.items()},
+      'prompt_share': {'generation': engine.gen_share, 'old_logprobs': engine.micro_batch_share},
+      'decode': {k: v for k, v in decode.items() if k != 'executable'},
       'knobs': [] if fits else knobs(cfg, report_steps),
       'note': NOTE,
-      '_executables': {k: v['executable'] for k, v in report_steps.items()},
+      '_executables': {**{k: v['executable'] for k, v in report_steps.items()},
+                       'decode_step': decode['executable']},
   }
+
+
+def _decode_report(step, steps: Steps, engine, n_steps: int, chip) -> dict[str, Any]:
+  """The rollout's decode loop from the compiler's cost analysis of one step (``steps.decode``):
+  its time, max(flops / peak, bytes / HBM bandwidth), or the compiler's cost-model time when
+  that is sane and longer; decode tokens/s = rows per step / that time."""
+  g = engine.sampling_cfg
+  out = {'mode': 'slot_pool' if engine.sampler.slots else 'batched',
+         'rows_per_step': steps.decode_rows, 'cache_slots': steps.decode_cache_slots,
+         'max_cache_slots': g.max_prompt_length + g.max_completion_length - 1,
+         'compiled': step['compiled'], 'executable': step['executable']}
+  if not step['compiled']:
+    return {**out, 'error': step['error']}
+  flops, nbytes = step['compiler_flops'], step['compiler_bytes_accessed']
+  roof = max(flops / chip['peak_flops'], nbytes / chip['hbm_bandwidth'])
+  opt = step['optimal_seconds']
+  opt = opt if opt is not None and opt >= flops / chip['peak_flops'] else None
+  seconds = max(roof, opt or 0.0)
+  return {**out, 'compiler_flops': flops, 'compiler_bytes_accessed': nbytes,
+          'optimal_seconds': opt, 'roofline_seconds': roof, 'step_seconds': seconds,
+          'tokens_per_second': steps.decode_rows / seconds,
+          'steps_at_max_length': n_steps, 'seconds_at_max_length': n_steps * seconds}
 
 
 def _timing(step, flops, model_flops, analytic_bytes, chip) -> dict[str, Any]:
@@ -394,6 +504,22 @@ def render_text(rep: dict[str, Any]) -> str:
     if 'decode_tokens_per_second' in s:
       lines.append(f'  decode tokens/s <= {s["decode_tokens_per_second"]:.0f}, completions/s <= '
                    f'{s["completions_per_second"]:.1f}')
+  d = rep['decode']
+  how = (f'a slot pool of {d["rows_per_step"]} slots' if d['mode'] == 'slot_pool' else
+         f'{d["rows_per_step"]} rows at a time')
+  lines.append(f'decode: {how}; prompts prefilled once per {rep["prompt_share"]["generation"]} '
+               'rows')
+  if d['compiled']:
+    opt = d['optimal_seconds']
+    lines.append(f'  one step at the mean KV fill ({d["cache_slots"]} of {d["max_cache_slots"]} '
+                 f'slots): flops {d["compiler_flops"]:.3e}, bytes '
+                 f'{d["compiler_bytes_accessed"]:.3e} per chip; >= '
+                 f'{d["step_seconds"] * 1e3:.2f} ms (roofline {d["roofline_seconds"] * 1e3:.2f}'
+                 f' ms, cost model {"n/a" if opt is None else f"{opt * 1e3:.2f} ms"})')
+    lines.append(f'  decode tokens/s <= {d["tokens_per_second"]:.0f}; a rollout at max length: '
+                 f'{d["steps_at_max_length"]} steps, >= {d["seconds_at_max_length"]:.1f} s')
+  else:
+    lines.append(f'  decode step: {d["error"]}')
   lines.append(f'optimizer step >= {rep["optimizer_step_seconds_estimate"]:.2f} s estimated '
                f'({rep["completions_per_second_estimate"]:.1f} completions/s, MFU <= '
                f'{100 * rep["mfu_estimate"]:.0f}%)')

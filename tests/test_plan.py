@@ -121,6 +121,28 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   learner = js['steps']['learner']
   assert learner['flops'] <= learner['compiler_flops'] <= 1.03 * learner['flops'], learner
 
+  # The decode estimate (the batched loop: rollout_micro_batch_size 0, all S*B rows at once; one
+  # step at the mean KV fill, Tp + Tc // 2 slots): tokens/s by hand from the decode step's own
+  # cost analysis and v5e's published peaks (197 TFLOP/s, 819 GB/s), and below the bound of the
+  # bytes each chip must read per step: its 16 rows' bfloat16 KV cache at that fill and both
+  # layers' bfloat16 projections, gathered (fsdp 4; Qwen2.5-0.5B's shapes).
+  d, exe = js['decode'], rep['_executables']['decode_step']
+  rows = 128
+  assert (d['mode'], d['rows_per_step'], d['cache_slots']) == ('batched', rows, TP + TC // 2)
+  assert js['prompt_share'] == {'generation': 4, 'old_logprobs': 4}  # gcd(G = 8, B / 8 chips)
+  cost = exe.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  seconds = max(cost['flops'] / 197e12, cost['bytes accessed'] / 819e9)
+  if cost.get('optimal_seconds', -1.0) >= cost['flops'] / 197e12:
+    seconds = max(seconds, cost['optimal_seconds'])
+  assert d['tokens_per_second'] == pytest.approx(rows / seconds, rel=1e-9)
+  kv_bytes = rows // 8 * (TP + TC // 2) * 2 * (2 * 2 * 64) * 2  # layers, k and v, heads x size
+  weight_bytes = 2 * (896 * (14 * 64 + 2 * 2 * 64) + 14 * 64 * 896 + 3 * 896 * 4864) * 2
+  print(f"decode step: {cost['bytes accessed']:.4g} bytes, {cost['flops']:.4g} flops per chip "
+        f"(reads >= {kv_bytes + weight_bytes}); {d['tokens_per_second']:.0f} tokens/s")
+  assert d['tokens_per_second'] <= rows * 819e9 / (kv_bytes + weight_bytes)
+  assert d['seconds_at_max_length'] == pytest.approx((TC - 1) * rows / d['tokens_per_second'])
+
   # No activation all-reduce in the learner's TPU program.
   hlo = rep['_executables']['learner'].as_text()
   assert _activation_all_reduces(hlo, {TP + TC, TC, TP + TC - 1}) == []
@@ -202,7 +224,8 @@ def test_cli_bad_input_is_one_line_exit_2():
 @pytest.mark.parametrize('overrides', [
     {},  # the smoke config's unrolled layers (model.scan_layers=False), R = 2 rows per prompt
     {'model.lora.rank': 4, 'grpo.loss.beta': 0.04,  # LoRA, its reference the adapters-off base
-     'grpo.advantage.order_by_advantage_sign': True},  # old log-probs deferred to the reorder
+     'grpo.advantage.order_by_advantage_sign': True,  # old log-probs deferred to the reorder
+     'grpo.sampling.decode_slots': 8},  # the slot pool's decode loop
 ])
 def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
   """The rollout and learner steps ``plan`` lowers for a config are the trainer's: the same
@@ -234,6 +257,13 @@ def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
                             eos_id=ctx.eos_id, pad_id=ctx.pad_id)
   assert planned.learner.as_text() == trained['learner']
   assert planned.rollout.as_text() == trained['rollout']
+  # The pool's KV cache, [P, K, Tp + Tc - 1, H] per layer, is in the rollout iff it has a pool.
+  m, sp = ctx.model_cfg, cfg.grpo.sampling
+  pool_cache = (f'tensor<8x{m.num_key_value_heads}x'
+                f'{sp.max_prompt_length + sp.max_completion_length - 1}x{m.head_size}x')
+  assert (pool_cache in trained['rollout']) == bool(sp.decode_slots)
+  assert (planned.decode_rows, planned.decode is not None) == (
+      sp.decode_slots or trainer.table.config.completions_per_rollout, True)
   if cfg.grpo.advantage.order_by_advantage_sign:
     order = jnp.zeros((trainer.table.config.completions_per_rollout,), jnp.int32)
     assert planned.reorder.as_text() == trainer.engine.reorder_fn.lower(

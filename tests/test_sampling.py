@@ -15,6 +15,7 @@ Each jitted function is compiled once (module-scoped fixtures, ``functools.cache
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -651,6 +652,75 @@ def test_slot_pool_on_mesh_equals_the_batched_sampler(tiny, greedy):
   for name in ('tokens', 'mask', 'ended_with_eos'):
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
   np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+
+
+def _fsdp_generate(graphdef, sampler, mesh, shardings):
+  """The sampler as the rollout step runs it: jitted under the mesh's activation sharding
+  (``sharding.with_activation_sharding``), params sharded by the rules, rows over the data axes."""
+  rows = sharding.batch_sharding(mesh)
+  fn = lambda p, t, m: sampling.generate(tfm.merge(graphdef, p), t, m, jax.random.key(0),
+                                         sampler, greedy=True)
+  return jax.jit(sharding.with_activation_sharding(fn, mesh),
+                 in_shardings=(shardings, rows, rows))
+
+
+@pytest.mark.parametrize('slots', [0, 3])
+def test_decode_under_fsdp8_equals_unsharded(tiny, greedy, slots):
+  """On an fsdp=8 mesh (every weight's embed axis over 8 devices, gathered one layer at a time
+  in the decode step; ``transformer._gather_layer``) the batched sampler and the slot pool give
+  the unsharded sampler's greedy tokens."""
+  mesh = sharding.make_mesh(MeshConfig(1, 8, 1))
+  _, shapes, axes = sharding.abstract_model(CFG)
+  shardings = sharding.param_shardings(shapes, axes, mesh)
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK)
+  rows = sharding.batch_sharding(mesh)
+  out = _fsdp_generate(tiny['graphdef'], sampler, mesh, shardings)(
+      jax.device_put(tiny['params'], shardings),
+      *[jax.device_put(x, rows) for x in tiny['prompts']])
+  ref = greedy['mixed']
+  for name in ('tokens', 'mask', 'ended_with_eos'):
+    np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)))
+  np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
+
+
+def _all_gathers(hlo: str) -> dict[str, list[str]]:
+  """The result shapes (e.g. 'f32[64,512]') of the all-gathers of a compiled HLO module, by
+  computation: 'ENTRY' or a nested one (a loop body, ...)."""
+  out, comp = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(' '):
+      comp = 'ENTRY' if line.startswith('ENTRY') else line.split(' ')[0]
+    m = re.search(r'= (\w+\[[\d,]*\])\S* all-gather(?:-start)?\(', line)
+    if m:
+      out.setdefault(comp, []).append(m.group(1))
+  return out
+
+
+def test_decode_under_fsdp8_gathers_layers_inside_the_loop():
+  """In the compiled fsdp=8 sampler (8 layers) no layer weight is all-gathered before the decode
+  loop, where one gather of every layer would stay live for the whole loop: each is gathered
+  inside a loop body (``transformer._gather_layer``). Before it, XLA gathered 59 of them in the
+  entry computation, ahead of the loop."""
+  cfg = tfm.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=512,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
+  mesh = sharding.make_mesh(MeshConfig(1, 8, 1))
+  graphdef, shapes, axes = sharding.abstract_model(cfg)
+  shardings = sharding.param_shardings(shapes, axes, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                        shardings)
+  prompt = jax.ShapeDtypeStruct((N, TP), jnp.int32, sharding=sharding.batch_sharding(mesh))
+  weights = {'f32[%s]' % ','.join(map(str, x.shape[1:])) for name, x in shapes['layers'].items()
+             if 'embed' in axes['layers'][name]}  # the gathered shapes of one layer's weights
+  assert weights == {'f32[64,64]', 'f32[64,32]', 'f32[64,512]', 'f32[512,64]'}
+  for slots in (0, 3):
+    sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, slots=slots, decode_block=BLOCK)
+    hlo = _fsdp_generate(graphdef, sampler, mesh, shardings).lower(
+        params, prompt, prompt).compile().as_text()
+    gathers = _all_gathers(hlo)
+    assert not [s for s in gathers.get('ENTRY', []) if s in weights], (slots, gathers['ENTRY'])
+    in_loops = sum(s in weights for comp, found in gathers.items() if comp != 'ENTRY'
+                   for s in found)
+    assert in_loops >= 7 * cfg.num_hidden_layers, gathers  # the decode step's, at least
 
 
 @pytest.mark.parametrize('share,slot_counts', [(1, (1, 3)), (2, (3,))])

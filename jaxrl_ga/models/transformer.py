@@ -455,6 +455,11 @@ class DecoderStack(nnx.Module):
     return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)
             and (adapters or not isinstance(v, nnx.LoRAParam))}
 
+  def axes(self) -> dict[str, tuple]:
+    """One layer's logical axes by array name (the stacked arrays' without ``layers``)."""
+    return {name: tuple(v.get_metadata()['logical_axes'])[1:] for name, v in vars(self).items()
+            if isinstance(v, nnx.Param)}
+
 
 def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) -> jax.Array:
   """x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r); x [rows, in]."""
@@ -540,6 +545,42 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
   else:
     attn = _attend(q, k, v, mask, attention, scale_dim)
   return _after_attention(cfg, p, h, attn), new_kv
+
+
+# -- one layer's weights gathered at a time, in the prefill and the decode loop (issue 36) ---------
+# Under fsdp a weight's ``embed`` axis is sharded at rest and the batch is sharded over the
+# data-parallel axes, so every layer's weights are all-gathered before use. In the decode loop the
+# layers' weights are loop invariants, and XLA hoisted their all-gathers out of the while loop:
+# every layer gathered at once for the whole loop (Llama-3.1-8B with fsdp=8: 17.16 GiB per v5e
+# chip). ``_gather_layer`` keeps a layer's weights at rest (sharded) up to an
+# ``optimization_barrier`` that ties them to a value the loop computes, then constrains them to the
+# gathered sharding: the all-gather depends on a loop variant and cannot be hoisted, so a decode
+# step gathers each layer's weights when it gets there (layer i's tied to layer i-1's input, so
+# its gather may overlap layer i-1's work: at most two layers gathered at a time). The weights
+# with an embed axis (the projections and their adapters, which ``_proj`` casts to the compute
+# dtype) are cast before the gather: float32 master weights move and land in bfloat16, half the
+# bytes. The values are unchanged: the constraints and the barrier are identities, and the cast
+# is the one ``_proj`` makes.
+# The price: each decode step all-gathers the layer weights again (a weight's (n-1)/n over the
+# interconnect per step) where the hoisted gather paid that once per rollout.
+_GATHERED = {'embed': 'activation_embed'}  # a gathered weight's embed axis: as the activations'
+
+
+def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
+                  anchor: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+  """One layer's params ``p`` (``axes``: ``DecoderStack.axes()``; other entries, the layer
+  constants, pass unchanged) constrained at rest, then, after a barrier with ``anchor`` (None:
+  none), those with an embed axis cast to ``dtype`` (the compute dtype) and every one gathered
+  as the activations need them. A no-op outside ``constrain_activations_with``."""
+  if _constrain_fn[0] is None:
+    return p
+  named = {k: v for k, v in p.items() if k in axes}
+  named = {k: constrain(v, *axes[k]) for k, v in named.items()}
+  if anchor is not None:
+    named, _ = jax.lax.optimization_barrier((named, anchor))
+  named = {k: constrain(v.astype(dtype) if 'embed' in axes[k] else v,
+                        *(_GATHERED.get(a, a) for a in axes[k])) for k, v in named.items()}
+  return {**p, **named}
 
 
 # -- attention over the filled part of a KV cache (issue 36) ---------------------------------------
@@ -695,9 +736,11 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     h = self._embed(tokens)  # [B, T, D]
-    if layers is not None:
-      new_k, new_v = [], []
+    axes = self.layers.axes()
+    if layers is not None:  # the decode loop's: each layer gathered in the step (_gather_layer)
+      new_k, new_v, anchor = [], [], h
       for p, k, v in zip(layers, *cache_kv):
+        p, anchor = _gather_layer(p, axes, _DTYPES[cfg.dtype], anchor), h
         h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend)
         new_k.append(k)
         new_v.append(v)
@@ -705,6 +748,8 @@ class Transformer(nnx.Module):
 
     def body(h, xs):
       p, kv = xs
+      if kv is not None:  # the prefill: one layer's weights gathered per scan iteration
+        p = _gather_layer(p, axes, _DTYPES[cfg.dtype])
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend,
                     options.attention)
 
@@ -877,7 +922,8 @@ class Transformer(nnx.Module):
   def unstacked_layers(self) -> list[dict[str, jax.Array]]:
     """Each layer's params as its own arrays. A decode loop that takes them (sliced once, before
     the loop) reads the weights in place; with the stacked params, XLA copies every layer's
-    weights out of the stack at every token."""
+    weights out of the stack at every token. Under fsdp they stay sharded: each decode step
+    gathers one layer's at a time (``_gather_layer``)."""
     arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
