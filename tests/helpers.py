@@ -24,6 +24,19 @@ def reference_arrays(name: str) -> dict:
     return dict(f)
 
 
+def shared_prompt_case(name: str, share: int = 2) -> tuple[np.ndarray, ...]:
+  """A fixture's left-padded prompts, each repeated ``share`` times, with HF's greedy tokens as
+  completions: (prompt, prompt_mask, completion, want), ``want`` the transformers float64
+  log-probs of those completion tokens, the reference of the shared-prompt log-prob tests."""
+  ref = reference_arrays(name)
+  rows = lambda x: np.repeat(x, share, axis=0)
+  prompt, prompt_mask, greedy = rows(ref['left_tokens']), rows(ref['left_mask']), rows(
+      ref['greedy_tokens'])
+  logits = rows(ref['greedy_logits'][:, prompt.shape[1] - 1:-1]).astype(np.float64)
+  logps = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  return prompt, prompt_mask, greedy, np.take_along_axis(logps, greedy[..., None], -1)[..., 0]
+
+
 def assert_trees_equal(got, want) -> None:
   """Bitwise equality of two pytrees of arrays."""
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,

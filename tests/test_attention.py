@@ -118,17 +118,10 @@ def test_xla_shared_prompt_logps_match_hf(fused_calls):
   completions' over [prompt; own] by the einsum) on Mistral, its window cutting into the
   prompt: log_softmax of HF's logits at the greedy continuation."""
   _, graphdef, params = _loaded('mistral_tiny')
-  ref = helpers.reference_arrays('mistral_tiny')
-  rows = lambda x: np.repeat(x, 2, axis=0)
-  prompt, prompt_mask, greedy = rows(ref['left_tokens']), rows(ref['left_mask']), rows(
-      ref['greedy_tokens'])
+  prompt, prompt_mask, greedy, want = helpers.shared_prompt_case('mistral_tiny')
   options = dataclasses.replace(XLA, share_prompts=2)
   logps, _ = jax.jit(lambda p: logprobs.completion_logps(
       tfm.merge(graphdef, p), prompt, prompt_mask, greedy, np.ones_like(greedy), options))(params)
-  tp = prompt.shape[1]
-  ref_logits = rows(ref['greedy_logits'][:, tp - 1:-1]).astype(np.float64)
-  ref_logps = ref_logits - np.log(np.exp(ref_logits).sum(-1, keepdims=True))
-  want = np.take_along_axis(ref_logps, greedy[..., None], axis=-1)[..., 0]
   error = float(np.abs(np.asarray(logps) - want).max())
   print(f'mistral shared-prompt log-probs, xla attention: max abs error = {error:.1e}')
   assert error < 1e-5, error

@@ -118,19 +118,12 @@ def test_shared_prompt_chunked_unrolled_logps_match_hf(name):
   cfg = dataclasses.replace(cfg, lora=LoRAConfig(rank=2))
   graphdef = sharding.abstract_model(cfg)[0]
   adapters = lora.init_adapters(cfg, seed=1)
-  ref = helpers.reference_arrays(name)
-  rows = lambda x: np.repeat(x, 2, axis=0)
-  prompt, prompt_mask = rows(ref['left_tokens']), rows(ref['left_mask'])
-  greedy = rows(ref['greedy_tokens'])
+  prompt, prompt_mask, greedy, want = helpers.shared_prompt_case(name)
   options = tfm.ForwardOptions(scan_layers=False, logprob_chunk_size=3,
                                share_prompts=2)
   logps, _ = jax.jit(lambda p, a: logprobs.completion_logps(
       tfm.merge(graphdef, p, a), prompt, prompt_mask, greedy, np.ones_like(greedy),
       options))(params, adapters)
-  tp = prompt.shape[1]
-  ref_logits = rows(ref['greedy_logits'][:, tp - 1:-1]).astype(np.float64)
-  ref_logps = ref_logits - np.log(np.exp(ref_logits).sum(-1, keepdims=True))
-  want = np.take_along_axis(ref_logps, greedy[..., None], axis=-1)[..., 0]
   error = float(np.abs(np.asarray(logps) - want).max())
   print(f'{name} shared-prompt chunked log-probs: max abs error = {error:.1e}')
   assert error < 1e-5, error
