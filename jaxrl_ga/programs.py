@@ -115,11 +115,3 @@ def build_reference_logps(cfg: RunConfig, graphdef) -> Callable:
   options = forward_options(cfg.model)
   return jax.jit(lambda p, t, a, l: logprobs.sequence_logps(
       tfm.merge(graphdef, p), t, a, l, options)[0])
-
-
-def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
-                       graphdef, dpo: Optional[DPOConfig] = None
-                       ) -> tuple[learner_lib.Learner, Callable]:
-  """(``build_dpo_learner``, ``build_reference_logps``) of the same model."""
-  return (build_dpo_learner(cfg, model_cfg, mesh, param_shardings, graphdef, dpo),
-          build_reference_logps(cfg, graphdef))

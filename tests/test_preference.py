@@ -186,8 +186,8 @@ def _train(b, loss_cfg, k):
   ctx = b['ctx']
   cfg = DPOConfig(pairs='dataset', micro_batch_size=WINDOW // k, grad_accum_steps=k,
                   max_length=MAX_LENGTH, loss=loss_cfg, optimizer=OPT)
-  learner, _ = programs.build_dpo_programs(ctx.cfg, ctx.model_cfg, b['mesh'], b['shardings'],
-                                           ctx.graphdef, dpo=cfg)
+  learner = programs.build_dpo_learner(ctx.cfg, ctx.model_cfg, b['mesh'], b['shardings'],
+                                       ctx.graphdef, dpo=cfg)
   stream = dpo.PairStream(b['pairs'], cfg, ctx.cfg.seed, b['mesh'], shuffle=False)
   state = learner.init(b['params'], stream.batch_at(0))
   theta0 = jax.device_get(b['params'])
