@@ -198,7 +198,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     dpo.check_reference(cfg, cfg.dpo, model_cfg)
   if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
     task.encode(tokenizer, cfg.dpo)
-    preference.check_cache(workdir, task)
+    preference.load_cache(workdir, task)  # refused before anything compiles
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,

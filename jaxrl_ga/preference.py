@@ -245,12 +245,6 @@ def load_cache(workdir: str, task: PreferenceTask) -> Optional[dict[str, np.ndar
   return pairs
 
 
-def check_cache(workdir: str, task: PreferenceTask) -> None:
-  """Before anything compiles: a cache in ``workdir`` built from other rows is refused
-  (``load_cache``)."""
-  load_cache(workdir, task)
-
-
 # -- the task ---------------------------------------------------------------------------------------
 def build_task(cfg, train_source, eval_source, rewards) -> PreferenceTask:
   """The DPO run's preference rows (``train_source``) and held-out rows (``eval_source``: rows
