@@ -160,7 +160,7 @@ def next_batch(v, ctx):
   v['slots'] += b['tokens'].size
   v['position'] += used
   v['examples'] += used
-  return placement.shard_rows(lambda rows: b, _B.value, ctx.mesh)
+  return placement.place_rows(b, _B.value, ctx.mesh)
 
 
 if __name__ == '__main__':

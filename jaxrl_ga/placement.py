@@ -70,10 +70,16 @@ def shard_rows(build, n: int, mesh: Mesh) -> Any:
   """A batch of ``n`` rows sharded over the data-parallel axes, of which this process builds only
   its own: ``build(rows)`` gets the global row indices its devices hold and returns a pytree of
   host arrays with ``len(rows)`` leading rows. -> the pytree of global jax.Arrays."""
+  return place_rows(build(batch_rows(n, mesh)), n, mesh)
+
+
+def place_rows(tree: Any, n: int, mesh: Mesh) -> Any:
+  """This process's rows of an ``n``-row batch, already built for ``batch_rows(n, mesh)`` (a
+  pytree of host arrays with that many leading rows) -> the pytree of global jax.Arrays."""
   rows = batch_rows(n, mesh)
   return jax.tree.map(
       lambda x: from_local(x, rows, (n, *np.shape(x)[1:]), batch_sharding(mesh, np.ndim(x))),
-      build(rows))
+      tree)
 
 
 @functools.lru_cache(maxsize=64)

@@ -63,9 +63,8 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
   def batch_at(position):  # each process builds only its own rows -> (batch, examples used)
-    # The rows shard_rows hands its builder: this process's (placement.batch_rows).
     batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
-    return placement.shard_rows(lambda rows: batch, b, ctx.mesh), consumed
+    return placement.place_rows(batch, b, ctx.mesh), consumed
 
   ckpt = ctx.checkpointer('sft')
   fresh = learner.init(part.trained, batch_at(0)[0], part.frozen)
