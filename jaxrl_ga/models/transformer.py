@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -125,6 +126,11 @@ def check_remat(remat: str) -> None:
 ATTENTION_IMPLS = ('einsum', 'xla', 'splash')  # ForwardOptions.attention (model.attention)
 
 
+def check_attention(attention: str) -> None:
+  if attention not in ATTENTION_IMPLS:
+    raise ValueError(f'attention={attention!r}; choose one of {", ".join(ATTENTION_IMPLS)}.')
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardOptions:
   """How the training forward (and the log-probs computed from it) runs: a static argument, each
@@ -154,9 +160,7 @@ class ForwardOptions:
 
   def __post_init__(self):
     check_remat(self.remat)
-    if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f'attention={self.attention!r}; choose one of '
-                       f'{", ".join(ATTENTION_IMPLS)}.')
+    check_attention(self.attention)
     if self.share_prompts < 1 or self.logprob_chunk_size < 0:
       raise ValueError(f'{self}: share_prompts must be >= 1 and logprob_chunk_size >= 0.')
 
@@ -358,6 +362,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
   return _attention(q, k, v, mask, scale_dim=scale_dim)
 
 
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(size: int, window: int, heads: int, interpret: Any):
+  """The splash kernel for rows of ``size`` slots, ``heads`` query heads and a causal (or, with
+  ``window``, local) mask: built once per shape, not at every trace (its mask info is host
+  numpy work over every block)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  shape = (size, size)
+  base = (splash.LocalMask(shape, (window - 1, 0), 0) if window else splash.CausalMask(shape))
+  return splash.make_splash_mha(splash.MultiHeadMask([base] * heads), head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+
+
 def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
                       scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
   """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
@@ -372,11 +388,7 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
   b, t, n, h = q.shape
   size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
-  shape = (size, size)
-  base = (splash.LocalMask(shape, (mask.window - 1, 0), 0) if mask.window
-          else splash.CausalMask(shape))
-  kernel = splash.make_splash_mha(splash.MultiHeadMask([base] * n), head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+  kernel = _splash_kernel(size, mask.window, n, interpret)
   pad = lambda x: jnp.pad(x, ((0, 0), (0, size - t)) + ((0, 0),) * (x.ndim - 2))
   heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, T', H]: the kernel's layout per row
   scale = jnp.asarray(1.0 / math.sqrt(scale_dim or h), q.dtype)
