@@ -103,9 +103,8 @@ class RolloutEngine:
     self._old_options = dataclasses.replace(self.learner_options, remat='none')
     # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
-    self.sampler = dataclasses.replace(  # the prefill's attention is the forward's
-        sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id),
-        attention=options.attention)
+    self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
+        sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention)
     rep = sharding.replicated(mesh)
     slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
     self._buffer_shardings = RolloutBuffer(

@@ -110,9 +110,7 @@ class Sampler:
   attention: str = 'einsum'
 
   def __post_init__(self):
-    if self.attention not in tfm.ATTENTION_IMPLS:
-      raise ValueError(f'Sampler.attention must be one of {tfm.ATTENTION_IMPLS}, got '
-                       f'{self.attention!r}.')
+    tfm.check_attention(self.attention)
     for name in dataclasses.fields(self):
       if name.name == 'attention':
         continue
@@ -132,11 +130,14 @@ class Sampler:
                        f'{self.slots} and {self.decode_block}.')
 
   @classmethod
-  def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int) -> 'Sampler':
-    """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time."""
+  def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int,
+                  attention: str = 'einsum') -> 'Sampler':
+    """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time.
+    ``attention``: the prefill's (the forward options')."""
     return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
-               chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots))
+               chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots),
+               attention=attention)
 
 
 @flax.struct.dataclass
