@@ -426,8 +426,7 @@ def _decode_report(step, steps: Steps, engine, n_steps: int, chip) -> dict[str, 
     return {**out, 'error': step['error']}
   flops, nbytes = step['compiler_flops'], step['compiler_bytes_accessed']
   roof = max(flops / chip['peak_flops'], nbytes / chip['hbm_bandwidth'])
-  opt = step['optimal_seconds']
-  opt = opt if opt is not None and opt >= flops / chip['peak_flops'] else None
+  opt = _sane_optimal(step['optimal_seconds'], flops, chip)
   seconds = max(roof, opt or 0.0)
   return {**out, 'compiler_flops': flops, 'compiler_bytes_accessed': nbytes,
           'optimal_seconds': opt, 'roofline_seconds': roof, 'step_seconds': seconds,
@@ -442,12 +441,15 @@ def _timing(step, flops, model_flops, analytic_bytes, chip) -> dict[str, Any]:
   roof = max(compute, bytes_accessed / chip['hbm_bandwidth'])
   out = {'flops': flops, 'model_flops': model_flops, 'bytes_accessed': bytes_accessed,
          'roofline_seconds': roof, 'mfu_estimate': model_flops / (roof * chip['peak_flops'])}
-  # The cost model counts a loop body once too: a time below the flops at the chip's peak is
-  # not a time this program can take, so it is not reported.
-  opt = step.get('optimal_seconds')
-  if opt is not None and opt < compute:
-    out['optimal_seconds'] = None
+  if step.get('optimal_seconds') is not None:
+    out['optimal_seconds'] = _sane_optimal(step['optimal_seconds'], flops, chip)
   return out
+
+
+def _sane_optimal(opt: Optional[float], flops: float, chip) -> Optional[float]:
+  """The compiler's cost-model time, or None: the cost model counts a loop body once too, and a
+  time below the flops at the chip's peak is not a time this program can take."""
+  return opt if opt is not None and opt >= flops / chip['peak_flops'] else None
 
 
 def knobs(cfg, steps: dict) -> list[str]:
