@@ -788,6 +788,11 @@ class GRPOConfig:
       completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
       (process 0's rows; 0: never).
     completions_logged: completions logged per logged rollout (see ``completions_every``).
+    length_buckets: the learner computes each micro-batch's completions up to its longest one
+      only, padded to the shortest of this many widths (evenly spaced up to
+      ``sampling.max_completion_length``, multiples of 8) that holds it, so that its cost follows
+      the tokens generated; the positions cut are padding, so the update is the same (docs/design,
+      "Learner width"). Each width compiles the learner step once. 1: always the full width.
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -801,9 +806,11 @@ class GRPOConfig:
   reward_funcs: str = ''
   completions_every: int = 0
   completions_logged: int = 8
+  length_buckets: int = 4
 
   def __post_init__(self):
-    _positive_int(self, 'num_steps', 'log_every', 'completions_logged', prefix='grpo.')
+    _positive_int(self, 'num_steps', 'log_every', 'completions_logged', 'length_buckets',
+                  prefix='grpo.')
     _require(self.completions_every >= 0, 'grpo.completions_every must be >= 0 (0: never).')
     _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
 

@@ -122,10 +122,12 @@ class RolloutEngine:
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)
-    self._slice = jax.jit(self._micro_batch, out_shardings=dict(
+    self._slice = jax.jit(self._micro_batch, static_argnames='width', out_shardings=dict(
         prompt_tokens=per_token, prompt_mask=per_token, completion_tokens=per_token,
         completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
         **({'ref_logps': per_token} if self.use_ref else {})))
+    # The longest completion of each slice [S], the same on every process.
+    self._slice_lengths = jax.jit(lambda m: jnp.max(jnp.sum(m, -1), axis=1), out_shardings=rep)
     self._reorder_fn = jax.jit(
         sharding.with_activation_sharding(self._reorder, mesh),
         in_shardings=(param_shardings, self._buffer_shardings, self._state_shardings,
@@ -226,9 +228,22 @@ class RolloutEngine:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), example)
 
-  def micro_batch(self, buffer: RolloutBuffer, slice_index, advantages) -> dict:
-    """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded)."""
-    return self._slice(buffer, jnp.asarray(slice_index, jnp.int32), advantages)
+  def micro_batch(self, buffer: RolloutBuffer, slice_index, advantages,
+                  width: Optional[int] = None) -> dict:
+    """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded).
+    ``width``: its completion arrays cut to their first ``width`` positions (``slice_widths``;
+    default: all max_completion_length of them)."""
+    return self._slice(buffer, jnp.asarray(slice_index, jnp.int32), advantages,
+                       width=self.sampling_cfg.max_completion_length if width is None else width)
+
+  def slice_widths(self, buffer: RolloutBuffer, widths: tuple[int, ...]) -> np.ndarray:
+    """[S]: for each slice of ``buffer``, the shortest of ``widths`` (ascending, the last
+    max_completion_length; ``length_widths``) that holds its longest completion. Every position
+    past it is padding in every row, so a learner that sees only the first ``width`` positions
+    computes the same loss and gradient: attention is causal, and padding enters no sum
+    (jaxrl_ga.losses). One small reduction, fetched to the host (the same on every process)."""
+    longest = np.asarray(self._slice_lengths(buffer.completion_mask))
+    return np.asarray(widths)[np.searchsorted(np.asarray(widths), longest)]
 
   # -- traced -----------------------------------------------------------------------------------
   def _rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
@@ -326,17 +341,18 @@ class RolloutEngine:
     state = state.replace(forward_passes=state.forward_passes + passes)
     return buffer, state, perm(advantages)
 
-  def _micro_batch(self, buffer: RolloutBuffer, j, advantages) -> dict[str, Any]:
+  def _micro_batch(self, buffer: RolloutBuffer, j, advantages, width=None) -> dict[str, Any]:
     take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)
-    loss_mask = take(buffer.completion_mask)
+    cut = lambda x: take(x)[:, :width]  # the completion positions the learner computes
+    loss_mask = cut(buffer.completion_mask)
     if self.mask_truncated:  # DAPO: completions cut at max length do not train
       loss_mask = loss_mask * take(buffer.ended_with_eos)[:, None].astype(loss_mask.dtype)
     batch = dict(prompt_tokens=take(buffer.prompt_tokens), prompt_mask=take(buffer.prompt_mask),
-                 completion_tokens=take(buffer.completion_tokens),
-                 completion_mask=loss_mask, old_logps=take(buffer.old_logps),
+                 completion_tokens=cut(buffer.completion_tokens),
+                 completion_mask=loss_mask, old_logps=cut(buffer.old_logps),
                  has_old=take(buffer.has_old), advantages=take(advantages))
     if buffer.ref_logps is not None:
-      batch['ref_logps'] = take(buffer.ref_logps)
+      batch['ref_logps'] = cut(buffer.ref_logps)
     return batch
 
 
@@ -353,6 +369,15 @@ def prompt_share(sched: ScheduleConfig, data_parallel_size: int, enabled: bool =
   if not enabled or b % data_parallel_size:
     return 1
   return math.gcd(g, b // data_parallel_size)
+
+
+def length_widths(max_completion_length: int, buckets: int) -> tuple[int, ...]:
+  """The learner's completion widths (``grpo.length_buckets``): ``buckets`` evenly spaced widths
+  up to max_completion_length, each rounded up to a multiple of 8 and capped there; ascending,
+  without repeats, the last max_completion_length. E.g. (128, 4) -> (32, 64, 96, 128)."""
+  n, length = buckets, max_completion_length
+  return tuple(sorted({min(length, -(-math.ceil(length * i / n) // 8) * 8)
+                       for i in range(1, n + 1)}))
 
 
 def _with_shardings(tree, shardings):

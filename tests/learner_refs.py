@@ -104,11 +104,11 @@ def synthetic_rollout(rng, n, group=1):
 
 
 def ref_completion_logps(graphdef, params, batch):
-  """Log-probs [B, TC] of the completion tokens from the full forward's logits over each row's
+  """Log-probs [B, Tc] of the completion tokens from the full forward's logits over each row's
   whole prompt + completion sequence."""
   tokens = jnp.concatenate([batch['prompt_tokens'], batch['completion_tokens']], 1)
   mask = jnp.concatenate([batch['prompt_mask'], batch['completion_mask']], 1)
-  logits = tfm.merge(graphdef, params)(tokens, mask)[:, TP - 1:-1]
+  logits = tfm.merge(graphdef, params)(tokens, mask)[:, batch['prompt_tokens'].shape[1] - 1:-1]
   return jnp.take_along_axis(jax.nn.log_softmax(logits), batch['completion_tokens'][..., None],
                              -1)[..., 0]
 
@@ -126,8 +126,8 @@ def ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
     return jnp.sum(m * per_tok) / jnp.sum(m)
   if cfg.aggregation == 'sequence':
     return jnp.mean(jnp.sum(m * per_tok, 1) / jnp.sum(m, 1))
-  assert cfg.aggregation == 'constant'
-  return jnp.sum(m * per_tok) / (n_seq * TC)
+  assert cfg.aggregation == 'constant'  # the batch's width is max_completion_length
+  return jnp.sum(m * per_tok) / (n_seq * m.shape[1])
 
 
 def run_grpo_learner(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape, n_opt_steps,

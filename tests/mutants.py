@@ -31,6 +31,12 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
       state, before any numeric check: what trains (float32 base), AdamW's moments not all float32
       (bfloat16 base: tests/learner_refs.py's check_structure). The numeric checks need not see
       it: the one-pass reference differentiates the same (mutated) trainable set.
+  constant_normalizer_of_the_cut_width  aggregation 'constant' (Dr. GRPO) divides by the width the
+      learner computed (grpo.length_buckets) instead of max_completion_length. Caught by
+      test_learn_width's applied gradient against the full-width window loss.
+  learner_width_ignored  the learner's micro-batch keeps every max_completion_length position.
+      Caught by test_learn_width's check of the widths the learner's step receives (the update
+      is the same, so no numeric check could see it).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ _GRPO_UNCLIPPED = tuple(f'{_GRPO}[{i}]' for i in (
 _GRPO_CLIPPED = f'{_GRPO}[token-8dev-clipped]'
 _LORA = tuple(f'tests/test_lora.py::test_accumulated_adapter_update_is_exact[{i}]'
               for i in ('mesh0-bfloat16', 'mesh1-float32'))
+_WIDTH = ('tests/test_learn_width.py::'
+          'test_learner_width_follows_the_longest_completion_and_the_update_is_the_full_widths')
 _SFT_K3 = 'tests/test_learner_tasks.py::test_sft_accumulation_is_exact[3-mesh1]'
 _DPO = tuple(f'tests/test_learner_tasks.py::test_dpo_accumulation_is_exact[{i}]'
              for i in ('pair-mesh0', 'pair-mesh1', 'token-mesh2', 'token-mesh3'))
@@ -88,6 +96,11 @@ MUTANTS = {
     'lora_trains_biases': Mutant(
         'jaxrl_ga/lora.py', 'return key.endswith(_SUFFIXES)',
         "return key.endswith(_SUFFIXES + ('_bias',))", _LORA),
+    'constant_normalizer_of_the_cut_width': Mutant(
+        'jaxrl_ga/losses.py', 'jnp.asarray(num_rows * float(max_completion_length), jnp.float32)',
+        'jnp.asarray(num_rows * float(mask.shape[-1]), jnp.float32)', (_WIDTH,)),
+    'learner_width_ignored': Mutant(
+        'jaxrl_ga/rollout.py', 'cut = lambda x: take(x)[:, :width]', 'cut = take', (_WIDTH,)),
 }
 
 

@@ -29,6 +29,7 @@ from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import rewards as rewards_lib
+from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga.config import GRPOConfig
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
@@ -79,6 +80,10 @@ class GRPOTrainer:
     self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = cfg.schedule.prompts_per_rollout
+    # The learner's completion widths (grpo.length_buckets) and the current rollout's, per slice.
+    self.widths = rollout_lib.length_widths(cfg.sampling.max_completion_length,
+                                            cfg.length_buckets)
+    self._slice_widths = None
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:
@@ -107,6 +112,7 @@ class GRPOTrainer:
     k, s_, e = sched.optimizer_every, sched.steps_per_generation, sched.micro_steps_per_rollout
     ckpt = ctx.checkpointer('grpo')
     self.part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
+    self._slice_widths = None  # set by each rollout; from the restored buffer on a resume
     state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
@@ -132,7 +138,10 @@ class GRPOTrainer:
           if s == resumed_from:
             _report_prompt_padding(meta['host_stats'], cfg.sampling.max_prompt_length,
                                    self.engine.share_prompts)
-        batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'])
+        if self._slice_widths is None:  # resumed in the middle of a rollout
+          self._slice_widths = self.engine.slice_widths(state['buffer'], self.widths)
+        batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'],
+                                        width=int(self._slice_widths[s % s_]))
         started = time.perf_counter()
         state['learner'], out = self.learner.step(state['learner'], batch, self.part.frozen)
         if self.on_micro_step is not None:
@@ -186,11 +195,14 @@ class GRPOTrainer:
     t_generated = time.perf_counter()
     rewards, reward_metrics, scored = self._score(buffer, examples)  # [S*B], every process
     state['buffer'], state['advantages'], adv = self._advantages(state, buffer, rewards)
+    self._slice_widths = self.engine.slice_widths(state['buffer'], self.widths)
     rollout_index = meta['micro_step'] // self.cfg.schedule.micro_steps_per_rollout
     if self.cfg.completions_every and rollout_index % self.cfg.completions_every == 0:
       self._log_completions(meta['micro_step'], examples, scored, rewards, adv)
     host_stats = reward_metrics | {k: float(np.asarray(v))
                                    for k, v in jax.device_get(rollout_metrics).items()}
+    # The completion positions the learner computes per row (grpo.length_buckets).
+    host_stats['rollout/learn_width'] = float(np.mean(self._slice_widths))
     if self.on_rollout is not None:
       self.on_rollout(RolloutEvent(
           micro_step=meta['micro_step'],
