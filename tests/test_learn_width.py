@@ -14,7 +14,6 @@ import numpy as np
 import smoke_configs
 
 from jaxrl_ga import api
-from jaxrl_ga.config import OptimizerConfig
 from jaxrl_ga.trainers import grpo
 
 from learner_refs import applied_grad, ref_grpo_window_loss, rel_err
