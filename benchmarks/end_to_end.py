@@ -62,7 +62,9 @@ their medians give each side's phases a fraction of a bound (bound / time, 1 = a
   * learn: achieved FLOP/s of the learn phase = the matmul FLOPs of K micro-steps' forward +
     backward (``jaxrl_ga.flops.learner_flops``: B rows of prompt + completion tokens, logits at the
     completion positions) at each side's own prompt width (jaxrl_ga pads prompts to
-    max_prompt_length, TRL to the longest prompt of its micro-batch) / the learn phase's time,
+    max_prompt_length, TRL to the longest prompt of its micro-batch) and completion width
+    (jaxrl_ga: ``grpo.length_buckets``' width, ``learn_completion_width``; TRL: the rollout's
+    longest completion) / the learn phase's time,
     as a fraction of the matmul peak. jaxrl_ga's learn includes its AdamW step, TRL's does not.
   * generate: per rollout, prefill (the forward FLOPs on S*B rows of prompt tokens / the peak)
     plus max_completion_length decode steps, each bound by the larger of the weight streaming
@@ -323,6 +325,7 @@ class OurSide:
     self.k = cfg.grpo.schedule.grad_accum_steps
     self.micro_steps = 0
     self.completion_lengths: list[float] = []
+    self.learn_widths: list[float] = []  # per rollout, the learner's mean completion width
     self.rollout_rows: list[int] = []
     self.prompt_rows: list[list[tuple[int, ...]]] = []  # per rollout, each row's prompt ids
     self.roofline = roofline
@@ -339,6 +342,7 @@ class OurSide:
     mask = np.asarray(event.buffer.prompt_mask).reshape(tokens.shape)
     self.prompt_rows.append([tuple(int(t) for t in row[m == 1]) for row, m in zip(tokens, mask)])
     self.completion_lengths.append(event.host_stats['rollout/completion_length'])
+    self.learn_widths.append(event.host_stats['rollout/learn_width'])  # grpo.length_buckets
 
   def _on_micro_step(self, micro_step: int, started: float, out) -> None:
     """GRPOTrainer's public on_micro_step hook: each learner step, waited for."""
@@ -434,6 +438,7 @@ class TrlSide:
     self.counts = dict(training_steps=0, rows_per_training_step=set(), generations=0,
                        rows_per_generation=set(), old_logp_passes=0, accumulation_steps=set())
     self.completion_lengths: list[float] = []
+    self.learn_widths: list[float] = []  # per generation, its padded completion width
     self.prompt_rows: list[list[tuple[int, ...]]] = []  # per generation, each row's prompt ids
     self.prompt_widths: list[int] = []  # per micro-step, the padded prompt width
     self.error: Optional[BaseException] = None
@@ -464,6 +469,8 @@ class TrlSide:
       counts['generations'] += 1
       counts['rows_per_generation'].add(int(out['completion_ids'].shape[0]))
       self.completion_lengths.append(float(out['completion_mask'].sum(1).float().mean()))
+      # TRL pads a generation's completions to its longest; its micro-batches keep that width.
+      self.learn_widths.append(float(out['completion_mask'].shape[1]))
       return out
 
     def compute_loss(model, inputs):  # inputs: the micro-batch (a slice of the rollout)
@@ -647,6 +654,9 @@ def run_size(size: Size, workdir: str, threads: int,
   # R of model.share_prompt_prefix: the learner's and old-log-prob pass's rows per prompt
   # forward, and generation's rows per prefilled prompt (the engine's public settings).
   out['prompt_share'] = [ours.trainer.engine.micro_batch_share, ours.trainer.engine.gen_share]
+  # The completion width each side's learner computed, mean over its rollouts.
+  out['learn_completion_width'] = {'jaxrl_ga': float(np.mean(ours.learn_widths)),
+                                   'trl': float(np.mean(theirs.learn_widths))}
   out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
                              'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
   if roofline is not None:
@@ -682,8 +692,9 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
     # jaxrl_ga runs a prompt's forward once per R rows (model.share_prompt_prefix); TRL per row.
     share, gen_share = r['prompt_share'] if side == 'jaxrl_ga' else (1, 1)
     ph = r['sides'][side]['phase_s_per_step_median']
-    learn_flops = k * flops.learner_flops(
-        m, b, tp, tc, tfm.ForwardOptions(share_prompts=share))['model']
+    learn_flops = k * flops.learner_flops(  # at the completion width the side's learner ran
+        m, b, tp, r['learn_completion_width'][side],
+        tfm.ForwardOptions(share_prompts=share))['model']
     rollouts_per_step = r['steps'][side]['rollouts'] / n_opt
     prefill_s = flops.forward_flops(m, rows // gen_share, tp, 1)['total'] / peak
     generate_bound = rollouts_per_step * (prefill_s + tc * max(step_stream_s, step_flop_s))
@@ -769,8 +780,8 @@ def table(results: list[dict[str, Any]]) -> str:
           f"{ph['rewards_host']:.3f} | {old} | {ph['learn']:.3f} | {ph['other']:.3f} | "
           f"{passes:.2f} | {d['mean_completion_length']:.2f} | {speed} |")
   if any('bounds' in r for r in results):
-    lines += ['', '| size | side | completion tokens | matmul peak GFLOP/s | weight streaming '
-              'GB/s | learn GFLOP / opt step | learn GFLOP/s | learn of peak | generate bound s '
+    lines += ['', '| size | side | completion tokens (learner width) | matmul peak GFLOP/s '
+              '| weight streaming GB/s | learn GFLOP / opt step | learn GFLOP/s | learn of peak | generate bound s '
               '| generate of bound | old log-probs of bound | decode step bound ms (binding) |',
               '|' + '---|' * 12]
     for r in results:
@@ -784,7 +795,8 @@ def table(results: list[dict[str, Any]]) -> str:
                if 'old_logps_fraction_of_bound' in d else
                ('(in generate)' if side == 'jaxrl_ga' else ''))
         lines.append(
-            f"| {r['size']} | {side} | {r['max_completion_length']} | "
+            f"| {r['size']} | {side} | {r['max_completion_length']} "
+            f"({r['learn_completion_width'][side]:.1f}) | "
             f"{rf['peak_flops_per_s'] / 1e9:.1f} | {rf['bandwidth_bytes_per_s'] / 1e9:.1f} | "
             f"{d['learn_flops_per_step'] / 1e9:.1f} | {(d['learn_flops_per_s'] or 0) / 1e9:.1f} | "
             f"{100 * (d['learn_fraction_of_peak'] or 0):.0f}% | {d['generate_bound_s']:.3f} | "
