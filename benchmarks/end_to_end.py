@@ -150,6 +150,10 @@ _COMPLETION_LEN = flags.DEFINE_integer('max_completion_length', None, 'Default: 
 _SLOTS = flags.DEFINE_integer(
     'decode_slots', None, "jaxrl_ga's sampling.decode_slots (a slot pool refilled as rows finish; "
     "0: batched decode); default: the config's. Pays off with --noforce_full_length.")
+_BUCKETS = flags.DEFINE_integer(
+    'length_buckets', None, "jaxrl_ga's grpo.length_buckets (the learner computes each "
+    "micro-batch's completions to the shortest of that many widths holding its longest; 1: "
+    "always max_completion_length); default: the config's. Pays off with --noforce_full_length.")
 _TINY_BATCH = flags.DEFINE_integer('tiny_micro_batch_size', None,
                                    'Tiny: B; default: the config\'s.')
 _TINY_PERIODS = flags.DEFINE_integer('tiny_periods', 20, 'Tiny: timed periods per side.')
@@ -279,6 +283,8 @@ def base_config(size: Size, num_steps: int):
   lengths = dict(max_prompt_length=_PROMPT_LEN.value, max_completion_length=_COMPLETION_LEN.value,
                  decode_slots=_SLOTS.value)
   c.grpo.sampling.update({k: v for k, v in lengths.items() if v is not None})
+  if _BUCKETS.value is not None:
+    c.grpo.length_buckets = _BUCKETS.value
   c.model.max_position_embeddings = max(
       c.model.max_position_embeddings,
       c.grpo.sampling.max_prompt_length + c.grpo.sampling.max_completion_length)
@@ -833,6 +839,7 @@ def main(argv):
   print(table(results))
   flag_names = ('sizes', 'base_config', 'num_generations', 'steps_per_generation', 'num_iterations',
                 'grad_accum_steps', 'max_prompt_length', 'max_completion_length', 'decode_slots',
+                'length_buckets',
                 'tiny_micro_batch_size', 'tiny_periods', 'big_micro_batch_size', 'big_periods',
                 'warmup_periods', *machine.BIG_MODEL_FLAGS, 'force_full_length', 'torch_threads',
                 'smollm2_config', 'smollm2_micro_batch_size', 'smollm2_periods', 'roofline')
