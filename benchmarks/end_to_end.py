@@ -660,9 +660,11 @@ def run_size(size: Size, workdir: str, threads: int,
   # R of model.share_prompt_prefix: the learner's and old-log-prob pass's rows per prompt
   # forward, and generation's rows per prefilled prompt (the engine's public settings).
   out['prompt_share'] = [ours.trainer.engine.micro_batch_share, ours.trainer.engine.gen_share]
-  # The completion width each side's learner computed, mean over its rollouts.
-  out['learn_completion_width'] = {'jaxrl_ga': float(np.mean(ours.learn_widths)),
-                                   'trl': float(np.mean(theirs.learn_widths))}
+  # The completion width each side's learner computed, per rollout (jaxrl_ga: the mean over its
+  # S slices), and its mean.
+  out['learn_completion_widths'] = {'jaxrl_ga': ours.learn_widths, 'trl': theirs.learn_widths}
+  out['learn_completion_width'] = {side: float(np.mean(w))
+                                   for side, w in out['learn_completion_widths'].items()}
   out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
                              'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
   if roofline is not None:
@@ -698,9 +700,9 @@ def phase_bounds(m, cfg, r: dict) -> dict[str, Any]:
     # jaxrl_ga runs a prompt's forward once per R rows (model.share_prompt_prefix); TRL per row.
     share, gen_share = r['prompt_share'] if side == 'jaxrl_ga' else (1, 1)
     ph = r['sides'][side]['phase_s_per_step_median']
-    learn_flops = k * flops.learner_flops(  # at the completion width the side's learner ran
-        m, b, tp, r['learn_completion_width'][side],
-        tfm.ForwardOptions(share_prompts=share))['model']
+    learn_flops = k * float(np.mean([  # at the completion widths the side's learner ran
+        flops.learner_flops(m, b, tp, w, tfm.ForwardOptions(share_prompts=share))['model']
+        for w in r['learn_completion_widths'][side]]))
     rollouts_per_step = r['steps'][side]['rollouts'] / n_opt
     prefill_s = flops.forward_flops(m, rows // gen_share, tp, 1)['total'] / peak
     generate_bound = rollouts_per_step * (prefill_s + tc * max(step_stream_s, step_flop_s))

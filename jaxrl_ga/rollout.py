@@ -126,8 +126,7 @@ class RolloutEngine:
         prompt_tokens=per_token, prompt_mask=per_token, completion_tokens=per_token,
         completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
         **({'ref_logps': per_token} if self.use_ref else {})))
-    # The longest completion of each slice [S], the same on every process.
-    self._slice_lengths = jax.jit(lambda m: jnp.max(jnp.sum(m, -1), axis=1), out_shardings=rep)
+    self._slice_lengths = jax.jit(self._longest, out_shardings=rep)
     self._reorder_fn = jax.jit(
         sharding.with_activation_sharding(self._reorder, mesh),
         in_shardings=(param_shardings, self._buffer_shardings, self._state_shardings,
@@ -238,12 +237,21 @@ class RolloutEngine:
 
   def slice_widths(self, buffer: RolloutBuffer, widths: tuple[int, ...]) -> np.ndarray:
     """[S]: for each slice of ``buffer``, the shortest of ``widths`` (ascending, the last
-    max_completion_length; ``length_widths``) that holds its longest completion. Every position
-    past it is padding in every row, so a learner that sees only the first ``width`` positions
-    computes the same loss and gradient: attention is causal, and padding enters no sum
-    (jaxrl_ga.losses). One small reduction, fetched to the host (the same on every process)."""
-    longest = np.asarray(self._slice_lengths(buffer.completion_mask))
+    max_completion_length; ``length_widths``) that holds every position its rows train on. Every
+    position past it has loss mask 0 in every row, so a learner that sees only the first
+    ``width`` positions computes the same loss and gradient: attention is causal, and masked
+    positions enter no sum (jaxrl_ga.losses). One small reduction, fetched to the host (the same
+    on every process)."""
+    longest = np.asarray(self._slice_lengths(buffer.completion_mask, buffer.ended_with_eos))
     return np.asarray(widths)[np.searchsorted(np.asarray(widths), longest)]
+
+  def _longest(self, mask, ended_with_eos):
+    """[S]: per slice, the last position any row trains on, + 1 (the same on every process).
+    Completions cut at max length do not train under mask_truncated_completions: not counted."""
+    if self.mask_truncated:
+      mask = mask * ended_with_eos[..., None].astype(mask.dtype)
+    last = jnp.where(mask > 0, jnp.arange(1, mask.shape[-1] + 1), 0)  # [S, B, Tc]
+    return jnp.max(last, axis=(1, 2))
 
   # -- traced -----------------------------------------------------------------------------------
   def _rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):

@@ -120,6 +120,9 @@ def ref_grpo_window_loss(graphdef, params, batch, cfg: GRPOLossConfig):
   ratio = jnp.exp(logp - old)
   a = batch['advantages'][:, None]
   per_tok = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * a)
+  if cfg.beta > 0:  # the k3 estimator of KL(policy || reference), Schulman's
+    d = batch['ref_logps'] - logp
+    per_tok = per_tok + cfg.beta * (jnp.exp(d) - d - 1)
   m = batch['completion_mask'].astype(jnp.float32)
   n_seq = m.shape[0]  # every synthetic completion has >= 1 token
   if cfg.aggregation == 'token':

@@ -1,12 +1,16 @@
 """grpo.length_buckets: the learner computes each micro-batch's completions only up to a width
-that holds its longest completion, and applies the update of the whole-width window loss.
+that holds every position its rows train on, and applies the update of the whole-width window
+loss.
 
 Through GRPOTrainer.run on the tiny arithmetic model (untrained, so completion lengths are uneven
-and EOS ends some early): the widths the learner's step receives are checked against the bucket
-of each slice's longest completion, computed here from the rollout buffer's mask; and each
-optimizer step's applied gradient (AdamW's first moment, b1 = 0) against the one-pass window loss
-of the full-width rollout buffer (tests/learner_refs.py), so a cut that dropped a real token, or a
-'constant' normalizer taken from the cut width instead of max_completion_length, fails.
+and EOS ends some early), stopped in the middle of a rollout and of a window and resumed: the
+widths the learner's step receives are checked against the bucket of each slice's last trained
+position, computed here from the rollout buffer's masks; and each optimizer step's applied
+gradient (AdamW's first moment, b1 = 0) against the one-pass window loss of the full-width rollout
+buffer (tests/learner_refs.py). The run uses 'constant' (Dr. GRPO: its normalizer is
+max_completion_length, never the cut width), a KL term (reference log-probs cut with the rest) and
+mask_truncated_completions (completions cut at max length train nothing and do not widen a
+micro-batch). tests/mutants.py lists two bugs this test catches.
 """
 
 import jax
@@ -23,10 +27,10 @@ WIDTHS = (8, 16, 24, 32, 40)  # 5 buckets of 40, multiples of 8
 
 
 def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full_widths(tmp_path):
-  # 'constant' (Dr. GRPO): its normalizer is max_completion_length, never the cut width.
   cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
       'grpo.num_steps': 3, 'grpo.length_buckets': len(WIDTHS),
       'grpo.sampling.max_completion_length': L, 'grpo.loss.aggregation': 'constant',
+      'grpo.loss.beta': 0.05, 'grpo.advantage.mask_truncated_completions': True,
       'grpo.schedule.grad_accum_steps': 2, 'grpo.schedule.steps_per_generation': 2,
       'grpo.schedule.micro_batch_size': 8, 'grpo.schedule.num_generations': 4,
       # Rewarded by length, so that the untrained model's groups have non-zero advantages.
@@ -49,19 +53,27 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
     seen.append(batch['completion_tokens'].shape)
     return step(state, batch, frozen)
   trainer.learner.step = recording_step
-  trainer.run(params)
+  # Stopped after micro-step 2 (rollout 1's first slice, window 1's first micro-step), resumed:
+  # the resumed run takes the widths of the restored buffer.
+  _, summary = trainer.run(params, stop_at_micro_step=3)
+  assert summary['stopped_at_micro_step'] == 3
+  _, summary = trainer.run(params)
+  assert summary['grpo/resumed_from_micro_step'] == 3 and len(events) == 3
 
-  # The widths: each slice's longest completion, from the buffer, up to the next bucket.
+  # The widths: each slice's last trained position (rows that ended with EOS), up to a bucket.
   want = []
   for e in events:
-    longest = e['buffer'].completion_mask.sum(-1).max(-1)  # [S]
-    widths = [min(w for w in WIDTHS if w >= n) for n in longest]
+    buf = e['buffer']
+    trained = buf.completion_mask * buf.ended_with_eos[..., None]  # [S, B, L]
+    last = np.where(trained > 0, np.arange(1, L + 1), 0).max(axis=(1, 2))  # [S]
+    widths = [min(w for w in WIDTHS if w >= n) for n in last]
     assert e['width'] == np.mean(widths)
     want += widths
   assert [shape[1] for shape in seen] == want
   assert min(want) < L, 'the run must cut some micro-batch (completion lengths are too even)'
 
-  # Window r's applied gradient is in the learner state that the next rollout sees.
+  # Window r's applied gradient is in the learner state that the next rollout sees; window 1
+  # spans the stop and the resume.
   graphdef = ctx.graphdef
   loss_cfg = cfg.grpo.loss
   grad = jax.jit(jax.grad(lambda p, b: ref_grpo_window_loss(graphdef, p, b, loss_cfg)))
@@ -70,8 +82,9 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
     flat = lambda x: x.reshape(-1, *x.shape[2:])
     window = dict(prompt_tokens=flat(buf.prompt_tokens), prompt_mask=flat(buf.prompt_mask),
                   completion_tokens=flat(buf.completion_tokens),
-                  completion_mask=flat(buf.completion_mask), old_logps=flat(buf.old_logps),
-                  has_old=flat(buf.has_old), advantages=before['advantages'].reshape(-1))
+                  completion_mask=flat(buf.completion_mask * buf.ended_with_eos[..., None]),
+                  old_logps=flat(buf.old_logps), has_old=flat(buf.has_old),
+                  ref_logps=flat(buf.ref_logps), advantages=before['advantages'].reshape(-1))
     assert window['completion_tokens'].shape[1] == L
     g = grad(before['params'], window)
     assert rel_err(after['applied'], g) <= 1e-5
