@@ -1,7 +1,9 @@
 """Helpers shared by test files (instead of tests importing each other's private functions)."""
 
 import functools
+import importlib.util
 import os
+import re
 
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 import jax
@@ -9,6 +11,18 @@ import numpy as np
 
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def xla_flags(devices: int = 8, optimized: bool = False) -> str:
+  """conftest.py's XLA_FLAGS with ``devices`` simulated CPU devices: the XLA_FLAGS of a
+  subprocess a test starts. ``optimized``: without conftest's cheap-compile flags, for a
+  real-size model (SmolLM2's steps run ~1.7x slower at XLA:CPU's optimization level 0)."""
+  drop = ('--xla_force_host_platform_device_count',) + (
+      ('--xla_backend_optimization_level', '--xla_llvm_disable_expensive_passes')
+      if optimized else ())
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith(drop)]
+  return ' '.join([f'--xla_force_host_platform_device_count={devices}', *flags])
 
 
 def fixture_dir(name: str) -> str:
@@ -87,3 +101,45 @@ class FakeGCS(MemoryFileSystem):
     data = b''.join(self.cat_file(p) for p in paths)
     key = self._strip_protocol(path)
     self.store[key] = MemoryFile(self, key, data)
+
+
+# -- the TPU plan tests (tests/test_plan.py, tests/test_plan_tpu_knobs.py) ------------------------
+# prompt and completion lengths (the config's: 320, 512); no weight has these dims
+TPU_TP, TPU_TC = 48, 96
+
+
+def require_libtpu() -> None:
+  """Fails (does not skip) without libtpu: the test extra installs it."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  try:
+    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pytest.fail("libtpu is missing: the test extra installs it (pip install -e '.[test]').")
+
+
+def tpu_plan_config(**model):
+  """configs/grpo_gsm8k_tpu.py:v5e-8 (Qwen2.5-0.5B's shapes) at 2 layers, no remat, no log-prob
+  chunking, TPU_TP + TPU_TC positions; ``model`` overrides model.* -> RunConfig."""
+  from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location('c', os.path.join(ROOT, 'configs',
+                                                                  'grpo_gsm8k_tpu.py'))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config('v5e-8')
+  c.model.update(num_hidden_layers=2, remat='none', logprob_chunk_size=0, **model)
+  c.grpo.sampling.update(max_prompt_length=TPU_TP, max_completion_length=TPU_TC)
+  return from_mapping(RunConfig, c.to_dict())
+
+
+def activation_all_reduces(hlo: str, dims) -> list[str]:
+  """all-reduce instructions of an HLO module whose shape has one of ``dims`` (sequence
+  lengths: only activations have them)."""
+  out = []
+  for line in hlo.splitlines():
+    m = re.search(r'=\s*(\(?[^=]*?)\s+all-reduce(?:-start)?\(', line)
+    if not m:
+      continue
+    shapes = re.findall(r'\[([\d,]*)\]', m.group(1))  # dims only, not the {layout} tiles
+    if any(int(d) in dims for shape in shapes for d in shape.split(',') if d):
+      out.append(line.strip()[:200])
+  return out

@@ -18,7 +18,9 @@ import sys
 pid, nproc, port, workdir, ndev = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                    int(sys.argv[5]))
 os.environ['JAX_PLATFORMS'] = 'cpu'
-os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={ndev}'
+if '--xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
+  # tests/test_multihost.py passes conftest's flags with LOCAL_DEVICES devices (helpers.xla_flags)
+  os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={ndev}'
 
 import jax  # pylint: disable=g-import-not-at-top  (after the environment is set)
 

@@ -16,6 +16,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import helpers
+
 from jaxrl_ga import checkpoint
 
 
@@ -207,8 +209,7 @@ def _run_child(tmp_path, body, **popen_kwargs):
       from jaxrl_ga import checkpoint
       directory = sys.argv[1]
   ''') + textwrap.dedent(body))
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=helpers.xla_flags(2))
   return subprocess.Popen([sys.executable, str(script), str(tmp_path / 'ck')], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           **popen_kwargs)

@@ -292,7 +292,7 @@ _OVERRIDES = {'stages': 'grpo', 'grpo.num_steps': 2, 'grpo.sampling.max_prompt_l
 def _env(tmp_path, log):
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=f'{ROOT}:{tmp_path / "user"}',
              USER_REWARD_LOG=str(log))
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'
+  env['XLA_FLAGS'] = helpers.xla_flags(2)
   return env
 
 

@@ -319,7 +319,7 @@ def test_works_without_torch(tmp_path):
       print('ok')
   """)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '',
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': helpers.xla_flags(1),
          'PYTHONPATH': os.pathsep.join([root, os.environ.get('PYTHONPATH', '')])}
   result = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True,
                           timeout=120, check=False)

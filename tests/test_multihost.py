@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+import helpers
+
 pytestmark = pytest.mark.slow  # two-process runs: tens of seconds each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,8 +31,8 @@ def _free_port() -> int:
 
 
 def _start(pid, nproc, port, workdir, ndev, **env_extra):
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  env.update(env_extra)
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+  env.update(env_extra, XLA_FLAGS=helpers.xla_flags(ndev))
   return subprocess.Popen([sys.executable, WORKER, str(pid), str(nproc), str(port), str(workdir),
                            str(ndev)], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

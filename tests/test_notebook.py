@@ -18,6 +18,8 @@ import nbclient
 import nbformat
 import pytest
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, 'notebooks', 'colab_demo.ipynb')
 KERNEL_NAME = 'jaxrl-ga-test'
@@ -43,19 +45,12 @@ def _inject(nb, source: str) -> None:
   nb.cells.insert(index + 1, cell)
 
 
-# Smoke sizes are compile-bound: cheap XLA CPU backend passes halve the notebook's CPU time.
-_FAST_COMPILE = ('--xla_backend_optimization_level=0', '--xla_llvm_disable_expensive_passes=true')
-
-
 def _kernel_env(jupyter_path: str) -> dict:
   """This interpreter's environment on one CPU device (conftest's 8 are for this process only),
-  compiling cheaply, importing this checkout, drawing figures inline."""
+  compiling cheaply (conftest's flags: smoke sizes are compile-bound), importing this checkout,
+  drawing figures inline."""
   env = dict(os.environ, JAX_PLATFORMS='cpu', JUPYTER_PATH=jupyter_path,
-             PYDEVD_DISABLE_FILE_VALIDATION='1')
-  flags = [f for f in env.get('XLA_FLAGS', '').split()
-           if not f.startswith('--xla_force_host_platform_device_count')]
-  env['XLA_FLAGS'] = ' '.join(flags + ['--xla_force_host_platform_device_count=1',
-                                       *_FAST_COMPILE])
+             PYDEVD_DISABLE_FILE_VALIDATION='1', XLA_FLAGS=helpers.xla_flags(1))
   env['PYTHONPATH'] = os.pathsep.join([ROOT] + [p for p in [env.get('PYTHONPATH')] if p])
   env.pop('MPLBACKEND', None)
   return env

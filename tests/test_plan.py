@@ -4,14 +4,14 @@
 The TPU test compiles Qwen2.5-0.5B's per-layer shapes (2 of its 24 layers, shorter sequences)
 for v5e:2x4 and checks: the plan's JSON equals the compiled executables' own memory and cost
 analyses; the analytic flops equal the compiler's on a compile with the layer loop unrolled;
-model.remat and model.logprob_chunk_size each lower the temporaries; and no all-reduce in the
-learner's HLO carries activations (the batch is sharded over data x fsdp, weights are gathered).
+model.logprob_chunk_size lowers the temporaries; and no all-reduce in the learner's HLO carries
+activations (the batch is sharded over data x fsdp, weights are gathered).
+tests/test_plan_tpu_knobs.py checks model.remat and LoRA there (a file of its own, so that with
+``--dist loadfile`` the TPU compiles run on two workers).
 """
 
-import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -19,31 +19,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl_ga import flops
+import helpers
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import plan
 from jaxrl_ga import sharding
-from jaxrl_ga.config import (GRPOLossConfig, MeshConfig, OptimizerConfig, RunConfig,
-                             ScheduleConfig, from_mapping)
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
 from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TP, TC = 48, 96  # prompt and completion lengths (the config: 320, 512); no weight has these dims
-
-
-def _activation_all_reduces(hlo: str, dims) -> list[str]:
-  """all-reduce instructions of an HLO module whose shape has one of ``dims`` (sequence
-  lengths: only activations have them)."""
-  out = []
-  for line in hlo.splitlines():
-    m = re.search(r'=\s*(\(?[^=]*?)\s+all-reduce(?:-start)?\(', line)
-    if not m:
-      continue
-    shapes = re.findall(r'\[([\d,]*)\]', m.group(1))  # dims only, not the {layout} tiles
-    if any(int(d) in dims for shape in shapes for d in shape.split(',') if d):
-      out.append(line.strip()[:200])
-  return out
+TP, TC = helpers.TPU_TP, helpers.TPU_TC
 
 
 def test_learner_has_no_activation_all_reduce_on_cpu_mesh():
@@ -72,34 +57,16 @@ def test_learner_has_no_activation_all_reduce_on_cpu_mesh():
   state = lrn.abstract_init(params, batch)
   hlo = lrn.step_fn.lower(state, batch).compile().as_text()
   assert 'all-reduce' in hlo or 'reduce-scatter' in hlo  # the weights' gradients are reduced
-  assert _activation_all_reduces(hlo, {tp + tc, tc, tp + tc - 1}) == []
-
-
-def _libtpu():
-  try:
-    import libtpu  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    pytest.fail("libtpu is missing: the test extra installs it (pip install -e '.[test]').")
-
-
-def _tpu_config(**model):
-  spec = importlib.util.spec_from_file_location('c', os.path.join(ROOT, 'configs',
-                                                                  'grpo_gsm8k_tpu.py'))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config('v5e-8')
-  c.model.update(num_hidden_layers=2, remat='none', logprob_chunk_size=0, **model)
-  c.grpo.sampling.update(max_prompt_length=TP, max_completion_length=TC)
-  return from_mapping(RunConfig, c.to_dict())
+  assert helpers.activation_all_reduces(hlo, {tp + tc, tc, tp + tc - 1}) == []
 
 
 @pytest.mark.slow
 def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
-  _libtpu()
+  helpers.require_libtpu()
   plan.quiet_libtpu_env()
   devices = plan.topology_devices('v5e:2x4')
   assert len(devices) == 8 and devices[0].device_kind == 'TPU v5 lite'
-  cfg = _tpu_config(scan_layers=False)  # the compiler's flops count a loop body once
+  cfg = helpers.tpu_plan_config(scan_layers=False)  # the compiler counts a loop body once
   rep = plan.plan(cfg, 'v5e:2x4', devices=devices)
   js = json.loads(json.dumps(plan.public(rep)))
   assert set(js) >= {'topology', 'chips', 'hbm_bytes_per_chip', 'fits', 'steps'}
@@ -145,50 +112,19 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
 
   # No activation all-reduce in the learner's TPU program.
   hlo = rep['_executables']['learner'].as_text()
-  assert _activation_all_reduces(hlo, {TP + TC, TC, TP + TC - 1}) == []
+  assert helpers.activation_all_reduces(hlo, {TP + TC, TC, TP + TC - 1}) == []
 
-  # Each memory knob lowers the learner's temporaries where what it saves is part of the peak:
-  # remat on the scanned layers (the TPU config's own setting; unrolled, XLA's schedule kept the
-  # peak: 2.55 GB with remat=full against 2.30 GB without on 2026-11-25), log-prob chunking on
-  # the unrolled ones (scanned, the layer scan's saved activations set the peak and the chunks'
-  # buffers add to it: 1.78 against 1.69 GB).
-  scanned = _tpu_config()
-
-  def temp(run_cfg, **knobs):
-    lowered = plan.lower_grpo(run_cfg, policy.planned_model_config(run_cfg), devices,
-                              steps=('learner',), **knobs).learner
-    return plan.compile_step(lowered)['temp_bytes']
-
-  base_scanned, base_learner = temp(scanned), learner['temp_bytes']
-  remat = temp(scanned, remat='full')
-  chunked = temp(cfg, logprob_chunk_size=32)
-  print(f'temp bytes: scanned learner {base_scanned}, remat=full {remat}; unrolled learner '
-        f'{base_learner}, chunk=32 {chunked}')
-  assert remat < 0.8 * base_scanned
-  # the float32 [b, Tc, V] logits of the 2 rows per chip: 155 MB, kept ~3 times unchunked
-  # (the rollout's old-log-prob pass chunks with the same function, jaxrl_ga/logprobs.py)
+  # model.logprob_chunk_size lowers the unrolled learner's temporaries (scanned, the layer
+  # scan's saved activations set the peak and the chunks' buffers add to it: 1.78 against
+  # 1.69 GB on 2026-11-25): the float32 [b, Tc, V] logits of the 2 rows per chip, 117 MB, are
+  # kept ~3 times unchunked (the rollout's old-log-prob pass chunks with the same function,
+  # jaxrl_ga/logprobs.py).
+  lowered = plan.lower_grpo(cfg, policy.planned_model_config(cfg), devices, steps=('learner',),
+                            logprob_chunk_size=32).learner
+  chunked = plan.compile_step(lowered)['temp_bytes']
+  print(f"temp bytes: unrolled learner {learner['temp_bytes']}, chunk=32 {chunked}")
   logits = 2 * TC * 151936 * 4
-  assert chunked < base_learner - logits
-
-  # LoRA (rank 16 on every projection, bfloat16 base): the analytic learner flops (no weight
-  # gradients for the frozen base) match the compiler's count, and the learner's arguments
-  # (adapters' float32 state, one bfloat16 copy of the base) are far below full fine-tuning's
-  # (float32 params, AdamW moments and accumulator).
-  lora_cfg = _tpu_config(param_dtype='bfloat16', scan_layers=False,
-                         lora={'rank': 16, 'alpha': 32.0, 'targets': 'q,k,v,o,gate,up,down'})
-  lora_m = policy.planned_model_config(lora_cfg)
-  lora_steps = plan.lower_grpo(lora_cfg, lora_m, devices, steps=('learner',))
-  lora_learner = plan.compile_step(lora_steps.learner)
-  g = lora_cfg.grpo
-  lora_flops = flops.learner_flops(
-      lora_m, g.schedule.micro_batch_size, g.sampling.max_prompt_length,
-      g.sampling.max_completion_length, lora_steps.programs.engine.learner_options)['executed']
-  lora_flops /= len(devices)
-  print(f"learner per chip: LoRA {lora_learner['argument_bytes']} argument bytes, "
-        f"{lora_flops:.4g} analytic / {lora_learner['compiler_flops']:.4g} compiler flops; "
-        f"full fine-tuning {learner['argument_bytes']} argument bytes")
-  assert lora_flops <= lora_learner['compiler_flops'] <= 1.03 * lora_flops
-  assert lora_learner['argument_bytes'] < 0.4 * learner['argument_bytes']
+  assert chunked < learner['temp_bytes'] - logits
 
 
 def test_splash_attention_lowers_for_tpu():
@@ -196,10 +132,10 @@ def test_splash_attention_lowers_for_tpu():
   prefill, lowered for v5e:2x4, call the Pallas kernel (Mosaic's tpu_custom_call) inside a
   shard_map over the batch shards, 3 calls in the learner (forward, dq, dk/dv). libtpu compiles
   them (docs/scaling.md, "Fused attention on TPU"); tests/test_attention.py checks the values."""
-  _libtpu()
+  helpers.require_libtpu()
   plan.quiet_libtpu_env()
   devices = plan.topology_devices('v5e:2x4')
-  cfg = _tpu_config(attention='splash', share_prompt_prefix=False)
+  cfg = helpers.tpu_plan_config(attention='splash', share_prompt_prefix=False)
   steps = plan.lower_grpo(cfg, policy.planned_model_config(cfg), devices)
   learner, rollout = steps.learner.as_text(), steps.rollout.as_text()
   assert learner.count('tpu_custom_call') == 3 == learner.count('sdy.manual_computation')

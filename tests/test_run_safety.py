@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import helpers
 import smoke_configs
 
 from jaxrl_ga import checkpoint
@@ -27,7 +28,7 @@ _smoke = smoke_configs.smoke
 
 def _env():
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
-              XLA_FLAGS='--xla_force_host_platform_device_count=8')  # as conftest.py
+              XLA_FLAGS=helpers.xla_flags(8))
 
 
 @pytest.fixture(scope='module')

@@ -28,7 +28,7 @@ _smoke = smoke_configs.smoke
 
 def _env():
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'
+  env['XLA_FLAGS'] = helpers.xla_flags(2)
   return env
 
 

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import helpers
 import smoke_configs
 
 from jaxrl_ga import checkpoint
@@ -30,7 +31,7 @@ MAIN = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:s
 
 def _env(devices=8):
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')  # as conftest.py
+              XLA_FLAGS=helpers.xla_flags(devices))
 
 
 def _cli(args, timeout=300, cmd=None):
