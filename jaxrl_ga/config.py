@@ -792,7 +792,9 @@ class GRPOConfig:
       only, padded to the shortest of this many widths (evenly spaced up to
       ``sampling.max_completion_length``, multiples of 8) that holds it, so that its cost follows
       the tokens generated; the positions cut are padding, so the update is the same (docs/design,
-      "Learner width"). Each width compiles the learner step once. 1: always the full width.
+      "Learner width"). Each width compiles the learner step once, mid-run when a micro-batch
+      first needs it (a minute or more for a real model): worth it for long runs with long,
+      uneven completions. 1 (default): always the full width, one compile.
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -806,7 +808,7 @@ class GRPOConfig:
   reward_funcs: str = ''
   completions_every: int = 0
   completions_logged: int = 8
-  length_buckets: int = 4
+  length_buckets: int = 1
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'log_every', 'completions_logged', 'length_buckets',
