@@ -242,15 +242,22 @@ class RolloutEngine:
     ``width`` positions computes the same loss and gradient: attention is causal, and masked
     positions enter no sum (jaxrl_ga.losses). One small reduction, fetched to the host (the same
     on every process)."""
+    if len(widths) == 1:  # one width (the default): nothing to compute or fetch
+      return np.full(buffer.has_old.shape[0], widths[0])
     longest = np.asarray(self._slice_lengths(buffer.completion_mask, buffer.ended_with_eos))
     return np.asarray(widths)[np.searchsorted(np.asarray(widths), longest)]
 
+  def _loss_mask(self, completion_mask, ended_with_eos):
+    """The positions the learner trains on: [..., Tc] mask, [...] flags. Under
+    mask_truncated_completions (DAPO) completions cut at max length do not train."""
+    if not self.mask_truncated:
+      return completion_mask
+    return completion_mask * ended_with_eos[..., None].astype(completion_mask.dtype)
+
   def _longest(self, mask, ended_with_eos):
-    """[S]: per slice, the last position any row trains on, + 1 (the same on every process).
-    Completions cut at max length do not train under mask_truncated_completions: not counted."""
-    if self.mask_truncated:
-      mask = mask * ended_with_eos[..., None].astype(mask.dtype)
-    last = jnp.where(mask > 0, jnp.arange(1, mask.shape[-1] + 1), 0)  # [S, B, Tc]
+    """[S]: per slice, the last position any row trains on, + 1 (the same on every process)."""
+    trained = self._loss_mask(mask, ended_with_eos)
+    last = jnp.where(trained > 0, jnp.arange(1, mask.shape[-1] + 1), 0)  # [S, B, Tc]
     return jnp.max(last, axis=(1, 2))
 
   # -- traced -----------------------------------------------------------------------------------
@@ -352,9 +359,7 @@ class RolloutEngine:
   def _micro_batch(self, buffer: RolloutBuffer, j, advantages, width=None) -> dict[str, Any]:
     take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)
     cut = lambda x: take(x)[:, :width]  # the completion positions the learner computes
-    loss_mask = cut(buffer.completion_mask)
-    if self.mask_truncated:  # DAPO: completions cut at max length do not train
-      loss_mask = loss_mask * take(buffer.ended_with_eos)[:, None].astype(loss_mask.dtype)
+    loss_mask = self._loss_mask(cut(buffer.completion_mask), take(buffer.ended_with_eos))
     batch = dict(prompt_tokens=take(buffer.prompt_tokens), prompt_mask=take(buffer.prompt_mask),
                  completion_tokens=cut(buffer.completion_tokens),
                  completion_mask=loss_mask, old_logps=cut(buffer.old_logps),
