@@ -1,7 +1,6 @@
 """Helpers shared by test files (instead of tests importing each other's private functions)."""
 
 import functools
-import importlib.util
 import os
 import re
 
@@ -120,12 +119,9 @@ def require_libtpu() -> None:
 def tpu_plan_config(**model):
   """configs/grpo_gsm8k_tpu.py:v5e-8 (Qwen2.5-0.5B's shapes) at 2 layers, no remat, no log-prob
   chunking, TPU_TP + TPU_TC positions; ``model`` overrides model.* -> RunConfig."""
-  from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location('c', os.path.join(ROOT, 'configs',
-                                                                  'grpo_gsm8k_tpu.py'))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config('v5e-8')
+  from jaxrl_ga.config import (  # pylint: disable=g-import-not-at-top
+      RunConfig, from_mapping, load_config_file)
+  c = load_config_file(os.path.join(ROOT, 'configs', 'grpo_gsm8k_tpu.py'), 'v5e-8')
   c.model.update(num_hidden_layers=2, remat='none', logprob_chunk_size=0, **model)
   c.grpo.sampling.update(max_prompt_length=TPU_TP, max_completion_length=TPU_TC)
   return from_mapping(RunConfig, c.to_dict())
