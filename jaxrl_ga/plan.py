@@ -425,8 +425,8 @@ def _decode_report(step, steps: Steps, engine, n_steps: int, chip) -> dict[str, 
   if not step['compiled']:
     return {**out, 'error': step['error']}
   flops, nbytes = step['compiler_flops'], step['compiler_bytes_accessed']
-  roof = max(flops / chip['peak_flops'], nbytes / chip['hbm_bandwidth'])
-  opt = _sane_optimal(step['optimal_seconds'], flops, chip)
+  timing = _timing(step, flops, flops, 0.0, chip)  # the compiler's bytes, a sane cost model
+  roof, opt = timing['roofline_seconds'], timing.get('optimal_seconds')
   seconds = max(roof, opt or 0.0)
   return {**out, 'compiler_flops': flops, 'compiler_bytes_accessed': nbytes,
           'optimal_seconds': opt, 'roofline_seconds': roof, 'step_seconds': seconds,
