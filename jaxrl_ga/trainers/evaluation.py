@@ -60,7 +60,7 @@ class Evaluator:
         raise checkpoint.Preempted('', -1, ctx.guard.signal_received)
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
-      tokens, mask = placement.shard_rows(lambda _: text.left_pad(
+      tokens, mask = placement.place_rows(text.left_pad(
           [text.encode_prompt(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length,
           ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
       out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
