@@ -63,7 +63,7 @@ their medians give each side's phases a fraction of a bound (bound / time, 1 = a
     backward (``jaxrl_ga.flops.learner_flops``: B rows of prompt + completion tokens, logits at the
     completion positions) at each side's own prompt width (jaxrl_ga pads prompts to
     max_prompt_length, TRL to the longest prompt of its micro-batch) and completion width
-    (jaxrl_ga: ``grpo.length_buckets``' width, ``learn_completion_width``; TRL: the rollout's
+    (jaxrl_ga: ``grpo.length_buckets``' width, ``learn_completion_widths``; TRL: the rollout's
     longest completion) / the learn phase's time,
     as a fraction of the matmul peak. jaxrl_ga's learn includes its AdamW step, TRL's does not.
   * generate: per rollout, prefill (the forward FLOPs on S*B rows of prompt tokens / the peak)
@@ -661,10 +661,8 @@ def run_size(size: Size, workdir: str, threads: int,
   # forward, and generation's rows per prefilled prompt (the engine's public settings).
   out['prompt_share'] = [ours.trainer.engine.micro_batch_share, ours.trainer.engine.gen_share]
   # The completion width each side's learner computed, per rollout (jaxrl_ga: the mean over its
-  # S slices), and its mean.
+  # S slices).
   out['learn_completion_widths'] = {'jaxrl_ga': ours.learn_widths, 'trl': theirs.learn_widths}
-  out['learn_completion_width'] = {side: float(np.mean(w))
-                                   for side, w in out['learn_completion_widths'].items()}
   out['trl_prompt_width'] = {'median': float(np.median(theirs.prompt_widths)),
                              'min_max': [min(theirs.prompt_widths), max(theirs.prompt_widths)]}
   if roofline is not None:
@@ -804,7 +802,7 @@ def table(results: list[dict[str, Any]]) -> str:
                ('(in generate)' if side == 'jaxrl_ga' else ''))
         lines.append(
             f"| {r['size']} | {side} | {r['max_completion_length']} "
-            f"({r['learn_completion_width'][side]:.1f}) | "
+            f"({np.mean(r['learn_completion_widths'][side]):.1f}) | "
             f"{rf['peak_flops_per_s'] / 1e9:.1f} | {rf['bandwidth_bytes_per_s'] / 1e9:.1f} | "
             f"{d['learn_flops_per_step'] / 1e9:.1f} | {(d['learn_flops_per_s'] or 0) / 1e9:.1f} | "
             f"{100 * (d['learn_fraction_of_peak'] or 0):.0f}% | {d['generate_bound_s']:.3f} | "
