@@ -27,8 +27,10 @@ exist for the trainable params only; the accumulation is exact in the same way.
 
 from __future__ import annotations
 
+from concurrent import futures
 import math
-from typing import Any, Callable, Optional
+import os
+from typing import Any, Callable, Optional, Sequence
 
 import flax
 from flax import nnx
@@ -356,6 +358,20 @@ class Learner:
     ``frozen``: the frozen params (LoRA's base weights), read, never donated."""
     self._check_frozen(frozen)
     return self._step(state, batch) if frozen is None else self._step(state, batch, frozen)
+
+  def compile_for(self, state: TrainState, batches: Sequence[dict], frozen=None) -> None:
+    """Compiles the micro-step now for each of ``batches`` (micro-batch shapes: ShapeDtypeStructs
+    with their shardings, e.g. one per learner width), so that no later ``step`` stops to compile:
+    ``lower(...).compile()`` fills jax's compilation cache, which ``step``'s jit call then hits
+    (tests/test_learn_width.py counts the compiles of a run). ``state``: the live state or its
+    abstract one (nothing is donated here). The traces run one after another, the compiles in
+    threads (XLA compiles outside the GIL)."""
+    self._check_frozen(frozen)
+    frozen_in = () if frozen is None else (frozen,)
+    lowered = [self._step.lower(state, batch, *frozen_in) for batch in batches]
+    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    with futures.ThreadPoolExecutor(workers) as pool:
+      list(pool.map(lambda low: low.compile(), lowered))
 
   @property
   def step_fn(self):

@@ -20,6 +20,7 @@ devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -219,10 +220,12 @@ class RolloutEngine:
     return jax.ShapeDtypeStruct(self.prompt_index.shape, jnp.float32,
                                 sharding=self.advantage_sharding)
 
-  def abstract_micro_batch(self, params, ref_params=None) -> dict:
+  def abstract_micro_batch(self, params, ref_params=None, width: Optional[int] = None) -> dict:
     """The learner's micro-batch shapes (what ``Learner.init``/``abstract_init`` take), rows
-    sharded over the mesh's data axes."""
-    example = jax.eval_shape(self._micro_batch, self.abstract_buffer(params, ref_params),
+    sharded over the mesh's data axes; ``width``: as ``micro_batch``'s."""
+    width = self.sampling_cfg.max_completion_length if width is None else width
+    example = jax.eval_shape(functools.partial(self._micro_batch, width=width),
+                             self.abstract_buffer(params, ref_params),
                              jnp.zeros((), jnp.int32), self.abstract_advantages())
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), example)

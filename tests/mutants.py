@@ -37,6 +37,9 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
   learner_width_ignored  the learner's micro-batch keeps every max_completion_length position.
       Caught by test_learn_width's check of the widths the learner's step receives (the update
       is the same, so no numeric check could see it).
+  widths_compiled_mid_run  grpo.length_buckets' widths are not compiled before the loop (each
+      compiles when a micro-batch first needs it). Caught by test_learn_width's count of the
+      compiles each learner step finds already done.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ MUTANTS = {
         'jnp.asarray(num_rows * float(mask.shape[-1]), jnp.float32)', (_WIDTH,)),
     'learner_width_ignored': Mutant(
         'jaxrl_ga/rollout.py', 'cut = lambda x: take(x)[:, :width]', 'cut = take', (_WIDTH,)),
+    'widths_compiled_mid_run': Mutant(
+        'jaxrl_ga/trainers/grpo.py', 'self._compile_widths(params, state)', 'pass', (_WIDTH,)),
 }
 
 

@@ -10,7 +10,9 @@ gradient (AdamW's first moment, b1 = 0) against the one-pass window loss of the 
 buffer (tests/learner_refs.py). The run uses 'constant' (Dr. GRPO: its normalizer is
 max_completion_length, never the cut width), a KL term (reference log-probs cut with the rest) and
 mask_truncated_completions (completions cut at max length train nothing and do not widen a
-micro-batch). tests/mutants.py lists two bugs this test catches.
+micro-batch). Every width's learner step is compiled before the loop: the test counts the
+compiles each learner step finds already done. tests/mutants.py lists three bugs this test
+catches.
 """
 
 import jax
@@ -26,7 +28,8 @@ L = 40  # max_completion_length; prompts are 8 wide and the model holds 64 posit
 WIDTHS = (8, 16, 24, 32, 40)  # 5 buckets of 40, multiples of 8
 
 
-def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full_widths(tmp_path):
+def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full_widths(
+    tmp_path, compile_log):
   cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
       'grpo.num_steps': 3, 'grpo.length_buckets': len(WIDTHS),
       'grpo.sampling.max_completion_length': L, 'grpo.loss.aggregation': 'constant',
@@ -47,18 +50,23 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
                        width=e.host_stats['rollout/learn_width']))
 
   trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout)
-  seen = []
+  seen, compiled = [], []  # per learner step: its micro-batch's shape, the step's compiles so far
   step = trainer.learner.step
   def recording_step(state, batch, frozen=None):
     seen.append(batch['completion_tokens'].shape)
+    compiled.append(compile_log.count('_micro_step'))
     return step(state, batch, frozen)
   trainer.learner.step = recording_step
   # Stopped after micro-step 2 (rollout 1's first slice, window 1's first micro-step), resumed:
   # the resumed run takes the widths of the restored buffer.
   _, summary = trainer.run(params, stop_at_micro_step=3)
   assert summary['stopped_at_micro_step'] == 3
+  # Every width was compiled before the first learner step, and none after it.
+  assert compiled == [len(WIDTHS)] * 3 and compile_log.count('_micro_step') == len(WIDTHS)
   _, summary = trainer.run(params)
   assert summary['grpo/resumed_from_micro_step'] == 3 and len(events) == 3
+  resumed = compiled[3:]
+  assert resumed == [resumed[0]] * len(resumed) == [compile_log.count('_micro_step')] * 3
 
   # The widths: each slice's last trained position (rows that ended with EOS), up to a bucket.
   want = []

@@ -125,6 +125,8 @@ class GRPOTrainer:
       summary.update(_eval_summary(results, 'before'))
       reporting.report_accuracy(ctx, 'grpo', 0, results, 'before GRPO')
 
+    if len(self.widths) > 1:
+      self._compile_widths(params, state)
     t_start = time.time()
     with stage.StageLoop(ctx, 'grpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
                          log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
@@ -176,6 +178,19 @@ class GRPOTrainer:
     })
     stage.finish(ckpt, state, meta, summary)
     return params, summary | this_run
+
+  def _compile_widths(self, params, state) -> None:
+    """grpo.length_buckets > 1: the learner step compiled for every width before the loop, so
+    that a width a micro-batch first needs mid-run does not stall training for a compile."""
+    batches = [self.engine.abstract_micro_batch(params, state['ref_params'], width=w)
+               for w in self.widths]
+    widths = ', '.join(map(str, self.widths))
+    print(f'[grpo] compiling the learner step for completion widths {widths} '
+          f'(grpo.length_buckets={self.cfg.length_buckets})', flush=True)
+    started = time.perf_counter()
+    self.learner.compile_for(state['learner'], batches, self.part.frozen)
+    print(f'[grpo] compiled {len(batches)} learner widths in {time.perf_counter() - started:.1f} s',
+          flush=True)
 
   # -- one rollout: generation on device, rewards and advantages on the host ---------------------
   def _new_rollout(self, state, meta) -> dict[str, float]:
