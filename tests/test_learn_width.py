@@ -96,3 +96,24 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
     assert window['completion_tokens'].shape[1] == L
     g = grad(before['params'], window)
     assert rel_err(after['applied'], g) <= 1e-5
+
+
+def test_lora_learner_compiles_every_width_before_the_loop(tmp_path, compile_log):
+  """Under LoRA the learner step takes the frozen base weights as a third argument; the widths'
+  compiles before the loop must be the ones the steps then use (no compile after the first)."""
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.num_steps': 2, 'grpo.length_buckets': 3, 'grpo.sampling.max_completion_length': 24,
+      'model.lora.rank': 4, 'eval.num_examples': 0, 'checkpoint.every_steps': 0})
+  ctx, params = api.build_context(cfg, str(tmp_path))
+  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  assert trainer.widths == (8, 16, 24)
+  compiled = []
+  step = trainer.learner.step
+  def recording_step(state, batch, frozen=None):
+    assert frozen is not None  # the base weights, as LoRA passes them
+    compiled.append(compile_log.count('_micro_step'))
+    return step(state, batch, frozen)
+  trainer.learner.step = recording_step
+  trainer.run(params)
+  assert compiled and compiled == [3] * len(compiled) == [compile_log.count('_micro_step')] * len(
+      compiled)
