@@ -10,7 +10,10 @@ process). This script asks how close any library here gets to that bound on the 
 matrices (212 MB at 60, so every read is cold), timed in alternating order per round:
 
   * XLA: one jitted function returning every product (what a decode step's layers run);
-  * PyTorch (``torch.matmul``, ``--torch_threads``) and NumPy (its BLAS), a product per matrix.
+  * PyTorch (``torch.matmul``, ``--torch_threads``) and NumPy (its BLAS), a product per matrix;
+  * each library again with the weights stored transposed (``[1536, 576]``, the product
+    contracting both operands' last axes: ``lax.dot_general``, ``x @ w.t()``, ``x @ w.T``), the
+    layout in which a row of the weight is one output's dot product.
 
 It prints, per row count and library, the median time, the GB/s of the weights and GFLOP/s, and
 each as a fraction of the same process's streaming rate and matmul peak; the better of the two is
@@ -58,6 +61,11 @@ def main(argv):
   on_xla = [jnp.asarray(w) for w in weights]
   on_torch = [torch.from_numpy(w) for w in weights]
   xla_chain = jax.jit(lambda x, ws: [x @ w for w in ws])
+  transposed = [np.ascontiguousarray(w.T) for w in weights]  # [F, D]: the stored layout
+  on_xla_t = [jnp.asarray(w) for w in transposed]
+  on_torch_t = [torch.from_numpy(w) for w in transposed]
+  contract_last = (((1,), (1,)), ((), ()))
+  xla_chain_t = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, contract_last) for w in ws])
   weight_bytes = _MATRICES.value * D * F * 4
   roofline = machine.Roofline()
   results, lines = [], []
@@ -66,9 +74,15 @@ def main(argv):
     x_xla, x_torch = jnp.asarray(x), torch.from_numpy(x)
     calls = {'XLA': lambda: jax.block_until_ready(xla_chain(x_xla, on_xla)),
              'PyTorch': lambda: [x_torch @ w for w in on_torch],
-             'NumPy': lambda: [x @ w for w in weights]}
+             'NumPy': lambda: [x @ w for w in weights],
+             'XLA, W^T stored': lambda: jax.block_until_ready(xla_chain_t(x_xla, on_xla_t)),
+             'PyTorch, W^T stored': lambda: [x_torch @ w.t() for w in on_torch_t],
+             'NumPy, W^T stored': lambda: [x @ w.T for w in transposed]}
     for call in calls.values():
       call()  # compile / warm up
+    # The two layouts compute the same products.
+    np.testing.assert_allclose(np.asarray(xla_chain_t(x_xla, on_xla_t)[0]),
+                               np.asarray(xla_chain(x_xla, on_xla)[0]), rtol=1e-4, atol=1e-4)
     samples = {name: [] for name in calls}
     for r in range(_ROUNDS.value):
       for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
