@@ -792,9 +792,9 @@ class GRPOConfig:
       only, padded to the shortest of this many widths (evenly spaced up to
       ``sampling.max_completion_length``, multiples of 8) that holds it, so that its cost follows
       the tokens generated; the positions cut are padding, so the update is the same (docs/design,
-      "Learner width"). Every width's learner step is compiled before the first rollout (on
-      CPU ~11 s per width for SmolLM2-135M; more for a real model on TPU): worth it for runs
-      with long, uneven completions. 1 (default): always the full width, one compile.
+      "Learner width"). Every width's learner step is compiled before the first rollout (the
+      trainer prints how long it took): worth it for runs with long, uneven completions.
+      1 (default): always the full width, one compile.
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
