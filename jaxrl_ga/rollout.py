@@ -223,7 +223,6 @@ class RolloutEngine:
   def abstract_micro_batch(self, params, ref_params=None, width: Optional[int] = None) -> dict:
     """The learner's micro-batch shapes (what ``Learner.init``/``abstract_init`` take), rows
     sharded over the mesh's data axes; ``width``: as ``micro_batch``'s."""
-    width = self.sampling_cfg.max_completion_length if width is None else width
     example = jax.eval_shape(functools.partial(self._micro_batch, width=width),
                              self.abstract_buffer(params, ref_params),
                              jnp.zeros((), jnp.int32), self.abstract_advantages())
