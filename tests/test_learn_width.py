@@ -50,13 +50,7 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
                        width=e.host_stats['rollout/learn_width']))
 
   trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout)
-  seen, compiled = [], []  # per learner step: its micro-batch's shape, the step's compiles so far
-  step = trainer.learner.step
-  def recording_step(state, batch, frozen=None):
-    seen.append(batch['completion_tokens'].shape)
-    compiled.append(compile_log.count('_micro_step'))
-    return step(state, batch, frozen)
-  trainer.learner.step = recording_step
+  seen, compiled, _ = _record_steps(trainer, compile_log)
   # Stopped after micro-step 2 (rollout 1's first slice, window 1's first micro-step), resumed:
   # the resumed run takes the widths of the restored buffer.
   _, summary = trainer.run(params, stop_at_micro_step=3)
@@ -107,13 +101,22 @@ def test_lora_learner_compiles_every_width_before_the_loop(tmp_path, compile_log
   ctx, params = api.build_context(cfg, str(tmp_path))
   trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
   assert trainer.widths == (8, 16, 24)
-  compiled = []
-  step = trainer.learner.step
-  def recording_step(state, batch, frozen=None):
-    assert frozen is not None  # the base weights, as LoRA passes them
-    compiled.append(compile_log.count('_micro_step'))
-    return step(state, batch, frozen)
-  trainer.learner.step = recording_step
+  _, compiled, with_frozen = _record_steps(trainer, compile_log)
   trainer.run(params)
+  assert all(with_frozen)  # the base weights, as LoRA passes them
   assert compiled and compiled == [3] * len(compiled) == [compile_log.count('_micro_step')] * len(
       compiled)
+
+
+def _record_steps(trainer, compile_log):
+  """Wraps the trainer's learner step. -> lists filled at each step: its micro-batch's
+  completion shape, the learner-step compiles done so far, and whether it got frozen params."""
+  seen, compiled, with_frozen = [], [], []
+  step = trainer.learner.step
+  def recording_step(state, batch, frozen=None):
+    seen.append(batch['completion_tokens'].shape)
+    compiled.append(compile_log.count('_micro_step'))
+    with_frozen.append(frozen is not None)
+    return step(state, batch, frozen)
+  trainer.learner.step = recording_step
+  return seen, compiled, with_frozen
