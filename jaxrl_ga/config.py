@@ -464,7 +464,8 @@ class ModelConfig:
       rope_local_base_freq); 0: they use rope_theta and rope_scaling as the full layers do.
     query_pre_attn_scalar: attention scores are scaled by its -1/2 power (Gemma); 0: head size.
     final_logit_softcapping: c > 0: logits = c * tanh(logits / c) (Gemma); 0: none.
-    param_dtype: 'float32' or 'bfloat16': the dtype params are stored in.
+    param_dtype: 'float32' or 'bfloat16': the dtype params are stored in. The optimizer state
+      (accumulator, AdamW's moments) is float32 either way (learner.float32_like).
     dtype: 'float32' or 'bfloat16': the compute dtype; logits and softmax are always float32.
     lora: low-rank adapters on the layers' projections (rank 0: none); part of the architecture.
   """

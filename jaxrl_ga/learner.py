@@ -175,6 +175,19 @@ def make_optimizer(cfg: OptimizerConfig, optimizer_every: int,
                           accumulator_dtype=jnp.float32)
 
 
+def float32_like(params):
+  """``params`` as float32 arrays, to initialize the optimizer state from: MultiSteps' accumulator
+  and AdamW's moments are float32 whatever ``model.param_dtype``. With bfloat16 params (full
+  fine-tuning) each micro-batch's gradient is bfloat16 (the params' dtype, as in PyTorch), summed
+  in float32; the inner optimizer computes in float32 and ``optax.apply_updates`` rounds the
+  update into the bfloat16 params (no float32 master copy: an update under half a bfloat16 ulp
+  of its weight is lost, as with PyTorch's bfloat16 params). Moments in the params' dtype would
+  also turn float32 on the first firing step (the summed gradient is float32), and the firing
+  and accumulating branches of the step's ``lax.cond`` would disagree on their types. Under jit
+  only the shapes are used: nothing is copied."""
+  return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+
 def _schedule_count(opt_state) -> jax.Array:
   """The step count of AdamW's learning-rate schedule (optax.ScaleByScheduleState.count): the
   optimizer steps really applied, skipped non-finite windows not counted."""
@@ -330,7 +343,7 @@ class Learner:
       f32 = lambda p: jnp.zeros(p.shape, jnp.float32)
       align = (jax.tree.map(f32, params), jax.tree.map(f32, params)) \
           if self.align_diagnostic else None
-      return TrainState(params=params, opt_state=self.optimizer.init(params),
+      return TrainState(params=params, opt_state=self.optimizer.init(float32_like(params)),
                         window=losses.neutral_like(terms_shape), align=align)
 
     abstract = jax.eval_shape(init_fn, params)
