@@ -98,6 +98,7 @@ def _jsonl(path) -> list[dict]:
   return [json.loads(line) for line in open(path)]
 
 
+@pytest.mark.slow  # a whole CLI run
 def test_an_offline_wandb_run_holds_the_runs_metrics_completions_and_config(tmp_path):
   env, workdir = _env(tmp_path), tmp_path / 'wd'
   done = subprocess.run(
