@@ -62,14 +62,15 @@ def _records(path: str):
 
 
 def _runs(wandb_dir) -> list[dict]:
-  """Each offline run under ``wandb_dir`` in start order: its id, resume flag, config, history
-  rows ({name: value}, W&B's own '_' keys left out) and exit code."""
+  """Each offline run under ``wandb_dir`` in start order: its id, project, name, resume flag,
+  config, history rows ({name: value}, W&B's own '_' keys left out) and exit code."""
   runs = []
   for path in glob.glob(os.path.join(wandb_dir, 'wandb', 'offline-run-*', '*.wandb')):
     run = {'dir': os.path.dirname(path), 'history': []}
     for r in _records(path):
       if r.HasField('run'):
-        run.update(id=r.run.run_id, resume=r.run.resume, start=r.run.start_time.ToNanoseconds(),
+        run.update(id=r.run.run_id, project=r.run.project, name=r.run.display_name,
+                   resume=r.run.resume, start=r.run.start_time.ToNanoseconds(),
                    config={u.key: json.loads(u.value_json) for u in r.run.config.update})
       elif r.HasField('history'):
         row = {(i.key or '/'.join(i.nested_key)): json.loads(i.value_json)
@@ -112,6 +113,7 @@ def test_an_offline_wandb_run_holds_the_runs_metrics_completions_and_config(tmp_
   (run,) = _runs(env['WANDB_DIR'])
   assert run['exit_code'] == 0  # finished cleanly
   assert (workdir / 'wandb_run_id').read_text() == run['id']
+  assert (run['project'], run['name']) == ('arith', 'wd')  # the name: the workdir's
   assert run['config']['stages'] == ['grpo'] and run['config']['grpo']['num_steps'] == 2
   assert run['config']['log']['report_to'] == ['tensorboard', 'wandb']
   # metrics.jsonl's rows (a non-finite value is null there and absent in W&B and TensorBoard)
@@ -128,9 +130,9 @@ def test_an_offline_wandb_run_holds_the_runs_metrics_completions_and_config(tmp_
   assert len(tables) == 3  # K = 3, S = 2: rollouts at micro-steps 0, 2, 4
   got = [{'step': step, **dict(zip(t['columns'], values))} for step, t in tables
          for values in t['data']]
-  assert [{k: r[k] for k in ('step', 'prompt', 'completion', 'reward', 'advantage')}
-          for r in got] == [{k: r[k] for k in ('step', 'prompt', 'completion', 'reward',
-                                                  'advantage')} for r in completions]
+  keys = ('step', 'prompt', 'completion', 'reward', 'advantage')
+  assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in completions]
+  assert 'tensorboard' in os.listdir(workdir)  # and TensorBoard too
   assert 'wandb' not in os.listdir(workdir)  # W&B's files go to WANDB_DIR when it is set
 
 
