@@ -41,13 +41,15 @@ setuptools.setup(
         # pytest-xdist: the README's test command runs a worker per core (-n auto).
         'test': ['pytest', 'pytest-xdist', 'hypothesis', 'chex', 'matplotlib', 'nbclient', 'nbformat',
                  'ipykernel', 'jax[tpu]==0.10.2',
-                 'datasets'],  # tests/test_tasks.py loads a local GSM8K file through it, offline
+                 'datasets',  # tests/test_tasks.py loads a local GSM8K file through it, offline
+                 'wandb'],  # tests/test_wandb.py: an offline W&B run read back
         'gguf': [],  # kept so that existing `pip install -e '.[gguf]'` lines still work
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot
         # Benchmarks against the peers (benchmarks/*.py): PyTorch CPU (pip install
         # torch==2.13.0 first on a CPU-only machine, or pip pulls the CUDA build) and TRL.
         'bench': ['torch', 'trl', 'psutil'],
         'data': ['datasets'],  # GSM8K from the hub (local JSONL files load without it)
+        'wandb': ['wandb'],  # log.report_to=wandb: metrics to Weights & Biases
         # gcsfs + google-cloud-storage: a gs:// workdir (metrics, summary, TensorBoard events).
         'tpu': ['jax[tpu]>=0.10.2', 'gcsfs', 'google-cloud-storage'],
         'gcs': ['gcsfs', 'google-cloud-storage'],

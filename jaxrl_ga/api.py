@@ -203,16 +203,28 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
-                          writer=reporting.MetricWriter(workdir), eval_metric=metric)
+                          writer=None, eval_metric=metric)
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
+  # Once the run is known to be valid, and before the weights: a W&B run that cannot start
+  # (log.report_to) is an error before anything compiles. run() closes the writer from here on.
+  ctx.writer = reporting.MetricWriter(workdir, cfg.log, dataclasses.asdict(cfg))
   try:
-    graphdef, params, ctx.param_shardings = policy.build_model(cfg, model_cfg, mesh)
-  except (ValueError, OSError) as e:  # a damaged or missing weights file (the message names it)
+    ctx.graphdef, params, ctx.param_shardings = _build_model(cfg, model_cfg, mesh)
+  except BaseException:
+    ctx.writer.close(quiet=True)
+    raise
+  return ctx, params
+
+
+def _build_model(cfg, model_cfg, mesh):
+  """policy.build_model, a damaged or missing weights file (the message names it) being a
+  ConfigError."""
+  try:
+    return policy.build_model(cfg, model_cfg, mesh)
+  except (ValueError, OSError) as e:
     if isinstance(e, ConfigError):
       raise
     raise ConfigError(f'model.hf_path={cfg.model.hf_path}: {e}') from None
-  ctx.graphdef = graphdef
-  return ctx, params
 
 
 def check_workdir(workdir: str) -> None:

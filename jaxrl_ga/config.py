@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import numbers
 import os
@@ -884,6 +885,55 @@ class DPOConfig:
              f'{self.max_prompt_length}.')
 
 
+REPORT_TO = ('tensorboard', 'wandb', 'none')
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """Where a run's metrics go besides WORKDIR/metrics.jsonl, which every run writes (process 0
+  logs; docs/running.md, "What a run writes").
+
+  Attributes:
+    report_to: comma-separated: 'tensorboard' (WORKDIR/tensorboard), 'wandb' (a Weights & Biases
+      run with the same scalars and the run's config; ``pip install 'jaxrl_ga[wandb]'``;
+      WANDB_MODE=offline writes a local run directory without network) or 'none'.
+    wandb_project: the W&B project ('': WANDB_PROJECT, else 'jaxrl_ga').
+    wandb_entity: the W&B team or user ('': WANDB_ENTITY, else your default entity).
+    wandb_run_name: the W&B run's name ('': WANDB_NAME, else the workdir's last component).
+  """
+  report_to: tuple[str, ...] = ('tensorboard',)
+  wandb_project: str = ''
+  wandb_entity: str = ''
+  wandb_run_name: str = ''
+
+  def __post_init__(self):
+    names = (self.report_to.split(',') if isinstance(self.report_to, str)
+             else list(self.report_to))  # the Python API may pass ['tensorboard', 'wandb']
+    names = tuple(dict.fromkeys(n.strip() for n in names)) or ('',)
+    object.__setattr__(self, 'report_to', names)
+    given = ",".join(names)
+    for name in names:
+      close = difflib.get_close_matches(name, REPORT_TO, n=1)
+      _require(name in REPORT_TO,
+               f'log.report_to={given!r}: {name!r} is not a known value'
+               f'{f" (did you mean {close[0]!r}?)" if close else ""}; set log.report_to to '
+               f'a comma-separated list of tensorboard, wandb, or to none.')
+    _require('none' not in names or len(names) == 1,
+             f'log.report_to={given!r}: none stands alone; set log.report_to to none or to a '
+             f'comma-separated list of tensorboard, wandb.')
+    _require('wandb' not in names or _installed('wandb'),
+             "log.report_to names wandb, which is not installed; pip install 'jaxrl_ga[wandb]' "
+             "(or pip install wandb), or drop wandb from log.report_to.")
+
+
+def _installed(module: str) -> bool:
+  """Whether ``module`` can be imported, without importing it."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except (ImportError, ValueError):  # ValueError: sys.modules[module] is None (blocked)
+    return False
+
+
 STAGES = ('sft', 'grpo', 'dpo')
 
 
@@ -906,6 +956,7 @@ class RunConfig:
   dpo: DPOConfig = DPOConfig()
   eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  log: LogConfig = LogConfig()
 
   def __post_init__(self):
     stages = tuple(self.stages.split(',')) if isinstance(self.stages, str) else tuple(

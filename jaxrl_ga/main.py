@@ -8,7 +8,8 @@ Any config field can be overridden on the command line, e.g.
 The config is validated into typed objects (``jaxrl_ga.config.RunConfig``) before anything is
 compiled; an invalid one prints ``error: ...`` naming the setting and exits with status 2.
 Outputs in --workdir (a local path, or gs://bucket/dir with the [tpu] extra): metrics.jsonl,
-tensorboard/, summary.json, tokenizer/, checkpoints/<stage>/.
+tensorboard/ (log.report_to: and/or a Weights & Biases run), summary.json, tokenizer/,
+checkpoints/<stage>/.
 Re-running with the same --workdir resumes from the latest checkpoint (SIGTERM writes one).
 One run at a time per workdir: a run holds WORKDIR/run.lock (jaxrl_ga.workdir_lock), and a second
 one started there stops at once naming the holder. A failed write (a full disk) stops the run with

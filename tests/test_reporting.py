@@ -1,9 +1,11 @@
 """metrics.jsonl and completions.jsonl on resume: the rows after the resumed step go, and so does
 a row that a kill cut short, so that every line of each file stays one JSON object and a resumed
-run logs each step and each rollout once."""
+run logs each step and each rollout once; log.report_to='none' leaves out TensorBoard."""
 
 import json
+import os
 
+from jaxrl_ga.config import LogConfig
 from jaxrl_ga.trainers import reporting
 
 
@@ -46,3 +48,15 @@ def test_resume_drops_the_completions_of_rollouts_it_generates_again(tmp_path):
   writer.close()
   got = [json.loads(line) for line in (tmp_path / 'completions.jsonl').read_text().splitlines()]
   assert got == rows[:4] + [row('grpo', 6, 'e2')]
+
+
+def test_report_to_none_writes_metrics_jsonl_only(tmp_path):
+  """log.report_to='none': no TensorBoard events, metrics.jsonl and completions.jsonl as
+  always."""
+  writer = reporting.MetricWriter(str(tmp_path), LogConfig(report_to='none'))
+  writer.write('grpo', 1, {'loss': 0.5})
+  writer.write_completions('grpo', 1, 3, [{'prompt': 'q', 'completion': 'a'}])
+  writer.close()
+  assert sorted(os.listdir(tmp_path)) == ['completions.jsonl', 'metrics.jsonl']
+  assert json.loads((tmp_path / 'metrics.jsonl').read_text()) == {'phase': 'grpo', 'step': 1,
+                                                                 'loss': 0.5}

@@ -8,5 +8,5 @@
   context.py               ``RunContext`` (what every stage shares) and the policy it starts from
   text.py                  prompts and completions <-> padded token rows
   evaluation.py            held-out greedy accuracy
-  reporting.py             metrics.jsonl / TensorBoard rows and the console lines
+  reporting.py             metrics.jsonl / TensorBoard / W&B rows and the console lines
 """
