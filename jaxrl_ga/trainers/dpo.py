@@ -229,7 +229,7 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
             f'{ctx.task.truncated} reply(ies) cut to dpo.max_length={cfg.max_length}', flush=True)
 
   with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
-                       log_every=cfg.log_every, log_keys=_LOG_KEYS,
+                       log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
                        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
     while not loop.done:
       state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
@@ -237,6 +237,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
       step = loop.micro_step_done(state, out)
       if step:  # an optimizer step fired
         loop.log(step, out, {})
+        if loop.eval_due(step):
+          loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
         loop.save_if_due(step, state)
       if loop.stop_requested(state):
         break
