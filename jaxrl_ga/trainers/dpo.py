@@ -181,12 +181,20 @@ class PairStream:
       self._rpo_window = (start, np.float32(den / max(chosen, 1.0)))
     return self._rpo_window[1]
 
+  def reference_is_policy(self, position: int) -> bool:
+    """Whether the micro-batch at ``position`` trains the reference's own weights: the stage's
+    first optimizer window (no update applied yet) without ``dpo.ref_model``. The learner then
+    takes its own forward's log-probs as the reference's (learner.dpo_task_loss), so that
+    step 1's implicit rewards are exactly 0, as TRL's."""
+    window = self.cfg.micro_batch_size * self.cfg.grad_accum_steps
+    return not self.cfg.ref_model and position < window
+
   def batch_at(self, position: int):
     """The micro-batch of ``micro_batch_size`` pairs from data position ``position``, sharded
     (each process builds only its rows)."""
     b = self.cfg.micro_batch_size
     idx = self.indices(position, b)
-    extra = {}
+    extra = {'ref_is_policy': np.full(b, self.reference_is_policy(position))}
     if self.cfg.loss.rpo_alpha:
       extra['rpo_scale'] = np.full(b, self.rpo_scale(position), np.float32)
     return placement.shard_rows(
