@@ -253,11 +253,15 @@ def test_reference_logps_are_cached_reused_and_a_changed_dataset_is_refused(buil
   ctx2, params2 = api.build_context(ctx.cfg, str(wd))
   again = dpo.load_or_build_pairs(ctx2, ctx2.cfg.dpo, params2)
   np.testing.assert_array_equal(again['ref_chosen_logps'], -7.0)
-  # One reply changed: refused before anything compiles, naming the file.
-  changed = _write(tmp_path / 'changed.jsonl', rows[:-1] + [
-      {**rows[-1], 'rejected': [{'role': 'assistant', 'content': 'zz'}]} if 'prompt' in rows[-1]
-      else {'chosen': rows[-1]['chosen'], 'rejected': rows[-1]['chosen'][:-1] + [
-          {'role': 'assistant', 'content': 'zz'}]}])
+  # One reply changed to another of the same token length (each letter the next: the masks and
+  # lengths are the same, only token ids differ): refused before anything compiles, naming it.
+  last = rows[-1]
+  reply = last['rejected'][-1]['content']
+  other = ''.join(chr(ord(c) + 1) if c != 'z' else 'v' for c in reply)
+  edited = {**last, 'rejected': last['rejected'][:-1] + [{'role': 'assistant', 'content': other}]}
+  masks = [_by_hand(ctx.tokenizer, r)[1][1] for r in (last, edited)]  # rejected's loss masks
+  assert masks[0] == masks[1] and other != reply
+  changed = _write(tmp_path / 'changed.jsonl', rows[:-1] + [edited])
   cfg = api.make_config(ctx.cfg, **{'data.train': changed})
   with pytest.raises(ConfigError) as e:
     api.build_context(cfg, str(wd))
