@@ -5,7 +5,9 @@ Sampled: for each of ``num_prompts`` prompts the policy samples ``samples_per_pr
 completions; the first correct and the first incorrect one make a (chosen, rejected) pair. The
 pairs and their reference log-probs (the policy at the start of the stage) are computed once and
 cached in ``WORKDIR/dpo_pairs.npz`` (written atomically), so a resumed run trains on the same
-data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's fingerprint.
+data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's fingerprint. In the
+first optimizer window (no ``dpo.ref_model``) the learner takes its own forward's log-probs as the
+reference's instead (``PairStream.reference_is_policy``): step 1's rewards are exactly 0.
 """
 
 from __future__ import annotations
