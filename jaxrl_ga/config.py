@@ -856,6 +856,7 @@ class DPOConfig:
     loss: the DPO loss and its aggregation.
     optimizer: AdamW, schedule and clipping of this stage.
     log_every: log metrics every this many optimizer steps.
+    eval_every: held-out evaluation every this many optimizer steps (0: before and after only).
   """
   num_steps: int = 60
   micro_batch_size: int = 16
@@ -873,8 +874,10 @@ class DPOConfig:
   loss: DPOLossConfig = DPOLossConfig()
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   log_every: int = 5
+  eval_every: int = 0
 
   def __post_init__(self):
+    _require(self.eval_every >= 0, 'dpo.eval_every must be >= 0 (0: before and after only).')
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'num_prompts',
                   'samples_per_prompt', 'max_length', 'log_every', prefix='dpo.')
     _one_of(self, 'pairs', DPO_PAIRS, 'dpo.')

@@ -103,7 +103,17 @@ def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = No
                   **fields) -> TaskLoss:
   """Batch: {chosen,rejected}_{tokens,attention_mask,loss_mask} [P, T] and
   ref_{chosen,rejected}_logps [P] (summed over the response, cached once); with rpo_alpha > 0,
-  rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers).
+  rpo_scale [P], the window's denominator / chosen tokens (losses.dpo_window_normalizers);
+  optionally ref_is_policy [P] bool: these weights are the reference's (trainers/dpo.py sets it
+  in the stage's first optimizer window without ``dpo.ref_model``).
+
+  Where ref_is_policy, the reference log-probs are this forward's own (stop-gradient), so
+  policy - reference is exactly 0, as in TRL, whose one forward computes both at step 1. The
+  cached ones come from another program (the reference pass) and differ by float noise
+  (+-1e-7 on CPU) that rewards/accuracies' strict ``>`` counts as wins (0.25 to 0.5 at step 1
+  instead of TRL's 0). A margin would not do: the noise grows with a sequence's log-prob and
+  with the dtype (bfloat16's is ~1e4 times float32's), so no fixed margin tells it from a true
+  difference. The gradient is the same either way (the reference is a constant).
   ``options``: the forward's (``ForwardOptions``, or its fields as keywords)."""
   options = _options(options, fields)
 
@@ -113,8 +123,11 @@ def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = No
     logps, counts = logprobs.sequence_logps(model, cat('tokens'), cat('attention_mask'),
                                             cat('loss_mask'), options)
     lengths = jnp.sum(cat('attention_mask').astype(jnp.float32), axis=-1)  # open-instruct's
-    return losses.dpo_loss(logps[:n], logps[n:], batch['ref_chosen_logps'],
-                           batch['ref_rejected_logps'], counts[:n], counts[n:], cfg,
+    ref = jnp.concatenate([batch['ref_chosen_logps'], batch['ref_rejected_logps']])  # [2P]
+    if 'ref_is_policy' in batch:
+      own = jnp.concatenate([batch['ref_is_policy']] * 2)  # [2P]
+      ref = jnp.where(own, jax.lax.stop_gradient(logps), ref)
+    return losses.dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], counts[:n], counts[n:], cfg,
                            chosen_lengths=lengths[:n], rejected_lengths=lengths[n:],
                            rpo_scale=batch.get('rpo_scale'))
 

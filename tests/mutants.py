@@ -40,6 +40,13 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
   widths_compiled_mid_run  grpo.length_buckets' widths are not compiled before the loop (each
       compiles when a micro-batch first needs it). Caught by test_learn_width's count of the
       compiles each learner step finds already done.
+  fingerprint_without_token_ids  preference.fingerprint hashes everything but the token ids (the
+      masks, shapes and reference model only). Caught by test_preference's cache test, whose
+      changed dataset has a reply of the same token length with other tokens: the resume must
+      refuse the cache.
+  dpo_ignores_no_shuffle  run_dpo on a preference dataset ignores data.shuffle=False (its pairs
+      shuffled anyway). Caught by test_preference's DPO run, whose first micro-batch must hold
+      pairs 0..B-1 in file order.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ _LORA = tuple(f'tests/test_lora.py::test_accumulated_adapter_update_is_exact[{i}
 _WIDTH = ('tests/test_learn_width.py::'
           'test_learner_width_follows_the_longest_completion_and_the_update_is_the_full_widths')
 _SFT_K3 = 'tests/test_learner_tasks.py::test_sft_accumulation_is_exact[3-mesh1]'
+_PREF = 'tests/test_preference.py::'
 _DPO = tuple(f'tests/test_learner_tasks.py::test_dpo_accumulation_is_exact[{i}]'
              for i in ('pair-mesh0', 'pair-mesh1', 'token-mesh2', 'token-mesh3'))
 
@@ -106,6 +114,14 @@ MUTANTS = {
         'jaxrl_ga/rollout.py', 'cut = lambda x: take(x)[:, :width]', 'cut = take', (_WIDTH,)),
     'widths_compiled_mid_run': Mutant(
         'jaxrl_ga/trainers/grpo.py', 'self._compile_widths(params, state)', 'pass', (_WIDTH,)),
+    'fingerprint_without_token_ids': Mutant(
+        'jaxrl_ga/preference.py', '  for key in sorted(pairs):',
+        "  for key in sorted(k for k in pairs if not k.endswith('_tokens')):",
+        (_PREF + 'test_reference_logps_are_cached_reused_and_a_changed_dataset_is_refused',)),
+    'dpo_ignores_no_shuffle': Mutant(
+        'jaxrl_ga/trainers/dpo.py',
+        "shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True", 'shuffle = True',
+        (_PREF + 'test_a_dpo_run_starts_at_zero_rewards_on_pairs_in_file_order',)),
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from jaxrl_ga import schedule
-from jaxrl_ga.config import (ConfigError, DPOLossConfig, GRPOLossConfig, ModelSpec,
+from jaxrl_ga.config import (ConfigError, DPOLossConfig, GRPOLossConfig, ModelSpec, RunConfig,
                              ScheduleConfig, from_mapping)
 
 SCHEDULE_INTS = ('micro_batch_size', 'num_generations', 'steps_per_generation', 'num_iterations',
@@ -177,3 +177,11 @@ def test_from_mapping_names_unknown_settings():
 def test_model_switches_must_be_bools(name):
   with pytest.raises(ConfigError, match=rf'model.{name}=1 must be True or False'):
     ModelSpec(**{name: 1})
+
+
+@pytest.mark.parametrize('stage', ['sft', 'grpo', 'dpo'])
+def test_every_stage_sets_its_evaluation_cadence_with_eval_every(stage):
+  """One name for "a held-out evaluation every N optimizer steps" in every stage."""
+  assert getattr(from_mapping(RunConfig, {stage: {'eval_every': 3}}), stage).eval_every == 3
+  with pytest.raises(ConfigError, match=rf'^{stage}\.eval_every must be >= 0 \(0: '):
+    from_mapping(RunConfig, {stage: {'eval_every': -1}})

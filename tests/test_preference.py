@@ -253,17 +253,83 @@ def test_reference_logps_are_cached_reused_and_a_changed_dataset_is_refused(buil
   ctx2, params2 = api.build_context(ctx.cfg, str(wd))
   again = dpo.load_or_build_pairs(ctx2, ctx2.cfg.dpo, params2)
   np.testing.assert_array_equal(again['ref_chosen_logps'], -7.0)
-  # One reply changed: refused before anything compiles, naming the file.
-  changed = _write(tmp_path / 'changed.jsonl', rows[:-1] + [
-      {**rows[-1], 'rejected': [{'role': 'assistant', 'content': 'zz'}]} if 'prompt' in rows[-1]
-      else {'chosen': rows[-1]['chosen'], 'rejected': rows[-1]['chosen'][:-1] + [
-          {'role': 'assistant', 'content': 'zz'}]}])
+  # One reply changed to another of the same token length (each letter the next: the masks and
+  # lengths are the same, only token ids differ): refused before anything compiles, naming it.
+  last = rows[-1]
+  reply = last['rejected'][-1]['content']
+  other = ''.join(chr(ord(c) + 1) if c != 'z' else 'v' for c in reply)
+  edited = {**last, 'rejected': last['rejected'][:-1] + [{'role': 'assistant', 'content': other}]}
+  masks = [_by_hand(ctx.tokenizer, r)[1][1] for r in (last, edited)]  # rejected's loss masks
+  assert masks[0] == masks[1] and other != reply
+  changed = _write(tmp_path / 'changed.jsonl', rows[:-1] + [edited])
   cfg = api.make_config(ctx.cfg, **{'data.train': changed})
   with pytest.raises(ConfigError) as e:
     api.build_context(cfg, str(wd))
   assert str(e.value).startswith(f'data.train: {wd}/{preference.CACHE_FILE} holds the pairs and '
                                  'reference log-probs of another dataset')
   assert train != changed
+
+
+def test_a_dpo_run_starts_at_zero_rewards_on_pairs_in_file_order(built, tmp_path, monkeypatch):
+  """A DPO run without dpo.ref_model, as TRL's first step: the policy is the reference, so every
+  implicit reward is exactly 0: rewards/accuracies (a strict chosen > rejected) and margins read
+  0, not float noise counted as wins, and the loss log 2. With data.shuffle=False the first
+  micro-batch holds pairs 0..B-1 of the file, in order (the token rows built by hand).
+  dpo.eval_every=1: held-out evaluations before, at step 1 and after the last (2)."""
+  ctx = built['ctx']
+  cfg = api.make_config(ctx.cfg, **{'dpo.num_steps': 2, 'dpo.grad_accum_steps': 1,
+                                    'dpo.log_every': 1, 'dpo.eval_every': 1,
+                                    'checkpoint.every_steps': 0})
+  batches = []
+  batch_at = dpo.PairStream.batch_at
+  monkeypatch.setattr(dpo.PairStream, 'batch_at', lambda self, position: batches.append(
+      (position, batch_at(self, position))) or batches[-1][1])
+  api.run(cfg, str(tmp_path / 'wd'))
+  b = cfg.dpo.micro_batch_size
+  position, first = batches[0]
+  seqs = [_by_hand(ctx.tokenizer, r) for r in built['rows'][:b]]
+  for side, want in (('chosen', _padded([s[0] for s in seqs])),
+                     ('rejected', _padded([s[1] for s in seqs]))):
+    for key, value in zip(('tokens', 'attention_mask', 'loss_mask'), want):
+      np.testing.assert_array_equal(jax.device_get(first[f'{side}_{key}']), value,
+                                    err_msg=f'{side}_{key}')
+  assert position == 0
+  logged = [json.loads(l) for l in open(tmp_path / 'wd' / 'metrics.jsonl')]
+  step1 = [l for l in logged if l['phase'] == 'dpo' and l['step'] == 1]
+  assert len(step1) == 1, logged
+  m = step1[0]
+  assert (m['rewards/accuracies'], m['rewards/margins'], m['rewards/chosen'],
+          m['rewards/rejected']) == (0.0, 0.0, 0.0, 0.0), m
+  np.testing.assert_allclose(m['loss'], np.log(2.0), rtol=1e-6)
+  assert [l['step'] for l in logged if l['phase'] == 'dpo_eval'] == [0, 1, 2]
+
+
+def test_step_one_rewards_are_zero_and_true_differences_still_count(built):
+  """The learner's step on one micro-batch of the file's pairs at the starting weights: with
+  ref_is_policy (PairStream's first window) every implicit reward is 0; with the cached reference
+  log-probs moved by one nat, pairs 0..3 towards chosen and 4..7 towards rejected, accuracies read
+  exactly 0.5 and the rewards beta times the shifts."""
+  ctx, b = built['ctx'], 8
+  cfg = DPOConfig(pairs='dataset', micro_batch_size=b, grad_accum_steps=1, max_length=MAX_LENGTH,
+                  optimizer=OPT)
+  learner = programs.build_dpo_learner(ctx.cfg, ctx.model_cfg, built['mesh'], built['shardings'],
+                                       ctx.graphdef, dpo=cfg)
+  stream = dpo.PairStream(built['pairs'], cfg, ctx.cfg.seed, built['mesh'], shuffle=False)
+  first = stream.batch_at(0)
+  assert (stream.reference_is_policy(0), stream.reference_is_policy(b)) == (True, False)
+  _, out = learner.step(learner.init(built['params'], first), first)
+  assert [float(out[k]) for k in ('rewards/accuracies', 'rewards/margins', 'rewards/chosen',
+                                  'rewards/rejected')] == [0.0] * 4
+  half = np.arange(b) < b // 2
+  shifted = dict(jax.device_get(first), ref_is_policy=np.zeros(b, bool))
+  shifted['ref_chosen_logps'] = shifted['ref_chosen_logps'] - half
+  shifted['ref_rejected_logps'] = shifted['ref_rejected_logps'] - ~half
+  _, out = learner.step(learner.init(built['params'], first), shifted)
+  beta = cfg.loss.beta
+  assert float(out['rewards/accuracies']) == 0.5
+  np.testing.assert_allclose([float(out[k]) for k in ('rewards/chosen', 'rewards/rejected',
+                                                      'rewards/margins')],
+                             [beta / 2, beta / 2, 0.0], atol=1e-5)
 
 
 def test_a_separate_reference_model(built, tmp_path):

@@ -5,7 +5,9 @@ Sampled: for each of ``num_prompts`` prompts the policy samples ``samples_per_pr
 completions; the first correct and the first incorrect one make a (chosen, rejected) pair. The
 pairs and their reference log-probs (the policy at the start of the stage) are computed once and
 cached in ``WORKDIR/dpo_pairs.npz`` (written atomically), so a resumed run trains on the same
-data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's fingerprint.
+data; a dataset's in ``WORKDIR/dpo_dataset_pairs.npz`` with the dataset's fingerprint. In the
+first optimizer window (no ``dpo.ref_model``) the learner takes its own forward's log-probs as the
+reference's instead (``PairStream.reference_is_policy``): step 1's rewards are exactly 0.
 """
 
 from __future__ import annotations
@@ -181,12 +183,20 @@ class PairStream:
       self._rpo_window = (start, np.float32(den / max(chosen, 1.0)))
     return self._rpo_window[1]
 
+  def reference_is_policy(self, position: int) -> bool:
+    """Whether the micro-batch at ``position`` trains the reference's own weights: the stage's
+    first optimizer window (no update applied yet) without ``dpo.ref_model``. The learner then
+    takes its own forward's log-probs as the reference's (learner.dpo_task_loss), so that
+    step 1's implicit rewards are exactly 0, as TRL's."""
+    window = self.cfg.micro_batch_size * self.cfg.grad_accum_steps
+    return not self.cfg.ref_model and position < window
+
   def batch_at(self, position: int):
     """The micro-batch of ``micro_batch_size`` pairs from data position ``position``, sharded
     (each process builds only its rows)."""
     b = self.cfg.micro_batch_size
     idx = self.indices(position, b)
-    extra = {}
+    extra = {'ref_is_policy': np.full(b, self.reference_is_policy(position))}
     if self.cfg.loss.rpo_alpha:
       extra['rpo_scale'] = np.full(b, self.rpo_scale(position), np.float32)
     return placement.shard_rows(
@@ -229,7 +239,7 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
             f'{ctx.task.truncated} reply(ies) cut to dpo.max_length={cfg.max_length}', flush=True)
 
   with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
-                       log_every=cfg.log_every, log_keys=_LOG_KEYS,
+                       log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
                        max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
     while not loop.done:
       state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
@@ -237,6 +247,8 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
       step = loop.micro_step_done(state, out)
       if step:  # an optimizer step fired
         loop.log(step, out, {})
+        if loop.eval_due(step):
+          loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
         loop.save_if_due(step, state)
       if loop.stop_requested(state):
         break
