@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import gcs_emulator
 import helpers
 import smoke_configs
 
@@ -116,6 +117,75 @@ def test_the_lock_is_released_when_a_run_stops_with_an_error(tmp_path):
     api.run(smoke_configs.smoke(**{'model.hf_path': '/nonexistent/dir'}), str(tmp_path))
   assert not (tmp_path / workdir_lock.LOCK_NAME).exists()
   workdir_lock.WorkdirLock(str(tmp_path)).acquire().release()
+
+
+# -- a bucket workdir: two processes race through gcsfs ----------------------------------------
+_CONTENDER = """
+import sys
+from jaxrl_ga import workdir_lock
+from jaxrl_ga.config import ConfigError
+try:
+  lock = workdir_lock.WorkdirLock(sys.argv[1]).acquire()
+except ConfigError as e:
+  print(f'refused: {e}', flush=True)
+  sys.exit()
+print('acquired', flush=True)
+sys.stdin.read()  # held until the test closes stdin
+lock.release()
+"""
+
+
+def _race(gcs, workdir, name):
+  """Two processes take the lock of ``workdir`` (object ``name`` of the emulator's bucket), their
+  first requests on it answered together. -> (winner's Popen, its stderr so far is not read),
+  after asserting that exactly one won and the other's line names the winner."""
+  try:
+    import gcsfs  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pytest.fail("gcsfs is missing: the test extra installs it (pip install -e '.[test]').")
+  env = dict(_env(1), STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_GS_TOKEN='anon',
+             FSSPEC_GCS_TOKEN='anon', EPATH_USE_TF='false',
+             GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT='false')  # no gRPC bucket-layout lookup
+  gcs.hold(name, parties=2)
+  procs = [subprocess.Popen([sys.executable, '-c', _CONTENDER, workdir], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _ in range(2)]
+  lines = [p.stdout.readline().strip() for p in procs]
+  won = [p for p, line in zip(procs, lines) if line == 'acquired']
+  assert len(won) == 1, (lines, [p.communicate(timeout=60)[1][-2000:] for p in procs])
+  lost = lines[1 - procs.index(won[0])]
+  assert lost.startswith(f'refused: --workdir={workdir} is in use by another run (host '
+                         f'{socket.gethostname()}, pid {won[0].pid}, since '), lost
+  record = json.loads(gcs.objects[('bucket', name)][0])
+  assert record['pid'] == won[0].pid
+  for p in procs:
+    if p is not won[0]:
+      assert p.wait(timeout=60) == 0
+  return won[0]
+
+
+def test_two_processes_racing_for_a_bucket_workdir_one_wins(tmp_path):
+  """gs:// workdir through gcsfs against a Cloud Storage emulator on 127.0.0.1: two processes
+  whose first requests on run.lock arrive before either is answered; one holds the lock, the
+  other stops naming it (a check-then-write lock lets both through). Released, the object is
+  gone. A stale record (a dead process of this host) is taken over by exactly one of two."""
+  del tmp_path
+  workdir, name = 'gs://bucket/runs/a', 'runs/a/run.lock'
+  with gcs_emulator.GCSEmulator() as gcs:
+    winner = _race(gcs, workdir, name)
+    _, err = winner.communicate('', timeout=60)  # closes stdin: the winner releases
+    assert winner.returncode == 0, err[-2000:]
+    assert ('bucket', name) not in gcs.objects
+
+    dead = _dead_pid()
+    gcs.put('bucket', name, json.dumps({'host': socket.gethostname(), 'pid': dead, 'start': 1,
+                                        'since': 'yesterday'}).encode())
+    winner = _race(gcs, workdir, name)
+    _, err = winner.communicate('', timeout=60)
+    assert winner.returncode == 0, err[-2000:]
+    assert (f'taking over the lock of a run that is no longer running (host '
+            f'{socket.gethostname()}, pid {dead}, since yesterday)') in err
+    assert ('bucket', name) not in gcs.objects
 
 
 # -- a full disk --------------------------------------------------------------------------------
