@@ -1,12 +1,12 @@
 """Cloud Storage's JSON API on 127.0.0.1, as much of it as gcsfs uses for small objects: bucket
-and object metadata, listing, media download, multipart upload and delete, with generations and
+and object metadata, listing, media download, multipart and resumable upload, delete, with generations and
 the ifGenerationMatch precondition (HTTP 412), which the server checks atomically as Cloud Storage
 does (https://cloud.google.com/storage/docs/request-preconditions).
 
 A client reaches it with ``STORAGE_EMULATOR_HOST=<url>`` and ``FSSPEC_GS_TOKEN=anon`` (no
-credentials, nothing leaves the machine). ``hold(name, parties)`` makes the first ``parties``
-requests on object ``name`` wait for each other, so that racing clients really race: each has
-sent its first request before any is answered.
+credentials, nothing leaves the machine). ``hold(name, clients)`` answers the requests on object
+``name`` only once each client has sent one, so that racing clients really race: none is answered
+before all have asked.
 
 Used by tests/test_workdir_safety.py (the lock of a gs:// workdir, two processes contending).
 """
@@ -29,7 +29,8 @@ class GCSEmulator:
     self.objects: dict[tuple[str, str], tuple[bytes, int]] = {}
     self._lock = threading.Lock()
     self._generation = 1000
-    self._held: dict[str, list] = {}  # name -> [barrier, parties still to come]
+    self._held: dict[str, tuple] = {}  # name -> (clients to come, all came, timeout)
+    self._sessions: dict[str, tuple] = {}  # resumable uploads: id -> (name, query, data)
     self._server = _Server(('127.0.0.1', 0), _handler(self))
     self.url = f'http://127.0.0.1:{self._server.server_address[1]}'
 
@@ -47,23 +48,22 @@ class GCSEmulator:
       self.objects[(bucket, name)] = (data, self._generation)
       return self._generation
 
-  def hold(self, name: str, parties: int = 2, timeout_s: float = 30.0) -> None:
-    """The next ``parties`` requests on object ``name`` are answered once all have arrived (or
-    ``timeout_s`` passed)."""
-    self._held[name] = [threading.Barrier(parties, timeout=timeout_s), parties]
+  def hold(self, name: str, clients: set[str], timeout_s: float = 60.0) -> None:
+    """Requests on object ``name`` are answered only once each of ``clients`` (the requests'
+    ``userProject``: gcsfs's ``requester_pays``) has sent one, or ``timeout_s`` passed."""
+    self._held[name] = (set(clients), threading.Event(), timeout_s)
 
-  def _wait_if_held(self, name: str) -> None:
+  def _wait_if_held(self, name: str, client: str) -> None:
     with self._lock:
       held = self._held.get(name)
       if held is None:
         return
-      held[1] -= 1
-      if held[1] == 0:
-        del self._held[name]  # the last party: later requests pass
-    try:
-      held[0].wait()
-    except threading.BrokenBarrierError:  # a party never came: answer anyway
-      pass
+      waiting, arrived, timeout_s = held
+      waiting.discard(client)
+      if not waiting:
+        del self._held[name]
+        arrived.set()
+    arrived.wait(timeout_s)
 
   def _meta(self, bucket: str, name: str) -> dict:
     data, generation = self.objects[(bucket, name)]
@@ -125,7 +125,7 @@ def _handler(gcs: GCSEmulator):
         return self._reply(200, {'kind': 'storage#bucket', 'name': bucket, 'id': bucket})
       if name is None:
         return self._reply(200, self._list(bucket, query))
-      gcs._wait_if_held(name)
+      gcs._wait_if_held(name, query.get('userProject'))
       key = (bucket, name)
       with gcs._lock:
         if key not in gcs.objects or query.get('generation', str(gcs.objects[key][1])) != str(
@@ -150,16 +150,44 @@ def _handler(gcs: GCSEmulator):
       return {'kind': 'storage#objects', 'items': items, 'prefixes': sorted(prefixes)}
 
     def do_POST(self):
-      kind, bucket, objects, name, query = self._route() or (None,) * 5
-      if kind != '/upload' or query.get('uploadType') != 'multipart':
-        return self._error(501, 'only multipart uploads')
-      body = self.rfile.read(int(self.headers['Content-Length']))
-      boundary = re.search(r'boundary="?([^";]+)', self.headers['Content-Type']).group(1)
-      parts = [p.split(b'\n\n', 1)[1] for p in body.replace(b'\r\n', b'\n').split(
-          b'--' + boundary.encode())[1:-1]]
-      meta, data = json.loads(parts[0]), parts[1][:-1]  # the newline before the boundary
-      name = meta['name']
-      gcs._wait_if_held(name)
+      kind, bucket, _, _, query = self._route() or (None,) * 5
+      body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+      if kind != '/upload':
+        return self._error(501, 'only uploads')
+      if query.get('uploadType') == 'multipart':
+        boundary = re.search(r'boundary="?([^";]+)', self.headers['Content-Type']).group(1)
+        parts = [p.split(b'\n\n', 1)[1] for p in body.replace(b'\r\n', b'\n').split(
+            b'--' + boundary.encode())[1:-1]]
+        name = json.loads(parts[0])['name']
+        gcs._wait_if_held(name, query.get('userProject'))
+        return self._finish(bucket, name, query, parts[1][:-1])  # [:-1]: the newline before --
+      if query.get('uploadType') != 'resumable':
+        return self._error(501, 'only multipart and resumable uploads')
+      if 'upload_id' not in query:  # a resumable upload starts: -> its session's URL
+        name = query.get('name') or json.loads(body)['name']
+        gcs._wait_if_held(name, query.get('userProject'))
+        with gcs._lock:
+          gcs._generation += 1
+          session = str(gcs._generation)
+          gcs._sessions[session] = (name, query, bytearray())
+        self.send_response(200)
+        self.send_header('Location', f'{gcs.url}/upload/storage/v1/b/{bucket}/o?'
+                                     f'uploadType=resumable&upload_id={session}')
+        self.send_header('Content-Length', '0')
+        return self.end_headers()
+      name, first_query, data = gcs._sessions[query['upload_id']]
+      data += body
+      total = self.headers.get('Content-Range', '').rsplit('/', 1)[-1]
+      if total == '*' or len(data) < int(total):  # more chunks to come
+        self.send_response(308)
+        self.send_header('Range', f'bytes=0-{len(data) - 1}')
+        self.send_header('Content-Length', '0')
+        return self.end_headers()
+      del gcs._sessions[query['upload_id']]
+      return self._finish(bucket, name, first_query, bytes(data))
+
+    def _finish(self, bucket, name, query, data: bytes):
+      """Stores an upload if its precondition holds (checked with the store locked)."""
       with gcs._lock:
         if self._precondition_fails((bucket, name), query):
           return self._error(412, 'Precondition Failed')
@@ -167,11 +195,13 @@ def _handler(gcs: GCSEmulator):
         gcs.objects[(bucket, name)] = (data, gcs._generation)
         return self._reply(200, gcs._meta(bucket, name))
 
+    do_PUT = do_POST
+
     def do_DELETE(self):
       _, bucket, _, name, query = self._route() or (None,) * 5
       if name is None:
         return self._error(404, 'no such route')
-      gcs._wait_if_held(name)
+      gcs._wait_if_held(name, query.get('userProject'))
       key = (bucket, name)
       with gcs._lock:
         if key not in gcs.objects:

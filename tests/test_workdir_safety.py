@@ -136,9 +136,10 @@ lock.release()
 
 
 def _race(gcs, workdir, name):
-  """Two processes take the lock of ``workdir`` (object ``name`` of the emulator's bucket), their
-  first requests on it answered together. -> (winner's Popen, its stderr so far is not read),
-  after asserting that exactly one won and the other's line names the winner."""
+  """Two processes take the lock of ``workdir`` (object ``name`` of the emulator's bucket), none
+  of their requests on it answered before both have sent one. -> the winner's Popen (holding the
+  lock until its stdin closes), after asserting that exactly one won and that the other stopped
+  with the line naming the winner."""
   try:
     import gcsfs  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -146,10 +147,12 @@ def _race(gcs, workdir, name):
   env = dict(_env(1), STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_GS_TOKEN='anon',
              FSSPEC_GCS_TOKEN='anon', EPATH_USE_TF='false',
              GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT='false')  # no gRPC bucket-layout lookup
-  gcs.hold(name, parties=2)
-  procs = [subprocess.Popen([sys.executable, '-c', _CONTENDER, workdir], cwd=ROOT, env=env,
+  clients = ['contender-0', 'contender-1']  # each one's requests carry it as userProject
+  gcs.hold(name, set(clients))
+  procs = [subprocess.Popen([sys.executable, '-c', _CONTENDER, workdir], cwd=ROOT,
+                            env=dict(env, FSSPEC_GS_REQUESTER_PAYS=c, FSSPEC_GCS_REQUESTER_PAYS=c),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for _ in range(2)]
+                            text=True) for c in clients]
   lines = [p.stdout.readline().strip() for p in procs]
   won = [p for p, line in zip(procs, lines) if line == 'acquired']
   assert len(won) == 1, (lines, [p.communicate(timeout=60)[1][-2000:] for p in procs])
