@@ -158,7 +158,7 @@ class WorkdirLock:
       self._refuse_live(_parse(text))
       fileio.remove_generation(self.path, generation)
     raise ConfigError(f'--workdir={self.workdir}: {self.path} changed under each of '
-                      f'{_BUCKET_ROUNDS} tries to take it; are other runs starting there?')
+                      f'{_BUCKET_ROUNDS} tries to take it: start one run at a time there.')
 
   def _refuse_live(self, holder: Optional[dict]) -> None:
     """ConfigError for a live holder; a stale one (or an unreadable record) is logged."""
