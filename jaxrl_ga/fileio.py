@@ -120,6 +120,55 @@ def read_text(p) -> str:
   return path(p).read_text()
 
 
+# -- a bucket object as a lock record: create only if absent, delete only if unchanged ---------
+# Cloud Storage checks the preconditions ifGenerationMatch=0 (no live object) and
+# ifGenerationMatch=<g> (the live object is generation g) atomically, so of two runs racing one
+# wins (https://cloud.google.com/storage/docs/request-preconditions). A filesystem without
+# generations (not gcsfs) gets the same calls as a check, then a write: best effort.
+def create_new(p, data: bytes) -> bool:
+  """Writes the bucket object ``p`` only if none is there (gcsfs: ``mode='create'``, an upload
+  with ifGenerationMatch=0). -> True if written, False if an object is there."""
+  fs, key = fsspec.core.url_to_fs(os.fspath(p))
+  try:
+    with writing(p):
+      fs.pipe_file(key, data, mode='create')
+  except WriteError as e:
+    if isinstance(e.__cause__, FileExistsError):  # gcsfs: HTTP 412, the precondition failed
+      return False
+    raise
+  return True
+
+
+def read_generation(p) -> tuple[str, Optional[str]]:
+  """(text, generation) of the bucket object ``p``: the text is that generation's (None where
+  the filesystem has no generations). FileNotFoundError if there is none."""
+  fs, key = fsspec.core.url_to_fs(os.fspath(p))
+  fs.invalidate_cache(key)  # gcsfs answers info() from its listing cache
+  generation = fs.info(key).get('generation')
+  data = fs.cat_file(key, **({'generation': generation} if generation else {}))
+  return data.decode('utf-8', 'replace'), generation
+
+
+def remove_generation(p, generation: Optional[str]) -> bool:
+  """Deletes the bucket object ``p`` if it still is ``generation`` (ifGenerationMatch; None:
+  whatever is there). -> False if it is gone or was replaced."""
+  fs, key = fsspec.core.url_to_fs(os.fspath(p))
+  try:
+    with writing(p):
+      if generation is None:
+        fs.rm_file(key)
+      else:
+        bucket, name, _ = fs.split_path(key)
+        fs.call('DELETE', 'b/{}/o/{}', bucket, name, ifGenerationMatch=generation)
+  except WriteError as e:  # gcsfs: HTTP 404 gone, 412 another generation
+    if isinstance(e.__cause__, (FileNotFoundError, FileExistsError)):
+      return False
+    raise
+  finally:
+    fs.invalidate_cache(key)
+  return True
+
+
 class TextAppender:
   """Appends to a text file: an open file locally (each line written through at once; a line
   that cannot be written whole is cut off again), a composed object in a bucket.

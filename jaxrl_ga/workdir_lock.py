@@ -12,8 +12,11 @@ another process does not count as the holder).
 - Local workdir: the file is also ``flock``-ed for the run's lifetime, so two runs starting at
   the same moment cannot both win, and the kernel releases it however the process ends. On a
   filesystem without flock, the JSON check alone decides.
-- Bucket (``gs://...``): object stores have no locks; the record is read, and written when absent
-  or stale. Best effort: two runs started within the same second can both pass.
+- Bucket (``gs://...``): the record is created only if no object is there (Cloud Storage's
+  precondition ifGenerationMatch=0, checked atomically by the server: of runs starting together
+  one wins); a stale record is deleted only if it is still the generation that was read, then the
+  creation is tried again. tests/test_workdir_safety.py races two processes through gcsfs against
+  a Cloud Storage emulator on 127.0.0.1.
 - Several processes (jax.distributed): process 0 decides and broadcasts its decision, so every
   process of the job stops, or goes on, together.
 """
@@ -36,6 +39,7 @@ from jaxrl_ga.config import ConfigError
 
 LOCK_NAME = 'run.lock'
 _MESSAGE_BYTES = 2048  # the decision broadcast to every process: '' (go) or the error line
+_BUCKET_ROUNDS = 5  # create, or read and delete a stale record: each round that fails saw a change
 
 
 def _process_start(pid: int) -> Optional[int]:
@@ -103,7 +107,7 @@ class WorkdirLock:
     """Takes the lock or raises ConfigError naming its live holder."""
     fileio.makedirs(self.workdir)
     if fileio.is_remote(self.path):
-      self._take(_parse(fileio.read_text(self.path)) if fileio.exists(self.path) else None)
+      self._acquire_in_bucket()
       return self
     try:
       fd = self._open_locked()
@@ -139,19 +143,38 @@ class WorkdirLock:
         pass
       os.close(fd)
 
-  def _take(self, holder: Optional[dict]) -> None:
-    """Writes this process's record over no record (an empty or unreadable file) or a stale
-    one; raises ConfigError for a live holder."""
-    if holder is not None:
-      if not _is_stale(holder):
-        raise _held_error(self.workdir, self.path, holder)
-      logging.warning('--workdir=%s: taking over the lock of a run that is no longer running '
-                      '(host %s, pid %s, since %s).', self.workdir, holder.get('host'),
-                      holder.get('pid'), holder.get('since'))
+  def _acquire_in_bucket(self) -> None:
+    """Creates the record where no object is; else deletes a stale one (at the generation
+    read) and tries again. Each round ends in a win, a live holder's error, or another run
+    having changed the object first (then the next round reads that run's record)."""
     data = json.dumps(self._record).encode('utf-8')
-    if self._fd is None:
-      fileio.write_bytes(self.path, data)
+    for _ in range(_BUCKET_ROUNDS):
+      if fileio.create_new(self.path, data):
+        return
+      try:
+        text, generation = fileio.read_generation(self.path)
+      except FileNotFoundError:
+        continue  # released in between
+      self._refuse_live(_parse(text))
+      fileio.remove_generation(self.path, generation)
+    raise ConfigError(f'--workdir={self.workdir}: {self.path} changed under each of '
+                      f'{_BUCKET_ROUNDS} tries to take it: start one run at a time there.')
+
+  def _refuse_live(self, holder: Optional[dict]) -> None:
+    """ConfigError for a live holder; a stale one (or an unreadable record) is logged."""
+    if holder is None:
       return
+    if not _is_stale(holder):
+      raise _held_error(self.workdir, self.path, holder)
+    logging.warning('--workdir=%s: taking over the lock of a run that is no longer running '
+                    '(host %s, pid %s, since %s).', self.workdir, holder.get('host'),
+                    holder.get('pid'), holder.get('since'))
+
+  def _take(self, holder: Optional[dict]) -> None:
+    """Writes this process's record into the flock-ed file over no record (an empty or
+    unreadable file) or a stale one; raises ConfigError for a live holder."""
+    self._refuse_live(holder)
+    data = json.dumps(self._record).encode('utf-8')
     try:
       os.ftruncate(self._fd, 0)
       os.pwrite(self._fd, data, 0)
@@ -162,8 +185,12 @@ class WorkdirLock:
     """Removes the lock file if it is still this run's record, and unlocks it."""
     try:
       if self._fd is None:
-        if fileio.exists(self.path) and _parse(fileio.read_text(self.path)) == self._record:
-          fileio.path(self.path).unlink(missing_ok=True)
+        try:
+          text, generation = fileio.read_generation(self.path)
+        except FileNotFoundError:
+          return
+        if _parse(text) == self._record:
+          fileio.remove_generation(self.path, generation)
         return
       try:
         if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:

@@ -1,13 +1,19 @@
 """A workdir one run at a time (run.lock), and a full disk: one line naming the path, the earlier
 checkpoints intact, and the same command resuming exactly once space is freed.
 
-The full-disk tests use a real small filesystem (tmpfs, mounted here as root), so the ENOSPC comes
-from the kernel at whatever write hits it: orbax's tensorstore writes, metrics.jsonl, an export's
-safetensors file. Without the right to mount they are skipped."""
+A full disk is simulated without root by RLIMIT_FSIZE, the kernel's limit on the size of any file
+a process writes (``ulimit -f``): the part of a write below the limit is written, the rest fails
+with EFBIG (File too large), at whatever write reaches it: orbax's tensorstore writes,
+metrics.jsonl, an export's safetensors file. The code has one path for every failed write (any
+OSError, or a library's error carrying an OS error number, becomes ``fileio.WriteError``), so
+this is the path of ENOSPC too. The lock of a gs:// workdir is raced by two processes through
+gcsfs against a Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py)."""
 
 import contextlib
 import json
 import os
+import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+import gcs_emulator
 import helpers
 import smoke_configs
 
@@ -34,9 +41,20 @@ def _env(devices=8):
               XLA_FLAGS=helpers.xla_flags(devices))
 
 
-def _cli(args, timeout=300, cmd=None):
-  return subprocess.run((cmd or MAIN) + args, cwd=ROOT, env=_env(), capture_output=True,
-                        text=True, timeout=timeout)
+# Runs argv[2:] with its files limited to argv[1] bytes. SIGXFSZ ignored: a write past the
+# limit fails with EFBIG instead of killing the process (Python ignores it too, at start-up).
+_LIMITED = ('import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); '
+            'resource.setrlimit(resource.RLIMIT_FSIZE, '
+            '(int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_FSIZE)[1])); '
+            'os.execv(sys.argv[2], sys.argv[2:])')
+
+
+def _cli(args, timeout=300, cmd=None, file_size_limit=None):
+  """The CLI (or ``cmd``) with ``args``; ``file_size_limit``: no file it writes grows past that
+  many bytes (a full disk for the files that would)."""
+  limited = [sys.executable, '-c', _LIMITED, str(file_size_limit)] if file_size_limit else []
+  return subprocess.run(limited + (cmd or MAIN) + args, cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def _dead_pid() -> int:
@@ -118,31 +136,90 @@ def test_the_lock_is_released_when_a_run_stops_with_an_error(tmp_path):
   workdir_lock.WorkdirLock(str(tmp_path)).acquire().release()
 
 
+# -- a bucket workdir: two processes race through gcsfs ----------------------------------------
+_CONTENDER = """
+import sys
+from jaxrl_ga import workdir_lock
+from jaxrl_ga.config import ConfigError
+try:
+  lock = workdir_lock.WorkdirLock(sys.argv[1]).acquire()
+except ConfigError as e:
+  print(f'refused: {e}', flush=True)
+  sys.exit()
+print('acquired', flush=True)
+sys.stdin.read()  # held until the test closes stdin
+lock.release()
+"""
+
+
+def _race(gcs, workdir, name):
+  """Two processes take the lock of ``workdir`` (object ``name`` of the emulator's bucket), none
+  of their requests on it answered before both have sent one. -> the winner's Popen (holding the
+  lock until its stdin closes), after asserting that exactly one won and that the other stopped
+  with the line naming the winner."""
+  try:
+    import gcsfs  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pytest.fail("gcsfs is missing: the test extra installs it (pip install -e '.[test]').")
+  env = dict(_env(1), STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_GS_TOKEN='anon',
+             FSSPEC_GCS_TOKEN='anon', EPATH_USE_TF='false',
+             GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT='false')  # no gRPC bucket-layout lookup
+  clients = ['contender-0', 'contender-1']  # each one's requests carry it as userProject
+  gcs.hold(name, set(clients))
+  procs = [subprocess.Popen([sys.executable, '-c', _CONTENDER, workdir], cwd=ROOT,
+                            env=dict(env, FSSPEC_GS_REQUESTER_PAYS=c, FSSPEC_GCS_REQUESTER_PAYS=c),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for c in clients]
+  lines = [p.stdout.readline().strip() for p in procs]
+  won = [p for p, line in zip(procs, lines) if line == 'acquired']
+  assert len(won) == 1, (lines, [p.communicate(timeout=60)[1][-2000:] for p in procs])
+  lost = lines[1 - procs.index(won[0])]
+  assert lost.startswith(f'refused: --workdir={workdir} is in use by another run (host '
+                         f'{socket.gethostname()}, pid {won[0].pid}, since '), lost
+  record = json.loads(gcs.objects[('bucket', name)][0])
+  assert record['pid'] == won[0].pid
+  for p in procs:
+    if p is not won[0]:
+      assert p.wait(timeout=60) == 0
+  return won[0]
+
+
+def test_two_processes_racing_for_a_bucket_workdir_one_wins(tmp_path):
+  """gs:// workdir through gcsfs against a Cloud Storage emulator on 127.0.0.1: two processes
+  whose first requests on run.lock arrive before either is answered; one holds the lock, the
+  other stops naming it (a check-then-write lock lets both through). Released, the object is
+  gone. A stale record (a dead process of this host) is taken over by exactly one of two."""
+  del tmp_path
+  workdir, name = 'gs://bucket/runs/a', 'runs/a/run.lock'
+  with gcs_emulator.GCSEmulator() as gcs:
+    winner = _race(gcs, workdir, name)
+    _, err = winner.communicate('', timeout=60)  # closes stdin: the winner releases
+    assert winner.returncode == 0, err[-2000:]
+    assert ('bucket', name) not in gcs.objects
+
+    dead = _dead_pid()
+    gcs.put('bucket', name, json.dumps({'host': socket.gethostname(), 'pid': dead, 'start': 1,
+                                        'since': 'yesterday'}).encode())
+    winner = _race(gcs, workdir, name)
+    _, err = winner.communicate('', timeout=60)
+    assert winner.returncode == 0, err[-2000:]
+    assert (f'taking over the lock of a run that is no longer running (host '
+            f'{socket.gethostname()}, pid {dead}, since yesterday)') in err
+    assert ('bucket', name) not in gcs.objects
+
+
 # -- a full disk --------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _tmpfs(path, size='64m'):
-  """A small filesystem of its own at ``path`` (root only), unmounted at the end."""
-  os.makedirs(path)
-  done = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)],
-                        capture_output=True, text=True)
-  if done.returncode:
-    pytest.skip(f'cannot mount a tmpfs here ({done.stderr.strip()}): the full-disk tests need '
-                f'root')
+def _file_size_limit(limit_bytes: int):
+  """Inside, this process's writes past ``limit_bytes`` of a file fail with EFBIG."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, hard))
   try:
-    yield path
+    yield
   finally:
-    subprocess.run(['umount', '-l', str(path)], check=False)
-
-
-def _fill(mount, leave_bytes: int):
-  """Fills ``mount`` up to ``leave_bytes`` free with one file; -> its path (delete it to free)."""
-  filler = os.path.join(mount, 'filler')
-  st = os.statvfs(mount)
-  free = st.f_bavail * st.f_frsize
-  subprocess.run(['fallocate', '-l', str(free - leave_bytes), filler], check=True)
-  st = os.statvfs(mount)
-  assert st.f_bavail * st.f_frsize <= leave_bytes
-  return filler
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
 
 
 def _state(ckpts, step):
@@ -170,47 +247,44 @@ def _grpo_rows(workdir):
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command_resumes(
     tmp_path):
-  """GRPO trains 2 steps (checkpoints 3, 6), is raised to 4 steps on a disk with 64 KiB left:
-  checkpoint 9 cannot be written. One line names it, exit 1, checkpoint 6 reads back as it was;
-  with the space freed the same command ends where an uninterrupted run on a big disk ends,
+  """GRPO trains 2 steps (checkpoints 3, 6), is raised to 4 steps with no file allowed past
+  64 KiB: checkpoint 9's array files cannot be written. One line names it, exit 1, checkpoint 6
+  reads back as it was; without the limit the same command ends where an uninterrupted run ends,
   bit for bit, and metrics.jsonl holds each step once."""
   args = ['--config.stages=grpo', '--config.checkpoint.every_steps=1']
   ref = tmp_path / 'ref'
   ref_ckpts = ref / 'checkpoints' / 'grpo'
+  workdir = tmp_path / 'run'
+  ckpts = workdir / 'checkpoints' / 'grpo'
   ref_states = {}
   for steps in (2, 4):
     done = _cli([f'--workdir={ref}', f'--config.grpo.num_steps={steps}'] + args)
     assert done.returncode == 0, done.stderr[-3000:]
     ref_states.update({s: _state(ref_ckpts, s) for s in checkpoint.all_steps(ref_ckpts)})
-  with _tmpfs(tmp_path / 'disk') as disk:
-    workdir = disk / 'run'
-    done = _cli([f'--workdir={workdir}', '--config.grpo.num_steps=2'] + args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ckpts = workdir / 'checkpoints' / 'grpo'
-    filler = _fill(disk, 64 << 10)
-    command = [f'--workdir={workdir}', '--config.grpo.num_steps=4'] + args
-    full = _cli(command)
-    assert full.returncode == 1, full.stderr[-3000:]
-    assert full.stderr.strip().splitlines()[-1] == (
-        f'error: cannot write {ckpts}/9: No space left on device; the checkpoints before it are '
-        f'intact (the newest: step 6). Free space (or fix the storage), then re-run the same '
-        f'command: it resumes from the last complete checkpoint.')
-    assert 'Traceback' not in full.stderr and 'Event loop is closed' not in full.stderr
-    assert checkpoint.all_steps(ckpts) == [3, 6]
-    for step in (3, 6):  # intact and readable: as the run on the big disk wrote them
-      _assert_same_state(_state(ckpts, step), ref_states[step])
-    assert not (workdir / workdir_lock.LOCK_NAME).exists()
+    if steps == 2:
+      shutil.copytree(ref, workdir)  # the run that meets the full disk: these 2 steps done
+  command = [f'--workdir={workdir}', '--config.grpo.num_steps=4'] + args
+  full = _cli(command, file_size_limit=64 << 10)
+  assert full.returncode == 1, full.stderr[-3000:]
+  assert full.stderr.strip().splitlines()[-1] == (
+      f'error: cannot write {ckpts}/9: File too large; the checkpoints before it are intact '
+      f'(the newest: step 6). Free space (or fix the storage), then re-run the same command: it '
+      f'resumes from the last complete checkpoint.')
+  assert 'Traceback' not in full.stderr and 'Event loop is closed' not in full.stderr
+  assert checkpoint.all_steps(ckpts) == [3, 6]
+  for step in (3, 6):  # intact and readable: as the unlimited run wrote them
+    _assert_same_state(_state(ckpts, step), ref_states[step])
+  assert not (workdir / workdir_lock.LOCK_NAME).exists()
 
-    os.remove(filler)
-    resumed = _cli(command)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in resumed.stdout
-    assert checkpoint.all_steps(ckpts)[-1] == 12
-    _assert_same_state(_state(ckpts, 12), ref_states[12])
-    rows, ref_rows = _grpo_rows(workdir), _grpo_rows(ref)
-    assert [(r['phase'], r['step']) for r in rows] == [(r['phase'], r['step']) for r in ref_rows]
-    for row, ref_row in zip(rows, ref_rows):
-      assert row == ref_row
+  resumed = _cli(command)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in resumed.stdout
+  assert checkpoint.all_steps(ckpts)[-1] == 12
+  _assert_same_state(_state(ckpts, 12), ref_states[12])
+  rows, ref_rows = _grpo_rows(workdir), _grpo_rows(ref)
+  assert [(r['phase'], r['step']) for r in rows] == [(r['phase'], r['step']) for r in ref_rows]
+  for row, ref_row in zip(rows, ref_rows):
+    assert row == ref_row
 
 
 _UNAWAITED = """
@@ -242,24 +316,22 @@ def test_after_a_failed_write_an_abandoned_coroutine_prints_nothing_after_the_er
 
 def test_a_metrics_row_that_does_not_fit_leaves_no_partial_row(tmp_path):
   """metrics.jsonl on a full disk: the write fails with one error naming the file, and the part
-  of the row the kernel did take is cut off again, so a resumed run appends whole rows."""
-  with _tmpfs(tmp_path / 'disk', size='1m') as disk:
-    path = disk / 'metrics.jsonl'
-    first = json.dumps({'phase': 'grpo', 'step': 1, 'pad': 'x' * 3900}) + '\n'
-    writer = fileio.TextAppender(path)
-    writer.write(first)  # < one 4 KiB page: the page has room left
-    room = 4096 - len(first)
-    assert room > 0
-    filler = _fill(disk, 0)
-    row = json.dumps({'phase': 'grpo', 'step': 2, 'pad': 'y' * (room + 100)}) + '\n'
+  of the row that was written is cut off again, so a resumed run appends whole rows."""
+  path = tmp_path / 'metrics.jsonl'
+  first = json.dumps({'phase': 'grpo', 'step': 1, 'pad': 'x' * 3900}) + '\n'
+  writer = fileio.TextAppender(path)
+  writer.write(first)
+  room = 4096 - len(first)
+  assert room > 0
+  row = json.dumps({'phase': 'grpo', 'step': 2, 'pad': 'y' * (room + 100)}) + '\n'
+  with _file_size_limit(4096):  # the first `room` bytes of the row are written, then EFBIG
     with pytest.raises(fileio.WriteError) as e:
       writer.write(row)
-    assert str(e.value) == f'cannot write {path}: No space left on device'
-    assert path.read_text() == first  # the `room` bytes that were written are gone again
-    os.remove(filler)
-    writer.write(row)
-    writer.close()
-    assert path.read_text() == first + row
+  assert str(e.value) == f'cannot write {path}: File too large'
+  assert path.read_text() == first  # the `room` bytes that were written are gone again
+  writer.write(row)
+  writer.close()
+  assert path.read_text() == first + row
 
 
 @pytest.mark.slow
@@ -268,23 +340,22 @@ def test_an_export_to_a_full_disk_leaves_the_previous_export(tmp_path):
   done = _cli([f'--workdir={workdir}', '--config.stages=grpo', '--config.grpo.num_steps=1'])
   assert done.returncode == 0, done.stderr[-3000:]
   export = [sys.executable, '-m', 'jaxrl_ga.export']
-  with _tmpfs(tmp_path / 'disk', size='8m') as disk:
-    out = disk / 'hf'
-    done = _cli([f'--checkpoint={workdir}', f'--out={out}'], cmd=export)
-    assert done.returncode == 0, done.stderr[-3000:]
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    filler = _fill(disk, 16 << 10)
-    full = _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'], cmd=export)
-    assert full.returncode == 1, full.stderr[-3000:]
-    assert full.stderr.strip().splitlines()[-1] == (
-        f'error: cannot write {out}: No space left on device; --out={out} is unchanged. Free '
-        f'space, then run the export again.')
-    assert 'Traceback' not in full.stderr
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(os.listdir(disk)) == ['filler', 'hf']  # no staging directory left behind
-    os.remove(filler)
-    assert _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'],
-                cmd=export).returncode == 0
+  out = tmp_path / 'exports' / 'hf'
+  done = _cli([f'--checkpoint={workdir}', f'--out={out}'], cmd=export)
+  assert done.returncode == 0, done.stderr[-3000:]
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  assert max(map(len, before.values())) > 16 << 10  # the weights cannot be written below
+  full = _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'], cmd=export,
+              file_size_limit=16 << 10)
+  assert full.returncode == 1, full.stderr[-3000:]
+  assert full.stderr.strip().splitlines()[-1] == (
+      f'error: cannot write {out}: File too large; --out={out} is unchanged. Free space, then '
+      f'run the export again.')
+  assert 'Traceback' not in full.stderr
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert os.listdir(out.parent) == ['hf']  # no staging directory left behind
+  assert _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'],
+              cmd=export).returncode == 0
 
 
 @pytest.mark.slow
