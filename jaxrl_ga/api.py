@@ -39,6 +39,7 @@ from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
+from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import dpo
 from jaxrl_ga.trainers import grpo
@@ -93,18 +94,34 @@ def validate_rollout_chunks(cfg) -> None:
 LENGTH_CHECK_STREAM = 7907
 
 
-# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this.
+# Rows of your data (data.train) whose prompts validate_lengths measures against an explicit
+# width: all of them up to this. A width of 0 measures every row (it must hold all of them).
 LENGTH_CHECK_ROWS = 20000
 
 
-def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
+# A prompt width chosen from the data (max_prompt_length=0) is rounded up to a multiple of this:
+# nothing in the mesh constrains it (no axis shards the sequence; the splash kernel pads to its
+# own block), and a few widths only keep the compiled shapes stable when a dataset grows a little.
+PROMPT_WIDTH_MULTIPLE = 8
+
+
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
+                     ) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
   your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
-  sequence fits model.max_position_embeddings."""
+  sequence fits model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
+  becomes the longest prompt measured (your data or a built-in dataset: every row, and the
+  held-out set; a generated task: the sample and its bound, when it has one,
+  ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE. -> (cfg with those widths, {setting: the longest prompt} of each width
+  chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
+  stages = [s for s in ('grpo', 'dpo') if s in cfg.stages]
+  from_data = [s for s in stages if getattr(cfg, s).sampling.max_prompt_length == 0]
   if isinstance(task, data.DataTask):
-    probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+    probe = task.num_train() if from_data else min(task.num_train(), LENGTH_CHECK_ROWS)
+  elif from_data and hasattr(task, 'num_train'):  # a built-in dataset (gsm8k): every row
+    probe = task.num_train()
   if isinstance(task, sft_data.SFTDataTask):
     probe = 0  # every row is encoded and fitted to sft.max_length (SFTDataTask.encode)
   if isinstance(task, preference.PreferenceTask):
@@ -115,6 +132,23 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
   prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
   prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
+  chosen = {}
+  for stage in from_data:
+    setting = f'{stage}.sampling.max_prompt_length'
+    needed = max(prompt_train, prompt_eval)
+    try:  # a built-in task's own bound, when it has one (its prompts are generated)
+      needed = max(needed, int(getattr(task, 'max_prompt_length', 0)))
+    except NotImplementedError:  # none: the sample above (number_questions)
+      pass
+    stage_cfg = getattr(cfg, stage)
+    step, chosen[setting] = PROMPT_WIDTH_MULTIPLE, needed
+    # Rounded up, but not past the model's positions when the exact width still fits them.
+    room = model_cfg.max_position_embeddings - max(stage_cfg.sampling.max_completion_length,
+                                                   cfg.eval.max_completion_length)
+    width = min(max(step, -(-needed // step) * step), max(needed, room))
+    sampling = dataclasses.replace(stage_cfg.sampling, max_prompt_length=width)
+    cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(stage_cfg, sampling=sampling)})
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
@@ -124,27 +158,50 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
     needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
     positions += [('sft.max_length + eval.max_completion_length',
                    sft.max_length + cfg.eval.max_completion_length)]
-  for stage in ('grpo', 'dpo'):
-    if stage in cfg.stages:
-      sampling = getattr(cfg, stage).sampling
-      needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
-                 max(prompt_train, prompt_eval))]
-      positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
-                     f'max_completion_length, eval.max_completion_length)',
-                     sampling.max_prompt_length + max(sampling.max_completion_length,
-                                                      cfg.eval.max_completion_length))]
+  for stage in stages:
+    sampling = getattr(cfg, stage).sampling
+    needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
+               max(prompt_train, prompt_eval))]
+    positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
+                   f'max_completion_length, eval.max_completion_length)',
+                   sampling.max_prompt_length + max(sampling.max_completion_length,
+                                                    cfg.eval.max_completion_length))]
   if 'dpo' in cfg.stages:
     positions += [('dpo.max_length', cfg.dpo.max_length)]
   for setting, value, needed in needs:
     if needed > value:
-      source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
       raise ConfigError(f'{setting}={value}, but {source} has a prompt (or SFT example) of '
                         f'{needed} tokens; set {setting} to {needed} or more.')
   limit = model_cfg.max_position_embeddings
   for what, n in positions:
     if n > limit:
-      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}; '
-                        f'raise model.max_position_embeddings or shorten the sequences.')
+      setting = what.split(' ')[0]
+      why = ''
+      if setting in chosen:
+        width = getattr(cfg, setting.split('.')[0]).sampling.max_prompt_length
+        why = (f' ({setting}=0 chose {width} for {source}\'s longest prompt, {chosen[setting]} '
+               f'tokens)')
+      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}'
+                        f'{why}; raise model.max_position_embeddings or shorten the sequences.')
+  return cfg, chosen
+
+
+# Rows whose columns the reward functions' dry call passes (validate_rewards).
+DRY_CALL_ROWS = 2
+
+
+def validate_rewards(cfg, task) -> None:
+  """Before anything compiles: each reward function of a GRPO run, called on DRY_CALL_ROWS rows
+  of the training stream (the length check's) with placeholder completions, keeps its contract
+  (``rewards.check_on_dry_call``: one finite float or None per completion; ConfigError naming
+  the function otherwise)."""
+  fns = task.reward_functions() if 'grpo' in cfg.stages else []
+  if not fns:
+    return
+  k = len(rewards.DRY_COMPLETIONS)
+  examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(DRY_CALL_ROWS)]
+  rewards.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
+                            task_base.reward_fields(examples, k))
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -193,7 +250,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
-  validate_lengths(cfg, task, tokenizer, model_cfg)
+  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
+  validate_rewards(cfg, task)
   if 'dpo' in cfg.stages:
     dpo.check_reference(cfg, cfg.dpo, model_cfg)
   if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
@@ -203,7 +261,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
-                          writer=reporting.MetricWriter(workdir), eval_metric=metric)
+                          writer=reporting.MetricWriter(workdir), eval_metric=metric,
+                          widths_from_data=chosen_widths)
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   try:
     graphdef, params, ctx.param_shardings = policy.build_model(cfg, model_cfg, mesh)
@@ -251,6 +310,7 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
   with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
     ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
     ctx.guard = guard
+    cfg = ctx.cfg  # its widths chosen from the data (max_prompt_length=0)
     writer, mesh = ctx.writer, ctx.mesh
     summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
                      'mesh': dict(mesh.shape)}

@@ -307,7 +307,10 @@ class SamplingConfig:
   """Generation settings of the rollout step.
 
   Attributes:
-    max_prompt_length: prompts are left-padded (or rejected) to this many tokens.
+    max_prompt_length: prompts are left-padded (or rejected) to this many tokens; 0 (default):
+      the longest prompt of the data (every row of data.train, the held-out set; a built-in
+      task: its bound), rounded up to a multiple of 8, measured before anything compiles
+      (``api.validate_lengths``; the trainer's first prompt line prints it).
     max_completion_length: L, generated tokens per completion (also the 'constant' normalizer).
     temperature: softmax temperature (> 0).
     top_k: keep the k most likely tokens (0 disables).
@@ -328,7 +331,7 @@ class SamplingConfig:
       shipped configs nor on a multi-device mesh, where its prefill of the whole rollout's
       prompts and its per-row scatters have not been timed.
   """
-  max_prompt_length: int = 32
+  max_prompt_length: int = 0
   max_completion_length: int = 16
   temperature: float = 1.0
   top_k: int = 0
@@ -339,7 +342,10 @@ class SamplingConfig:
 
   def __post_init__(self):
     p = 'sampling.'
-    _positive_int(self, 'max_prompt_length', 'max_completion_length', prefix=p)
+    _positive_int(self, 'max_completion_length', prefix=p)
+    _require(_is_int(self.max_prompt_length) and self.max_prompt_length >= 0,
+             f'{p}max_prompt_length must be >= 0 (0: the data\'s longest prompt), got '
+             f'{self.max_prompt_length!r}.')
     _require(self.temperature > 0, f'{p}temperature must be > 0, got {self.temperature}.')
     _require(self.top_k >= 0, f'{p}top_k must be >= 0 (0 disables), got {self.top_k}.')
     _require(0 < self.top_p <= 1, f'{p}top_p must be in (0, 1], got {self.top_p}.')

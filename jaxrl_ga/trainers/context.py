@@ -34,6 +34,9 @@ class RunContext:
   # metric(prompts, completions, **columns) of the held-out evaluation (eval.metric, or the
   # Python API's metric=); None: none.
   eval_metric: Optional[Callable[..., Any]] = None
+  # {setting: the data's longest prompt, in tokens} of each width chosen from the data (a
+  # ``max_prompt_length`` of 0, api.validate_lengths); ``cfg`` holds the width chosen.
+  widths_from_data: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def is_primary(self) -> bool:
