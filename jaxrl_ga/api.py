@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -112,8 +113,9 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   sequence fits model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
   becomes the longest prompt measured (your data or a built-in dataset: every row, and the
   held-out set; a generated task: the sample and its bound, when it has one,
-  ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE. -> (cfg with those widths, {setting: the longest prompt} of each width
-  chosen so)."""
+  ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE; ``sft.max_length`` and
+  ``dpo.max_length`` of 0 the same from your rows (``_choose_lengths``). -> (cfg with those
+  lengths, {setting: the longest prompt or sequence} of each length chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   stages = [s for s in ('grpo', 'dpo') if s in cfg.stages]
@@ -133,22 +135,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
   prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
-  chosen = {}
-  for stage in from_data:
-    setting = f'{stage}.sampling.max_prompt_length'
-    needed = max(prompt_train, prompt_eval)
-    try:  # a built-in task's own bound, when it has one (its prompts are generated)
-      needed = max(needed, int(getattr(task, 'max_prompt_length', 0)))
-    except NotImplementedError:  # none: the sample above (number_questions)
-      pass
-    stage_cfg = getattr(cfg, stage)
-    step, chosen[setting] = PROMPT_WIDTH_MULTIPLE, needed
-    # Rounded up, but not past the model's positions when the exact width still fits them.
-    room = model_cfg.max_position_embeddings - max(stage_cfg.sampling.max_completion_length,
-                                                   cfg.eval.max_completion_length)
-    width = min(max(step, -(-needed // step) * step), max(needed, room))
-    sampling = dataclasses.replace(stage_cfg.sampling, max_prompt_length=width)
-    cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(stage_cfg, sampling=sampling)})
+  cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, max(prompt_train, prompt_eval),
+                                prompt_eval, source)
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
@@ -178,12 +166,66 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
       setting = what.split(' ')[0]
       why = ''
       if setting in chosen:
-        width = getattr(cfg, setting.split('.')[0]).sampling.max_prompt_length
-        why = (f' ({setting}=0 chose {width} for {source}\'s longest prompt, {chosen[setting]} '
-               f'tokens)')
+        why = (f' ({setting}=0 chose {_value(cfg, setting)} for {source}\'s longest '
+               f'{_what(setting)}, {chosen[setting]} tokens)')
       raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}'
                         f'{why}; raise model.max_position_embeddings or shorten the sequences.')
   return cfg, chosen
+
+
+def _choose_lengths(cfg, task, tokenizer, model_cfg, prompt_longest: int, prompt_eval: int,
+                    source: str) -> tuple[RunConfig, dict[str, int]]:
+  """The lengths set to 0, chosen (validate_lengths): each prompt width from ``prompt_longest``
+  (the prompts measured) and a built-in task's bound; ``sft.max_length`` from your SFT rows and
+  the held-out prompts (``prompt_eval``); ``dpo.max_length`` from the preference rows. -> (cfg
+  with them, {setting: the longest prompt or sequence it holds})."""
+  model_positions, chosen = model_cfg.max_position_embeddings, {}
+  for stage in (s for s in ('grpo', 'dpo') if s in cfg.stages):
+    setting, needed = f'{stage}.sampling.max_prompt_length', prompt_longest
+    if _value(cfg, setting):
+      continue
+    try:  # a built-in task's own bound, when it has one (its prompts are generated)
+      needed = max(needed, int(getattr(task, 'max_prompt_length', 0)))
+    except NotImplementedError:  # none: the sample above (number_questions)
+      pass
+    stage_cfg, chosen[setting] = getattr(cfg, stage), needed
+    room = model_positions - max(stage_cfg.sampling.max_completion_length,
+                                 cfg.eval.max_completion_length)
+    sampling = dataclasses.replace(stage_cfg.sampling,
+                                   max_prompt_length=_rounded_up(needed, room))
+    cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(stage_cfg, sampling=sampling)})
+  room = model_positions - cfg.eval.max_completion_length
+  if 'sft' in cfg.stages and not cfg.sft.max_length:
+    if not isinstance(task, sft_data.SFTDataTask):
+      raise ConfigError(f'sft.max_length=0 measures your data (data.train with stages=sft); '
+                        f'{source} generates its examples: set sft.max_length.')
+    chosen['sft.max_length'] = needed = max(task.longest(), prompt_eval)
+    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(
+        cfg.sft, max_length=_rounded_up(needed, room)))
+  if 'dpo' in cfg.stages and not cfg.dpo.max_length:
+    if not isinstance(task, preference.PreferenceTask):
+      raise ConfigError('dpo.max_length=0 measures a preference dataset (dpo.pairs=dataset); '
+                        'sampled pairs need it set (their prompt width plus completions).')
+    chosen['dpo.max_length'] = needed = task.longest_pair(tokenizer, cfg.dpo)
+    cfg = dataclasses.replace(cfg, dpo=dataclasses.replace(
+        cfg.dpo, max_length=_rounded_up(needed, model_positions)))
+  return cfg, chosen
+
+
+def _value(cfg, setting: str):
+  """The value of a dotted setting ('grpo.sampling.max_prompt_length') of a RunConfig."""
+  return functools.reduce(getattr, setting.split('.'), cfg)
+
+
+def _what(setting: str) -> str:
+  return 'prompt' if setting.endswith('prompt_length') else 'sequence'
+
+
+def _rounded_up(needed: int, room: int) -> int:
+  """``needed`` tokens rounded up to PROMPT_WIDTH_MULTIPLE, but not past ``room`` (the model's
+  positions left) when ``needed`` itself still fits; past it the position check names both."""
+  step = PROMPT_WIDTH_MULTIPLE
+  return min(max(step, -(-needed // step) * step), max(needed, room))
 
 
 # Rows whose columns the reward functions' dry call passes (validate_rewards).
@@ -245,12 +287,18 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
-    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length, cfg.sft.too_long)
+    # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
+    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length or sys.maxsize,
+                cfg.sft.too_long)
     if task.dropped and jax.process_index() == 0:
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
   cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
+  for setting, longest in chosen_widths.items():
+    if jax.process_index() == 0 and not setting.startswith('grpo.'):  # GRPO: its prompt line
+      print(f'[{setting.split(".")[0]}] {setting}={_value(cfg, setting)}, chosen from the data: '
+            f'its longest {_what(setting)} has {longest} tokens', flush=True)
   validate_rewards(cfg, task)
   if 'dpo' in cfg.stages:
     dpo.check_reference(cfg, cfg.dpo, model_cfg)

@@ -732,7 +732,8 @@ class SFTConfig:
     micro_batch_size: sequences (packed: rows) per micro-step (global).
     grad_accum_steps: K, micro-steps per optimizer step.
     max_length: tokens per row (prompt + completion + eos; packed: several examples), padded;
-      a longer example is rejected (your data: as too_long says).
+      a longer example is rejected (your data: as too_long says). 0: your data's (data.train)
+      longest row or held-out prompt, rounded up to 8 (a built-in task needs a value).
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
     target_accuracy: stop early once greedy accuracy on a probe set of training problems
@@ -763,8 +764,11 @@ class SFTConfig:
   eval_before: bool = False
 
   def __post_init__(self):
-    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
-                  'log_every', prefix='sft.')
+    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'log_every',
+                  prefix='sft.')
+    _require(_is_int(self.max_length) and self.max_length >= 0,
+             f'sft.max_length must be >= 0 (0: the longest row of data.train), got '
+             f'{self.max_length!r}.')
     _require(self.too_long in ('error', 'drop', 'truncate'),
              f'sft.too_long must be error, drop or truncate, got {self.too_long!r}.')
     _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
@@ -845,7 +849,8 @@ class DPOConfig:
     samples_per_prompt: completions sampled per prompt to find a correct and an incorrect one
       ('sampled').
     max_length: tokens per sequence (prompt + completion); 'dataset': a longer completion is cut
-      at its end to fit.
+      at its end to fit; 0 ('dataset' only): the longest prompt plus its longer reply over every
+      row, rounded up to 8.
     max_prompt_length: 'dataset': tokens a prompt may have (0: up to ``max_length - 1``).
     long_prompts: 'dataset': a prompt over ``max_prompt_length`` is an 'error' naming its row, is
       'drop'ped (the count is printed and in the summary as ``dpo/dropped_rows``) or 'truncate'd
@@ -880,7 +885,10 @@ class DPOConfig:
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'num_prompts',
-                  'samples_per_prompt', 'max_length', 'log_every', prefix='dpo.')
+                  'samples_per_prompt', 'log_every', prefix='dpo.')
+    _require(_is_int(self.max_length) and self.max_length >= 0,
+             f'dpo.max_length must be >= 0 (0: the longest pair of a preference dataset), got '
+             f'{self.max_length!r}.')
     _one_of(self, 'pairs', DPO_PAIRS, 'dpo.')
     _one_of(self, 'long_prompts', DPO_LONG_PROMPTS, 'dpo.')
     _one_of(self, 'truncation_side', ('left', 'right'), 'dpo.')
