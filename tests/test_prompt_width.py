@@ -64,6 +64,11 @@ def test_zero_is_the_datas_longest_prompt_rounded_up_to_8(tmp_path, monkeypatch)
   assert ctx.cfg.grpo.sampling.max_prompt_length == width
   assert ctx.widths_from_data == {SETTING: longest}
   assert ctx.fingerprint('grpo')['grpo']['sampling']['max_prompt_length'] == width
+  # A caller's own cfg.grpo (width 0) gets the chosen width, for every program the trainer builds.
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  assert trainer.engine.sampling_cfg.max_prompt_length == width
+  assert trainer.cfg == ctx.cfg.grpo
 
 
 def test_the_default_config_measures_the_data():

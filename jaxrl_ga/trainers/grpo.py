@@ -70,6 +70,7 @@ class GRPOTrainer:
                on_rollout: Optional[Callable[[RolloutEvent], None]] = None,
                on_micro_step: Optional[Callable[[int, float, dict], None]] = None,
                table: Optional[schedule.ScheduleTable] = None):
+    cfg = ctx.with_chosen_lengths('grpo', cfg)  # a prompt width of 0: the one chosen
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     # The schedule is validated against the mesh by main.validate_against_mesh.
