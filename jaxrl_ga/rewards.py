@@ -10,7 +10,8 @@ messages, as in the dataset. ``None`` means "does not apply to this completion" 
 convention): a completion's reward is the weighted sum over the functions that apply to it, and
 one to which none applies gets 0 (with a warning, once). Several functions combine with weights.
 A function that raises, returns the wrong number of values, or returns NaN gets a clear error that
-names it.
+names it: first on a dry call before anything compiles (:func:`check_on_dry_call`, a few rows
+with placeholder completions), then at any call in training.
 
 Where rewards come from (``resolve``): import strings ``module:function[=weight]``, comma
 separated (``grpo.reward_funcs``; the module must be importable: on ``sys.path`` or

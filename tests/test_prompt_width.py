@@ -246,3 +246,12 @@ def test_a_zero_length_without_data_to_measure_is_one_line(tmp_path, overrides, 
   with pytest.raises(ConfigError) as e:
     api.build_context(api.make_config(base, **overrides), str(tmp_path / 'wd'))
   assert str(e.value) == message
+
+
+def test_the_plan_needs_an_explicit_width():
+  """The plan compiles one width without reading data: a width of 0 is one line, before any
+  topology is asked for."""
+  from jaxrl_ga import plan  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=r'^grpo\.sampling\.max_prompt_length=0 is chosen from the '
+                                        r'data when a run reads it; the plan compiles one width'):
+    plan.plan(api.make_config(None, stages='grpo'), 'v5e:2x4')
