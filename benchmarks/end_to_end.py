@@ -323,8 +323,8 @@ class OurSide:
     ctx, self.params = api.build_context(cfg, workdir)
     if _FULL_LENGTH.value:
       ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
-    self.ctx, self.cfg = ctx, cfg
-    self.trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=self._on_rollout,
+    self.ctx, self.cfg = ctx, ctx.cfg
+    self.trainer = grpo.GRPOTrainer(ctx, ctx.cfg.grpo, on_rollout=self._on_rollout,
                                     on_micro_step=self._on_micro_step)
     self.turns, self.period_steps, self.total_periods = turns, period_steps, total_periods
     self.clock = PeriodClock()
@@ -599,6 +599,7 @@ def run_size(size: Size, workdir: str, threads: int,
   turns = Turns(first='jaxrl_ga')
   ours = OurSide(cfg, os.path.join(workdir, f'{size.name}_ours'), turns, period_steps,
                  total_periods, roofline)
+  cfg = ours.ctx.cfg  # a prompt width of 0: the one chosen from the task's prompts
   task = ours.ctx.task
   theirs = TrlSide(cfg, trl_model, os.path.join(workdir, f'{size.name}_trl'), turns,
                    period_steps, num_steps, task, trl_tokenizer)

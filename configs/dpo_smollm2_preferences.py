@@ -40,7 +40,7 @@ def get_config(arg: str = ''):
   c.grpo.reward_funcs = 'addition_rewards:correct'  # scores the held-out evaluation
   c.dpo.update(pairs='dataset', num_steps=20, micro_batch_size=4, grad_accum_steps=2,
                max_length=56, max_prompt_length=48, log_every=2)
-  c.dpo.sampling.update(max_prompt_length=48, max_completion_length=10)
+  c.dpo.sampling.update(max_prompt_length=0, max_completion_length=10)  # 0: the data's longest
   c.dpo.loss.update(loss_type='sigmoid', beta=0.1, aggregation='pair', rpo_alpha=1.0)
   c.dpo.optimizer.update(learning_rate=5e-6, max_grad_norm=1.0)
   if variant == 'smoke':

@@ -46,10 +46,11 @@ def get_config(arg: str = ''):
   c.grpo.update(num_steps=30, log_every=1, eval_every=10)
   c.grpo.schedule.update(micro_batch_size=16, num_generations=8, steps_per_generation=1,
                          num_iterations=1, grad_accum_steps=1)
-  # Every question through the chat template (SmolLM2's default system prompt included) is 43
-  # tokens; 48 leaves room. Prefill and every learner step compute all max_prompt_length
-  # positions, so a loose width is work on padding (this was 56: 13 padding tokens per row).
-  c.grpo.sampling.update(max_prompt_length=48, max_completion_length=10, temperature=1.0)
+  # max_prompt_length=0: the longest prompt measured before anything compiles (your data:
+  # every row), rounded up to 8. Every question through the chat template (SmolLM2's default
+  # system prompt included) is 43 tokens: 48. Prefill and every learner step compute all
+  # max_prompt_length positions, so a loose width is work on padding.
+  c.grpo.sampling.update(max_prompt_length=0, max_completion_length=10, temperature=1.0)
   c.grpo.loss.update(aggregation='token', beta=0.0, epsilon_low=0.2, epsilon_high=0.28)
   c.grpo.advantage.update(scale_rewards='group')
   # lr 5e-6: at 1e-5 one seed of three fell from 91.7% (step 20) to 79.2% after two late updates.

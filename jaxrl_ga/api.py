@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
+from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import dpo
 from jaxrl_ga.trainers import grpo
@@ -93,18 +95,35 @@ def validate_rollout_chunks(cfg) -> None:
 LENGTH_CHECK_STREAM = 7907
 
 
-# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this.
+# Rows of your data (data.train) whose prompts validate_lengths measures against an explicit
+# width: all of them up to this. A width of 0 measures every row (it must hold all of them).
 LENGTH_CHECK_ROWS = 20000
 
 
-def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
+# A prompt width chosen from the data (max_prompt_length=0) is rounded up to a multiple of this:
+# nothing in the mesh constrains it (no axis shards the sequence; the splash kernel pads to its
+# own block), and a few widths only keep the compiled shapes stable when a dataset grows a little.
+PROMPT_WIDTH_MULTIPLE = 8
+
+
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
+                     ) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
   your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
-  sequence fits model.max_position_embeddings."""
+  sequence fits model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
+  becomes the longest prompt measured (your data or a built-in dataset: every row, and the
+  held-out set; a generated task: the sample and its bound, when it has one,
+  ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE; ``sft.max_length`` and
+  ``dpo.max_length`` of 0 the same from your rows (``_choose_lengths``). -> (cfg with those
+  lengths, {setting: the longest prompt or sequence} of each length chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
+  stages = [s for s in ('grpo', 'dpo') if s in cfg.stages]
+  from_data = [s for s in stages if getattr(cfg, s).sampling.max_prompt_length == 0]
   if isinstance(task, data.DataTask):
-    probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+    probe = task.num_train() if from_data else min(task.num_train(), LENGTH_CHECK_ROWS)
+  elif from_data and hasattr(task, 'num_train'):  # a built-in dataset (gsm8k): every row
+    probe = task.num_train()
   if isinstance(task, sft_data.SFTDataTask):
     probe = 0  # every row is encoded and fitted to sft.max_length (SFTDataTask.encode)
   if isinstance(task, preference.PreferenceTask):
@@ -115,6 +134,9 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
   prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
   prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
+  cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, max(prompt_train, prompt_eval),
+                                prompt_eval, source)
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
@@ -124,27 +146,104 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
     needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
     positions += [('sft.max_length + eval.max_completion_length',
                    sft.max_length + cfg.eval.max_completion_length)]
-  for stage in ('grpo', 'dpo'):
-    if stage in cfg.stages:
-      sampling = getattr(cfg, stage).sampling
-      needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
-                 max(prompt_train, prompt_eval))]
-      positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
-                     f'max_completion_length, eval.max_completion_length)',
-                     sampling.max_prompt_length + max(sampling.max_completion_length,
-                                                      cfg.eval.max_completion_length))]
+  for stage in stages:
+    sampling = getattr(cfg, stage).sampling
+    needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
+               max(prompt_train, prompt_eval))]
+    positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
+                   f'max_completion_length, eval.max_completion_length)',
+                   sampling.max_prompt_length + max(sampling.max_completion_length,
+                                                    cfg.eval.max_completion_length))]
   if 'dpo' in cfg.stages:
     positions += [('dpo.max_length', cfg.dpo.max_length)]
   for setting, value, needed in needs:
     if needed > value:
-      source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
       raise ConfigError(f'{setting}={value}, but {source} has a prompt (or SFT example) of '
                         f'{needed} tokens; set {setting} to {needed} or more.')
   limit = model_cfg.max_position_embeddings
   for what, n in positions:
     if n > limit:
-      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}; '
-                        f'raise model.max_position_embeddings or shorten the sequences.')
+      setting = what.split(' ')[0]
+      why = ''
+      if setting in chosen:
+        why = (f' ({setting}=0 chose {_value(cfg, setting)} for {source}\'s longest '
+               f'{_what(setting)}, {chosen[setting]} tokens)')
+      raise ConfigError(f'{what} = {n} positions exceeds model.max_position_embeddings={limit}'
+                        f'{why}; raise model.max_position_embeddings or shorten the sequences.')
+  return cfg, chosen
+
+
+def _choose_lengths(cfg, task, tokenizer, model_cfg, prompt_longest: int, prompt_eval: int,
+                    source: str) -> tuple[RunConfig, dict[str, int]]:
+  """The lengths set to 0, chosen (validate_lengths): each prompt width from ``prompt_longest``
+  (the prompts measured) and a built-in task's bound; ``sft.max_length`` from your SFT rows and
+  the held-out prompts (``prompt_eval``); ``dpo.max_length`` from the preference rows. -> (cfg
+  with them, {setting: the longest prompt or sequence it holds})."""
+  model_positions, chosen = model_cfg.max_position_embeddings, {}
+  for stage in (s for s in ('grpo', 'dpo') if s in cfg.stages):
+    setting, needed = f'{stage}.sampling.max_prompt_length', prompt_longest
+    if _value(cfg, setting):
+      continue
+    try:  # a built-in task's own bound, when it has one (its prompts are generated)
+      needed = max(needed, int(getattr(task, 'max_prompt_length', 0)))
+    except NotImplementedError:  # none: the sample above (number_questions)
+      pass
+    stage_cfg, chosen[setting] = getattr(cfg, stage), needed
+    room = model_positions - max(stage_cfg.sampling.max_completion_length,
+                                 cfg.eval.max_completion_length)
+    sampling = dataclasses.replace(stage_cfg.sampling,
+                                   max_prompt_length=_rounded_up(needed, room))
+    cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(stage_cfg, sampling=sampling)})
+  room = model_positions - cfg.eval.max_completion_length
+  if 'sft' in cfg.stages and not cfg.sft.max_length:
+    if not isinstance(task, sft_data.SFTDataTask):
+      raise ConfigError(f'sft.max_length=0 measures your data (data.train with stages=sft); '
+                        f'{source} generates its examples: set sft.max_length.')
+    chosen['sft.max_length'] = needed = max(task.longest(), prompt_eval)
+    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(
+        cfg.sft, max_length=_rounded_up(needed, room)))
+  if 'dpo' in cfg.stages and not cfg.dpo.max_length:
+    if not isinstance(task, preference.PreferenceTask):
+      raise ConfigError('dpo.max_length=0 measures a preference dataset (dpo.pairs=dataset); '
+                        'sampled pairs need it set (their prompt width plus completions).')
+    chosen['dpo.max_length'] = needed = task.longest_pair(tokenizer, cfg.dpo)
+    cfg = dataclasses.replace(cfg, dpo=dataclasses.replace(
+        cfg.dpo, max_length=_rounded_up(needed, model_positions)))
+  return cfg, chosen
+
+
+def _value(cfg, setting: str):
+  """The value of a dotted setting ('grpo.sampling.max_prompt_length') of a RunConfig."""
+  return functools.reduce(getattr, setting.split('.'), cfg)
+
+
+def _what(setting: str) -> str:
+  return 'prompt' if setting.endswith('prompt_length') else 'sequence'
+
+
+def _rounded_up(needed: int, room: int) -> int:
+  """``needed`` tokens rounded up to PROMPT_WIDTH_MULTIPLE, but not past ``room`` (the model's
+  positions left) when ``needed`` itself still fits; past it the position check names both."""
+  step = PROMPT_WIDTH_MULTIPLE
+  return min(max(step, -(-needed // step) * step), max(needed, room))
+
+
+# Rows whose columns the reward functions' dry call passes (validate_rewards).
+DRY_CALL_ROWS = 2
+
+
+def validate_rewards(cfg, task) -> None:
+  """Before anything compiles: each reward function of a GRPO run, called on DRY_CALL_ROWS rows
+  of the training stream (the length check's) with placeholder completions, keeps its contract
+  (``rewards.check_on_dry_call``: one finite float or None per completion; ConfigError naming
+  the function otherwise)."""
+  fns = task.reward_functions() if 'grpo' in cfg.stages else []
+  if not fns:
+    return
+  k = len(rewards.DRY_COMPLETIONS)
+  examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(DRY_CALL_ROWS)]
+  rewards.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
+                            task_base.reward_fields(examples, k))
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -188,12 +287,19 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   validate_rollout_chunks(cfg)
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
-    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length, cfg.sft.too_long)
+    # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
+    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length or sys.maxsize,
+                cfg.sft.too_long)
     if task.dropped and jax.process_index() == 0:
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
-  validate_lengths(cfg, task, tokenizer, model_cfg)
+  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
+  for setting, longest in chosen_widths.items():
+    if jax.process_index() == 0 and not setting.startswith('grpo.'):  # GRPO: its prompt line
+      print(f'[{setting.split(".")[0]}] {setting}={_value(cfg, setting)}, chosen from the data: '
+            f'its longest {_what(setting)} has {longest} tokens', flush=True)
+  validate_rewards(cfg, task)
   if 'dpo' in cfg.stages:
     dpo.check_reference(cfg, cfg.dpo, model_cfg)
   if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
@@ -203,7 +309,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
-                          writer=None, eval_metric=metric)
+                          writer=None, eval_metric=metric,
+                          widths_from_data=chosen_widths)
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   # Once the run is known to be valid, and before the weights: a W&B run that cannot start
   # (log.report_to) is an error before anything compiles. run() closes the writer from here on.
@@ -263,6 +370,7 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
   with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
     ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
     ctx.guard = guard
+    cfg = ctx.cfg  # its widths chosen from the data (max_prompt_length=0)
     writer, mesh = ctx.writer, ctx.mesh
     summary: dict = {'stages': list(cfg.stages), 'devices': jax.device_count(),
                      'mesh': dict(mesh.shape)}

@@ -308,7 +308,10 @@ class SamplingConfig:
   """Generation settings of the rollout step.
 
   Attributes:
-    max_prompt_length: prompts are left-padded (or rejected) to this many tokens.
+    max_prompt_length: prompts are left-padded (or rejected) to this many tokens; 0 (default):
+      the longest prompt of the data (every row of data.train, the held-out set; a built-in
+      task: its bound), rounded up to a multiple of 8, measured before anything compiles
+      (``api.validate_lengths``; the trainer's first prompt line prints it).
     max_completion_length: L, generated tokens per completion (also the 'constant' normalizer).
     temperature: softmax temperature (> 0).
     top_k: keep the k most likely tokens (0 disables).
@@ -329,7 +332,7 @@ class SamplingConfig:
       shipped configs nor on a multi-device mesh, where its prefill of the whole rollout's
       prompts and its per-row scatters have not been timed.
   """
-  max_prompt_length: int = 32
+  max_prompt_length: int = 0
   max_completion_length: int = 16
   temperature: float = 1.0
   top_k: int = 0
@@ -340,7 +343,10 @@ class SamplingConfig:
 
   def __post_init__(self):
     p = 'sampling.'
-    _positive_int(self, 'max_prompt_length', 'max_completion_length', prefix=p)
+    _positive_int(self, 'max_completion_length', prefix=p)
+    _require(_is_int(self.max_prompt_length) and self.max_prompt_length >= 0,
+             f'{p}max_prompt_length must be >= 0 (0: the data\'s longest prompt), got '
+             f'{self.max_prompt_length!r}.')
     _require(self.temperature > 0, f'{p}temperature must be > 0, got {self.temperature}.')
     _require(self.top_k >= 0, f'{p}top_k must be >= 0 (0 disables), got {self.top_k}.')
     _require(0 < self.top_p <= 1, f'{p}top_p must be in (0, 1], got {self.top_p}.')
@@ -728,7 +734,8 @@ class SFTConfig:
     micro_batch_size: sequences (packed: rows) per micro-step (global).
     grad_accum_steps: K, micro-steps per optimizer step.
     max_length: tokens per row (prompt + completion + eos; packed: several examples), padded;
-      a longer example is rejected (your data: as too_long says).
+      a longer example is rejected (your data: as too_long says). 0: your data's (data.train)
+      longest row or held-out prompt, rounded up to 8 (a built-in task needs a value).
     log_every: log metrics every this many optimizer steps.
     eval_every: held-out evaluation every this many optimizer steps (0: at the end only).
     target_accuracy: stop early once greedy accuracy on a probe set of training problems
@@ -759,8 +766,11 @@ class SFTConfig:
   eval_before: bool = False
 
   def __post_init__(self):
-    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'max_length',
-                  'log_every', prefix='sft.')
+    _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'log_every',
+                  prefix='sft.')
+    _require(_is_int(self.max_length) and self.max_length >= 0,
+             f'sft.max_length must be >= 0 (0: the longest row of data.train), got '
+             f'{self.max_length!r}.')
     _require(self.too_long in ('error', 'drop', 'truncate'),
              f'sft.too_long must be error, drop or truncate, got {self.too_long!r}.')
     _require(self.eval_every >= 0, 'sft.eval_every must be >= 0 (0: at the end only).')
@@ -841,7 +851,8 @@ class DPOConfig:
     samples_per_prompt: completions sampled per prompt to find a correct and an incorrect one
       ('sampled').
     max_length: tokens per sequence (prompt + completion); 'dataset': a longer completion is cut
-      at its end to fit.
+      at its end to fit; 0 ('dataset' only): the longest prompt plus its longer reply over every
+      row, rounded up to 8.
     max_prompt_length: 'dataset': tokens a prompt may have (0: up to ``max_length - 1``).
     long_prompts: 'dataset': a prompt over ``max_prompt_length`` is an 'error' naming its row, is
       'drop'ped (the count is printed and in the summary as ``dpo/dropped_rows``) or 'truncate'd
@@ -879,7 +890,10 @@ class DPOConfig:
   def __post_init__(self):
     _require(self.eval_every >= 0, 'dpo.eval_every must be >= 0 (0: before and after only).')
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'num_prompts',
-                  'samples_per_prompt', 'max_length', 'log_every', prefix='dpo.')
+                  'samples_per_prompt', 'log_every', prefix='dpo.')
+    _require(_is_int(self.max_length) and self.max_length >= 0,
+             f'dpo.max_length must be >= 0 (0: the longest pair of a preference dataset), got '
+             f'{self.max_length!r}.')
     _one_of(self, 'pairs', DPO_PAIRS, 'dpo.')
     _one_of(self, 'long_prompts', DPO_LONG_PROMPTS, 'dpo.')
     _one_of(self, 'truncation_side', ('left', 'right'), 'dpo.')

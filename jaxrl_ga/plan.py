@@ -323,6 +323,10 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   if 'grpo' not in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: the plan compiles the GRPO steps; '
                       'include grpo in --config.stages.')
+  if not cfg.grpo.sampling.max_prompt_length:
+    raise ConfigError('grpo.sampling.max_prompt_length=0 is chosen from the data when a run '
+                      'reads it; the plan compiles one width: set it (a run prints the width it '
+                      'chose in its first [grpo] prompt line).')
   devices = devices or topology_devices(topology, num_slices)
   chip = chip_spec(devices)
   from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top

@@ -149,6 +149,13 @@ class PreferenceTask(data.DataTask):
     self.dropped = self.truncated = 0
     self.cached: Optional[tuple[str, dict[str, np.ndarray]]] = None  # load_cache: (path, pairs)
 
+  def longest_pair(self, tokenizer, cfg) -> int:
+    """Tokens of the longest pair, prompt (within ``cfg.max_prompt_length`` when > 0) plus its
+    longer reply: what ``dpo.max_length=0`` becomes (api.validate_lengths)."""
+    eos, cap = int(tokenizer.eos_token_id), cfg.max_prompt_length or float('inf')
+    return max(min(len(p), cap) + max(len(c), len(r))
+               for p, c, r in (encode_row(tokenizer, pref, eos) for pref in self.preferences))
+
   def encode(self, tokenizer, cfg) -> None:
     """Tokenizes every row and checks it against ``cfg`` (DPOConfig): fills ``pairs`` (the
     right-padded chosen_*/rejected_* rows of ``text.right_padded_rows``), ``fingerprint``,

@@ -10,7 +10,8 @@ messages, as in the dataset. ``None`` means "does not apply to this completion" 
 convention): a completion's reward is the weighted sum over the functions that apply to it, and
 one to which none applies gets 0 (with a warning, once). Several functions combine with weights.
 A function that raises, returns the wrong number of values, or returns NaN gets a clear error that
-names it.
+names it: first on a dry call before anything compiles (:func:`check_on_dry_call`, a few rows
+with placeholder completions), then at any call in training.
 
 Where rewards come from (``resolve``): import strings ``module:function[=weight]``, comma
 separated (``grpo.reward_funcs``; the module must be importable: on ``sys.path`` or
@@ -83,26 +84,7 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   total = np.zeros(n, np.float32)
   applies = np.zeros(n, bool)
   for r in rewards:
-    try:
-      values = r.fn(list(prompts), list(completions), **fields)
-    except Exception as e:  # pylint: disable=broad-except
-      raise RewardError(f'reward function {r.name!r} raised {type(e).__name__}: {e}') from e
-    try:
-      values = list(values)
-      arr = np.asarray([np.nan if v is None else v for v in values], np.float32).reshape(-1)
-    except (TypeError, ValueError) as e:
-      raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}; return '
-                        f'one float (or None) per completion.') from None
-    if arr.shape != (n,):
-      raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
-                        f'completions; return one float (or None) per completion.')
-    none = np.array([v is None for v in values], bool)  # bool also when there are none
-    bad = np.flatnonzero(~np.isfinite(arr) & ~none)
-    if bad.size:
-      raise RewardError(
-          f'reward function {r.name!r} returned {arr[bad[0]]} for completion {bad[0]} '
-          f'({completions[bad[0]]!r}) and {bad.size - 1} more; return finite floats (e.g. 0.0 '
-          f'for an unparsable completion, or None where the reward does not apply).')
+    arr, none = _values(r, prompts, completions, fields)
     per_fn[r.name] = arr
     total += np.where(none, np.float32(0), np.float32(r.weight) * arr)
     applies |= ~none
@@ -111,6 +93,57 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
     logging.warning('no reward function applies to %d of %d completions (every one returned '
                     'None); they get reward 0. (Warned once.)', int((~applies).sum()), n)
   return total, per_fn
+
+
+def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str],
+            fields: Mapping[str, Sequence[Any]]) -> tuple[np.ndarray, np.ndarray]:
+  """One reward function's values, its contract checked (one value per completion, each a
+  finite float or None). -> (values [N] float32, NaN where None; which are None [N] bool).
+  Raises RewardError naming the function and what was wrong."""
+  n = len(completions)
+  try:
+    values = r.fn(list(prompts), list(completions), **fields)
+  except Exception as e:  # pylint: disable=broad-except
+    raise RewardError(f'reward function {r.name!r} raised {type(e).__name__}: {e}') from e
+  try:
+    values = list(values)
+    arr = np.asarray([np.nan if v is None else v for v in values], np.float32).reshape(-1)
+  except (TypeError, ValueError) as e:
+    raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}; return '
+                      f'one float (or None) per completion.') from None
+  if arr.shape != (n,):
+    raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
+                      f'completions; return one float (or None) per completion.')
+  none = np.array([v is None for v in values], bool)  # bool also when there are none
+  bad = np.flatnonzero(~np.isfinite(arr) & ~none)
+  if bad.size:
+    raise RewardError(
+        f'reward function {r.name!r} returned {arr[bad[0]]} for completion {bad[0]} '
+        f'({completions[bad[0]]!r}) and {bad.size - 1} more; return finite floats (e.g. 0.0 '
+        f'for an unparsable completion, or None where the reward does not apply).')
+  return arr, none
+
+
+# The completions of the dry call (check_on_dry_call): each row's prompt gets all of them.
+DRY_COMPLETIONS = ('a placeholder completion: 42', 'another placeholder, with no number.')
+
+
+def check_on_dry_call(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
+                      fields: Mapping[str, Sequence[Any]]) -> None:
+  """Each reward function called once before anything compiles, on a few rows as the trainer
+  passes them (``prompts`` and columns ``fields``, one entry per completion: each row
+  len(DRY_COMPLETIONS) times in a row) with DRY_COMPLETIONS as each row's completions. One that
+  raises, returns another count than the completions or a non-finite value raises ConfigError
+  naming it; the values are not used."""
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  rows = len(prompts) // len(DRY_COMPLETIONS)
+  completions = list(DRY_COMPLETIONS) * rows
+  for r in rewards:
+    try:
+      _values(r, prompts, completions, fields)
+    except RewardError as e:
+      raise ConfigError(f'{e} (a dry call before compiling, on {rows} row(s) of the data with '
+                        f'{len(DRY_COMPLETIONS)} placeholder completions each)') from None
 
 
 def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: str = 'group',

@@ -75,6 +75,9 @@ class RolloutEngine:
     ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
     and the old- and reference-log-prob passes run each prompt's forward once per R rows
     (``micro_batch_share``)."""
+    if not sampling_cfg.max_prompt_length:  # 0: api.validate_lengths chooses it from the data
+      raise ValueError('sampling.max_prompt_length=0: choose the width first '
+                       '(api.build_context, whose ctx.cfg holds it).')
     self.graphdef = graphdef
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg

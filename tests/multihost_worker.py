@@ -71,7 +71,7 @@ if os.environ.get('JAXRL_GA_TEST_REWARD_RAISES_ON') == str(pid):
 
     def fn(prompts, completions, **fields):
       calls.append(1)
-      if len(calls) == 2:
+      if len(calls) == 3:  # the dry call before compiling (api.validate_rewards), 2 rollouts
         raise RuntimeError(f'reward server unreachable (test, process {pid})')
       return first.fn(prompts, completions, **fields)
 

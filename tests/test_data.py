@@ -316,13 +316,14 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
   for name, rows in (('train.jsonl', train), ('eval.jsonl', held_out)):
     (tmp_path / name).write_text(''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows),
                                  encoding='utf-8')
+  overrides = {**_OVERRIDES, 'grpo.sampling.max_prompt_length': 0}  # the data's longest prompt
   cli = subprocess.run(
       [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
        f'--workdir={tmp_path / "cli"}', f'--config.data.train={tmp_path / "train.jsonl"}',
        f'--config.data.eval={tmp_path / "eval.jsonl"}',
        '--config.grpo.reward_funcs=user_rewards:correct,user_rewards:brevity=0.5',
        '--config.eval.metric=user_rewards:share_with_digit',
-       *[f'--config.{k}={v}' for k, v in _OVERRIDES.items()]],
+       *[f'--config.{k}={v}' for k, v in overrides.items()]],
       cwd=ROOT, env=_env(tmp_path, tmp_path / 'cli.log'), capture_output=True, text=True,
       timeout=600)
   assert cli.returncode == 0, cli.stderr[-3000:]
@@ -332,7 +333,7 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
       from jaxrl_ga import GRPOTrainer
       from jaxrl_ga.config import load_config_file
       from jaxrl_ga.api import make_config
-      config = make_config(load_config_file('configs/grpo_arith.py', 'smoke'), **{_OVERRIDES!r})
+      config = make_config(load_config_file('configs/grpo_arith.py', 'smoke'), **{overrides!r})
       eval_rows = [json.loads(l) for l in open({str(tmp_path / "eval.jsonl")!r}, encoding='utf-8')]
       trainer = GRPOTrainer(reward_funcs=[user_rewards.correct, (user_rewards.brevity, 0.5)],
                             train_dataset={str(tmp_path / "train.jsonl")!r},
@@ -351,6 +352,18 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
   cli_log = [json.loads(l) for l in open(tmp_path / 'cli.log', encoding='utf-8')]
   api_log = [json.loads(l) for l in open(tmp_path / 'api.log', encoding='utf-8')]
   assert cli_log == api_log  # the same completions, in the same order, with the same columns
+  # First the dry call before compiling (api.validate_rewards): 2 rows, 2 placeholders each.
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  dry = len(R.DRY_COMPLETIONS) * api.DRY_CALL_ROWS
+  assert [r['completion'] for r in api_log[:2 * dry]] == 2 * list(R.DRY_COMPLETIONS) * 2
+  api_log = api_log[2 * dry:]
+  # The prompt width, chosen from the data: its longest prompt through the plain chat template,
+  # one token per UTF-8 byte (tasks/tokenizer.py), counted here; rounded up to 8.
+  as_messages = lambda p: [{'role': 'user', 'content': p}] if isinstance(p, str) else p
+  longest = max(len((''.join(f'{m["role"]}: {m["content"]}\n' for m in as_messages(r['prompt']))
+                     + 'assistant: ').encode('utf-8')) for r in train + held_out)
+  assert (f'left-padded to grpo.sampling.max_prompt_length={-(-longest // 8) * 8} ' in cli.stdout
+          and f'chosen from the data: its longest prompt has {longest} tokens)' in cli.stdout)
 
   by_id = {r['id']: r for r in train + held_out}
   for record in api_log:  # each completion came with its own row's prompt and columns

@@ -34,6 +34,9 @@ class RunContext:
   # metric(prompts, completions, **columns) of the held-out evaluation (eval.metric, or the
   # Python API's metric=); None: none.
   eval_metric: Optional[Callable[..., Any]] = None
+  # {setting: the data's longest prompt, in tokens} of each width chosen from the data (a
+  # ``max_prompt_length`` of 0, api.validate_lengths); ``cfg`` holds the width chosen.
+  widths_from_data: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def is_primary(self) -> bool:
@@ -46,6 +49,15 @@ class RunContext:
   @property
   def pad_id(self) -> int:
     return int(self.tokenizer.pad_token_id)
+
+  def with_chosen_lengths(self, stage: str, stage_cfg):
+    """``stage_cfg`` (a stage's config, e.g. a caller's ``cfg.grpo``) with each length it
+    leaves at 0 that the run chose from the data (``widths_from_data``) set as in ``cfg``."""
+    for setting in self.widths_from_data:
+      name, *path = setting.split('.')
+      if name == stage:
+        stage_cfg = _filled(stage_cfg, getattr(self.cfg, stage), path)
+    return stage_cfg
 
   def checkpointer(self, stage: str) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(
@@ -82,6 +94,16 @@ _LATER_MODEL_FIELDS = ('sliding_window', 'layer_types', 'rope_local_theta',
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
 RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
                       'probe_examples', 'completions_every', 'completions_logged')
+
+
+def _filled(node, chosen, path: list[str]):
+  """``node`` with its field at ``path`` (nested dataclasses) taken from ``chosen`` if 0."""
+  value = getattr(node, path[0])
+  if len(path) > 1:
+    value = _filled(value, getattr(chosen, path[0]), path[1:])
+  elif not value:
+    value = getattr(chosen, path[0])
+  return dataclasses.replace(node, **{path[0]: value})
 
 
 def _jsonable(x):

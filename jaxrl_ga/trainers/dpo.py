@@ -206,6 +206,7 @@ class PairStream:
 
 def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
+  cfg = ctx.with_chosen_lengths('dpo', cfg)  # lengths of 0: those chosen from the data
   # dpo.micro_batch_size is checked against the mesh before anything is built
   # (api.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen

@@ -70,6 +70,7 @@ class GRPOTrainer:
                on_rollout: Optional[Callable[[RolloutEvent], None]] = None,
                on_micro_step: Optional[Callable[[int, float, dict], None]] = None,
                table: Optional[schedule.ScheduleTable] = None):
+    cfg = ctx.with_chosen_lengths('grpo', cfg)  # a prompt width of 0: the one chosen
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     # The schedule is validated against the mesh by main.validate_against_mesh.
@@ -139,7 +140,8 @@ class GRPOTrainer:
           meta['host_stats'] = self._new_rollout(state, meta)
           if s == resumed_from:
             _report_prompt_padding(meta['host_stats'], cfg.sampling.max_prompt_length,
-                                   self.engine.share_prompts)
+                                   self.engine.share_prompts,
+                                   ctx.widths_from_data.get('grpo.sampling.max_prompt_length'))
         if self._slice_widths is None:  # resumed in the middle of a rollout
           self._slice_widths = self.engine.slice_widths(state['buffer'], self.widths)
         batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'],
@@ -330,17 +332,21 @@ class GRPOTrainer:
 
 
 def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
-                           share: int) -> None:
+                           share: int, data_longest: Optional[int] = None) -> None:
   """After a run's first rollout: its prompts' real lengths against the padded width (the
   sampler's prefill and every learner step compute all max_prompt_length positions, so a width
-  far above the data's longest prompt is work spent on padding), and how many rows share each
-  prompt's forward (model.share_prompt_prefix)."""
+  far above the data's longest prompt is work spent on padding), where that width came from
+  (``data_longest``: chosen from the data's longest prompt, of that many tokens), and how many
+  rows share each prompt's forward (model.share_prompt_prefix)."""
   if jax.process_index() != 0:
     return
   longest, mean = host_stats['rollout/prompt_length_max'], host_stats['rollout/prompt_length']
+  chosen = ('' if data_longest is None else
+            f', chosen from the data: its longest prompt has {data_longest} tokens')
   print(f'[grpo] the first rollout\'s prompts: {mean:.0f} tokens on average, {longest:.0f} at '
         f'most, left-padded to grpo.sampling.max_prompt_length={max_prompt_length} '
-        f'({1 - mean / max_prompt_length:.0%} of the prompt positions are padding)', flush=True)
+        f'({1 - mean / max_prompt_length:.0%} of the prompt positions are padding{chosen})',
+        flush=True)
   if share > 1:
     print(f'[grpo] each prompt\'s forward runs once per {share} of its completions '
           '(model.share_prompt_prefix)', flush=True)

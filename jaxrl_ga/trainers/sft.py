@@ -55,6 +55,7 @@ def micro_batch(ctx: context.RunContext, cfg: SFTConfig, position: int, seed: in
 
 def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
   """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
+  cfg = ctx.with_chosen_lengths('sft', cfg)  # sft.max_length=0: the one chosen from the data
   # sft.micro_batch_size is checked against the mesh before anything is built
   # (main.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
