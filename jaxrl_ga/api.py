@@ -26,12 +26,15 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
+import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import rewards
+from jaxrl_ga import rollout
 from jaxrl_ga import schedule
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
@@ -104,7 +107,7 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   if isinstance(task, data.DataTask):
-    probe = min(task.num_train(), LENGTH_CHECK_ROWS)
+    probe = 0  # GRPO's rows: below, each process its own; SFT's and DPO's rows: as follows
   if isinstance(task, sft_data.SFTDataTask):
     probe = 0  # every row is encoded and fitted to sft.max_length (SFTDataTask.encode)
   if isinstance(task, preference.PreferenceTask):
@@ -112,9 +115,12 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
+  if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
+    train = task.first_epoch(cfg.seed, LENGTH_CHECK_ROWS)  # this process's; the max is global
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
   prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
-  prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  prompt_eval = longest(held_out, prompt)
+  prompt_train = int(placement.per_process(longest(train, prompt)).max())
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
   if 'sft' in cfg.stages:
@@ -158,12 +164,26 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
-  task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs)
+  own = set(rollout.local_prompts(cfg.grpo.schedule, mesh).tolist())  # GRPO's data positions
+  per_rollout = cfg.grpo.schedule.prompts_per_rollout
+  error = None
+  try:  # each process checks the rows it trains on (data.build_task): all learn of a bad one
+    task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs,
+                           owns=lambda position: position % per_rollout in own)
+  except ConfigError as e:
+    error = e
+  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
+  if error is not None:
+    raise error
+  if failed:
+    raise ConfigError(f'data.train: a row is refused on process(es) {failed} (their error names '
+                      f'it); fix the row.')
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
     task.eval_examples()
-    task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
+    if not isinstance(task, data.DataTask):  # its rows are checked (by their process) above
+      task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
   except ConfigError:
     raise
   except (ValueError, OSError, ImportError, KeyError) as e:
