@@ -20,7 +20,9 @@ seeded ``data.eval_fraction`` of ``data.train``'s rows is held out (the seed is 
 Order: epoch ``e`` of the training stream of seed ``s`` visits the rows in the order of
 ``np.random.default_rng([s, e]).permutation(n)`` (``data.shuffle=False``: file order), so the row
 at data position ``i`` is a pure function of (seed, i): a resumed run continues exactly, and on
-several processes each process builds the examples of only the rows its devices train on. A
+several processes each process builds the examples of only the rows its devices train on; of a
+.jsonl or .parquet file (a FileRows) it parses only those, and the held-out rows
+(docs/scaling.md, "Your data on several hosts"). A .jsonl file's lines end at "\n". A
 fresh model (no ``model.hf_path``) gets a character tokenizer over the data's characters with a
 plain chat template (``role: content`` lines).
 

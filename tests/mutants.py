@@ -40,6 +40,10 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
   widths_compiled_mid_run  grpo.length_buckets' widths are not compiled before the loop (each
       compiles when a micro-batch first needs it). Caught by test_learn_width's count of the
       compiles each learner step finds already done.
+  logged_reward_of_another_row  completions.jsonl gives process 0's local completion j the total
+      reward of global row j instead of its own (index[j]): the same on one process, another
+      host's row's from the second slice on. Caught by test_two_processes_equal_one_process on a
+      data file, which recomputes every logged completion's reward from its text and row.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ _WIDTH = ('tests/test_learn_width.py::'
 _SFT_K3 = 'tests/test_learner_tasks.py::test_sft_accumulation_is_exact[3-mesh1]'
 _DPO = tuple(f'tests/test_learner_tasks.py::test_dpo_accumulation_is_exact[{i}]'
              for i in ('pair-mesh0', 'pair-mesh1', 'token-mesh2', 'token-mesh3'))
+_TWO_HOSTS_DATA = 'tests/test_multihost.py::test_two_processes_equal_one_process[True]'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,9 @@ MUTANTS = {
         'jaxrl_ga/rollout.py', 'cut = lambda x: take(x)[:, :width]', 'cut = take', (_WIDTH,)),
     'widths_compiled_mid_run': Mutant(
         'jaxrl_ga/trainers/grpo.py', 'self._compile_widths(params, state)', 'pass', (_WIDTH,)),
+    'logged_reward_of_another_row': Mutant(
+        'jaxrl_ga/trainers/grpo.py', "'reward': float(rewards[index[j]])",
+        "'reward': float(rewards[j])", (_TWO_HOSTS_DATA,)),
 }
 
 
