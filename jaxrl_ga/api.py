@@ -153,6 +153,28 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
                         f'raise model.max_position_embeddings or shorten the sequences.')
 
 
+def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
+  """data.build_task, each process checking the rows at its own GRPO data positions (the rows
+  it trains on: rollout.local_prompts); a row refused on one process stops every process."""
+  owns = lambda position: True
+  if 'grpo' in cfg.stages:
+    own = set(rollout.local_prompts(cfg.grpo.schedule, mesh).tolist())
+    per_rollout = cfg.grpo.schedule.prompts_per_rollout
+    owns = lambda position: position % per_rollout in own
+  error = None
+  try:
+    task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs, owns=owns)
+  except ConfigError as e:
+    error = e
+  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
+  if error is not None:
+    raise error
+  if failed:
+    raise ConfigError(f'data.train: a row is refused on process(es) {failed} (their error names '
+                      f'it); fix the row.')
+  return task
+
+
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
                   reward_funcs=None, metric=None):
   """Mesh, task (or your data: ``data.train``/``train_dataset``), tokenizer (saved to
@@ -164,20 +186,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
-  own = set(rollout.local_prompts(cfg.grpo.schedule, mesh).tolist())  # GRPO's data positions
-  per_rollout = cfg.grpo.schedule.prompts_per_rollout
-  error = None
-  try:  # each process checks the rows it trains on (data.build_task): all learn of a bad one
-    task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs,
-                           owns=lambda position: position % per_rollout in own)
-  except ConfigError as e:
-    error = e
-  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
-  if error is not None:
-    raise error
-  if failed:
-    raise ConfigError(f'data.train: a row is refused on process(es) {failed} (their error names '
-                      f'it); fix the row.')
+  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input

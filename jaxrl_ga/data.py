@@ -81,7 +81,9 @@ class FileRows(collections.abc.Sequence):
   def __len__(self) -> int:
     return self._count if self._index is None else len(self._index)
 
-  def __getitem__(self, i: int) -> Row:
+  def __getitem__(self, i):
+    if isinstance(i, slice):  # a view, as take
+      return self.take(np.arange(len(self))[i])
     if not -len(self) <= i < len(self):
       raise IndexError(i)
     i %= len(self)
