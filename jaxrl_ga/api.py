@@ -96,14 +96,16 @@ def validate_rollout_chunks(cfg) -> None:
 LENGTH_CHECK_STREAM = 7907
 
 
-# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this.
+# Rows of your data (data.train) whose prompts validate_lengths measures: all of them up to this
+# many data positions of the first epoch, each process those it trains on (DataTask.first_epoch).
 LENGTH_CHECK_ROWS = 20000
 
 
 def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256) -> None:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
-  your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
-  sequence fits model.max_position_embeddings."""
+  your data every row, up to LENGTH_CHECK_ROWS, each process measuring its own and the longest
+  taken over all) fit each stage's length settings, and the longest sequence fits
+  model.max_position_embeddings."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   if isinstance(task, data.DataTask):
