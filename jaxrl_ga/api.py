@@ -27,12 +27,15 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
+import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import rewards
+from jaxrl_ga import rollout
 from jaxrl_ga import schedule
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
@@ -96,7 +99,8 @@ LENGTH_CHECK_STREAM = 7907
 
 
 # Rows of your data (data.train) whose prompts validate_lengths measures against an explicit
-# width: all of them up to this. A width of 0 measures every row (it must hold all of them).
+# width: the data positions of the first epoch up to this, each process those it trains on
+# (DataTask.first_epoch). A width of 0 measures every row (it must hold all of them).
 LENGTH_CHECK_ROWS = 20000
 
 
@@ -109,8 +113,9 @@ PROMPT_WIDTH_MULTIPLE = 8
 def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
                      ) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
-  your data every row, up to LENGTH_CHECK_ROWS) fit each stage's length settings, and the longest
-  sequence fits model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
+  your data every row, up to LENGTH_CHECK_ROWS, each process measuring its own and the longest
+  taken over all) fit each stage's length settings, and the longest sequence fits
+  model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
   becomes the longest prompt measured (your data or a built-in dataset: every row, and the
   held-out set; a generated task: the sample and its bound, when it has one,
   ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE; ``sft.max_length`` and
@@ -121,7 +126,7 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   stages = [s for s in ('grpo', 'dpo') if s in cfg.stages]
   from_data = [s for s in stages if getattr(cfg, s).sampling.max_prompt_length == 0]
   if isinstance(task, data.DataTask):
-    probe = task.num_train() if from_data else min(task.num_train(), LENGTH_CHECK_ROWS)
+    probe = 0  # GRPO's rows: below, each process its own; SFT's and DPO's rows: as follows
   elif from_data and hasattr(task, 'num_train'):  # a built-in dataset (gsm8k): every row
     probe = task.num_train()
   if isinstance(task, sft_data.SFTDataTask):
@@ -131,9 +136,14 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
   train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
+  if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
+    # This process's rows (every one with a width of 0; the union over processes is the whole
+    # first epoch, every row); the longest is taken over all processes.
+    train = task.first_epoch(cfg.seed, None if from_data else LENGTH_CHECK_ROWS)
   longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
   prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
-  prompt_eval, prompt_train = longest(held_out, prompt), longest(train, prompt)
+  prompt_eval = longest(held_out, prompt)
+  prompt_train = int(placement.per_process(longest(train, prompt)).max())
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
   cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, max(prompt_train, prompt_eval),
                                 prompt_eval, source)
@@ -234,16 +244,51 @@ DRY_CALL_ROWS = 2
 
 def validate_rewards(cfg, task) -> None:
   """Before anything compiles: each reward function of a GRPO run, called on DRY_CALL_ROWS rows
-  of the training stream (the length check's) with placeholder completions, keeps its contract
-  (``rewards.check_on_dry_call``: one finite float or None per completion; ConfigError naming
-  the function otherwise)."""
+  of the training stream (of your data: this process's own first rows, as no other process
+  parses them) with placeholder completions, keeps its contract (``rewards.check_on_dry_call``:
+  one finite float or None per completion; ConfigError naming the function otherwise). A
+  refusal on one process stops every process."""
   fns = task.reward_functions() if 'grpo' in cfg.stages else []
   if not fns:
     return
   k = len(rewards.DRY_COMPLETIONS)
-  examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(DRY_CALL_ROWS)]
-  rewards.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
-                            task_base.reward_fields(examples, k))
+  if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
+    first = task.first_epoch(cfg.seed, cfg.grpo.schedule.prompts_per_rollout)
+    examples = first[:DRY_CALL_ROWS]  # each process owns >= 1 prompt of every rollout
+  else:
+    examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM)
+                for i in range(DRY_CALL_ROWS)]
+  _on_every_process('a reward function is refused', lambda: rewards.check_on_dry_call(
+      fns, [e.prompt for e in examples for _ in range(k)], task_base.reward_fields(examples, k)))
+
+
+def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
+  """data.build_task, each process checking the rows at its own GRPO data positions (the rows
+  it trains on: rollout.local_prompts); a row refused on one process stops every process."""
+  owns = lambda position: True
+  if 'grpo' in cfg.stages:
+    own = set(rollout.local_prompts(cfg.grpo.schedule, mesh).tolist())
+    per_rollout = cfg.grpo.schedule.prompts_per_rollout
+    owns = lambda position: position % per_rollout in own
+  return _on_every_process('data.train: a row is refused', lambda: data.build_task(
+      cfg, train_dataset, eval_dataset, reward_funcs, owns=owns))
+
+
+def _on_every_process(what: str, fn):
+  """``fn()``, whose ConfigError on any process stops every process (the process that found it
+  raises its own line; the others name the processes) instead of leaving them waiting at the
+  first collective. -> what fn returns."""
+  error = out = None
+  try:
+    out = fn()
+  except ConfigError as e:
+    error = e
+  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
+  if error is not None:
+    raise error
+  if failed:
+    raise ConfigError(f'{what} on process(es) {failed} (their error names it); fix it there.')
+  return out
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -257,12 +302,13 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
   mesh = sharding.make_mesh(cfg.mesh)
   validate_against_mesh(cfg, mesh)
-  task = data.build_task(cfg, train_dataset, eval_dataset, reward_funcs)
+  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
     task.eval_examples()
-    task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
+    if not isinstance(task, data.DataTask):  # its rows are checked (by their process) above
+      task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
   except ConfigError:
     raise
   except (ValueError, OSError, ImportError, KeyError) as e:

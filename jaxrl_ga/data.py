@@ -20,7 +20,9 @@ seeded ``data.eval_fraction`` of ``data.train``'s rows is held out (the seed is 
 Order: epoch ``e`` of the training stream of seed ``s`` visits the rows in the order of
 ``np.random.default_rng([s, e]).permutation(n)`` (``data.shuffle=False``: file order), so the row
 at data position ``i`` is a pure function of (seed, i): a resumed run continues exactly, and on
-several processes each process builds the examples of only the rows its devices train on. A
+several processes each process builds the examples of only the rows its devices train on; of a
+.jsonl or .parquet file (a FileRows) it parses only those, and the held-out rows
+(docs/scaling.md, "Your data on several hosts"). A .jsonl file's lines end at "\n". A
 fresh model (no ``model.hf_path``) gets a character tokenizer over the data's characters with a
 plain chat template (``role: content`` lines).
 
@@ -31,12 +33,13 @@ prompt that is neither a string nor a message list, an empty dataset.
 
 from __future__ import annotations
 
+import collections.abc
 import csv
 import io
 import json
 import os
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -61,9 +64,49 @@ class Row(dict):
   where: str = ''
 
 
+class FileRows(collections.abc.Sequence):
+  """The rows of a .jsonl or .parquet file, each parsed into a Row when it is read (again on
+  each read: nothing is kept), so that a process parses only the rows it asks for.
+
+  ``read(i)`` parses row i of the file; ``take(indices)`` and ``mapped(fn)`` are views (a
+  subset, a per-row function applied on read) that parse nothing; ``characters()`` the file's
+  characters (a fresh model's tokenizer; see DataTask.tokenizer).
+  """
+
+  def __init__(self, read: Callable[[int], Row], count: int, characters: Callable[[], str],
+               index: Optional[np.ndarray] = None, fn: Callable[[Row], Row] = lambda r: r):
+    self._read, self._count, self.characters = read, count, characters
+    self._index, self._fn = index, fn
+
+  def __len__(self) -> int:
+    return self._count if self._index is None else len(self._index)
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):  # a view, as take
+      return self.take(np.arange(len(self))[i])
+    if not -len(self) <= i < len(self):
+      raise IndexError(i)
+    i %= len(self)
+    return self._fn(self._read(i if self._index is None else int(self._index[i])))
+
+  def take(self, indices: Sequence[int]) -> FileRows:
+    index = np.asarray(indices, np.int64)
+    index = index if self._index is None else self._index[index]
+    return FileRows(self._read, self._count, self.characters, index, self._fn)
+
+  def mapped(self, fn: Callable[[Row], Row]) -> FileRows:
+    return FileRows(self._read, self._count, self.characters, self._index,
+                    lambda r, inner=self._fn: fn(inner(r)))
+
+
 # -- reading ------------------------------------------------------------------------------------
 def read_rows(source, split: str = 'train', what: str = 'data.train') -> list[Row]:
   """The rows of ``source`` (see the module docstring), each a dict with its location."""
+  return list(open_rows(source, split, what))
+
+
+def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequence[Row]:
+  """As ``read_rows``, but a .jsonl or .parquet file's rows are a FileRows, parsed when read."""
   if isinstance(source, (list, tuple)):
     return [_row(r, f'{what} row {i}', what) for i, r in enumerate(source)]
   if not isinstance(source, str):
@@ -79,7 +122,7 @@ def read_rows(source, split: str = 'train', what: str = 'data.train') -> list[Ro
       return _parquet_rows(data, source, what)
     text = _utf8(data, source, what)
     if path.endswith('.jsonl'):
-      return _jsonl_rows(text, source, what)
+      return _jsonl_rows(data, source, what)
     if path.endswith('.json'):
       return _json_rows(text, source, what)
     return _csv_rows(text, source, what)
@@ -135,17 +178,38 @@ def _utf8(data: bytes, source: str, what: str) -> str:
                       f'at byte {e.start}); save the file as UTF-8.') from None
 
 
-def _jsonl_rows(text: str, source: str, what: str) -> list[Row]:
-  rows = []
-  for n, line in enumerate(text.splitlines(), 1):
-    if line.strip():
-      try:
-        value = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ConfigError(f'{what}={source}:{n}: invalid JSON ({e.msg}: column {e.colno}); '
-                          f'each line must be one JSON object.') from None
-      rows.append(_row(value, f'{what}={source}:{n}', what))
-  return rows
+def _jsonl_rows(data: bytes, source: str, what: str) -> FileRows:
+  """One pass over the bytes finds the lines that are not blank (no JSON is parsed); row i is
+  parsed from its line when read."""
+  buf = np.frombuffer(data, np.uint8)
+  newlines = np.flatnonzero(buf == ord('\n'))
+  starts = np.concatenate([[0], newlines + 1])
+  ends = np.concatenate([newlines, [len(buf)]])
+  solid = np.concatenate([[0], np.cumsum(~np.isin(buf, list(b' \t\r\n\v\f')))])
+  lines = np.flatnonzero(solid[ends] > solid[starts])  # 0-based numbers of the rows' lines
+  read = lambda i: _jsonl_line(data[starts[lines[i]]:ends[lines[i]]].decode('utf-8'),
+                               int(lines[i]) + 1, source, what)
+  return FileRows(read, len(lines), lambda: _json_characters(data.decode('utf-8')))
+
+
+def _jsonl_line(line: str, n: int, source: str, what: str) -> Row:
+  """Line ``n`` (1-based) of a .jsonl file as a Row."""
+  try:
+    value = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f'{what}={source}:{n}: invalid JSON ({e.msg}: column {e.colno}); '
+                      f'each line must be one JSON object.') from None
+  return _row(value, f'{what}={source}:{n}', what)
+
+
+def _json_characters(text: str) -> str:
+  """The characters of a JSON text's strings, without parsing it: its own characters, then
+  those its escapes (``\\u00e9``, ``\\t``) stand for (a superset: keys and syntax too)."""
+  escaped = re.findall(r'\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[0-9a-fA-F]{4}|u[0-9a-fA-F]{4}|'
+                       r'[bfnrt])', text)
+  decoded = ''.join(c for c in dict.fromkeys(json.loads(f'"{e}"') for e in escaped)
+                    if not '\ud800' <= c <= '\udfff')  # a lone surrogate is no character
+  return ''.join(dict.fromkeys(text + decoded))
 
 
 def _json_rows(text: str, source: str, what: str) -> list[Row]:
@@ -173,14 +237,17 @@ def _csv_rows(text: str, source: str, what: str) -> list[Row]:
   return rows
 
 
-def _parquet_rows(data: bytes, source: str, what: str) -> list[Row]:
+def _parquet_rows(data: bytes, source: str, what: str) -> FileRows:
+  """The columns are decoded whole (in C, by every process that reads the file); row i becomes
+  Python values only when read."""
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   try:
     table = pq.read_table(io.BytesIO(data))
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f'{what}={source}: not a readable parquet file ({_first_line(e)}).'
                       ) from None
-  return [_row(r, f'{what}={source} row {i}', what) for i, r in enumerate(table.to_pylist())]
+  read = lambda i: _row(table.slice(i, 1).to_pylist()[0], f'{what}={source} row {i}', what)
+  return FileRows(read, table.num_rows, lambda: _text_of(table.to_pylist()))
 
 
 def _from_datasets_object(obj, split: str, what: str, name: str = '') -> list[Row]:
@@ -210,20 +277,24 @@ def parse_columns(columns) -> dict[str, str]:
   return out
 
 
-def prepare(rows: Sequence[Row], columns: Mapping[str, str], what: str) -> list[Row]:
-  """Columns renamed; each row's prompt checked (a string, or a list of {role, content})."""
-  out = []
-  for row in rows:
-    renamed = _renamed(row, columns)
-    if 'prompt' not in renamed:
-      hint = '; rename a column with data.columns=<name>:prompt' if not columns else ''
-      raise ConfigError(f'{row.where}: no "prompt" column (columns: '
-                        f'{", ".join(map(str, renamed)) or "none"}){hint}.')
-    renamed['prompt'] = check_prompt(renamed['prompt'], row.where)
-    out.append(renamed)
-  if not out:
+def prepare(rows: Sequence[Row], columns: Mapping[str, str], what: str) -> Sequence[Row]:
+  """Columns renamed; each row's prompt checked (a string, or a list of {role, content}); of a
+  FileRows, each row when it is read."""
+  if not len(rows):
     raise ConfigError(f'{what} is empty; give at least one row.')
-  return out
+  if isinstance(rows, FileRows):
+    return rows.mapped(lambda row: _prepared(row, columns))
+  return [_prepared(row, columns) for row in rows]
+
+
+def _prepared(row: Row, columns: Mapping[str, str]) -> Row:
+  renamed = _renamed(row, columns)
+  if 'prompt' not in renamed:
+    hint = '; rename a column with data.columns=<name>:prompt' if not columns else ''
+    raise ConfigError(f'{row.where}: no "prompt" column (columns: '
+                      f'{", ".join(map(str, renamed)) or "none"}){hint}.')
+  renamed['prompt'] = check_prompt(renamed['prompt'], row.where)
+  return renamed
 
 
 def check_prompt(prompt, where: str):
@@ -249,17 +320,20 @@ def as_messages(value) -> Optional[list[dict[str, str]]]:
 
 
 def held_out_split(rows: Sequence[Row], fraction: float, seed: int
-                   ) -> tuple[list[Row], list[Row]]:
-  """(train, eval): a seeded ``fraction`` of the rows (at least one) held out."""
+                   ) -> tuple[Sequence[Row], list[Row]]:
+  """(train, eval): a seeded ``fraction`` of the rows (at least one) held out; of a FileRows,
+  only the held-out rows are parsed (train stays a FileRows)."""
   n = len(rows)
   order = np.random.default_rng([seed, HELD_OUT_STREAM]).permutation(n)
   k = max(1, int(round(fraction * n)))
   if k >= n:
     raise ConfigError(f'data.train has {n} row(s): holding out data.eval_fraction={fraction} '
                       f'leaves none to train on; give data.eval or more rows.')
-  held = set(order[:k].tolist())
-  return ([r for i, r in enumerate(rows) if i not in held],
-          [r for i, r in enumerate(rows) if i in held])
+  held = np.zeros(n, bool)
+  held[order[:k]] = True
+  take = lambda index: (rows.take(index) if isinstance(rows, FileRows)
+                        else [rows[i] for i in index])
+  return take(np.flatnonzero(~held)), list(take(np.flatnonzero(held)))
 
 
 # -- the task -------------------------------------------------------------------------------------
@@ -268,13 +342,18 @@ class DataTask(base.Task):
 
   ``reward_functions()`` are the run's (``grpo.reward_funcs`` or the Python API's); accuracy is
   the correctness reward's (``rewards.marks_correctness``), none when no reward marks it.
+  ``train`` may be a FileRows: a row is parsed when its example is built. ``owns(position)``:
+  whether this process trains on data position ``position`` (GRPO's; default all).
   """
 
   name = 'data'
 
   def __init__(self, train: Sequence[Row], eval_rows: Sequence[Row],
-               reward_funcs: Sequence[rewards_lib.WeightedReward] = (), shuffle: bool = True):
-    self.train, self.eval_rows = list(train), list(eval_rows)
+               reward_funcs: Sequence[rewards_lib.WeightedReward] = (), shuffle: bool = True,
+               owns: Callable[[int], bool] = lambda position: True):
+    self.train = train if isinstance(train, FileRows) else list(train)
+    self.owns = owns
+    self.eval_rows = list(eval_rows)
     self.rewards = list(reward_funcs)
     self.shuffle = shuffle
     self._order_key, self._order = None, None
@@ -298,6 +377,13 @@ class DataTask(base.Task):
         self._order_key = (seed, epoch)
       position = int(self._order[position])
     return position
+
+  def first_epoch(self, seed: int, limit: Optional[int] = None) -> list[base.Example]:
+    """The examples at this process's data positions (``owns``; of the first ``limit``) of the
+    first epoch of seed ``seed``: the rows it trains on in that epoch, parsed (and checked)."""
+    positions = range(min(len(self.train), len(self.train) if limit is None else limit))
+    return [self.example(self.train[self.row_index(p, seed)]) for p in positions
+            if self.owns(p)]
 
   def eval_examples(self) -> list[base.Example]:
     return [self.example(r) for r in self.eval_rows]
@@ -328,9 +414,12 @@ class DataTask(base.Task):
 
   def tokenizer(self):
     """A fresh model's: one token per character of the data (BASE_ALPHABET besides), with a
-    plain chat template."""
+    plain chat template. Of a FileRows, the file's characters (FileRows.characters: a .jsonl
+    file's are read without parsing it)."""
     chars = dict.fromkeys(BASE_ALPHABET)
-    for row in self.train + self.eval_rows:
+    if isinstance(self.train, FileRows):
+      chars.update(dict.fromkeys(self.train.characters()))
+    for row in ([] if isinstance(self.train, FileRows) else self.train) + self.eval_rows:
       for value in row.values():
         chars.update(dict.fromkeys(_text_of(value)))
     tok = tokenizer_lib.build_char_tokenizer(''.join(chars))
@@ -348,10 +437,15 @@ def _text_of(value) -> str:
   return ''
 
 
-def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) -> base.Task:
+def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
+               owns: Callable[[int], bool] = lambda position: True) -> base.Task:
   """The run's task: ``data.train`` (or ``train_dataset``) as a DataTask, else the built-in task
   ``task.name``. ``reward_funcs`` (callables, pairs or import strings; default
-  ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO)."""
+  ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO).
+
+  Of GRPO's rows, those at the data positions of the first epoch that ``owns`` (default all;
+  ``api.build_context``: this process's, ``rollout.local_prompts``) are parsed and checked here;
+  the held-out rows are parsed by every process (docs/scaling.md)."""
   from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top
   spec = cfg.data
   if reward_funcs is None:
@@ -388,7 +482,7 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
                       '"module:function[=weight],..." (or a built-in: '
                       f'{", ".join(rewards_lib.BUILTIN)}), or pass reward_funcs=[...] in Python.')
   columns = parse_columns(spec.columns)
-  train = prepare(read_rows(train_source, spec.train_split, 'data.train'), columns, 'data.train')
+  train = prepare(open_rows(train_source, spec.train_split, 'data.train'), columns, 'data.train')
   if eval_source is None:
     train, eval_rows = held_out_split(train, spec.eval_fraction, cfg.seed)
   else:
@@ -401,7 +495,9 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None) ->
                       f'distinct prompts one rollout needs (grpo.schedule: steps_per_generation'
                       f'*micro_batch_size/num_generations); give more rows or a smaller '
                       f'schedule.')
-  return DataTask(train, eval_rows, rewards, shuffle=spec.shuffle)
+  task = DataTask(train, eval_rows, rewards, shuffle=spec.shuffle, owns=owns)
+  task.first_epoch(cfg.seed)  # bad rows are refused before anything compiles
+  return task
 
 
 def _sft_task(cfg, train_source, eval_source, rewards):

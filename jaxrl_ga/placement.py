@@ -120,6 +120,14 @@ def gather_rows(local: np.ndarray, rows: np.ndarray, n: int, mesh: Mesh) -> np.n
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def per_process(x) -> np.ndarray:
+  """A small host value of each process, stacked [num_processes, ...] on every process."""
+  if jax.process_count() == 1:
+    return np.asarray(x)[None]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+
+
 def to_host(x) -> np.ndarray:
   """The whole (global) array on this host. On several processes a batch-sharded array is not
   fully addressable: its rows are gathered from every process."""

@@ -110,7 +110,7 @@ class RolloutEngine:
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
         sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention)
     rep = sharding.replicated(mesh)
-    slab = lambda nd: NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (nd - 2))))
+    slab = lambda nd: row_sharding(mesh, nd)
     self._buffer_shardings = RolloutBuffer(
         prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
         completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
@@ -159,9 +159,7 @@ class RolloutEngine:
   @property
   def prompt_index(self) -> np.ndarray:
     """[S, B]: the rollout's prompt (0 .. S*B/G-1) whose completion each row holds."""
-    s, b, g = (self.sched.steps_per_generation, self.sched.micro_batch_size,
-               self.sched.num_generations)
-    return np.arange(s * b).reshape(s, b) // g
+    return prompt_index(self.sched)
 
   def local_rows(self) -> np.ndarray:
     """The row indices i (of B) of a rollout's [S, B] arrays that this process's devices hold."""
@@ -372,6 +370,26 @@ class RolloutEngine:
     if buffer.ref_logps is not None:
       batch['ref_logps'] = cut(buffer.ref_logps)
     return batch
+
+
+def row_sharding(mesh, ndim: int) -> NamedSharding:
+  """A rollout's per-row arrays [S, B, ...]: rows (B) over the mesh's data axes."""
+  return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
+
+
+def prompt_index(sched: ScheduleConfig) -> np.ndarray:
+  """[S, B]: the rollout's prompt (0 .. S*B/G-1) whose completion each row holds."""
+  s, b, g = sched.steps_per_generation, sched.micro_batch_size, sched.num_generations
+  return np.arange(s * b).reshape(s, b) // g
+
+
+def local_prompts(sched: ScheduleConfig, mesh) -> np.ndarray:
+  """The rollout's prompts (0 .. S*B/G-1) of which this process's devices hold a row: GRPO's
+  data position ``d`` is this process's when ``d % (S*B/G)`` is one of them (a rollout starts
+  at a multiple of S*B/G), as ``RolloutEngine.local_rows`` lays the rows out."""
+  index = prompt_index(sched)
+  rows = placement.local_indices(index.shape, row_sharding(mesh, 2), axis=1)
+  return np.unique(index[:, rows])
 
 
 def prompt_share(sched: ScheduleConfig, data_parallel_size: int, enabled: bool = True) -> int:

@@ -8,7 +8,9 @@ length) from a fresh model, through jax.distributed
 with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
 WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
 WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
-With JAXRL_GA_TEST_DATA=<file.jsonl>: GRPO alone on those rows (jaxrl_ga.data).
+With JAXRL_GA_TEST_DATA=<file.jsonl>: GRPO alone on those rows (jaxrl_ga.data), scored by
+``length_and_answer``, every completion of process 0's rows logged to completions.jsonl, and the
+file's lines this process parsed (1-based, each time) written to WORKDIR/parsed_<PROCESS_ID>.json.
 """
 
 import json
@@ -58,6 +60,24 @@ def _recording_data_example(self, index, seed):
 
 
 data.DataTask.train_example = _recording_data_example
+parsed = []  # the line of every row of JAXRL_GA_TEST_DATA this process parses
+_jsonl_line = data._jsonl_line  # pylint: disable=protected-access
+
+
+def _recording_jsonl_line(line, n, source, what):
+  parsed.append(n)
+  return _jsonl_line(line, n, source, what)
+
+
+data._jsonl_line = _recording_jsonl_line  # pylint: disable=protected-access
+
+
+def length_and_answer(prompts, completions, answer, **unused):
+  """A reward that tells completions apart (a sampled completion's length varies): its length,
+  plus 10 when it holds the row's answer number (tests/test_multihost.py recomputes it)."""
+  del prompts, unused
+  return [len(c) + 10.0 * (a.split()[-1] in c) for c, a in zip(completions, answer)]
+
 
 # JAXRL_GA_TEST_REWARD_RAISES_ON=<process id>: that process's reward function raises at the
 # second rollout (tests/test_multihost.py checks that every process then stops).
@@ -88,21 +108,26 @@ d['checkpoint']['every_steps'] = 0
 # B = 16 over 8 devices: pairs of rows share their prompt's forward (model.share_prompt_prefix),
 # each pair on one device, on either host.
 d['grpo']['schedule']['micro_batch_size'] = 16
-# JAXRL_GA_TEST_DATA=<a .jsonl file>: GRPO alone on those rows (jaxrl_ga.data), final_answer.
+# JAXRL_GA_TEST_DATA=<a .jsonl file>: GRPO alone on those rows (jaxrl_ga.data).
+reward_funcs = None
 if os.environ.get('JAXRL_GA_TEST_DATA'):
   d['stages'] = 'grpo'
   d['data']['train'] = os.environ['JAXRL_GA_TEST_DATA']
-  d['grpo']['reward_funcs'] = 'final_answer,answer_format=0.1'
+  reward_funcs = [length_and_answer]
   d['grpo']['sampling']['max_prompt_length'] = 32
+  d['grpo']['completions_every'] = 1
+  d['grpo']['completions_logged'] = 64  # all of process 0's S*B/2 rows (of both slices)
   d['model']['max_position_embeddings'] = 64
 try:
-  api.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'))
+  api.run(from_mapping(RunConfig, d), os.path.join(workdir, 'run'), reward_funcs=reward_funcs)
 except checkpoint.Preempted as e:  # what jaxrl_ga.main does
   print(f'stopped early at micro-step {e.micro_step}', flush=True)
   sys.exit(128 + e.signum)
 
 with open(os.path.join(workdir, f'loaded_{pid}.json'), 'w', encoding='utf-8') as f:
   json.dump(loaded, f)
+with open(os.path.join(workdir, f'parsed_{pid}.json'), 'w', encoding='utf-8') as f:
+  json.dump(parsed, f)
 ckpt_dir = os.path.join(workdir, 'run', 'checkpoints', 'grpo')
 state, _, _ = checkpoint.Checkpointer(ckpt_dir).restore_raw(checkpoint.latest_step(ckpt_dir))
 if jax.process_index() == 0:

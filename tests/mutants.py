@@ -47,6 +47,10 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
   dpo_ignores_no_shuffle  run_dpo on a preference dataset ignores data.shuffle=False (its pairs
       shuffled anyway). Caught by test_preference's DPO run, whose first micro-batch must hold
       pairs 0..B-1 in file order.
+  logged_reward_of_another_row  completions.jsonl gives process 0's local completion j the total
+      reward of global row j instead of its own (index[j]): the same on one process, another
+      host's row's from the second slice on. Caught by test_two_processes_equal_one_process on a
+      data file, which recomputes every logged completion's reward from its text and row.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ _SFT_K3 = 'tests/test_learner_tasks.py::test_sft_accumulation_is_exact[3-mesh1]'
 _PREF = 'tests/test_preference.py::'
 _DPO = tuple(f'tests/test_learner_tasks.py::test_dpo_accumulation_is_exact[{i}]'
              for i in ('pair-mesh0', 'pair-mesh1', 'token-mesh2', 'token-mesh3'))
+_TWO_HOSTS_DATA = 'tests/test_multihost.py::test_two_processes_equal_one_process[True]'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +127,9 @@ MUTANTS = {
         'jaxrl_ga/trainers/dpo.py',
         "shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True", 'shuffle = True',
         (_PREF + 'test_a_dpo_run_starts_at_zero_rewards_on_pairs_in_file_order',)),
+    'logged_reward_of_another_row': Mutant(
+        'jaxrl_ga/trainers/grpo.py', "'reward': float(rewards[index[j]])",
+        "'reward': float(rewards[j])", (_TWO_HOSTS_DATA,)),
 }
 
 

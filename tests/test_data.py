@@ -167,6 +167,34 @@ def test_bad_input_names_file_line_column_or_function(tmp_path):
       'stages=sft,grpo: data.train rows train GRPO (stages=grpo), SFT alone (stages=sft)')
 
 
+def test_a_jsonl_file_is_parsed_only_at_the_rows_a_process_trains_on(tmp_path, monkeypatch):
+  """build_task with ``owns`` (a process's GRPO data positions) parses the held-out rows and the
+  rows at its positions of the first epoch, no other line; a fresh model's tokenizer covers
+  every character (escaped in the file) without parsing a line."""
+  rows = [{'prompt': f'p{i} caf\u00e9 \U0001F600\t', 'answer': str(i)} for i in range(20)]
+  lines = []
+  for i, r in enumerate(rows):
+    lines.append(json.dumps(r))  # ensure_ascii: the accent, the emoji and the tab are escapes
+    lines += ['  '] if i % 5 == 0 else []  # a blank line is no row
+  (tmp_path / 'd.jsonl').write_text('\r\n'.join(lines) + '\r\n', encoding='utf-8')
+  line_of = [n for n, l in enumerate(lines, 1) if l.strip()]  # row i's line (1-based)
+  parsed, parse = [], data._jsonl_line  # pylint: disable=protected-access
+  monkeypatch.setattr(data, '_jsonl_line', lambda l, n, *a: parsed.append(n) or parse(l, n, *a))
+  cfg = _cfg(**{'data.train': str(tmp_path / 'd.jsonl'), 'grpo.reward_funcs': 'final_answer'})
+  task = data.build_task(cfg, owns=lambda position: position % 2 == 0)
+  held = np.random.default_rng([cfg.seed, 4099]).permutation(20)[:2]  # 10% held out
+  train = [i for i in range(20) if i not in held]
+  epoch = np.random.default_rng([cfg.seed, 0]).permutation(18)
+  want = {line_of[i] for i in held} | {line_of[train[epoch[d]]] for d in range(0, 18, 2)}
+  assert set(parsed) == want and len(want) == 11
+  assert sorted(e.prompt for e in task.eval_examples()) == sorted(rows[i]['prompt'] for i in held)
+  count = len(parsed)
+  tok = task.tokenizer()
+  assert len(parsed) == count  # the vocabulary came from the file's text
+  for r in rows:
+    assert tok.decode(tok.encode(r['prompt'], add_special_tokens=False)) == r['prompt']
+
+
 def test_reward_import_strings(tmp_path, monkeypatch):
   (tmp_path / 'user_rewards_mod.py').write_text(textwrap.dedent('''
       NOT_A_FUNCTION = 3

@@ -38,9 +38,50 @@ def _start(pid, nproc, port, workdir, ndev, **env_extra):
                           stderr=subprocess.STDOUT, text=True)
 
 
+def _lines_parsed_by(process: int, num_rows: int, seed: int, eval_fraction: float,
+                     positions: int) -> set[int]:
+  """The lines (1-based) of a .jsonl file of ``num_rows`` rows that ``process`` (of 2; the
+  worker's S=2, B=16, G=4 on 4 devices each) parses, by docs/scaling.md's rules: every held-out
+  row, and the training rows at its data positions (those whose prompt, of the S*B/G = 8 of a
+  rollout, has one of the process's rows: the first or second half of B) of the first epoch and
+  of the run's first ``positions``."""
+  held = np.random.default_rng([seed, 4099]).permutation(num_rows)[:max(1, round(
+      eval_fraction * num_rows))]
+  held = set((held + 1).tolist())
+  train = [n for n in range(1, num_rows + 1) if n not in held]
+  own = {(s * 16 + i) // 4 for s in range(2) for i in range(8 * process, 8 * process + 8)}
+  row = lambda d: train[np.random.default_rng([seed, d // len(train)]).permutation(
+      len(train))[d % len(train)]]
+  return held | {row(d) for d in range(max(len(train), positions)) if d % 8 in own}
+
+
+def _check_data_file_run(tmp_path, rows):
+  """Each process parsed only its own rows (and the held-out ones); the completions process 0
+  logged carry the rewards of their own completions (grpo._log_completions, several hosts)."""
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  cfg = load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke')
+  parsed = lambda d, i: set(json.load(open(d / f'parsed_{i}.json')))
+  assert parsed(tmp_path / 'one', 0) == set(range(1, len(rows) + 1))
+  summary = json.load(open(tmp_path / 'two' / 'run' / 'summary.json'))
+  positions = 8 * summary['grpo/rollouts']
+  for p in (0, 1):
+    want = _lines_parsed_by(p, len(rows), cfg.seed, cfg.data.eval_fraction, positions)
+    assert parsed(tmp_path / 'two', p) == want, p
+    assert len(want) < 0.8 * len(rows)
+  answer = {r['prompt']: r['answer'].split()[-1] for r in rows}
+  for run, per_rollout in (('one', 32), ('two', 16)):  # S*B rows; process 0's half of them
+    logged = [json.loads(l) for l in open(tmp_path / run / 'run' / 'completions.jsonl')]
+    assert len(logged) >= 2 * per_rollout and len(logged) % per_rollout == 0
+    assert len({r['reward'] for r in logged}) > 3  # the rewards tell the completions apart
+    for r in logged:
+      want = len(r['completion']) + 10.0 * (answer[r['prompt']] in r['completion'])
+      assert r['reward'] == pytest.approx(want, rel=1e-6), r
+
+
 @pytest.mark.parametrize('data_file', [False, True])
 def test_two_processes_equal_one_process(tmp_path, data_file):
-  """Also on a JSONL file (jaxrl_ga.data, GRPO alone): each host builds only its rows' examples."""
+  """Also on a JSONL file (jaxrl_ga.data, GRPO alone): each host builds only its rows' examples
+  and parses only its rows of the file (_check_data_file_run)."""
   extra = {}
   if data_file:
     rows = [{'prompt': f'{a}+{b}=', 'answer': f'#### {a + b}'} for a in range(7) for b in range(5)]
@@ -76,6 +117,8 @@ def test_two_processes_equal_one_process(tmp_path, data_file):
   assert sum(whole.values()) >= 40
   assert sum(p0.values()) == sum(p1.values()) == sum(whole.values()) // 2
   assert p0 + p1 == whole
+  if data_file:
+    _check_data_file_run(tmp_path, rows)
 
 
 def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
