@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import tempfile
@@ -31,6 +32,21 @@ from typing import Callable, Optional
 from etils import epath
 import fsspec
 import numpy as np
+
+
+class _RaisedErrorLogFilter(logging.Filter):
+  """Drops two of gcsfs's (2026.x) log records whose error reaches the caller anyway, where
+  jaxrl_ga reports it in one line: the failed probe of a bucket's layout (Cloud Storage's control
+  plane; gcsfs then falls back to the plain API) and a request out of retries (it raises next).
+  Each is logged with its whole traceback, about a hundred lines."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith(('Could not determine bucket type', 'Error: Bucket '))
+                or ' out of retries on exception: ' in message)
+
+
+logging.getLogger('gcsfs').addFilter(_RaisedErrorLogFilter())
 
 
 def os_error_code(error: BaseException) -> Optional[int]:
