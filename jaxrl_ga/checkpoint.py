@@ -14,7 +14,10 @@ A checkpoint is one directory ``<directory>/<step>`` holding ``state`` (the pytr
 tensorstore) and ``meta`` (JSON: {'fingerprint': ..., 'meta': ...}). Orbax writes it under
 ``<step>.orbax-checkpoint-tmp`` and renames it when complete, so a run killed mid-save leaves only
 a tmp dir that listings ignore (and the next Checkpointer deletes): restore always finds the last
-complete checkpoint. ``state`` may be any pytree of jax.Arrays (sharded or not), numpy arrays,
+complete checkpoint. In a bucket (``gs://``: the arrays through tensorstore's own Cloud Storage
+client, the rest through etils.epath and gcsfs) a rename is a copy, so orbax writes ``<step>`` in
+place and writes ``<step>/commit_success.txt`` last; a step without it is incomplete, ignored and
+deleted alike. ``state`` may be any pytree of jax.Arrays (sharded or not), numpy arrays,
 flax.struct dataclasses, namedtuples (optax states), ``None`` subtrees and PRNG keys, raw uint32 or
 typed (orbax stores typed keys natively); it is restored bitwise (inf/nan included) onto the
 shardings of ``abstract_state``, whose structure, shapes and dtypes are checked against the
@@ -157,8 +160,8 @@ class Checkpointer:
                async_save: bool = True, read_only: bool = False):
     """fingerprint: JSON-able dict that must match at restore (e.g. the model config).
     read_only: only read (export, sample): create nothing, and leave a save in flight
-    (``<step>.orbax-checkpoint-tmp``) and a cut-short replacement alone, since a run may be
-    writing this directory right now."""
+    (``<step>.orbax-checkpoint-tmp``; in a bucket, a ``<step>`` without its commit_success.txt)
+    and a cut-short replacement alone, since a run may be writing this directory right now."""
     self.directory = fileio.path(directory)
     self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
     self._async = async_save
