@@ -167,6 +167,8 @@ class Checkpointer:
     self._async = async_save
     self._writing: Optional[int] = None  # the step of the save in flight
     _install_quiet_unraisable()
+    if not read_only:  # before orbax's manager, whose start deletes incomplete steps meanwhile
+      self._recover_replaced()
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=not read_only,
         cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
@@ -180,27 +182,29 @@ class Checkpointer:
                                           handler_registry=registry)
     self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
     atexit.register(self._wait_at_exit)
-    if not read_only:
-      self._recover_replaced()
 
   def _recover_replaced(self) -> None:
     """Undoes a ``save(replace=True)`` cut short: ``<step>.replaced`` comes back as ``<step>``
-    when the new one never committed, and is deleted when it did."""
+    when the new one never committed, and is deleted when it did. Committed means complete to
+    orbax: in a bucket an uncommitted ``<step>`` exists (written in place, without its
+    commit_success.txt), and is deleted first."""
     if not self.directory.exists():
       return
     leftovers = [p for p in self.directory.iterdir() if p.name.endswith('.replaced')]
     if not leftovers:
       return
     if jax.process_index() == 0:
+      committed = all_steps(self.directory)
       for old in leftovers:
         final = self.directory / old.name[:-len('.replaced')]
-        if final.exists():
+        if int(final.name) in committed:
           old.rmtree()
         else:
           logging.warning('restoring %s: its replacement never completed', final)
+          if final.exists():
+            final.rmtree()
           old.rename(final)
     self._sync('jaxrl_ga_recover_replaced')
-    self._manager.reload()
 
   @staticmethod
   def _sync(name: str) -> None:

@@ -1,16 +1,16 @@
 """Cloud Storage's JSON API on 127.0.0.1, as much of it as gcsfs, google-cloud-storage and
 tensorstore (orbax's arrays) use: bucket and object metadata, listing (prefix, delimiter, offsets,
 pages), downloads (whole or a byte range, with the generation headers), media, multipart and
-resumable uploads, compose, delete, with generations and the ifGenerationMatch /
-ifGenerationNotMatch preconditions (HTTP 412, 304), which the server checks atomically as Cloud
-Storage does (https://cloud.google.com/storage/docs/request-preconditions).
+resumable uploads, compose, copy (rewriteTo) and move (moveTo), delete, with generations and the
+ifGenerationMatch / ifGenerationNotMatch preconditions (HTTP 412, 304), which the server checks
+atomically as Cloud Storage does (https://cloud.google.com/storage/docs/request-preconditions).
 
 A client process reaches it under ``gcs.client_env()`` (no credentials, nothing leaves the
 machine). ``hold(name, clients)`` answers the requests on object ``name`` only once each client
 has sent one, so that racing clients really race: none is answered before all have asked.
 
 Used by tests/test_workdir_safety.py (the lock of a gs:// workdir, two processes contending; a
-run's orbax checkpoints in a bucket, resumed from).
+run's orbax checkpoints in a bucket, resumed from; a checkpoint's replacement cut short there).
 """
 
 from __future__ import annotations
@@ -215,6 +215,26 @@ def _handler(gcs: GCSEmulator):
     def do_POST(self):
       kind, bucket, _, name, query = self._route() or (None,) * 5
       body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+      copy = re.fullmatch(r'/storage/v1/b/([^/]+)/o/([^/]+)/(rewriteTo/b/([^/]+)|moveTo)/o/([^/]+)',
+                          urllib.parse.urlsplit(self.path).path)
+      if copy:  # gcsfs's copy (rewriteTo, done in one call) and rename (moveTo)
+        bucket, source, how, target_bucket, target = map(urllib.parse.unquote, copy.groups(''))
+        source, target = (bucket, source), (target_bucket or bucket, target)
+        with gcs._lock:
+          if source not in gcs.objects:
+            return self._error(404, f'No such object: {"/".join(source)}')
+          if self._precondition_fails(target, query):
+            return self._error(412, 'Precondition Failed')
+          gcs._generation += 1
+          data = gcs.objects[source][0]
+          gcs.objects[target] = (data, gcs._generation)
+          if how == 'moveTo':
+            del gcs.objects[source]
+            return self._reply(200, gcs._meta(*target))
+          return self._reply(200, {'kind': 'storage#rewriteResponse', 'done': True,
+                                   'objectSize': str(len(data)),
+                                   'totalBytesRewritten': str(len(data)),
+                                   'resource': gcs._meta(*target)})
       if kind is None and name and name.endswith('/compose'):  # gcsfs's merge: an append
         sources = [s['name'] for s in json.loads(body)['sourceObjects']]
         with gcs._lock:

@@ -8,7 +8,8 @@ metrics.jsonl, an export's safetensors file. The code has one path for every fai
 OSError, or a library's error carrying an OS error number, becomes ``fileio.WriteError``), so
 this is the path of ENOSPC too. The lock of a gs:// workdir is raced by two processes through
 gcsfs against a Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py), and a run in a
-bucket keeps its orbax checkpoints there and resumes from them."""
+bucket keeps its orbax checkpoints there and resumes from them (also after a replacement of one
+was cut short)."""
 
 import contextlib
 import json
@@ -224,8 +225,7 @@ def test_a_bucket_workdir_keeps_its_checkpoints_there_and_the_same_command_resum
                                  text=True, timeout=300)
     done = run()
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = {n.split('/')[3] for n in gcs.names('bucket', f'{ckpts}/')}
-    assert steps == {'3', '6'}, gcs.names('bucket')
+    assert _entries(gcs, f'{ckpts}/') == {'3', '6'}, gcs.names('bucket')
     assert ('bucket', 'run/run.lock') not in gcs.objects
     gcs.copy_out('bucket', 'run/', tmp_path / 'uninterrupted')
     del gcs.objects[('bucket', f'{ckpts}/6/commit_success.txt')]
@@ -245,6 +245,57 @@ def test_a_bucket_workdir_keeps_its_checkpoints_there_and_the_same_command_resum
   assert [(r['phase'], r['step']) for r in rows] == [('grpo_eval', 0), ('grpo', 2),
                                                       ('grpo_eval', 2)]
   assert rows == _grpo_rows(want)
+
+
+def _entries(gcs, prefix: str) -> set[str]:
+  """The names right below ``prefix`` in the emulator's bucket (a listing with a delimiter)."""
+  return {n[len(prefix):].split('/')[0] for n in gcs.names('bucket', prefix)}
+
+
+_REPLACE = """
+import os, sys
+import numpy as np
+from jaxrl_ga import checkpoint
+ckpts = checkpoint.Checkpointer(sys.argv[2])
+if sys.argv[1] == 'replace':  # step 3 saved, then rewritten; killed before the old one is deleted
+  ckpts.save(3, {'w': np.zeros(3)}, meta={'done': False})
+  ckpts.wait()
+  type(ckpts.directory).rmtree = lambda *args, **kwargs: os._exit(0)
+  ckpts.save(3, {'w': np.ones(3)}, meta={'done': True}, replace=True)
+state, meta, _ = ckpts.restore_raw(3)
+print(state['w'].tolist(), meta, checkpoint.all_steps(sys.argv[2]))
+"""
+
+
+def test_a_replacement_cut_short_in_a_bucket_leaves_one_complete_checkpoint():
+  """save(replace=True) in a bucket (how a stage marks its last checkpoint done): the old step 3
+  is moved to 3.replaced, the new one written in place, and the process dies before the old one
+  is deleted. If the new one committed, the next Checkpointer keeps it and deletes 3.replaced; if
+  its commit_success.txt never landed, the incomplete 3 goes and the old one comes back (taking
+  an existing 3 for the new one would delete the only complete copy)."""
+  directory, prefix = 'gs://bucket/run/checkpoints/grpo', 'run/checkpoints/grpo/'
+  with gcs_emulator.GCSEmulator() as gcs:
+    env = dict(_env(1), **gcs.client_env())
+    run = lambda mode: subprocess.run([sys.executable, '-c', _REPLACE, mode, directory],
+                                      cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=120)
+    cut = run('replace')
+    assert cut.returncode == 0 and not cut.stdout, cut.stderr[-3000:]
+    assert _entries(gcs, prefix) == {'3', '3.replaced'}
+    left = dict(gcs.objects)
+
+    committed = run('restore')
+    assert committed.stdout == "[1.0, 1.0, 1.0] {'done': True} [3]\n", committed.stderr[-3000:]
+    assert _entries(gcs, prefix) == {'3'}
+
+    gcs.objects.clear()
+    gcs.objects.update(left)
+    del gcs.objects[('bucket', f'{prefix}3/commit_success.txt')]
+    uncommitted = run('restore')
+    assert uncommitted.stdout == "[0.0, 0.0, 0.0] {'done': False} [3]\n", (
+        uncommitted.stderr[-3000:])
+    assert f'restoring {directory}/3: its replacement never completed' in uncommitted.stderr
+    assert _entries(gcs, prefix) == {'3'}
 
 
 # -- a full disk --------------------------------------------------------------------------------
