@@ -43,8 +43,8 @@ setuptools.setup(
                  'ipykernel', 'jax[tpu]==0.10.2',
                  'datasets',  # tests/test_tasks.py loads a local GSM8K file through it, offline
                  'wandb',  # tests/test_wandb.py: an offline W&B run read back
-                 # tests/test_workdir_safety.py: a gs:// workdir's lock through gcsfs against a
-                 # Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py)
+                 # tests/test_workdir_safety.py: a gs:// workdir's lock and checkpoints through
+                 # gcsfs against a Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py)
                  'gcsfs'],
         'gguf': [],  # kept so that existing `pip install -e '.[gguf]'` lines still work
         'plot': ['matplotlib'],  # python -m jaxrl_ga.plot

@@ -14,7 +14,10 @@ A checkpoint is one directory ``<directory>/<step>`` holding ``state`` (the pytr
 tensorstore) and ``meta`` (JSON: {'fingerprint': ..., 'meta': ...}). Orbax writes it under
 ``<step>.orbax-checkpoint-tmp`` and renames it when complete, so a run killed mid-save leaves only
 a tmp dir that listings ignore (and the next Checkpointer deletes): restore always finds the last
-complete checkpoint. ``state`` may be any pytree of jax.Arrays (sharded or not), numpy arrays,
+complete checkpoint. In a bucket (``gs://``: the arrays through tensorstore's own Cloud Storage
+client, the rest through etils.epath and gcsfs) a rename is a copy, so orbax writes ``<step>`` in
+place and writes ``<step>/commit_success.txt`` last; a step without it is incomplete, ignored and
+deleted alike. ``state`` may be any pytree of jax.Arrays (sharded or not), numpy arrays,
 flax.struct dataclasses, namedtuples (optax states), ``None`` subtrees and PRNG keys, raw uint32 or
 typed (orbax stores typed keys natively); it is restored bitwise (inf/nan included) onto the
 shardings of ``abstract_state``, whose structure, shapes and dtypes are checked against the
@@ -157,13 +160,15 @@ class Checkpointer:
                async_save: bool = True, read_only: bool = False):
     """fingerprint: JSON-able dict that must match at restore (e.g. the model config).
     read_only: only read (export, sample): create nothing, and leave a save in flight
-    (``<step>.orbax-checkpoint-tmp``) and a cut-short replacement alone, since a run may be
-    writing this directory right now."""
+    (``<step>.orbax-checkpoint-tmp``; in a bucket, a ``<step>`` without its commit_success.txt)
+    and a cut-short replacement alone, since a run may be writing this directory right now."""
     self.directory = fileio.path(directory)
     self.fingerprint = _to_json(fingerprint or {}, 'fingerprint')
     self._async = async_save
     self._writing: Optional[int] = None  # the step of the save in flight
     _install_quiet_unraisable()
+    if not read_only:  # before orbax's manager, whose start deletes incomplete steps meanwhile
+      self._recover_replaced()
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep), create=not read_only,
         cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
@@ -177,27 +182,29 @@ class Checkpointer:
                                           handler_registry=registry)
     self._wait_at_exit = functools.partial(_wait_if_alive, weakref.ref(self))
     atexit.register(self._wait_at_exit)
-    if not read_only:
-      self._recover_replaced()
 
   def _recover_replaced(self) -> None:
     """Undoes a ``save(replace=True)`` cut short: ``<step>.replaced`` comes back as ``<step>``
-    when the new one never committed, and is deleted when it did."""
+    when the new one never committed, and is deleted when it did. Committed means complete to
+    orbax: in a bucket an uncommitted ``<step>`` exists (written in place, without its
+    commit_success.txt), and is deleted first."""
     if not self.directory.exists():
       return
     leftovers = [p for p in self.directory.iterdir() if p.name.endswith('.replaced')]
     if not leftovers:
       return
     if jax.process_index() == 0:
+      committed = all_steps(self.directory)
       for old in leftovers:
         final = self.directory / old.name[:-len('.replaced')]
-        if final.exists():
+        if int(final.name) in committed:
           old.rmtree()
         else:
           logging.warning('restoring %s: its replacement never completed', final)
+          if final.exists():
+            final.rmtree()
           old.rename(final)
     self._sync('jaxrl_ga_recover_replaced')
-    self._manager.reload()
 
   @staticmethod
   def _sync(name: str) -> None:

@@ -1,20 +1,23 @@
-"""Cloud Storage's JSON API on 127.0.0.1, as much of it as gcsfs uses for small objects: bucket
-and object metadata, listing, media download, multipart and resumable upload, delete, with generations and
-the ifGenerationMatch precondition (HTTP 412), which the server checks atomically as Cloud Storage
-does (https://cloud.google.com/storage/docs/request-preconditions).
+"""Cloud Storage's JSON API on 127.0.0.1, as much of it as gcsfs, google-cloud-storage and
+tensorstore (orbax's arrays) use: bucket and object metadata, listing (prefix, delimiter, offsets,
+pages), downloads (whole or a byte range, with the generation headers), media, multipart and
+resumable uploads, compose, copy (rewriteTo) and move (moveTo), delete, with generations and the
+ifGenerationMatch / ifGenerationNotMatch preconditions (HTTP 412, 304), which the server checks
+atomically as Cloud Storage does (https://cloud.google.com/storage/docs/request-preconditions).
 
-A client reaches it with ``STORAGE_EMULATOR_HOST=<url>`` and ``FSSPEC_GS_TOKEN=anon`` (no
-credentials, nothing leaves the machine). ``hold(name, clients)`` answers the requests on object
-``name`` only once each client has sent one, so that racing clients really race: none is answered
-before all have asked.
+A client process reaches it under ``gcs.client_env()`` (no credentials, nothing leaves the
+machine). ``hold(name, clients)`` answers the requests on object ``name`` only once each client
+has sent one, so that racing clients really race: none is answered before all have asked.
 
-Used by tests/test_workdir_safety.py (the lock of a gs:// workdir, two processes contending).
+Used by tests/test_workdir_safety.py (the lock of a gs:// workdir, two processes contending; a
+run's orbax checkpoints in a bucket, resumed from; a checkpoint's replacement cut short there).
 """
 
 from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import sys
 import threading
@@ -41,6 +44,28 @@ class GCSEmulator:
   def __exit__(self, *exc_info):
     self._server.shutdown()
     self._server.server_close()
+
+  def client_env(self) -> dict[str, str]:
+    """Environment variables under which a process's gs:// traffic comes here, anonymously:
+    gcsfs and google-cloud-storage (``STORAGE_EMULATOR_HOST``), etils.epath through gcsfs
+    (``EPATH_USE_TF=false``; no gRPC bucket-layout lookup) and tensorstore's own client
+    (``TENSORSTORE_GCS_HTTP_URL``, with a fixed token instead of Google credentials)."""
+    return {'STORAGE_EMULATOR_HOST': self.url, 'FSSPEC_GS_TOKEN': 'anon',
+            'FSSPEC_GCS_TOKEN': 'anon', 'EPATH_USE_TF': 'false',
+            'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false', 'TENSORSTORE_GCS_HTTP_URL': self.url,
+            'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'anon'}
+
+  def names(self, bucket: str, prefix: str = '') -> list[str]:
+    with self._lock:
+      return sorted(n for b, n in self.objects if b == bucket and n.startswith(prefix))
+
+  def copy_out(self, bucket: str, prefix: str, directory) -> None:
+    """Writes the objects under ``prefix`` as files under the local ``directory``."""
+    for name in self.names(bucket, prefix):
+      target = os.path.join(directory, name[len(prefix):].lstrip('/'))
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      with open(target, 'wb') as f:
+        f.write(self.objects[(bucket, name)][0])
 
   def put(self, bucket: str, name: str, data: bytes) -> int:
     with self._lock:
@@ -89,10 +114,12 @@ def _handler(gcs: GCSEmulator):
     def log_message(self, *args):  # no line per request on stderr
       pass
 
-    def _reply(self, status: int, body=b'', content_type='application/json'):
+    def _reply(self, status: int, body=b'', content_type='application/json', headers=None):
       if isinstance(body, dict):
         body = json.dumps(body).encode()
       self.send_response(status)
+      for header, value in (headers or {}).items():
+        self.send_header(header, value)
       self.send_header('Content-Type', content_type)
       self.send_header('Content-Length', str(len(body)))
       self.end_headers()
@@ -112,10 +139,12 @@ def _handler(gcs: GCSEmulator):
       return kind, bucket, objects, name, query
 
     def _precondition_fails(self, key, query) -> bool:
-      if 'ifGenerationMatch' not in query:
-        return False
+      """ifGenerationMatch / ifGenerationNotMatch against the live generation (0: none)."""
       live = gcs.objects.get(key)
-      return int(query['ifGenerationMatch']) != (live[1] if live else 0)
+      generation = live[1] if live else 0
+      return (('ifGenerationMatch' in query and int(query['ifGenerationMatch']) != generation)
+              or ('ifGenerationNotMatch' in query
+                  and int(query['ifGenerationNotMatch']) == generation))
 
     def do_GET(self):
       kind, bucket, objects, name, query = self._route() or (None,) * 5
@@ -131,29 +160,90 @@ def _handler(gcs: GCSEmulator):
         if key not in gcs.objects or query.get('generation', str(gcs.objects[key][1])) != str(
             gcs.objects[key][1]):
           return self._error(404, f'No such object: {bucket}/{name}')
+        data, generation = gcs.objects[key]
+        if 'ifGenerationNotMatch' in query and int(query['ifGenerationNotMatch']) == generation:
+          return self._reply(304)  # the reader's copy is current (tensorstore's cache)
+        if self._precondition_fails(key, query):
+          return self._error(412, 'Precondition Failed')
         if kind == '/download' or query.get('alt') == 'media':
-          return self._reply(200, gcs.objects[key][0], 'application/octet-stream')
+          return self._media(data, generation)
         return self._reply(200, gcs._meta(bucket, name))
 
+    def _media(self, data: bytes, generation: int):
+      """The object's bytes, or the ``Range: bytes=a-b`` (``a-``, ``-n``) of them (206)."""
+      headers = {'x-goog-generation': str(generation), 'x-goog-metageneration': '1'}
+      status, wanted = 200, re.fullmatch(r'bytes=(\d*)-(\d*)', self.headers.get('Range', ''))
+      if wanted:
+        first, last = wanted.groups()
+        start = max(0, len(data) - int(last)) if not first else int(first)
+        end = len(data) - 1 if not first or not last else min(int(last), len(data) - 1)
+        if start >= len(data) or start > end:
+          return self._reply(416, b'', headers={'Content-Range': f'bytes */{len(data)}'})
+        status, headers['Content-Range'] = 206, f'bytes {start}-{end}/{len(data)}'
+        data = data[start:end + 1]
+      return self._reply(status, data, 'application/octet-stream', headers)
+
     def _list(self, bucket, query) -> dict:
+      """objects.list: prefix, delimiter, startOffset/endOffset, maxResults, pageToken (the last
+      name of the previous page)."""
       prefix, delimiter = query.get('prefix', ''), query.get('delimiter')
-      items, prefixes = [], set()
+      start, end = query.get('startOffset', ''), query.get('endOffset')
+      after, room = query.get('pageToken'), int(query.get('maxResults', 1000))
+      items, prefixes, last = [], set(), None
       with gcs._lock:
-        for b, name in sorted(gcs.objects):
-          if b != bucket or not name.startswith(prefix):
-            continue
-          rest = name[len(prefix):]
-          if delimiter and delimiter in rest:
-            prefixes.add(prefix + rest.split(delimiter, 1)[0] + delimiter)
+        names = sorted(n for b, n in gcs.objects if b == bucket)
+      for name in names:
+        if (not name.startswith(prefix) or name < start or (end and name >= end)
+            or (after and name <= after)):
+          continue
+        rest = name[len(prefix):]
+        folder = (f'{prefix}{rest.split(delimiter, 1)[0]}{delimiter}'
+                  if delimiter and delimiter in rest else None)
+        if folder not in prefixes:  # a new entry: a folder, or an object
+          if len(items) + len(prefixes) == room:
+            return {'kind': 'storage#objects', 'items': items, 'prefixes': sorted(prefixes),
+                    'nextPageToken': last}
+          if folder:
+            prefixes.add(folder)
           else:
-            items.append(gcs._meta(bucket, name))
+            with gcs._lock:
+              if (bucket, name) in gcs.objects:
+                items.append(gcs._meta(bucket, name))
+        last = name
       return {'kind': 'storage#objects', 'items': items, 'prefixes': sorted(prefixes)}
 
     def do_POST(self):
-      kind, bucket, _, _, query = self._route() or (None,) * 5
+      kind, bucket, _, name, query = self._route() or (None,) * 5
       body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+      copy = re.fullmatch(r'/storage/v1/b/([^/]+)/o/([^/]+)/(rewriteTo/b/([^/]+)|moveTo)/o/([^/]+)',
+                          urllib.parse.urlsplit(self.path).path)
+      if copy:  # gcsfs's copy (rewriteTo, done in one call) and rename (moveTo)
+        bucket, source, how, target_bucket, target = map(urllib.parse.unquote, copy.groups(''))
+        source, target = (bucket, source), (target_bucket or bucket, target)
+        with gcs._lock:
+          if source not in gcs.objects:
+            return self._error(404, f'No such object: {"/".join(source)}')
+          if self._precondition_fails(target, query):
+            return self._error(412, 'Precondition Failed')
+          gcs._generation += 1
+          data = gcs.objects[source][0]
+          gcs.objects[target] = (data, gcs._generation)
+          if how == 'moveTo':
+            del gcs.objects[source]
+            return self._reply(200, gcs._meta(*target))
+          return self._reply(200, {'kind': 'storage#rewriteResponse', 'done': True,
+                                   'objectSize': str(len(data)),
+                                   'totalBytesRewritten': str(len(data)),
+                                   'resource': gcs._meta(*target)})
+      if kind is None and name and name.endswith('/compose'):  # gcsfs's merge: an append
+        sources = [s['name'] for s in json.loads(body)['sourceObjects']]
+        with gcs._lock:
+          if any((bucket, s) not in gcs.objects for s in sources):
+            return self._error(404, f'No such object among {sources}')
+          data = b''.join(gcs.objects[(bucket, s)][0] for s in sources)
+        return self._finish(bucket, name[:-len('/compose')], query, data)
       if kind != '/upload':
-        return self._error(501, 'only uploads')
+        return self._error(501, 'only uploads and compose')
       if query.get('uploadType') == 'multipart':
         boundary = re.search(r'boundary="?([^";]+)', self.headers['Content-Type']).group(1)
         parts = [p.split(b'\n\n', 1)[1] for p in body.replace(b'\r\n', b'\n').split(
@@ -161,8 +251,11 @@ def _handler(gcs: GCSEmulator):
         name = json.loads(parts[0])['name']
         gcs._wait_if_held(name, query.get('userProject'))
         return self._finish(bucket, name, query, parts[1][:-1])  # [:-1]: the newline before --
+      if query.get('uploadType') == 'media':  # tensorstore: the name in the query, the body whole
+        gcs._wait_if_held(query['name'], query.get('userProject'))
+        return self._finish(bucket, query['name'], query, body)
       if query.get('uploadType') != 'resumable':
-        return self._error(501, 'only multipart and resumable uploads')
+        return self._error(501, 'only media, multipart and resumable uploads')
       if 'upload_id' not in query:  # a resumable upload starts: -> its session's URL
         name = query.get('name') or json.loads(body)['name']
         gcs._wait_if_held(name, query.get('userProject'))

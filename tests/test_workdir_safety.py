@@ -7,7 +7,9 @@ with EFBIG (File too large), at whatever write reaches it: orbax's tensorstore w
 metrics.jsonl, an export's safetensors file. The code has one path for every failed write (any
 OSError, or a library's error carrying an OS error number, becomes ``fileio.WriteError``), so
 this is the path of ENOSPC too. The lock of a gs:// workdir is raced by two processes through
-gcsfs against a Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py)."""
+gcsfs against a Cloud Storage emulator on 127.0.0.1 (tests/gcs_emulator.py), and a run in a
+bucket keeps its orbax checkpoints there and resumes from them (also after a replacement of one
+was cut short)."""
 
 import contextlib
 import json
@@ -161,9 +163,7 @@ def _race(gcs, workdir, name):
     import gcsfs  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     pytest.fail("gcsfs is missing: the test extra installs it (pip install -e '.[test]').")
-  env = dict(_env(1), STORAGE_EMULATOR_HOST=gcs.url, FSSPEC_GS_TOKEN='anon',
-             FSSPEC_GCS_TOKEN='anon', EPATH_USE_TF='false',
-             GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT='false')  # no gRPC bucket-layout lookup
+  env = dict(_env(1), **gcs.client_env())
   clients = ['contender-0', 'contender-1']  # each one's requests carry it as userProject
   gcs.hold(name, set(clients))
   procs = [subprocess.Popen([sys.executable, '-c', _CONTENDER, workdir], cwd=ROOT,
@@ -206,6 +206,96 @@ def test_two_processes_racing_for_a_bucket_workdir_one_wins(tmp_path):
     assert (f'taking over the lock of a run that is no longer running (host '
             f'{socket.gethostname()}, pid {dead}, since yesterday)') in err
     assert ('bucket', name) not in gcs.objects
+
+
+@pytest.mark.slow
+def test_a_bucket_workdir_keeps_its_checkpoints_there_and_the_same_command_resumes(tmp_path):
+  """--workdir=gs://bucket/run against the emulator: orbax writes checkpoints 3 and 6 into the
+  bucket (the arrays through tensorstore's own Cloud Storage client, the rest through gcsfs). Then
+  checkpoint 6 is made a save cut short (its commit_success.txt, which orbax writes last in a
+  bucket, deleted): the same command resumes from checkpoint 3 read back from the bucket and
+  writes a checkpoint 6 bitwise equal to the uninterrupted run's; metrics.jsonl, rewritten in the
+  bucket at the resume, holds each step once, as the uninterrupted run left it."""
+  command = ['--workdir=gs://bucket/run', '--config.stages=grpo', '--config.grpo.num_steps=2',
+             '--config.checkpoint.every_steps=1']
+  ckpts = 'run/checkpoints/grpo'
+  with gcs_emulator.GCSEmulator() as gcs:
+    env = dict(_env(), **gcs.client_env())
+    run = lambda: subprocess.run(MAIN + command, cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=300)
+    done = run()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _entries(gcs, f'{ckpts}/') == {'3', '6'}, gcs.names('bucket')
+    assert ('bucket', 'run/run.lock') not in gcs.objects
+    gcs.copy_out('bucket', 'run/', tmp_path / 'uninterrupted')
+    del gcs.objects[('bucket', f'{ckpts}/6/commit_success.txt')]
+    cut_short = max(generation for _, generation in gcs.objects.values())
+
+    resumed = run()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in resumed.stdout
+    rewritten = gcs.names('bucket', f'{ckpts}/6/')  # by the resumed run: none left from before
+    assert all(gcs.objects[('bucket', n)][1] > cut_short for n in rewritten), rewritten
+    gcs.copy_out('bucket', 'run/', tmp_path / 'resumed')
+  want, got = tmp_path / 'uninterrupted', tmp_path / 'resumed'
+  assert checkpoint.all_steps(got / 'checkpoints' / 'grpo') == [3, 6]
+  _assert_same_state(_state(got / 'checkpoints' / 'grpo', 6),
+                     _state(want / 'checkpoints' / 'grpo', 6))
+  rows = _grpo_rows(got)
+  assert [(r['phase'], r['step']) for r in rows] == [('grpo_eval', 0), ('grpo', 2),
+                                                      ('grpo_eval', 2)]
+  assert rows == _grpo_rows(want)
+
+
+def _entries(gcs, prefix: str) -> set[str]:
+  """The names right below ``prefix`` in the emulator's bucket (a listing with a delimiter)."""
+  return {n[len(prefix):].split('/')[0] for n in gcs.names('bucket', prefix)}
+
+
+_REPLACE = """
+import os, sys
+import numpy as np
+from jaxrl_ga import checkpoint
+ckpts = checkpoint.Checkpointer(sys.argv[2])
+if sys.argv[1] == 'replace':  # step 3 saved, then rewritten; killed before the old one is deleted
+  ckpts.save(3, {'w': np.zeros(3)}, meta={'done': False})
+  ckpts.wait()
+  type(ckpts.directory).rmtree = lambda *args, **kwargs: os._exit(0)
+  ckpts.save(3, {'w': np.ones(3)}, meta={'done': True}, replace=True)
+state, meta, _ = ckpts.restore_raw(3)
+print(state['w'].tolist(), meta, checkpoint.all_steps(sys.argv[2]))
+"""
+
+
+def test_a_replacement_cut_short_in_a_bucket_leaves_one_complete_checkpoint():
+  """save(replace=True) in a bucket (how a stage marks its last checkpoint done): the old step 3
+  is moved to 3.replaced, the new one written in place, and the process dies before the old one
+  is deleted. If the new one committed, the next Checkpointer keeps it and deletes 3.replaced; if
+  its commit_success.txt never landed, the incomplete 3 goes and the old one comes back (taking
+  an existing 3 for the new one would delete the only complete copy)."""
+  directory, prefix = 'gs://bucket/run/checkpoints/grpo', 'run/checkpoints/grpo/'
+  with gcs_emulator.GCSEmulator() as gcs:
+    env = dict(_env(1), **gcs.client_env())
+    run = lambda mode: subprocess.run([sys.executable, '-c', _REPLACE, mode, directory],
+                                      cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=120)
+    cut = run('replace')
+    assert cut.returncode == 0 and not cut.stdout, cut.stderr[-3000:]
+    assert _entries(gcs, prefix) == {'3', '3.replaced'}
+    left = dict(gcs.objects)
+
+    committed = run('restore')
+    assert committed.stdout == "[1.0, 1.0, 1.0] {'done': True} [3]\n", committed.stderr[-3000:]
+    assert _entries(gcs, prefix) == {'3'}
+
+    gcs.objects.clear()
+    gcs.objects.update(left)
+    del gcs.objects[('bucket', f'{prefix}3/commit_success.txt')]
+    uncommitted = run('restore')
+    assert uncommitted.stdout == "[0.0, 0.0, 0.0] {'done': False} [3]\n", (
+        uncommitted.stderr[-3000:])
+    assert f'restoring {directory}/3: its replacement never completed' in uncommitted.stderr
+    assert _entries(gcs, prefix) == {'3'}
 
 
 # -- a full disk --------------------------------------------------------------------------------
