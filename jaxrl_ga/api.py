@@ -258,8 +258,15 @@ def validate_rewards(cfg, task) -> None:
   else:
     examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM)
                 for i in range(DRY_CALL_ROWS)]
-  _on_every_process('a reward function is refused', lambda: rewards.check_on_dry_call(
-      fns, [e.prompt for e in examples for _ in range(k)], task_base.reward_fields(examples, k)))
+
+  def dry_call():
+    try:
+      rewards.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
+                                task_base.reward_fields(examples, k))
+    except rewards.RewardError as e:
+      raise ConfigError(str(e)) from None
+
+  _on_every_process('a reward function is refused', dry_call)
 
 
 def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):

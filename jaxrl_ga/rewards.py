@@ -133,16 +133,15 @@ def check_on_dry_call(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   """Each reward function called once before anything compiles, on a few rows as the trainer
   passes them (``prompts`` and columns ``fields``, one entry per completion: each row
   len(DRY_COMPLETIONS) times in a row) with DRY_COMPLETIONS as each row's completions. One that
-  raises, returns another count than the completions or a non-finite value raises ConfigError
-  naming it; the values are not used."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  raises, returns another count than the completions or a non-finite value raises RewardError
+  naming it (the caller's bad input: api.validate_rewards); the values are not used."""
   rows = len(prompts) // len(DRY_COMPLETIONS)
   completions = list(DRY_COMPLETIONS) * rows
   for r in rewards:
     try:
       _values(r, prompts, completions, fields)
     except RewardError as e:
-      raise ConfigError(f'{e} (a dry call before compiling, on {rows} row(s) of the data with '
+      raise RewardError(f'{e} (a dry call before compiling, on {rows} row(s) of the data with '
                         f'{len(DRY_COMPLETIONS)} placeholder completions each)') from None
 
 
