@@ -143,10 +143,11 @@ def step_table(graphdef, params, slots: int, tp: int) -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import attention as attn_lib  # pylint: disable=g-import-not-at-top
   rows = []
   model = tfm.merge(graphdef, params)
   for m in map(int, _MAX_LENGTHS.value):
-    for block in (tfm.DECODE_BLOCK, 0):
+    for block in (attn_lib.DECODE_BLOCK, 0):
       def steps(params, cache, index, block=block, m=m):
         model = tfm.merge(graphdef, params)
         layers = model.unstacked_layers()

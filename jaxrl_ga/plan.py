@@ -236,6 +236,7 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import attention as attn_lib  # pylint: disable=g-import-not-at-top
 
   layers = jax.eval_shape(lambda p: tfm.merge(graphdef, p).unstacked_layers(), params)
   stacked = params['layers']
@@ -253,7 +254,7 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
                                            shape=(rows, *shape)))
   index = row(jnp.int32) if pool else jax.ShapeDtypeStruct(
       (), jnp.int32, sharding=sharding.replicated(mesh))
-  cache = tfm.KVCache(k=(kv,) * m.num_hidden_layers, v=(kv,) * m.num_hidden_layers,
+  cache = attn_lib.KVCache(k=(kv,) * m.num_hidden_layers, v=(kv,) * m.num_hidden_layers,
                       valid=row(jnp.bool_, cache_slots), index=index,
                       positions=row(jnp.int32))
 

@@ -78,6 +78,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_ga import sharding as shd
 from jaxrl_ga.config import SamplingConfig
+from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
 
 
@@ -106,11 +107,11 @@ class Sampler:
   top_k: int = 0
   chunk_size: int = 0
   slots: int = 0
-  decode_block: int = tfm.DECODE_BLOCK
+  decode_block: int = attn_lib.DECODE_BLOCK
   attention: str = 'einsum'
 
   def __post_init__(self):
-    tfm.check_attention(self.attention)
+    attn_lib.check_attention(self.attention)
     for name in dataclasses.fields(self):
       if name.name == 'attention':
         continue
@@ -161,7 +162,7 @@ class SamplingState:
   tokens: jax.Array  # [B, L] int32
   mask: jax.Array  # [B, L] int32
   logps: jax.Array  # [B, L] float32
-  cache: tfm.KVCache
+  cache: attn_lib.KVCache
 
 
 # -- the sampling distribution -------------------------------------------------------------------
@@ -336,7 +337,7 @@ class PoolState:
   mask: jax.Array  # [N, L] int32
   logps: jax.Array  # [N, L] float32
   ended: jax.Array  # [N] bool
-  cache: tfm.KVCache  # P rows, each with its own write slot (index [P])
+  cache: attn_lib.KVCache  # P rows, each with its own write slot (index [P])
 
 
 def row_keys(rng: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:

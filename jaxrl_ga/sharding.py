@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxrl_ga.config import ConfigError, MeshConfig
+from jaxrl_ga.models import activations
 from jaxrl_ga.models import transformer as tfm
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -118,7 +119,7 @@ def activation_sharding(mesh: Mesh, rules=DEFAULT_RULES):
 
   def fn(x, axes):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x, axes)))
-  return tfm.constrain_activations_with(fn, kernel_mesh=(mesh, spec))
+  return activations.constrain_activations_with(fn, kernel_mesh=(mesh, spec))
 
 
 def with_activation_sharding(f, mesh: Mesh, rules=DEFAULT_RULES):

@@ -20,6 +20,7 @@ from jaxrl_ga import programs
 from jaxrl_ga import sharding
 from jaxrl_ga.config import ConfigError, MeshConfig, ModelSpec, RunConfig, from_mapping
 from jaxrl_ga.models import hf
+from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
 
 import helpers
@@ -211,11 +212,11 @@ def test_splash_kernel_in_the_pallas_interpreter():
   ids = np.zeros((b, t), np.int32)
   ids[0, 3:12], ids[0, 12:21] = 1, 2
   real = ids > 0
-  splash = lambda window, scale_dim: lambda q, k, v: tfm._splash_attention(
-      q, k, v, tfm.Segments(jnp.asarray(ids), window), scale_dim, interpret=True)
-  positions = tfm.positions_from_mask(jnp.asarray(ids))
-  dense = tfm.causal_mask(jnp.asarray(ids)) & (positions[:, :, None] - positions[:, None, :] < 5)
-  einsum = lambda q, k, v: tfm._attention(q, k, v, dense, scale_dim=24.0)
+  splash = lambda window, scale_dim: lambda q, k, v: attn_lib.splash_attention(
+      q, k, v, attn_lib.Segments(jnp.asarray(ids), window), scale_dim, interpret=True)
+  positions = attn_lib.positions_from_mask(jnp.asarray(ids))
+  dense = attn_lib.causal_mask(jnp.asarray(ids)) & (positions[:, :, None] - positions[:, None, :] < 5)
+  einsum = lambda q, k, v: attn_lib.einsum_attention(q, k, v, dense, scale_dim=24.0)
   weight = jnp.asarray(rng.normal(size=(b, t, n, h)) * real[..., None, None], jnp.float32)
   causal = splash(0, None)(q, k, v)
   windowed, vjp = jax.vjp(splash(5, 24.0), q, k, v)

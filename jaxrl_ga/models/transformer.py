@@ -39,8 +39,8 @@ layer scan here runs on stacked arrays, so the adapters are stacked arrays besid
 How the training forward runs is one explicit argument, ``ForwardOptions`` (frozen, hashable):
 the layers scanned or unrolled, the per-layer remat policy, the log-prob chunk, the rows that
 share a prompt's forward, the adapters on or off and the attention's implementation
-(``ATTENTION_IMPLS``; see "Fused attention" below). There are no trace-time flags besides the
-sharding-constraint context (``constrain_activations_with``, MaxText's axis-rules idiom).
+(``attention.ATTENTION_IMPLS``). There are no trace-time flags besides the
+sharding-constraint context (``models/activations.py``, MaxText's axis-rules idiom).
 
 Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIES``, a
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
@@ -48,28 +48,15 @@ Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIE
 the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
 the rest (attention, norms, activations).
 
-Fused attention (``ForwardOptions.attention``, model.attention; issue 36): the attention of the
-training forward and of the prefill is 'einsum' (``_attention``: two einsums and a float32 softmax
-over a dense [B, T, S] mask), 'xla' (``jax.nn.dot_product_attention(implementation='xla')`` with
-that mask: the same arithmetic as jax stages it, which every backend compiles) or 'splash' (TPU
-only: the Pallas splash-attention kernel, ``jax.experimental.pallas.ops.tpu.splash_attention``,
-which never materializes the [T, S] scores; its mask is causal (or local: the sliding window) and
-the rows' segment ids, 0/1 masks and SFT's packed ids alike, so a padding query attends to the
-padding before it instead of ``causal_mask``'s real positions: only padding positions' outputs
-differ, and no loss reads them). Every implementation keeps GQA, the sliding window, Gemma's
-``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
-einsum: the suffix-over-shared-prefix attention of ``hidden_after_prefix`` (every
-implementation), and with 'splash' a model whose layers mix sliding and full attention (Gemma
-3). The decode step keeps its own filled-cache loop (``_cache_attention``).
+Attention (``ForwardOptions.attention``, model.attention), its masks and the KV cache live in
+``models/attention.py``; the sharding-constraint context in ``models/activations.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import flax
 from flax import nnx
@@ -78,6 +65,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga.config import ModelConfig, RopeScaling  # pylint: disable=unused-import
+from jaxrl_ga.models import activations
+from jaxrl_ga.models import attention as attn_lib
+from jaxrl_ga.models.activations import constrain
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 REMAT_POLICIES = {
@@ -86,34 +76,6 @@ REMAT_POLICIES = {
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
-# (array, logical axis names) -> array with a sharding constraint; None: no constraint.
-_constrain_fn: list[Optional[Callable[[jax.Array, tuple], jax.Array]]] = [None]
-# (mesh, (array, logical axis names) -> PartitionSpec): where a kernel that the partitioner
-# cannot split (the splash-attention Pallas call) runs per shard under ``shard_map``; None: as is.
-_kernel_mesh: list[Optional[tuple[Any, Callable[[jax.Array, tuple], Any]]]] = [None]
-
-
-@contextlib.contextmanager
-def constrain_activations_with(fn: Optional[Callable[[jax.Array, tuple], jax.Array]],
-                               kernel_mesh: Optional[tuple[Any, Callable]] = None):
-  """While active (at trace time), ``constrain(x, *axes)`` calls ``fn(x, axes)``, and the
-  splash-attention kernel runs per shard of ``kernel_mesh`` (mesh, spec function).
-  ``jaxrl_ga.sharding.activation_sharding`` is the user-facing wrapper."""
-  prev = _constrain_fn[0], _kernel_mesh[0]
-  _constrain_fn[0], _kernel_mesh[0] = fn, kernel_mesh
-  try:
-    yield
-  finally:
-    _constrain_fn[0], _kernel_mesh[0] = prev
-
-
-def constrain(x: jax.Array, *axes: Optional[str]) -> jax.Array:
-  """Names the logical axes of an activation; a sharding constraint under
-  ``constrain_activations_with``, else ``x`` unchanged."""
-  fn = _constrain_fn[0]
-  return x if fn is None else fn(x, axes)
-
-
 # vocabulary blocks of the tied head's product at decode time (Transformer._next_token_logits)
 _HEAD_BLOCKS = 32
 
@@ -121,14 +83,6 @@ _HEAD_BLOCKS = 32
 def check_remat(remat: str) -> None:
   if remat not in REMAT_POLICIES:
     raise ValueError(f'remat={remat!r}; choose one of {", ".join(REMAT_POLICIES)}.')
-
-
-ATTENTION_IMPLS = ('einsum', 'xla', 'splash')  # ForwardOptions.attention (model.attention)
-
-
-def check_attention(attention: str) -> None:
-  if attention not in ATTENTION_IMPLS:
-    raise ValueError(f'attention={attention!r}; choose one of {", ".join(ATTENTION_IMPLS)}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,55 +114,9 @@ class ForwardOptions:
 
   def __post_init__(self):
     check_remat(self.remat)
-    check_attention(self.attention)
+    attn_lib.check_attention(self.attention)
     if self.share_prompts < 1 or self.logprob_chunk_size < 0:
       raise ValueError(f'{self}: share_prompts must be >= 1 and logprob_chunk_size >= 0.')
-
-
-@flax.struct.dataclass
-class KVCache:
-  """Preallocated decoding cache. Slot i holds token i of the left-padded sequence.
-
-  ``k`` and ``v`` are stacked [L, B, Nkv, S, H], or after ``per_layer()`` tuples of L arrays
-  [B, Nkv, S, H] (the layout a decode loop with ``Transformer.unstacked_layers`` uses). Heads
-  before slots: the attention products read the cache in place; with [B, S, Nkv, H] XLA:CPU
-  copied the whole cache into that layout at every layer and token (15% of the XLA op time of
-  a d=512/8 decode step; see BENCHMARKS.md, decode.py).
-  """
-  k: Any  # [L, B, Nkv, S, H], or a tuple of L [B, Nkv, S, H]
-  v: Any
-  valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
-  # [] int32: next slot to write; or [B] int32, each row's own next slot (a decode slot pool
-  # whose rows started at different steps, ``sampling``'s slots)
-  index: jax.Array
-  positions: jax.Array  # [B] int32: rotary position of the next token of each row
-
-  def per_layer(self) -> 'KVCache':
-    n = self.k.shape[0]
-    return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
-
-
-# A packed row (SFT's sft.packing) holds several examples: its attention_mask is their segment
-# ids, 1, 2, ... ascending along the row (0: padding), and both functions below keep each example
-# to itself: positions restart at a segment's first token and a token attends only to its own
-# segment. A 0/1 mask is one segment per row, for which they are the plain mask's rules.
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-  """[B, T] mask (0/1, or segment ids) -> [B, T] int32 positions: the count of real tokens of the
-  same segment before each token."""
-  ids = attention_mask.astype(jnp.int32)
-  count = jnp.cumsum((ids > 0).astype(jnp.int32), axis=-1)  # real tokens up to t
-  before = jnp.pad(jax.lax.cummax(ids, axis=1)[:, :-1], ((0, 0), (1, 0)))
-  offset = jax.lax.cummax(jnp.where(ids > before, count - 1, 0), axis=1)  # at segment starts
-  return jnp.maximum(count - 1 - offset, 0)
-
-
-def causal_mask(attention_mask: jax.Array) -> jax.Array:
-  """[B, T] mask (0/1, or segment ids) -> [B, T, T] bool: position t attends to the real positions
-  <= t of its own segment (a padding position t: to every real position <= t)."""
-  t = attention_mask.shape[-1]
-  ids = attention_mask.astype(jnp.int32)
-  same = (ids[:, :, None] == ids[:, None, :]) | (ids[:, :, None] == 0)
-  return jnp.tril(jnp.ones((t, t), bool))[None] & (ids > 0)[:, None, :] & same
 
 
 def _scan_layers(body, carry, xs, options: ForwardOptions):
@@ -277,132 +185,9 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
   return out
 
 
-def window_masks(cfg: ModelConfig, mask: jax.Array, q_positions: jax.Array,
-                 k_positions: jax.Array) -> Any:
-  """The attention mask(s) a layer chooses from (``_layer_mask``): ``mask`` [B, T, S] itself
-  without sliding layers; ``mask`` and the keys at positions > q - W when every layer slides
-  (Mistral); the pair (full, sliding) when some do (Gemma 3). Positions: q [B, T], k [B, S]."""
-  sliding = cfg.sliding_layers()
-  if not any(sliding):
-    return mask
-  local = mask & (q_positions[:, :, None] - k_positions[:, None, :] < cfg.sliding_window)
-  return local if all(sliding) else (mask, local)
-
-
-def _layer_mask(p: dict[str, jax.Array], masks: Any) -> jax.Array:
-  """The layer's mask: one of the (full, sliding) pair by its 'sliding' flag, else ``masks``."""
-  if isinstance(masks, tuple):
-    return jnp.where(p['sliding'], masks[1], masks[0])
-  return masks
-
-
 def _softcap(logits: jax.Array, cap: float) -> jax.Array:
   """cap * tanh(logits / cap) (Gemma's soft-capping); logits unchanged when cap is 0."""
   return logits if not cap else jnp.tanh(logits / cap) * cap
-
-
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-               heads_first: bool = False, scale_dim: Optional[float] = None) -> jax.Array:
-  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H], or [B, K, S, H] with
-  heads_first (the KV cache's layout); mask: [B, T, S] bool. Scores are divided by
-  sqrt(scale_dim) (default H; Gemma's query_pre_attn_scalar)."""
-  b, t, n, h = q.shape
-  kv = 'BKSH' if heads_first else 'BSKH'
-  kv_heads = k.shape[1 if heads_first else 2]
-  q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
-  logits = jnp.einsum(f'BTKGH,{kv}->BKGTS', q, k, preferred_element_type=jnp.float32)
-  logits = logits / np.sqrt(scale_dim or h).astype(np.float32)
-  logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  if heads_first:
-    # Batch dims, then the rows and columns of one [G*T, S] x [S, H] product: XLA:CPU runs this
-    # as a library matmul. Asked for BTKGH directly, it ran a [H, S] x [S, G] product in its own
-    # dot loop: 42% of a tiny decode step's op time, 10% of SmolLM2's (BENCHMARKS.md, issue 15).
-    # The training path keeps BTKGH: there the other form was not faster with its backward.
-    out = jnp.einsum('BKGTS,BKSH->BKGTH', probs, v).transpose(0, 3, 1, 2, 4)
-  else:
-    out = jnp.einsum(f'BKGTS,{kv}->BTKGH', probs, v)
-  return out.reshape(b, t, n, h)
-
-
-# -- fused attention (ForwardOptions.attention; "Fused attention" in the module docstring) ---------
-_SPLASH_BLOCK = 128  # the splash kernel's default block (BlockSizes.get_default): T is padded to it
-
-
-@flax.struct.dataclass
-class Segments:
-  """The mask of the 'splash' attention in place of the dense [B, T, S] one: the rows' [B, T]
-  segment ids (0/1, or SFT's packed ids; 0: padding), causal self-attention, and keys within
-  ``window`` positions of the query (0: no window)."""
-  ids: jax.Array
-  window: int = flax.struct.field(pytree_node=False, default=0)
-
-
-def _splash_mask(cfg: ModelConfig, attention_mask: jax.Array, attention: str
-                 ) -> Optional[Segments]:
-  """``Segments`` of the rows with 'splash' when every layer attends alike (all sliding, or
-  none); None: the dense masks (``window_masks``) and, with 'splash', the einsum."""
-  sliding = cfg.sliding_layers()
-  if attention != 'splash' or (any(sliding) and not all(sliding)):
-    return None
-  return Segments(attention_mask.astype(jnp.int32), cfg.sliding_window if all(sliding) else 0)
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
-            scale_dim: Optional[float] = None) -> jax.Array:
-  """Self-attention of the training forward and the prefill by ``attention`` (ATTENTION_IMPLS).
-  q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool, or ``Segments`` (splash).
-  ``scale_dim``: as ``_attention``'s."""
-  if isinstance(mask, Segments):
-    return _splash_attention(q, k, v, mask, scale_dim)
-  if attention == 'xla':  # the scores times 1/sqrt(d) (the einsum divides: float32 rounding)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
-                                        scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
-                                        implementation='xla')
-  return _attention(q, k, v, mask, scale_dim=scale_dim)
-
-
-@functools.lru_cache(maxsize=64)
-def _splash_kernel(size: int, window: int, heads: int, interpret: Any):
-  """The splash kernel for rows of ``size`` slots, ``heads`` query heads and a causal (or, with
-  ``window``, local) mask: built once per shape, not at every trace (its mask info is host
-  numpy work over every block)."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
-  shape = (size, size)
-  base = (splash.LocalMask(shape, (window - 1, 0), 0) if window else splash.CausalMask(shape))
-  return splash.make_splash_mha(splash.MultiHeadMask([base] * heads), head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
-
-
-def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
-                      scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
-  """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
-  or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
-  per row under ``vmap``, per shard of the batch under ``shard_map`` inside
-  ``constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call; the heads
-  are not split, so a tensor-parallel mesh gathers them for the kernel). The rows
-  are padded to a multiple of the kernel's block with segment id 0, which no real token attends
-  to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
-  TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
-  ``pallas.tpu.InterpretParams()``, which runs the kernel's code on CPU: tests)."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
-  b, t, n, h = q.shape
-  size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
-  kernel = _splash_kernel(size, mask.window, n, interpret)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, size - t)) + ((0, 0),) * (x.ndim - 2))
-  heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, T', H]: the kernel's layout per row
-  scale = jnp.asarray(1.0 / math.sqrt(scale_dim or h), q.dtype)
-  args = (heads(q * scale), heads(k), heads(v), pad(mask.ids))
-
-  def rows(q, k, v, ids):
-    return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(a[3], a[3])))(
-        q, k, v, ids)
-
-  if _kernel_mesh[0] is not None:
-    mesh, spec = _kernel_mesh[0]
-    specs = tuple(spec(x, ('activation_batch',) + (None,) * (x.ndim - 1)) for x in args)
-    rows = jax.shard_map(rows, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
-  return jnp.swapaxes(rows(*args), 1, 2)[:, :t]
 
 
 class DecoderStack(nnx.Module):
@@ -535,10 +320,10 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
            mask: Any, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
            write_index: Optional[jax.Array], attend: Any = None, attention: str = 'einsum'):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
-  With a cache, ``attend`` bounds the slots read (``_cache_attention``). ``attention``: the
-  implementation of the self-attention without a cache and of the prefill's (``_attend``)."""
+  With a cache, ``attend`` bounds the slots read (``cache_attention``). ``attention``: the
+  implementation of the self-attention without a cache and of the prefill's (``attend``)."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
-  mask, scale_dim = _layer_mask(p, mask), cfg.query_pre_attn_scalar or None
+  mask, scale_dim = attn_lib.layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
   if kv is not None:
     def write(cache, x):  # x [B, T, K, H] into the slots write_index.. of cache [B, K, S, H]
@@ -548,14 +333,14 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
       return jax.lax.dynamic_update_slice_in_dim(cache, x, write_index, 2)
     if attention != 'einsum' and isinstance(attend, int):
       # The prefill (attend = its T tokens, written at slot 0): the slots it reads are k and v.
-      dense = not isinstance(mask, Segments)
-      attn = _attend(q, k, v, mask[..., :attend] if dense else mask, attention, scale_dim)
+      dense = not isinstance(mask, attn_lib.Segments)
+      attn = attn_lib.attend(q, k, v, mask[..., :attend] if dense else mask, attention, scale_dim)
       new_kv = (write(kv[0], k), write(kv[1], v))
     else:
-      attn, new_kv = _cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
+      attn, new_kv = attn_lib.cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
                                       scale_dim)
   else:
-    attn = _attend(q, k, v, mask, attention, scale_dim)
+    attn = attn_lib.attend(q, k, v, mask, attention, scale_dim)
   return _after_attention(cfg, p, h, attn), new_kv
 
 
@@ -584,7 +369,7 @@ def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
   constants, pass unchanged) constrained at rest, then, after a barrier with ``anchor`` (None:
   none), those with an embed axis cast to ``dtype`` (the compute dtype) and every one gathered
   as the activations need them. A no-op outside ``constrain_activations_with``."""
-  if _constrain_fn[0] is None:
+  if not activations.active():
     return p
   named = {k: v for k, v in p.items() if k in axes}
   named = {k: constrain(v, *axes[k]) for k, v in named.items()}
@@ -595,112 +380,6 @@ def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
   return {**p, **named}
 
 
-# -- attention over the filled part of a KV cache (issue 36) ---------------------------------------
-# The cache is preallocated for the whole prompt + completion, but at decode step i only the first
-# Tp + i slots hold tokens. Attending over all S slots made every step pay for the maximum length
-# (at 128 completion tokens the tiny model's cache reads already exceeded its weights). Instead
-# the slots are cut into blocks and the step loops over the blocks that hold a token (a
-# ``fori_loop`` bound by the filled length) with an online softmax (a running max, sum and
-# weighted values; Milakov & Gimelshein 2018, arXiv:1805.02867, as FlashAttention does): each
-# block is a dynamic slice read in place. The skipped slots are masked out anyway (their softmax
-# weight is exactly 0), so the values are full attention's up to float32 rounding. Two
-# alternatives were slower on XLA:CPU: a ``lax.switch`` over static prefixes of the cache, and a
-# static slice, both copied the whole cache at every layer (its layout or the conditional's
-# operand), so their cost still grew with S.
-DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
-
-
-def _cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     attend: Any = None, scale_dim: Optional[float] = None
-                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """``_attention`` of q [B, T, N, H] over a cache k, v [B, K, S, H] (mask [B, T, S]) reading
-  only its first slots: ``attend`` None reads all S; a Python int n the static first n (the
-  prefill: its T tokens); a pair (filled, block) with ``filled`` traced (the slots written, the
-  decode step's) the blocks of ``block`` slots up to the one that covers it. Slots
-  past those read must be masked out (they hold no token of the row). Returns the attention
-  [B, T, N, H] and the cache (k, v), to be used in place of the one passed in. ``scale_dim``:
-  as ``_attention``'s."""
-  def over(n):
-    dt = q.dtype
-    return _attention(q, k[:, :, :n].astype(dt), v[:, :, :n].astype(dt), mask[..., :n],
-                      heads_first=True, scale_dim=scale_dim), (k, v)
-
-  if attend is None or isinstance(attend, int):
-    return over(k.shape[2] if attend is None else attend)
-  filled, block = attend
-  if block <= 0 or block >= k.shape[2]:  # one block: the whole cache, no loop
-    return over(k.shape[2])
-  return _blocked_attention(q, k, v, mask, filled, block, scale_dim)
-
-
-def _blocked_attention(q, k, v, mask, filled, block: int, scale_dim: Optional[float] = None
-                       ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """Online softmax over the cache's blocks 0 .. ceil(filled / block) - 1 (a fori_loop)."""
-  b, t, n, h = q.shape
-  kv_heads, s = k.shape[1], k.shape[2]
-  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  scale = np.sqrt(scale_dim or h).astype(np.float32)
-
-  def body(i, carry):
-    top, total, acc, k, v = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H], the cache
-    start = jnp.minimum(i * block, s - block)  # the last block may overlap the one before
-    kb = jax.lax.dynamic_slice_in_dim(k, start, block, 2).astype(q.dtype)  # [B, K, blk, H]
-    vb = jax.lax.dynamic_slice_in_dim(v, start, block, 2).astype(q.dtype)
-    mb = jax.lax.dynamic_slice_in_dim(mask, start, block, 2)  # [B, T, blk]
-    mb = mb & (start + jnp.arange(block) >= i * block)  # slots of the earlier block: done
-    logits = jnp.einsum('BTKGH,BKSH->BKGTS', q, kb, preferred_element_type=jnp.float32) / scale
-    keep = mb[:, None, None]
-    new_top = jnp.maximum(top, jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1))
-    p = jnp.where(keep, jnp.exp(logits - new_top[..., None]), 0.0)
-    fix = jnp.exp(top - new_top)
-    acc = acc * fix[..., None] + jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
-                                            preferred_element_type=jnp.float32)
-    return new_top, total * fix + jnp.sum(p, axis=-1), acc, k, v
-
-  low = jnp.full((b, kv_heads, n // kv_heads, t), jnp.finfo(jnp.float32).min, jnp.float32)
-  init = (low, jnp.zeros_like(low), jnp.zeros(low.shape + (h,), jnp.float32), k, v)
-  blocks = jnp.minimum((filled + block - 1) // block, -(-s // block))
-  # The cache goes through the loop as a carry and is taken from its result: captured as a
-  # constant instead, XLA copied the whole cache at every layer to keep it for after the loop.
-  _, total, acc, k, v = jax.lax.fori_loop(0, blocks, body, init)
-  out = (acc / total[..., None]).astype(q.dtype)  # [B, K, G, T, H]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), (k, v)
-
-
-def _attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
-                            prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
-                            mask: jax.Array, scale_dim: Optional[float] = None) -> jax.Array:
-  """Grouped-query attention of a suffix over a shared prefix and itself: ``_attention`` over the
-  keys [prefix; suffix] without repeating the prefix for every row.
-
-  q: [B, T, N, H] suffix queries, rows ``i*R .. i*R+R-1`` sharing prefix row i; prefix_kv: k, v
-  [P, S, K, H] with B = P*R; prefix_valid: [P, S] bool (every suffix position sees every valid
-  prefix slot), or [P, R, T, S] (a sliding window); k, v: [B, T, K, H] the suffix's own; mask:
-  [B, T, T] bool (suffix to suffix); scale_dim as ``_attention``'s.
-  The logits against the prefix broadcast over the R rows (no copy); in the backward the prefix's
-  key and value gradients sum over them. One softmax over both parts, the keys in the order of the
-  unshared sequence, so the values are ``_attention``'s on the concatenated rows.
-  """
-  b, t, n, h = q.shape
-  pk, pv = prefix_kv
-  p, s, kv_heads, _ = pk.shape
-  r = b // p
-  q = q.reshape(p, r, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
-  scale = np.sqrt(scale_dim or h).astype(np.float32)
-  on_prefix = jnp.einsum('PRTKGH,PSKH->PRKGTS', q, pk, preferred_element_type=jnp.float32) / scale
-  seen = (prefix_valid[:, None, None, None, None, :] if prefix_valid.ndim == 2
-          else prefix_valid[:, :, None, None, :, :])
-  on_prefix = jnp.where(seen, on_prefix, jnp.finfo(jnp.float32).min)
-  on_self = jnp.einsum('BTKGH,BSKH->BKGTS', q.reshape(b, t, kv_heads, n // kv_heads, h), k,
-                       preferred_element_type=jnp.float32) / scale
-  on_self = jnp.where(mask[:, None, None, :, :], on_self, jnp.finfo(jnp.float32).min)
-  logits = jnp.concatenate([on_prefix, on_self.reshape(on_prefix.shape[:-1] + (t,))], axis=-1)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [P, R, K, G, T, S + T]
-  from_self = jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., s:].reshape(b, *probs.shape[2:-1], t), v)
-  out = jnp.einsum('PRKGTS,PSKH->PRTKGH', probs[..., :s], pv).reshape(from_self.shape) + from_self
-  return out.reshape(b, t, n, h)
-
-
 def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array, hs: jax.Array,
                         positions: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, ...],
                         inv_freq: jax.Array, attention: str = 'einsum'
@@ -709,12 +388,13 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
   themselves as ``_layer`` does (by ``attention``); the suffix rows to their prefix and
   themselves (the einsum: no fused kernel takes the prefix's keys shared by R rows)."""
-  prefix_mask, prefix_valid, suffix_mask = (_layer_mask(p, m) for m in masks)
+  prefix_mask, prefix_valid, suffix_mask = (attn_lib.layer_mask(p, m) for m in masks)
   scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
-  attn_p = _attend(qp, kp, vp, prefix_mask, attention, scale_dim)
-  attn_s = _attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask, scale_dim)
+  attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim)
+  attn_s = attn_lib.attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask,
+                                           scale_dim)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
 
@@ -740,7 +420,7 @@ class Transformer(nnx.Module):
              options: ForwardOptions = ForwardOptions(), attend=None):
     """tokens, positions: [B, T]; mask: [B, T, S], or ``window_masks``' pair. Returns final
     hidden [B, T, D] and cache. ``attend``: the cache slots the attention reads
-    (``_cache_attention``; None: all).
+    (``cache_attention``; None: all).
 
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
@@ -829,10 +509,11 @@ class Transformer(nnx.Module):
              options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Final (normed) hidden states [B, T, D] of the full forward; project with ``logits``.
     ``options``: layers scanned or unrolled, remat, adapters on or off, the attention."""
-    positions = positions_from_mask(attention_mask)
-    mask = _splash_mask(self.cfg, attention_mask, options.attention)
+    positions = attn_lib.positions_from_mask(attention_mask)
+    mask = attn_lib.splash_mask(self.cfg, attention_mask, options.attention)
     if mask is None:
-      mask = window_masks(self.cfg, causal_mask(attention_mask), positions, positions)
+      mask = attn_lib.window_masks(self.cfg, attn_lib.causal_mask(attention_mask), positions,
+                                   positions)
     h, _ = self._trunk(tokens, positions, mask, options=options)
     return h
 
@@ -868,18 +549,20 @@ class Transformer(nnx.Module):
     prefix_len = jnp.sum(prefix_mask.astype(jnp.int32), axis=-1)  # [P]
     suffix_positions = (jnp.repeat(prefix_len, b // p)[:, None] - 1
                         + jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1))
-    positions = (positions_from_mask(prefix_mask), suffix_positions)
+    positions = (attn_lib.positions_from_mask(prefix_mask), suffix_positions)
     prefix_valid = prefix_mask.astype(bool)  # [P, Tp]
     if any(cfg.sliding_layers()):  # the window cuts each suffix position's prefix keys
       r, t, tp = b // p, tokens.shape[1], prefix_tokens.shape[1]
       rows = jnp.broadcast_to(prefix_valid[:, None, None, :], (p, r, t, tp)).reshape(b, t, tp)
-      cut = window_masks(cfg, rows, suffix_positions, jnp.repeat(positions[0], r, axis=0))
+      cut = attn_lib.window_masks(cfg, rows, suffix_positions, jnp.repeat(positions[0], r, axis=0))
       prefix_valid = jax.tree.map(lambda m: m.reshape(p, r, t, tp), cut)  # [P, R, T, Tp]
-    own = _splash_mask(cfg, prefix_mask, options.attention)
-    masks = (window_masks(cfg, causal_mask(prefix_mask), positions[0], positions[0])
+    own = attn_lib.splash_mask(cfg, prefix_mask, options.attention)
+    causal = attn_lib.causal_mask
+    masks = (attn_lib.window_masks(cfg, causal(prefix_mask), positions[0], positions[0])
              if own is None else own,
              prefix_valid,
-             window_masks(cfg, causal_mask(attention_mask), suffix_positions, suffix_positions))
+             attn_lib.window_masks(cfg, causal(attention_mask), suffix_positions,
+                                   suffix_positions))
 
     def body(carry, p):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq,
@@ -899,36 +582,37 @@ class Transformer(nnx.Module):
     return self._logits(self.hidden(tokens, attention_mask, options))
 
   # -- decoding path -----------------------------------------------------------------------------
-  def init_cache(self, batch_size: int, cache_length: int) -> KVCache:
+  def init_cache(self, batch_size: int, cache_length: int) -> attn_lib.KVCache:
     cfg = self.cfg
     shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, cache_length,
              cfg.head_size)
     dt = _DTYPES[cfg.dtype]
-    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
+    return attn_lib.KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt),
                    valid=jnp.zeros((batch_size, cache_length), bool),
                    index=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch_size,), jnp.int32))
 
   def prefill(self, tokens: jax.Array, attention_mask: jax.Array, cache_length: int,
-              attention: str = 'einsum') -> tuple[jax.Array, KVCache]:
+              attention: str = 'einsum') -> tuple[jax.Array, attn_lib.KVCache]:
     """Runs left-padded prompts [B, Tp] into a fresh cache of ``cache_length`` slots.
-    ``attention``: the implementation of its attention (ATTENTION_IMPLS).
+    ``attention``: the implementation of its attention (attn_lib.ATTENTION_IMPLS).
 
     Returns the logits of the last slot [B, V] (the next-token distribution) and the cache.
     """
     b, t = tokens.shape
     cache = self.init_cache(b, cache_length)
     valid = cache.valid.at[:, :t].set(attention_mask.astype(bool))
-    q_positions = positions_from_mask(attention_mask)
-    mask = _splash_mask(self.cfg, attention_mask, attention)
+    q_positions = attn_lib.positions_from_mask(attention_mask)
+    mask = attn_lib.splash_mask(self.cfg, attention_mask, attention)
     if mask is None:
       slots = jnp.arange(cache_length)
       mask = valid[:, None, :] & (slots[None, None, :] <= jnp.arange(t)[None, :, None])
-      mask = window_masks(self.cfg, mask, q_positions, positions_from_mask(valid))
+      mask = attn_lib.window_masks(self.cfg, mask, q_positions, attn_lib.positions_from_mask(valid))
     h, (k, v) = self._trunk(tokens, q_positions, mask, (cache.k, cache.v),
                             jnp.zeros((), jnp.int32), attend=t,
                             options=ForwardOptions(attention=attention))
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
-    cache = KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32), positions=positions)
+    cache = attn_lib.KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32),
+                             positions=positions)
     return self._next_token_logits(h[:, -1]), cache
 
   def unstacked_layers(self) -> list[dict[str, jax.Array]]:
@@ -939,8 +623,8 @@ class Transformer(nnx.Module):
     arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
-  def decode(self, tokens: jax.Array, cache: KVCache, layers: Optional[list] = None,
-             block: int = DECODE_BLOCK) -> tuple[jax.Array, KVCache]:
+  def decode(self, tokens: jax.Array, cache: attn_lib.KVCache, layers: Optional[list] = None,
+             block: int = attn_lib.DECODE_BLOCK) -> tuple[jax.Array, attn_lib.KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
     ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
     The attention reads the cache's filled blocks of ``block`` slots only (up to the largest
@@ -954,11 +638,12 @@ class Transformer(nnx.Module):
       valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, jnp.ones((b, 1), bool),
                                                   cache.index, 1)
       filled = cache.index + 1
-    mask = window_masks(self.cfg, valid[:, None, :], cache.positions[:, None],
-                        positions_from_mask(valid))  # the new token's position: the row's count
+    mask = attn_lib.window_masks(self.cfg, valid[:, None, :], cache.positions[:, None],
+                        attn_lib.positions_from_mask(valid))  # the new token's position: its count
     h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], mask,
                             (cache.k, cache.v), cache.index, layers, attend=(filled, block))
-    cache = KVCache(k=k, v=v, valid=valid, index=cache.index + 1, positions=cache.positions + 1)
+    cache = attn_lib.KVCache(k=k, v=v, valid=valid, index=cache.index + 1,
+                             positions=cache.positions + 1)
     return self._next_token_logits(h[:, 0]), cache
 
 

@@ -1,0 +1,319 @@
+"""Every attention of the decoder (``models/transformer.py``) and its KV cache.
+
+Masks: a row's [B, T] attention mask is 0/1 or, for SFT's packed rows, segment ids 1, 2, ...
+(0: padding); ``positions_from_mask`` and ``causal_mask`` keep each segment to itself;
+``window_masks`` adds the sliding window (Mistral, Gemma 3's local layers) as one more mask term.
+
+The training forward's and the prefill's self-attention (``attend``, by ``ATTENTION_IMPLS``,
+model.attention; issue 36): 'einsum' (``einsum_attention``: two einsums and a float32 softmax
+over a dense [B, T, S] mask), 'xla' (``jax.nn.dot_product_attention(implementation='xla')`` with
+that mask: the same arithmetic as jax stages it, which every backend compiles) or 'splash' (TPU
+only: the Pallas splash-attention kernel, ``jax.experimental.pallas.ops.tpu.splash_attention``,
+which never materializes the [T, S] scores; its mask is causal (or local: the sliding window) and
+the rows' segment ids, 0/1 masks and SFT's packed ids alike, so a padding query attends to the
+padding before it instead of ``causal_mask``'s real positions: only padding positions' outputs
+differ, and no loss reads them). Every implementation keeps GQA, the sliding window, Gemma's
+``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
+einsum: the suffix-over-shared-prefix attention of ``Transformer.hidden_after_prefix``
+(``attention_after_prefix``, every implementation), and with 'splash' a model whose layers mix
+sliding and full attention (Gemma 3).
+
+The decode step reads only the filled blocks of its cache (``cache_attention``,
+``blocked_attention``: an online softmax over the blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_ga.config import ModelConfig
+from jaxrl_ga.models import activations
+
+ATTENTION_IMPLS = ('einsum', 'xla', 'splash')  # ForwardOptions.attention (model.attention)
+
+
+def check_attention(attention: str) -> None:
+  if attention not in ATTENTION_IMPLS:
+    raise ValueError(f'attention={attention!r}; choose one of {", ".join(ATTENTION_IMPLS)}.')
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Preallocated decoding cache. Slot i holds token i of the left-padded sequence.
+
+  ``k`` and ``v`` are stacked [L, B, Nkv, S, H], or after ``per_layer()`` tuples of L arrays
+  [B, Nkv, S, H] (the layout a decode loop with ``Transformer.unstacked_layers`` uses). Heads
+  before slots: the attention products read the cache in place; with [B, S, Nkv, H] XLA:CPU
+  copied the whole cache into that layout at every layer and token (15% of the XLA op time of
+  a d=512/8 decode step; see BENCHMARKS.md, decode.py).
+  """
+  k: Any  # [L, B, Nkv, S, H], or a tuple of L [B, Nkv, S, H]
+  v: Any
+  valid: jax.Array  # [B, S] bool: slot holds a real (non-pad) token
+  # [] int32: next slot to write; or [B] int32, each row's own next slot (a decode slot pool
+  # whose rows started at different steps, ``sampling``'s slots)
+  index: jax.Array
+  positions: jax.Array  # [B] int32: rotary position of the next token of each row
+
+  def per_layer(self) -> 'KVCache':
+    n = self.k.shape[0]
+    return self.replace(k=tuple(self.k[i] for i in range(n)), v=tuple(self.v[i] for i in range(n)))
+
+
+# A packed row (SFT's sft.packing) holds several examples: its attention_mask is their segment
+# ids, 1, 2, ... ascending along the row (0: padding), and both functions below keep each example
+# to itself: positions restart at a segment's first token and a token attends only to its own
+# segment. A 0/1 mask is one segment per row, for which they are the plain mask's rules.
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+  """[B, T] mask (0/1, or segment ids) -> [B, T] int32 positions: the count of real tokens of the
+  same segment before each token."""
+  ids = attention_mask.astype(jnp.int32)
+  count = jnp.cumsum((ids > 0).astype(jnp.int32), axis=-1)  # real tokens up to t
+  before = jnp.pad(jax.lax.cummax(ids, axis=1)[:, :-1], ((0, 0), (1, 0)))
+  offset = jax.lax.cummax(jnp.where(ids > before, count - 1, 0), axis=1)  # at segment starts
+  return jnp.maximum(count - 1 - offset, 0)
+
+
+def causal_mask(attention_mask: jax.Array) -> jax.Array:
+  """[B, T] mask (0/1, or segment ids) -> [B, T, T] bool: position t attends to the real positions
+  <= t of its own segment (a padding position t: to every real position <= t)."""
+  t = attention_mask.shape[-1]
+  ids = attention_mask.astype(jnp.int32)
+  same = (ids[:, :, None] == ids[:, None, :]) | (ids[:, :, None] == 0)
+  return jnp.tril(jnp.ones((t, t), bool))[None] & (ids > 0)[:, None, :] & same
+
+
+def window_masks(cfg: ModelConfig, mask: jax.Array, q_positions: jax.Array,
+                 k_positions: jax.Array) -> Any:
+  """The attention mask(s) a layer chooses from (``layer_mask``): ``mask`` [B, T, S] itself
+  without sliding layers; ``mask`` and the keys at positions > q - W when every layer slides
+  (Mistral); the pair (full, sliding) when some do (Gemma 3). Positions: q [B, T], k [B, S]."""
+  sliding = cfg.sliding_layers()
+  if not any(sliding):
+    return mask
+  local = mask & (q_positions[:, :, None] - k_positions[:, None, :] < cfg.sliding_window)
+  return local if all(sliding) else (mask, local)
+
+
+def layer_mask(p: dict[str, jax.Array], masks: Any) -> jax.Array:
+  """The layer's mask: one of the (full, sliding) pair by its 'sliding' flag, else ``masks``."""
+  if isinstance(masks, tuple):
+    return jnp.where(p['sliding'], masks[1], masks[0])
+  return masks
+
+
+def einsum_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     heads_first: bool = False, scale_dim: Optional[float] = None) -> jax.Array:
+  """Grouped-query attention. q: [B, T, N, H]; k, v: [B, S, K, H], or [B, K, S, H] with
+  heads_first (the KV cache's layout); mask: [B, T, S] bool. Scores are divided by
+  sqrt(scale_dim) (default H; Gemma's query_pre_attn_scalar)."""
+  b, t, n, h = q.shape
+  kv = 'BKSH' if heads_first else 'BSKH'
+  kv_heads = k.shape[1 if heads_first else 2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
+  logits = jnp.einsum(f'BTKGH,{kv}->BKGTS', q, k, preferred_element_type=jnp.float32)
+  logits = logits / np.sqrt(scale_dim or h).astype(np.float32)
+  logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  if heads_first:
+    # Batch dims, then the rows and columns of one [G*T, S] x [S, H] product: XLA:CPU runs this
+    # as a library matmul. Asked for BTKGH directly, it ran a [H, S] x [S, G] product in its own
+    # dot loop: 42% of a tiny decode step's op time, 10% of SmolLM2's (BENCHMARKS.md, issue 15).
+    # The training path keeps BTKGH: there the other form was not faster with its backward.
+    out = jnp.einsum('BKGTS,BKSH->BKGTH', probs, v).transpose(0, 3, 1, 2, 4)
+  else:
+    out = jnp.einsum(f'BKGTS,{kv}->BTKGH', probs, v)
+  return out.reshape(b, t, n, h)
+
+
+# -- fused attention (ForwardOptions.attention; "Fused attention" in the module docstring) ---------
+_SPLASH_BLOCK = 128  # the splash kernel's default block (BlockSizes.get_default): T is padded to it
+
+
+@flax.struct.dataclass
+class Segments:
+  """The mask of the 'splash' attention in place of the dense [B, T, S] one: the rows' [B, T]
+  segment ids (0/1, or SFT's packed ids; 0: padding), causal self-attention, and keys within
+  ``window`` positions of the query (0: no window)."""
+  ids: jax.Array
+  window: int = flax.struct.field(pytree_node=False, default=0)
+
+
+def splash_mask(cfg: ModelConfig, attention_mask: jax.Array, attention: str
+               ) -> Optional[Segments]:
+  """``Segments`` of the rows with 'splash' when every layer attends alike (all sliding, or
+  none); None: the dense masks (``window_masks``) and, with 'splash', the einsum."""
+  sliding = cfg.sliding_layers()
+  if attention != 'splash' or (any(sliding) and not all(sliding)):
+    return None
+  return Segments(attention_mask.astype(jnp.int32), cfg.sliding_window if all(sliding) else 0)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
+           scale_dim: Optional[float] = None) -> jax.Array:
+  """Self-attention of the training forward and the prefill by ``attention`` (ATTENTION_IMPLS).
+  q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool, or ``Segments`` (splash).
+  ``scale_dim``: as ``einsum_attention``'s."""
+  if isinstance(mask, Segments):
+    return splash_attention(q, k, v, mask, scale_dim)
+  if attention == 'xla':  # the scores times 1/sqrt(d) (the einsum divides: float32 rounding)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                        scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
+                                        implementation='xla')
+  return einsum_attention(q, k, v, mask, scale_dim=scale_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(size: int, window: int, heads: int, interpret: Any):
+  """The splash kernel for rows of ``size`` slots, ``heads`` query heads and a causal (or, with
+  ``window``, local) mask: built once per shape, not at every trace (its mask info is host
+  numpy work over every block)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  shape = (size, size)
+  base = (splash.LocalMask(shape, (window - 1, 0), 0) if window else splash.CausalMask(shape))
+  return splash.make_splash_mha(splash.MultiHeadMask([base] * heads), head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
+                     scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
+  """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
+  or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
+  per row under ``vmap``, per shard of the batch under ``shard_map`` inside
+  ``activations.constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call;
+  the heads are not split, so a tensor-parallel mesh gathers them for the kernel). The rows
+  are padded to a multiple of the kernel's block with segment id 0, which no real token attends
+  to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
+  TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
+  ``pallas.tpu.InterpretParams()``, which runs the kernel's code on CPU: tests)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
+  b, t, n, h = q.shape
+  size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK
+  kernel = _splash_kernel(size, mask.window, n, interpret)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, size - t)) + ((0, 0),) * (x.ndim - 2))
+  heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, heads, T', H]: the kernel's layout per row
+  scale = jnp.asarray(1.0 / math.sqrt(scale_dim or h), q.dtype)
+  args = (heads(q * scale), heads(k), heads(v), pad(mask.ids))
+
+  def rows(q, k, v, ids):
+    return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(a[3], a[3])))(
+        q, k, v, ids)
+
+  if activations.kernel_mesh() is not None:
+    mesh, spec = activations.kernel_mesh()
+    specs = tuple(spec(x, ('activation_batch',) + (None,) * (x.ndim - 1)) for x in args)
+    rows = jax.shard_map(rows, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+  return jnp.swapaxes(rows(*args), 1, 2)[:, :t]
+
+
+# -- attention over the filled part of a KV cache (issue 36) ---------------------------------------
+# The cache is preallocated for the whole prompt + completion, but at decode step i only the first
+# Tp + i slots hold tokens. Attending over all S slots made every step pay for the maximum length
+# (at 128 completion tokens the tiny model's cache reads already exceeded its weights). Instead
+# the slots are cut into blocks and the step loops over the blocks that hold a token (a
+# ``fori_loop`` bound by the filled length) with an online softmax (a running max, sum and
+# weighted values; Milakov & Gimelshein 2018, arXiv:1805.02867, as FlashAttention does): each
+# block is a dynamic slice read in place. The skipped slots are masked out anyway (their softmax
+# weight is exactly 0), so the values are full attention's up to float32 rounding. Two
+# alternatives were slower on XLA:CPU: a ``lax.switch`` over static prefixes of the cache, and a
+# static slice, both copied the whole cache at every layer (its layout or the conditional's
+# operand), so their cost still grew with S.
+DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    attend: Any = None, scale_dim: Optional[float] = None
+                   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """``einsum_attention`` of q [B, T, N, H] over a cache k, v [B, K, S, H] (mask [B, T, S]) reading
+  only its first slots: ``attend`` None reads all S; a Python int n the static first n (the
+  prefill: its T tokens); a pair (filled, block) with ``filled`` traced (the slots written, the
+  decode step's) the blocks of ``block`` slots up to the one that covers it. Slots
+  past those read must be masked out (they hold no token of the row). Returns the attention
+  [B, T, N, H] and the cache (k, v), to be used in place of the one passed in. ``scale_dim``:
+  as ``einsum_attention``'s."""
+  def over(n):
+    dt = q.dtype
+    return einsum_attention(q, k[:, :, :n].astype(dt), v[:, :, :n].astype(dt), mask[..., :n],
+                      heads_first=True, scale_dim=scale_dim), (k, v)
+
+  if attend is None or isinstance(attend, int):
+    return over(k.shape[2] if attend is None else attend)
+  filled, block = attend
+  if block <= 0 or block >= k.shape[2]:  # one block: the whole cache, no loop
+    return over(k.shape[2])
+  return blocked_attention(q, k, v, mask, filled, block, scale_dim)
+
+
+def blocked_attention(q, k, v, mask, filled, block: int, scale_dim: Optional[float] = None
+                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Online softmax over the cache's blocks 0 .. ceil(filled / block) - 1 (a fori_loop)."""
+  b, t, n, h = q.shape
+  kv_heads, s = k.shape[1], k.shape[2]
+  q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scale = np.sqrt(scale_dim or h).astype(np.float32)
+
+  def body(i, carry):
+    top, total, acc, k, v = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H], the cache
+    start = jnp.minimum(i * block, s - block)  # the last block may overlap the one before
+    kb = jax.lax.dynamic_slice_in_dim(k, start, block, 2).astype(q.dtype)  # [B, K, blk, H]
+    vb = jax.lax.dynamic_slice_in_dim(v, start, block, 2).astype(q.dtype)
+    mb = jax.lax.dynamic_slice_in_dim(mask, start, block, 2)  # [B, T, blk]
+    mb = mb & (start + jnp.arange(block) >= i * block)  # slots of the earlier block: done
+    logits = jnp.einsum('BTKGH,BKSH->BKGTS', q, kb, preferred_element_type=jnp.float32) / scale
+    keep = mb[:, None, None]
+    new_top = jnp.maximum(top, jnp.max(jnp.where(keep, logits, -jnp.inf), axis=-1))
+    p = jnp.where(keep, jnp.exp(logits - new_top[..., None]), 0.0)
+    fix = jnp.exp(top - new_top)
+    acc = acc * fix[..., None] + jnp.einsum('BKGTS,BKSH->BKGTH', p.astype(vb.dtype), vb,
+                                            preferred_element_type=jnp.float32)
+    return new_top, total * fix + jnp.sum(p, axis=-1), acc, k, v
+
+  low = jnp.full((b, kv_heads, n // kv_heads, t), jnp.finfo(jnp.float32).min, jnp.float32)
+  init = (low, jnp.zeros_like(low), jnp.zeros(low.shape + (h,), jnp.float32), k, v)
+  blocks = jnp.minimum((filled + block - 1) // block, -(-s // block))
+  # The cache goes through the loop as a carry and is taken from its result: captured as a
+  # constant instead, XLA copied the whole cache at every layer to keep it for after the loop.
+  _, total, acc, k, v = jax.lax.fori_loop(0, blocks, body, init)
+  out = (acc / total[..., None]).astype(q.dtype)  # [B, K, G, T, H]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), (k, v)
+
+
+def attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
+                           prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
+                           mask: jax.Array, scale_dim: Optional[float] = None) -> jax.Array:
+  """Grouped-query attention of a suffix over a shared prefix and itself: ``einsum_attention``
+  over the keys [prefix; suffix] without repeating the prefix for every row.
+
+  q: [B, T, N, H] suffix queries, rows ``i*R .. i*R+R-1`` sharing prefix row i; prefix_kv: k, v
+  [P, S, K, H] with B = P*R; prefix_valid: [P, S] bool (every suffix position sees every valid
+  prefix slot), or [P, R, T, S] (a sliding window); k, v: [B, T, K, H] the suffix's own; mask:
+  [B, T, T] bool (suffix to suffix); scale_dim as ``einsum_attention``'s.
+  The logits against the prefix broadcast over the R rows (no copy); in the backward the prefix's
+  key and value gradients sum over them. One softmax over both parts, the keys in the order of the
+  unshared sequence, so the values are ``einsum_attention``'s on the concatenated rows.
+  """
+  b, t, n, h = q.shape
+  pk, pv = prefix_kv
+  p, s, kv_heads, _ = pk.shape
+  r = b // p
+  q = q.reshape(p, r, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
+  scale = np.sqrt(scale_dim or h).astype(np.float32)
+  on_prefix = jnp.einsum('PRTKGH,PSKH->PRKGTS', q, pk, preferred_element_type=jnp.float32) / scale
+  seen = (prefix_valid[:, None, None, None, None, :] if prefix_valid.ndim == 2
+          else prefix_valid[:, :, None, None, :, :])
+  on_prefix = jnp.where(seen, on_prefix, jnp.finfo(jnp.float32).min)
+  on_self = jnp.einsum('BTKGH,BSKH->BKGTS', q.reshape(b, t, kv_heads, n // kv_heads, h), k,
+                       preferred_element_type=jnp.float32) / scale
+  on_self = jnp.where(mask[:, None, None, :, :], on_self, jnp.finfo(jnp.float32).min)
+  logits = jnp.concatenate([on_prefix, on_self.reshape(on_prefix.shape[:-1] + (t,))], axis=-1)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [P, R, K, G, T, S + T]
+  from_self = jnp.einsum('BKGTS,BSKH->BTKGH', probs[..., s:].reshape(b, *probs.shape[2:-1], t), v)
+  out = jnp.einsum('PRKGTS,PSKH->PRTKGH', probs[..., :s], pv).reshape(from_self.shape) + from_self
+  return out.reshape(b, t, n, h)
