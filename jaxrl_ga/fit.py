@@ -84,6 +84,11 @@ def device_limit(device_memory_gib: float, devices: Optional[Sequence[Any]] = No
   return None
 
 
+def say(line: str) -> None:
+  """The console line of a choice (flushed, as the trainers' lines are)."""
+  print(line, flush=True)
+
+
 def remat_candidates(remat: str) -> tuple[str, ...]:
   return REMAT if remat == 'auto' else (remat,)
 
@@ -103,7 +108,7 @@ Build = Callable[[str, int], tuple[Any, Callable[[], list[tuple[str, Any]]]]]
 
 
 def choose(spec: ModelSpec, build: Build, limit: Optional[tuple[int, str]], *, stage: str, positions: int,
-           batch_setting: str, accum_setting: str, say: Callable[[str], None] = print
+           batch_setting: str, accum_setting: str, say: Callable[[str], None] = say
            ) -> tuple[Any, str, int]:
   """The programs of the cheapest (remat, logprob_chunk_size) of ``spec`` that fit ``limit``.
 

@@ -143,7 +143,7 @@ def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg
 def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
                          eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
                          graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
-                         say: Callable[[str], None] = print) -> GRPOPrograms:
+                         say: Callable[[str], None] = fit.say) -> GRPOPrograms:
   """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
   every step (learner, rollout, reorder) compiled and checked before the first runs (ConfigError
   when explicit knobs do not fit); the trainer's steps then find their executables compiled."""
@@ -189,7 +189,7 @@ def _fitted_learner(cfg: RunConfig, build: Callable[[RunConfig], learner_lib.Lea
 
 
 def fitted_sft_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                       sft: SFTConfig, example: dict, say: Callable[[str], None] = print
+                       sft: SFTConfig, example: dict, say: Callable[[str], None] = fit.say
                        ) -> learner_lib.Learner:
   """``build_sft_learner`` with the memory knobs fit chooses for its micro-step on
   ``example`` (the first micro-batch)."""
@@ -200,7 +200,7 @@ def fitted_sft_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphde
 
 
 def fitted_dpo_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                       dpo: DPOConfig, example: dict, say: Callable[[str], None] = print
+                       dpo: DPOConfig, example: dict, say: Callable[[str], None] = fit.say
                        ) -> learner_lib.Learner:
   """``build_dpo_learner`` with the memory knobs fit chooses for its micro-step on ``example``
   (the first micro-batch)."""

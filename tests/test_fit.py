@@ -151,4 +151,17 @@ def test_explicit_settings_over_the_limit_are_one_error_line(tmp_path):
   for knob in ('model.remat', 'model.logprob_chunk_size', 'grpo.schedule.micro_batch_size',
                'mesh.fsdp', '104.86 KiB are available'):
     assert knob in errors[0], (knob, errors[0])
-  assert not (workdir / 'checkpoints').exists()
+  ckpt = workdir / 'checkpoints'
+  assert not ckpt.exists() or not list(ckpt.rglob('*/*')), list(ckpt.rglob('*'))  # no step saved
+
+
+def test_checked_steps_are_not_compiled_again(tmp_path, compile_log, capsys):
+  """A GRPO run under a limit that fits (explicit knobs: one candidate): fit compiles the learner
+  and rollout steps before the first step, and the run then compiles neither again."""
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  cfg = smoke('grpo_arith', **{'stages': 'grpo', 'grpo.num_steps': 2,
+                               'model.remat': 'none', 'model.logprob_chunk_size': 0,
+                               'mesh.device_memory_gib': 64.0})
+  api.run(cfg, str(tmp_path))
+  assert compile_log.count('_micro_step') == 1, compile_log.names
+  assert compile_log.count('_rollout') == 1, compile_log.names
