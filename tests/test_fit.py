@@ -36,36 +36,32 @@ def _cfg(**overrides):
 
 
 def test_auto_remat_takes_the_least_recompute_that_fits():
-  """A limit between the learner's memory without remat and with 'full' remat: 'auto' takes a
-  setting whose steps all fit, and every setting of less recompute has a step over the limit."""
+  """A limit between the learner's memory with 'full' remat and without: 'auto' takes a setting
+  whose steps all fit, and every setting of less recompute has a step over the limit (each
+  candidate's memory compiled here; the rollout step runs no remat, so one compile of it)."""
   cfg = _cfg()
   model_cfg = cfg.model.architecture_config(vocab_size=24)
   devices = jax.devices()
-  need = {}
-  for remat in ('none', 'full'):
-    steps = plan.lower_grpo(cfg, model_cfg, devices, remat=remat, logprob_chunk_size=0)
-    need[remat] = (_memory(steps.learner), _memory(steps.rollout))
-  assert need['full'][0] < need['none'][0], need  # the knob lowers the learner's memory here
-  limit = (need['full'][0] + need['none'][0]) // 2
-  assert need['full'][1] <= limit
+  learner = {}
+  for remat in fit.remat_candidates('auto'):
+    steps = plan.lower_grpo(cfg, model_cfg, devices, remat=remat, logprob_chunk_size=0,
+                            steps=('learner',))
+    learner[remat] = _memory(steps.learner)
+  rollout = _memory(plan.lower_grpo(cfg, model_cfg, devices, steps=('rollout',)).rollout)
+  assert learner['full'] < learner['none'], learner  # the knob lowers the learner's memory here
+  limit = (learner['full'] + learner['none']) // 2
+  assert rollout <= limit
 
   cfg = _cfg(**{'model.remat': 'auto', 'mesh.device_memory_gib': limit / 2**30})
-  steps = plan.lower_grpo(cfg, model_cfg, devices)  # the mesh and shardings a run builds
+  mesh = plan.lower_grpo(cfg, model_cfg, devices, steps=()).mesh  # the mesh a run builds
   lines = []
-  progs = programs.fitted_grpo_programs(cfg, model_cfg, steps.mesh,
-                                        _param_shardings(model_cfg, steps.mesh), eos_id=0,
-                                        pad_id=0, say=lines.append)
+  progs = programs.fitted_grpo_programs(cfg, model_cfg, mesh, _param_shardings(model_cfg, mesh),
+                                        eos_id=0, pad_id=0, say=lines.append)
   picked = progs.engine.learner_options.remat
-  assert picked != 'none'
   order = fit.remat_candidates('auto')
-  for cheaper in order[:order.index(picked)]:  # every cheaper one is over the limit
-    if cheaper == 'none':
-      assert need['none'][0] > limit
-    else:
-      st = plan.lower_grpo(cfg, model_cfg, devices, remat=cheaper, logprob_chunk_size=0)
-      assert _memory(st.learner) > limit, cheaper
-  st = plan.lower_grpo(cfg, model_cfg, devices, remat=picked, logprob_chunk_size=0)
-  assert max(_memory(st.learner), _memory(st.rollout)) <= limit
+  assert learner[picked] <= limit
+  assert all(learner[r] > limit for r in order[:order.index(picked)]), (picked, learner, limit)
+  assert picked != 'none'
   assert len(lines) == 1 and lines[0].startswith(
       f'[grpo] model.remat=auto -> {picked}, model.logprob_chunk_size=0 -> 0: '), lines
 
