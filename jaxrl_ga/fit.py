@@ -111,9 +111,9 @@ def chunk_candidates(chunk: int, positions: int) -> tuple[int, ...]:
 Build = Callable[[str, int], tuple[Any, Callable[[], list[tuple[str, Any]]]]]
 
 
-def choose(spec: ModelSpec, build: Build, limit: Optional[tuple[int, str]], *, stage: str, positions: int,
-           batch_setting: str, accum_setting: str, say: Callable[[str], None] = say
-           ) -> tuple[Any, str, int]:
+def choose(spec: ModelSpec, build: Build, limit: Optional[tuple[int, str]], *, stage: str,
+           positions: int, batch_setting: str, accum_setting: str,
+           say: Callable[[str], None] = say) -> tuple[Any, str, int]:
   """The programs of the cheapest (remat, logprob_chunk_size) of ``spec`` that fit ``limit``.
 
   ``build(remat, chunk)`` -> (programs, a function that lowers their steps: [(step name,

@@ -55,6 +55,11 @@ With ``model.lora`` the learner is the LoRA one (adapters trained, the frozen ba
 argument; ``jaxrl_ga.lora``), its flops count no gradient of the base weights, and the report
 names the adapters' rank, targets and trained params.
 
+``model.remat='auto'`` and ``model.logprob_chunk_size=-1`` ('auto') are chosen as a run chooses
+them (``jaxrl_ga.fit``: the least recompute whose steps fit), against (1 - --headroom) of the
+chip's HBM (``fitted_steps``); the report gives the choice, marked ``(auto)``. When no setting
+fits, the least-memory one is reported.
+
 A step fits when its peak is at most (1 - --headroom) of the chip's HBM (default: 10% to spare);
 when one does not, the tool prints the knobs that lower memory and exits with status 1. A bad
 flag or config prints one ``error:`` line and exits with status 2.

@@ -110,8 +110,8 @@ def test_chunk_bisection_finds_the_largest_chunk_that_fits():
                      batch_setting='b', accum_setting='k', say=lambda _: None)
     assert got[0] == want == got[1:], (limit, got, want)
     assert len(lowered) <= 3 * 4, lowered  # bisection, not every chunk
-  with pytest.raises(ConfigError, match=r'the learner micro-step needs 0\.03 KiB per device \(the compiler\'s '
-                     r'memory_analysis\) with model.remat=full, '
+  with pytest.raises(ConfigError, match=r'the learner micro-step needs 0\.03 KiB per device '
+                     r'\(the compiler\'s memory_analysis\) with model.remat=full, '
                      r'model.logprob_chunk_size=1 \(the least memory of model.remat=auto, '
                      r'model.logprob_chunk_size=auto\), but 0\.03 KiB are available \(test\)'):
     fit.choose(spec, build, (30, 'test'), stage='grpo', positions=64, batch_setting='b',
