@@ -288,13 +288,22 @@ class MeshConfig:
     data: pure data parallelism (params replicated over it).
     fsdp: data parallelism with params sharded over it (ZeRO-3 style).
     tensor: tensor parallelism (heads, mlp and vocab sharded over it).
+    device_memory_gib: the memory one device has for a step, in GiB; 0 (default): what the
+      backend reports (``memory_stats()['bytes_limit']`` on GPU and TPU, else a TPU chip's HBM),
+      none on a CPU. Every compiled step is checked against it before the first step runs
+      (``jaxrl_ga.fit``: 'auto' memory knobs choose, explicit ones that do not fit are an error).
   """
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  device_memory_gib: float = 0.0
 
   def __post_init__(self):
-    sizes = dataclasses.astuple(self)
+    _require(isinstance(self.device_memory_gib, numbers.Real)
+             and math.isfinite(self.device_memory_gib) and self.device_memory_gib >= 0,
+             f'mesh.device_memory_gib={self.device_memory_gib!r} must be a number >= 0 (GiB per '
+             'device; 0: what the backend reports).')
+    sizes = (self.data, self.fsdp, self.tensor)
     _require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes),
              f'mesh sizes must be positive integers or -1, got data={self.data}, '
              f'fsdp={self.fsdp}, tensor={self.tensor}.')
@@ -379,7 +388,8 @@ class AdvantageConfig:
 
 MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
-REMAT = ('none', 'full', 'save_dots')
+REMAT = ('none', 'save_dots', 'full')  # least recompute first (jaxrl_ga.fit's order)
+AUTO_CHUNK = -1  # model.logprob_chunk_size='auto' (jaxrl_ga.fit)
 ATTENTION = ('einsum', 'xla', 'splash')  # model.attention (models/transformer.ATTENTION_IMPLS)
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
@@ -567,11 +577,14 @@ class ModelSpec(ModelConfig):
     vocab_size: 0 when training (sized from the checkpoint or the tokenizer); configs for
       ``python -m jaxrl_ga.plan``, which reads no hub, write it with the checkpoint's shapes.
     remat: per-decoder-layer rematerialization of the training forward: 'none', 'full' (keep
-      each layer's input, recompute the layer in the backward) or 'save_dots' (keep the weight
-      matmuls' outputs); see models/transformer.py. Measure with ``python -m jaxrl_ga.plan``.
+      each layer's input, recompute the layer in the backward), 'save_dots' (keep the weight
+      matmuls' outputs; see models/transformer.py) or 'auto' (default): the least recompute
+      whose compiled steps fit the device's memory (``jaxrl_ga.fit``; 'none' where no limit is
+      known, e.g. a CPU). Measure with ``python -m jaxrl_ga.plan``.
     logprob_chunk_size: completion positions whose float32 logits are computed at once for the
-      log-probs, in the learner and the rollout's old-log-prob pass (0: all Tc at once); see
-      jaxrl_ga/logprobs.py.
+      log-probs, in the learner and the rollout's old-log-prob pass (0: all Tc at once; see
+      jaxrl_ga/logprobs.py); -1 (default, 'auto'): 0 if the steps fit the device's memory, else
+      the largest power of two that does (``jaxrl_ga.fit``; 0 where no limit is known).
     scan_layers: the training forward (learners, old and reference log-probs) runs the decoder
       layers as one ``lax.scan`` over the stacked params (True: compile time independent of
       depth, the choice for deep models and TPUs) or unrolled (False: no per-layer slices of the
@@ -607,8 +620,8 @@ class ModelSpec(ModelConfig):
   tie_word_embeddings: bool = True
   max_position_embeddings: int = 512
   hf_path: str = ''
-  remat: str = 'none'
-  logprob_chunk_size: int = 0
+  remat: str = 'auto'
+  logprob_chunk_size: int = AUTO_CHUNK
   scan_layers: bool = True
   share_prompt_prefix: bool = True
   attention: str = 'einsum'
@@ -619,13 +632,15 @@ class ModelSpec(ModelConfig):
     _one_of(self, 'attention', ATTENTION, p)
     _one_of(self, 'dtype', MODEL_DTYPES, p)
     _one_of(self, 'param_dtype', MODEL_DTYPES, p)
-    _one_of(self, 'remat', REMAT, p)
+    _one_of(self, 'remat', REMAT + ('auto',), p)
     for name in ('scan_layers', 'share_prompt_prefix'):
       _require(isinstance(getattr(self, name), bool),
                f'{p}{name}={getattr(self, name)!r} must be True or False.')
-    _require(isinstance(self.logprob_chunk_size, int) and self.logprob_chunk_size >= 0,
+    if self.logprob_chunk_size == 'auto':
+      object.__setattr__(self, 'logprob_chunk_size', AUTO_CHUNK)
+    _require(_is_int(self.logprob_chunk_size) and self.logprob_chunk_size >= AUTO_CHUNK,
              f'{p}logprob_chunk_size={self.logprob_chunk_size!r} must be an integer >= 0 '
-             '(0: no chunking).')
+             '(0: no chunking) or -1 (auto: the largest that fits the device).')
     if not self.hf_path:
       _positive_int(self, 'hidden_size', 'intermediate_size', 'num_hidden_layers',
                     'num_attention_heads', 'num_key_value_heads', prefix=p)

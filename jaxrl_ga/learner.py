@@ -370,9 +370,10 @@ class Learner:
         window=jax.tree.map(lambda _: rep, abstract.window),
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
     frozen_in = () if self.frozen_shardings is None else (self.frozen_shardings,)
-    self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
-                         in_shardings=(self._state_shardings, None, *frozen_in),
-                         out_shardings=(self._state_shardings, None), donate_argnums=(0,))
+    if self._step is None:  # one jitted step: what abstract_init's lowering compiled, step runs
+      self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
+                           in_shardings=(self._state_shardings, None, *frozen_in),
+                           out_shardings=(self._state_shardings, None), donate_argnums=(0,))
     return init_fn
 
   def step(self, state: TrainState, batch: dict, frozen=None) -> tuple[TrainState, dict]:

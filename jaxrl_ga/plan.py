@@ -55,6 +55,11 @@ With ``model.lora`` the learner is the LoRA one (adapters trained, the frozen ba
 argument; ``jaxrl_ga.lora``), its flops count no gradient of the base weights, and the report
 names the adapters' rank, targets and trained params.
 
+``model.remat='auto'`` and ``model.logprob_chunk_size=-1`` ('auto') are chosen as a run chooses
+them (``jaxrl_ga.fit``: the least recompute whose steps fit), against (1 - --headroom) of the
+chip's HBM (``fitted_steps``); the report gives the choice, marked ``(auto)``. When no setting
+fits, the least-memory one is reported.
+
 A step fits when its peak is at most (1 - --headroom) of the chip's HBM (default: 10% to spare);
 when one does not, the tool prints the knobs that lower memory and exits with status 1. A bad
 flag or config prints one ``error:`` line and exits with status 2.
@@ -155,9 +160,6 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   step; they change neither its memory nor its flops). With
   ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the old
   log-probs, is lowered with the rollout."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
 
@@ -170,28 +172,12 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   pshard = sharding.param_shardings(shapes, axes, mesh)
-  params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        shapes, pshard)
+  params = programs_lib.abstract_params(model_cfg, pshard)
   progs = programs_lib.build_grpo_programs(cfg, model_cfg, mesh, pshard, eos_id=eos_id,
                                            pad_id=pad_id, graphdef=graphdef)
   engine = progs.engine
-  ref = params if g.loss.beta > 0 and not engine.ref_is_base else None
-  state = engine.abstract_state()
-  prompts = engine.abstract_prompts()
-  rollout = reorder = learner = None
-  if 'rollout' in steps:
-    rollout = engine.step_fn.lower(params, ref, state, prompts, prompts)
-    if engine.defer_old_logps:
-      order = jax.ShapeDtypeStruct((sched.completions_per_rollout,), jnp.int32,
-                                   sharding=sharding.replicated(mesh))
-      reorder = engine.reorder_fn.lower(params, engine.abstract_buffer(params, ref), state,
-                                        engine.abstract_advantages(), order)
-  if 'learner' in steps:
-    example = engine.abstract_micro_batch(params, ref)
-    trained, frozen = lora.partition(params, model_cfg)  # LoRA: the base is a frozen argument
-    lstate = progs.learner.abstract_init(trained, example, frozen)
-    learner = progs.learner.step_fn.lower(lstate, example,
-                                          *([] if frozen is None else [frozen]))
+  lowered = programs_lib.lower_grpo_steps(progs, params, g, model_cfg, steps)
+  rollout, reorder, learner = (lowered.get(k) for k in ('rollout', 'reorder', 'learner'))
   marks = int(progs.table.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
   b = sched.micro_batch_size
@@ -203,6 +189,36 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
                reorder=reorder, learner_rows=b, rollout_rows=sched.completions_per_rollout,
                recompute_rows=marks * b, decode=decode, decode_rows=rows,
                decode_cache_slots=slots)
+
+
+def fitted_steps(cfg, model_cfg, devices, limit: float, chip: str):
+  """``lower_grpo`` at the memory knobs ``jaxrl_ga.fit`` chooses against ``limit`` bytes per
+  chip ('auto' knobs: the cheapest whose steps fit; when none does, the least memory, which the
+  report then shows not fitting). -> (``cfg`` with the knobs chosen, the Steps)."""
+  from jaxrl_ga import fit  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  spec = cfg.model
+  built = {}
+
+  def build(remat, chunk):
+    st = built.setdefault((remat, chunk), lower_grpo(cfg, model_cfg, devices, remat=remat,
+                                                     logprob_chunk_size=chunk))
+    return st, lambda: [(programs_lib.STEP_NAMES[k], v) for k, v in (
+        ('learner', st.learner), ('rollout', st.rollout), ('reorder', st.reorder)) if v is not None]
+
+  try:
+    steps, remat, chunk = fit.choose(
+        spec, build, (int(limit), f"the {chip}'s HBM less --headroom"), stage='plan',
+        positions=cfg.grpo.sampling.max_completion_length,
+        batch_setting='grpo.schedule.micro_batch_size',
+        accum_setting='grpo.schedule.grad_accum_steps', say=lambda line: None)
+  except ConfigError:  # nothing fits: report the least memory
+    remat = fit.remat_candidates(spec.remat)[-1]
+    chunk = fit.chunk_candidates(spec.logprob_chunk_size,
+                                 cfg.grpo.sampling.max_completion_length)[-1]
+    steps = build(remat, chunk)[0]
+  return programs_lib.with_memory_knobs(cfg, remat, chunk), steps
 
 
 def decode_rows(sampler, completions: int) -> int:
@@ -266,35 +282,18 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
 
 
 # -- compiling and reporting ---------------------------------------------------------------------
-_OOM = re.compile(r'([\d.]+)([KMGT]?)(?:i?B)? of ([\d.]+)([KMGT]?)(?:i?B)? hbm', re.I)
-
-
-def _parse_size(num: str, unit: str) -> int:
-  return int(float(num) * {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}[unit.upper()])
-
-
 def compile_step(lowered) -> dict[str, Any]:
   """Compiles; -> the compiler's numbers, or for a program the compiler rejects for memory,
   the peak it reported (``compiled`` False, ``error``)."""
-  try:
-    compiled = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError: RESOURCE_EXHAUSTED)
-    msg = str(e)
-    if 'RESOURCE_EXHAUSTED' not in msg and 'hbm' not in msg.lower():
-      raise
+  from jaxrl_ga import fit  # pylint: disable=g-import-not-at-top
+  compiled, peak, error = fit.compile_or_oom(lowered)
+  if compiled is None:
     out = {k: None for k in STEP_KEYS}
-    out.update(compiled=False, error=msg.splitlines()[0][:400], executable=None)
-    m = re.search(r'Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm', msg)
-    if m:
-      out['peak_bytes'] = _parse_size(m.group(1), m.group(2))
+    out.update(compiled=False, error=error, executable=None, peak_bytes=peak)
     return out
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  # What the step holds at once: its arguments, its outputs that do not reuse a donated
-  # argument, and its temporaries (at least the compiler's own peak estimate).
-  peak = max(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes, getattr(mem, 'peak_memory_in_bytes', 0))
   opt = float(cost.get('optimal_seconds', -1.0))
   return {
       'compiled': True, 'executable': compiled,
@@ -302,7 +301,7 @@ def compile_step(lowered) -> dict[str, Any]:
       'output_bytes': int(mem.output_size_in_bytes),
       'alias_bytes': int(mem.alias_size_in_bytes),
       'temp_bytes': int(mem.temp_size_in_bytes),
-      'peak_bytes': int(peak),
+      'peak_bytes': peak,  # what the step holds at once (fit.step_bytes)
       'compiler_flops': float(cost.get('flops', 0.0)),
       'compiler_bytes_accessed': float(cost.get('bytes accessed', 0.0)),
       'optimal_seconds': opt if opt > 0 else None,
@@ -333,7 +332,10 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   m = policy.planned_model_config(cfg, hf_config)
   from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
-  steps = lower_grpo(cfg, m, devices)
+  from jaxrl_ga.config import AUTO_CHUNK  # pylint: disable=g-import-not-at-top
+  auto = [k for k, v in (('remat', cfg.model.remat == 'auto'),
+                         ('logprob_chunk_size', cfg.model.logprob_chunk_size == AUTO_CHUNK)) if v]
+  cfg, steps = fitted_steps(cfg, m, devices, (1.0 - headroom) * chip['hbm_bytes'], chip['name'])
   n = len(devices)
   hosts = len({d.process_index for d in devices})
   g = cfg.grpo
@@ -398,6 +400,7 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                 'hidden_size': m.hidden_size, 'vocab_size': m.vocab_size,
                 'dtype': m.dtype, 'param_dtype': m.param_dtype,
                 'remat': cfg.model.remat, 'logprob_chunk_size': cfg.model.logprob_chunk_size,
+                'auto': auto,  # the knobs set to 'auto', chosen (above) against the HBM
                 'attention': cfg.model.attention,
                 'lora': None if not m.lora.rank else {
                     'rank': m.lora.rank, 'alpha': m.lora.alpha, 'targets': list(m.lora.targets),
@@ -481,10 +484,12 @@ def knobs(cfg, steps: dict) -> list[str]:
 
 def render_text(rep: dict[str, Any]) -> str:
   gib = lambda x: 'n/a' if x is None else f'{x / 2**30:.2f} GiB'
+  auto = lambda knob: ' (auto)' if knob in rep['model']['auto'] else ''
   lines = [f'topology {rep["topology"]}: {rep["chips"]} x {rep["chip"]} on {rep["hosts"]} '
            f'host(s), {rep["slices"]} slice(s), HBM {gib(rep["hbm_bytes_per_chip"])} per chip; mesh {rep["mesh"]}',
-           f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}, '
-           f'logprob_chunk_size={rep["model"]["logprob_chunk_size"]}, '
+           f'model: {rep["model"]["params"] / 1e9:.2f}B params, remat={rep["model"]["remat"]}'
+           f'{auto("remat")}, logprob_chunk_size={rep["model"]["logprob_chunk_size"]}'
+           f'{auto("logprob_chunk_size")}, '
            f'attention={rep["model"]["attention"]}'
            + ('' if not rep['model']['lora'] else
               f'; LoRA rank {rep["model"]["lora"]["rank"]} on '

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
+from jaxrl_ga import fit
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import logprobs
 from jaxrl_ga import lora
@@ -34,10 +35,25 @@ from jaxrl_ga.models import transformer as tfm
 
 def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptions:
   """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
-  attention); ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only)."""
-  return tfm.ForwardOptions(scan_layers=spec.scan_layers, remat=spec.remat,
-                            logprob_chunk_size=spec.logprob_chunk_size,
-                            share_prompts=share_prompts, attention=spec.attention)
+  attention); ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only). The trainers pass
+  the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an 'auto' knob left here (a caller
+  building programs directly) is fit's choice without a memory limit: remat 'none', chunk 0."""
+  return tfm.ForwardOptions(
+      scan_layers=spec.scan_layers, remat='none' if spec.remat == 'auto' else spec.remat,
+      logprob_chunk_size=max(spec.logprob_chunk_size, 0),
+      share_prompts=share_prompts, attention=spec.attention)
+
+
+def with_memory_knobs(cfg: RunConfig, remat: str, chunk: int) -> RunConfig:
+  """``cfg`` with ``model.remat`` and ``model.logprob_chunk_size`` set (fit's candidates)."""
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat,
+                                                            logprob_chunk_size=chunk))
+
+
+def memory_limit(cfg: RunConfig, mesh):
+  """The device memory the steps must fit (``fit.device_limit`` of ``mesh.device_memory_gib``
+  and the mesh's devices), or None."""
+  return fit.device_limit(cfg.mesh.device_memory_gib, list(mesh.devices.flat))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +98,116 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
       lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
       align_diagnostic=g.align_diagnostic)
   return GRPOPrograms(engine=engine, learner=learner, table=table)
+
+
+# What each step of a stage is called in fit's line and errors.
+STEP_NAMES = {'learner': 'learner micro-step',
+              'rollout': 'rollout step (generation, old and reference log-probs)',
+              'reorder': 'reorder step (old log-probs)'}
+
+
+def abstract_params(model_cfg: tfm.ModelConfig, param_shardings):
+  """The params of ``model_cfg`` as ShapeDtypeStructs with ``param_shardings``."""
+  shapes = sharding.abstract_model(model_cfg)[1]
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      shapes, param_shardings)
+
+
+def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg,
+                     steps=('learner', 'rollout')) -> dict[str, Any]:
+  """The GRPO programs' ``steps`` lowered at the run's shapes and shardings from ``params``
+  (ShapeDtypeStructs, ``abstract_params``): {'learner': the micro-step at the full completion
+  width, 'rollout': generation with the old and reference log-probs, 'reorder' (with
+  ``advantage.order_by_advantage_sign`` when 'rollout' is asked): the step that then computes the
+  old log-probs} as jax.stages.Lowered, what ``jaxrl_ga.plan`` and ``jaxrl_ga.fit`` compile."""
+  engine = programs.engine
+  ref = params if grpo.loss.beta > 0 and not engine.ref_is_base else None
+  out = {}
+  if 'learner' in steps:
+    example = engine.abstract_micro_batch(params, ref)
+    trained, frozen = lora.partition(params, model_cfg)  # LoRA: the base is a frozen argument
+    lstate = programs.learner.abstract_init(trained, example, frozen)
+    out['learner'] = programs.learner.step_fn.lower(lstate, example,
+                                                    *([] if frozen is None else [frozen]))
+  if 'rollout' in steps:
+    state, prompts = engine.abstract_state(), engine.abstract_prompts()
+    out['rollout'] = engine.step_fn.lower(params, ref, state, prompts, prompts)
+    if engine.defer_old_logps:
+      order = jax.ShapeDtypeStruct((grpo.schedule.completions_per_rollout,), jax.numpy.int32,
+                                   sharding=sharding.replicated(programs.engine.mesh))
+      out['reorder'] = engine.reorder_fn.lower(params, engine.abstract_buffer(params, ref),
+                                               state, engine.abstract_advantages(), order)
+  return out
+
+
+def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
+                         eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
+                         graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
+                         say: Callable[[str], None] = fit.say) -> GRPOPrograms:
+  """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
+  every step (learner, rollout, reorder) compiled and checked before the first runs (ConfigError
+  when explicit knobs do not fit); the trainer's steps then find their executables compiled."""
+  g = cfg.grpo if grpo is None else grpo
+  graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
+  params = abstract_params(model_cfg, param_shardings)
+
+  def build(remat, chunk):
+    progs = build_grpo_programs(with_memory_knobs(cfg, remat, chunk), model_cfg, mesh,
+                                param_shardings, eos_id=eos_id, pad_id=pad_id, grpo=g,
+                                graphdef=graphdef, table=table)
+    return progs, lambda: [(STEP_NAMES[k], v) for k, v in
+                           lower_grpo_steps(progs, params, g, model_cfg).items()]
+
+  return fit.choose(cfg.model, build, memory_limit(cfg, mesh), stage='grpo',
+                    positions=g.sampling.max_completion_length,
+                    batch_setting='grpo.schedule.micro_batch_size',
+                    accum_setting='grpo.schedule.grad_accum_steps', say=say)[0]
+
+
+def _fitted_learner(cfg: RunConfig, build: Callable[[RunConfig], learner_lib.Learner],
+                    model_cfg, mesh, param_shardings, example: dict, *, stage: str,
+                    positions: int, say: Callable[[str], None]) -> learner_lib.Learner:
+  """``build(cfg)`` with the memory knobs fit chooses for its micro-step on ``example`` (a
+  micro-batch, real or abstract)."""
+  params = abstract_params(model_cfg, param_shardings)
+  example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         example)
+
+  def built(remat, chunk):
+    lrn = build(with_memory_knobs(cfg, remat, chunk))
+
+    def lower():
+      trained, frozen = lora.partition(params, model_cfg)
+      state = lrn.abstract_init(trained, example, frozen)
+      return [(STEP_NAMES['learner'],
+               lrn.step_fn.lower(state, example, *([] if frozen is None else [frozen])))]
+    return lrn, lower
+
+  return fit.choose(cfg.model, built, memory_limit(cfg, mesh), stage=stage, positions=positions,
+                    batch_setting=f'{stage}.micro_batch_size',
+                    accum_setting=f'{stage}.grad_accum_steps', say=say)[0]
+
+
+def fitted_sft_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
+                       sft: SFTConfig, example: dict, say: Callable[[str], None] = fit.say
+                       ) -> learner_lib.Learner:
+  """``build_sft_learner`` with the memory knobs fit chooses for its micro-step on
+  ``example`` (the first micro-batch)."""
+  return _fitted_learner(
+      cfg, lambda c: build_sft_learner(c, model_cfg, mesh, param_shardings, graphdef, sft),
+      model_cfg, mesh, param_shardings, example, stage='sft', positions=sft.max_length,
+      say=say)
+
+
+def fitted_dpo_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
+                       dpo: DPOConfig, example: dict, say: Callable[[str], None] = fit.say
+                       ) -> learner_lib.Learner:
+  """``build_dpo_learner`` with the memory knobs fit chooses for its micro-step on ``example``
+  (the first micro-batch)."""
+  return _fitted_learner(
+      cfg, lambda c: build_dpo_learner(c, model_cfg, mesh, param_shardings, graphdef, dpo),
+      model_cfg, mesh, param_shardings, example, stage='dpo', positions=dpo.max_length,
+      say=say)
 
 
 def _learner(graphdef, task_loss, opt: OptimizerConfig, mesh, param_shardings, model_cfg,

@@ -210,8 +210,6 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
   # dpo.micro_batch_size is checked against the mesh before anything is built
   # (api.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner = programs.build_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                      ctx.graphdef, dpo=cfg)
   evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
   pairs = load_or_build_pairs(ctx, cfg, params)
   shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
@@ -221,7 +219,12 @@ def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[
 
   ckpt = ctx.checkpointer('dpo')
   k = cfg.grad_accum_steps
-  fresh = learner.init(part.trained, batch_at(0), part.frozen)
+  first = batch_at(0)
+  # Compiled and checked against the device's memory here (jaxrl_ga.fit), 'auto' knobs chosen;
+  # the pairs' reference pass before it runs fit's choice without a limit (remat does not apply).
+  learner = programs.fitted_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                        ctx.graphdef, cfg, first)
+  fresh = learner.init(part.trained, first, part.frozen)
   state, meta = stage.restore(ctx, ckpt, 'dpo', fresh, k)
   if not stage.trains_on('dpo', meta, cfg.num_steps, k):
     return part.policy(state.params), meta['summary']

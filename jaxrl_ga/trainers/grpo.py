@@ -73,8 +73,9 @@ class GRPOTrainer:
     cfg = ctx.with_chosen_lengths('grpo', cfg)  # a prompt width of 0: the one chosen
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
-    # The schedule is validated against the mesh by main.validate_against_mesh.
-    programs = programs_lib.build_grpo_programs(
+    # The schedule is validated against the mesh by main.validate_against_mesh. Every step is
+    # compiled here and checked against the device's memory (jaxrl_ga.fit), 'auto' knobs chosen.
+    programs = programs_lib.fitted_grpo_programs(
         ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
         pad_id=ctx.pad_id, grpo=cfg, graphdef=ctx.graphdef, table=table)
     self.table, self.engine, self.learner = programs.table, programs.engine, programs.learner

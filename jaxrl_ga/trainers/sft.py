@@ -59,16 +59,18 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
   # sft.micro_batch_size is checked against the mesh before anything is built
   # (main.validate_against_mesh), as GRPO's schedule is.
   part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  learner = programs.build_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                       ctx.graphdef, sft=cfg)
   b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
 
   def batch_at(position):  # each process builds only its own rows -> (batch, examples used)
     batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
     return placement.place_rows(batch, b, ctx.mesh), consumed
 
+  first = batch_at(0)[0]
+  # Compiled and checked against the device's memory here (jaxrl_ga.fit), 'auto' knobs chosen.
+  learner = programs.fitted_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                        ctx.graphdef, cfg, first)
   ckpt = ctx.checkpointer('sft')
-  fresh = learner.init(part.trained, batch_at(0)[0], part.frozen)
+  fresh = learner.init(part.trained, first, part.frozen)
   state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
   if not stage.trains_on('sft', meta, cfg.num_steps, k):
     return part.policy(state.params), meta['summary']
