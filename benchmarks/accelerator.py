@@ -44,6 +44,8 @@ is written by another (on the CPU, so no device memory is held), and this proces
 them and reads their JSON: it never touches the device. TRL's side runs with ``--trl_python``
 (its own environment; it imports no JAX).
 
+The sides run one after another, not interleaved as the CPU scripts' rounds are: on an
+accelerator a side has the device to itself; on a shared CPU compare with the load in the JSON.
 Per side, N = ``--steps`` (``--trl_steps``) optimizer steps; each figure is the median of steps
 2..N (step 1 compiles):
 
@@ -376,6 +378,7 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
                               callbacks=[StepClock()])
     out['attn_implementation'] = trainer.model.config._attn_implementation  # pylint: disable=protected-access
     out['params'] = sum(p.numel() for p in trainer.model.parameters())
+    out['param_dtypes'] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     generate_and_score = trainer._generate_and_score_completions  # pylint: disable=protected-access
     training_step = trainer.training_step
 

@@ -34,8 +34,8 @@ print('devices', jax.devices())
 EOF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$OUT/versions.txt"
 # Each side gets --timeout_s; the whole run stays under the device tool's 10 minutes per command.
-timeout "${TOTAL_TIMEOUT:-560}" python3 benchmarks/accelerator.py \
+timeout "${TOTAL_TIMEOUT:-580}" python3 benchmarks/accelerator.py \
   --tokenizer=.whl/smollm2_tokenizer --steps="${STEPS:-5}" --trl_steps="${TRL_STEPS:-4}" \
-  --timeout_s="${SIDE_TIMEOUT:-170}" --logs="$OUT/logs" --out="$OUT/accelerator.json" "$@" \
+  --ours="${OURS:-tuned,defaults}" --timeout_s="${SIDE_TIMEOUT:-200}" --logs="$OUT/logs" --out="$OUT/accelerator.json" "$@" \
   2>&1 | tee "$OUT/accelerator.txt"
 echo "exit status ${PIPESTATUS[0]}"
