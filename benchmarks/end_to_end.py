@@ -406,7 +406,7 @@ class TrlSide:
     """``model``: an HF directory, or a loaded model (with ``tokenizer``, TRL's processing_class;
     a tokenizer with a chat template gets the prompts as the rendered template text)."""
     g = cfg.grpo
-    sched, sampling, loss = g.schedule, g.sampling, g.loss
+    sched, sampling = g.schedule, g.sampling
     self.turns, self.period_steps = turns, period_steps
     self.clock = PeriodClock()
     n_prompts = num_steps * sched.grad_accum_steps * sched.micro_batch_size // sched.num_generations
@@ -418,21 +418,7 @@ class TrlSide:
     rewards = task.reward_functions()
     gen_kwargs = {'min_new_tokens': sampling.max_completion_length} if _FULL_LENGTH.value else None
     self.settings = dict(
-        per_device_train_batch_size=sched.micro_batch_size,
-        num_generations=sched.num_generations,
-        steps_per_generation=sched.steps_per_generation,
-        num_iterations=sched.num_iterations,
-        gradient_accumulation_steps=sched.grad_accum_steps,
-        max_completion_length=sampling.max_completion_length,
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        beta=loss.beta, epsilon=loss.epsilon_low, epsilon_high=loss.epsilon_high,
-        loss_type={'token': 'dapo', 'sequence': 'grpo', 'constant': 'dr_grpo'}[loss.aggregation],
-        scale_rewards=g.advantage.scale_rewards,
-        reward_weights=[r.weight for r in rewards],
-        learning_rate=g.optimizer.learning_rate, lr_scheduler_type='constant',
-        weight_decay=g.optimizer.weight_decay, max_grad_norm=g.optimizer.max_grad_norm,
-        adam_beta1=g.optimizer.b1, adam_beta2=g.optimizer.b2, adam_epsilon=g.optimizer.eps,
-        max_steps=num_steps, seed=cfg.seed, shuffle_dataset=False,
+        **machine.trl_grpo_settings(cfg), max_steps=num_steps,
         generation_kwargs=gen_kwargs,
         bf16=False, gradient_checkpointing=False, use_cpu=True,
         report_to='none', save_strategy='no', disable_tqdm=True,

@@ -281,6 +281,33 @@ def roofline_text(r: dict) -> str:
           f" medians of {len(r['samples'])} samples")
 
 
+def trl_grpo_settings(cfg) -> dict:
+  """TRL ``GRPOConfig`` arguments for the GRPO settings of a jaxrl_ga ``RunConfig`` ``cfg``: the
+  schedule (B, G, S, mu, K), the completion length, sampling, the loss (beta, clipping, TRL's
+  loss_type for the aggregation), the advantage scaling, the reward weights and AdamW at a
+  constant rate. Each script adds its own device, logging and step-count settings."""
+  from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top  (no JAX)
+  g = cfg.grpo
+  sched, sampling, loss = g.schedule, g.sampling, g.loss
+  task = tasks.get_task(cfg.task.name, **dict(cfg.task.options))
+  return dict(
+      per_device_train_batch_size=sched.micro_batch_size,
+      num_generations=sched.num_generations,
+      steps_per_generation=sched.steps_per_generation,
+      num_iterations=sched.num_iterations,
+      gradient_accumulation_steps=sched.grad_accum_steps,
+      max_completion_length=sampling.max_completion_length,
+      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+      beta=loss.beta, epsilon=loss.epsilon_low, epsilon_high=loss.epsilon_high,
+      loss_type={'token': 'dapo', 'sequence': 'grpo', 'constant': 'dr_grpo'}[loss.aggregation],
+      scale_rewards=g.advantage.scale_rewards,
+      reward_weights=[r.weight for r in task.reward_functions()],
+      learning_rate=g.optimizer.learning_rate, lr_scheduler_type='constant',
+      weight_decay=g.optimizer.weight_decay, max_grad_norm=g.optimizer.max_grad_norm,
+      adam_beta1=g.optimizer.b1, adam_beta2=g.optimizer.b2, adam_epsilon=g.optimizer.eps,
+      seed=cfg.seed, shuffle_dataset=False)
+
+
 def write_json(path: str, payload: dict, default=str) -> None:
   """Writes a script's results (its directory created) and says where; ``default`` converts what
   json cannot (as json.dump's)."""

@@ -91,6 +91,15 @@ CHIPS = {
     'TPU v5p': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
     'TPU v6 lite': dict(name='v6e', hbm_bytes=32 * 2**30, peak_flops=918e12,
                         hbm_bandwidth=1640e9),
+    # NVIDIA GPUs (benchmarks/accelerator.py's bounds; plan compiles for TPUs only): dense bf16
+    # tensor-core flop/s (no sparsity) and HBM bandwidth of the SXM parts, from NVIDIA's data
+    # sheets (nvidia.com/en-us/data-center/h100 and /h200, the A100 datasheet).
+    'NVIDIA H200': dict(name='h200', hbm_bytes=141 * 10**9, peak_flops=989.4e12,
+                        hbm_bandwidth=4.8e12),
+    'NVIDIA H100 80GB HBM3': dict(name='h100', hbm_bytes=80 * 10**9, peak_flops=989.4e12,
+                                  hbm_bandwidth=3.35e12),
+    'NVIDIA A100-SXM4-80GB': dict(name='a100', hbm_bytes=80 * 10**9, peak_flops=312e12,
+                                  hbm_bandwidth=2.039e12),
 }
 STEP_KEYS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'peak_bytes', 'flops',
              'bytes_accessed', 'optimal_seconds')
