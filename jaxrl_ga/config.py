@@ -380,7 +380,7 @@ class AdvantageConfig:
 MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'full', 'save_dots')
-ATTENTION = ('einsum', 'xla', 'splash')  # model.attention (models/transformer.ATTENTION_IMPLS)
+ATTENTION = ('einsum', 'xla', 'splash', 'flash')  # model.attention (models/transformer.ATTENTION_IMPLS)
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
 LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
