@@ -588,8 +588,10 @@ class ModelSpec(ModelConfig):
     attention: the attention of the training forward (learners, old and reference log-probs)
       and of the rollout's prefill: 'einsum' (two einsums and a softmax over a dense mask),
       'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
-      stages it) or 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
-      measure with ``python -m jaxrl_ga.plan``). The decode steps keep their filled-cache
+      stages it), 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
+      measure with ``python -m jaxrl_ga.plan``) or 'flash' (FlashAttention's algorithm in pure
+      JAX, every backend: blocked over keys, the backward recomputed, no [B, N, T, S] tensor
+      kept; models/attention.flash_attention; benchmarks/learner_memory.py). The decode steps keep their filled-cache
       attention. What an implementation cannot express runs the einsum (models/transformer.py,
       "Fused attention"); benchmarks/attention.py compares them.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).

@@ -46,7 +46,8 @@ Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIE
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
 'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
 the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
-the rest (attention, norms, activations).
+the rest (attention, norms, activations). With 'none' the RMSNorms and the MLP's activation
+and down projection are still recomputed from their inputs (no matmul; ``_rms_norm``'s comment).
 
 Attention (``ForwardOptions.attention``, model.attention), its masks and the KV cache live in
 ``models/attention.py``; the sharding-constraint context in ``models/activations.py``.
@@ -162,11 +163,12 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # What the training backward keeps of a layer (issue 47): by default jax keeps every intermediate
 # its VJP reads. Two elementwise parts of the layer are recomputed in the backward instead
 # (``jax.checkpoint`` of just that part, whatever ``model.remat`` says), since they cost no
-# matmul to redo and kept whole they were most of a layer's activations: the RMSNorm (its
-# float32 copy of x and the normed values: 3 bytes/feature... 6 with the float32 copy) keeps only
-# its input, and the SwiGLU MLP's down projection (gate, silu, silu*up, the sigmoid: 4 more
-# [rows, MLP] tensors) keeps only gate and up. The recompute is the same ops on the same inputs,
-# so values and gradients are unchanged; benchmarks/learner_memory.py measures the memory.
+# matmul to redo and kept whole they were most of a layer's activations: the RMSNorm (a float32
+# copy of x and the normed values besides its output) keeps only its input, and the SwiGLU MLP's
+# down projection (six bf16 [rows, MLP] tensors kept: gate, up, the sigmoid, silu, silu * up)
+# keeps only gate and up (issue 47's 0.4B model, B = 64: ~46 MB of residuals per row and layer
+# before, ~19 MB after, with model.attention='flash'). The recompute is the same ops on the same
+# inputs, so values and gradients are unchanged; benchmarks/learner_memory.py measures it.
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
   """RMSNorm over the last axis. HF Llama's: ``scale * normed`` in x's dtype; with ``plus_one``
   Gemma's: ``normed * (1 + scale)`` in float32, then cast to x's dtype. Recomputed in the
