@@ -390,7 +390,7 @@ MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'save_dots', 'full')  # least recompute first (jaxrl_ga.fit's order)
 AUTO_CHUNK = -1  # model.logprob_chunk_size='auto' (jaxrl_ga.fit)
-ATTENTION = ('einsum', 'xla', 'splash')  # model.attention (models/transformer.ATTENTION_IMPLS)
+ATTENTION = ('einsum', 'xla', 'splash', 'flash')  # model.attention (models/attention.ATTENTION_IMPLS)
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
 LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
@@ -601,8 +601,10 @@ class ModelSpec(ModelConfig):
     attention: the attention of the training forward (learners, old and reference log-probs)
       and of the rollout's prefill: 'einsum' (two einsums and a softmax over a dense mask),
       'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
-      stages it) or 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
-      measure with ``python -m jaxrl_ga.plan``). The decode steps keep their filled-cache
+      stages it), 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
+      measure with ``python -m jaxrl_ga.plan``) or 'flash' (FlashAttention's algorithm in pure
+      JAX, every backend: blocked over keys, the backward recomputed, no [B, N, T, S] tensor
+      kept; models/attention.flash_attention; benchmarks/learner_memory.py). The decode steps keep their filled-cache
       attention. What an implementation cannot express runs the einsum (models/transformer.py,
       "Fused attention"); benchmarks/attention.py compares them.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).

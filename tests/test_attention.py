@@ -160,8 +160,8 @@ def test_model_attention_setting():
   the rollout's prefill); an unknown name is a ConfigError naming the setting."""
   assert programs.forward_options(ModelSpec(attention='xla')).attention == 'xla'
   assert programs.forward_options(ModelSpec()).attention == 'einsum'
-  with pytest.raises(ConfigError, match=r"model.attention='flash' is not a known value.*'einsum', 'xla', 'splash'"):
-    ModelSpec(attention='flash')
+  with pytest.raises(ConfigError, match=r"model.attention='flashy' is not a known value.*'einsum', 'xla', 'splash'"):
+    ModelSpec(attention='flashy')
 
 
 def test_splash_needs_a_tpu():

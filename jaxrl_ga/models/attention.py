@@ -12,11 +12,14 @@ only: the Pallas splash-attention kernel, ``jax.experimental.pallas.ops.tpu.spla
 which never materializes the [T, S] scores; its mask is causal (or local: the sliding window) and
 the rows' segment ids, 0/1 masks and SFT's packed ids alike, so a padding query attends to the
 padding before it instead of ``causal_mask``'s real positions: only padding positions' outputs
-differ, and no loss reads them). Every implementation keeps GQA, the sliding window, Gemma's
-``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
-einsum: the suffix-over-shared-prefix attention of ``Transformer.hidden_after_prefix``
-(``attention_after_prefix``, every implementation), and with 'splash' a model whose layers mix
-sliding and full attention (Gemma 3).
+differ, and no loss reads them) or 'flash' (``flash_attention``: FlashAttention's blocked
+online softmax and recomputing backward in pure JAX, every backend; the dense mask; no
+[B, N, T, S] tensor kept for the backward; issue 47). Every implementation keeps GQA, the
+sliding window, Gemma's ``query_pre_attn_scalar``, packed segments and left padding; what one
+cannot express runs the einsum: the suffix-over-shared-prefix attention of
+``Transformer.hidden_after_prefix`` (``attention_after_prefix``; with 'flash'
+``flash_attention_after_prefix``), and with 'splash' a model whose layers mix sliding and full
+attention (Gemma 3).
 
 The decode step reads only the filled blocks of its cache (``cache_attention``,
 ``blocked_attention``: an online softmax over the blocks).
@@ -36,7 +39,7 @@ import numpy as np
 from jaxrl_ga.config import ModelConfig
 from jaxrl_ga.models import activations
 
-ATTENTION_IMPLS = ('einsum', 'xla', 'splash')  # ForwardOptions.attention (model.attention)
+ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'flash')  # ForwardOptions.attention (model.attention)
 
 
 def check_attention(attention: str) -> None:
@@ -167,6 +170,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                         scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
                                         implementation='xla')
+  if attention == 'flash':
+    return flash_attention(q, k, v, mask, scale_dim)
   return einsum_attention(q, k, v, mask, scale_dim=scale_dim)
 
 
@@ -211,6 +216,147 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
     specs = tuple(spec(x, ('activation_batch',) + (None,) * (x.ndim - 1)) for x in args)
     rows = jax.shard_map(rows, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
   return jnp.swapaxes(rows(*args), 1, 2)[:, :t]
+
+
+# -- memory-efficient attention in pure JAX (model.attention='flash'; issue 47) ---------------------
+# FlashAttention's algorithm (Dao et al. 2022, arXiv:2205.14135; FlashAttention-2, Dao 2023,
+# arXiv:2307.08691) written with jnp, so every backend compiles it: the forward walks the keys in
+# blocks of FLASH_BLOCK with an online softmax (a running max, sum and weighted values), and a
+# ``jax.custom_vjp`` keeps for the backward only q, k, v, the mask, the output and each query's
+# softmax max and sum (its logsumexp in two parts: max + log(sum) rounds to the max in float32
+# for a query that attends to nothing, whose scores are all float32's lowest), then recomputes each block's probabilities from them. No [B, N, T, S] score or
+# probability tensor is kept per layer (the einsum's is 4 B x N x T x S bytes: 1.2 GB per layer of
+# issue 47's 0.4B model at B = 64, T = 576) nor built at once (one [B, N, T, FLASH_BLOCK] block
+# at a time). The arithmetic is the einsum's: float32 scores divided by sqrt(scale_dim), masked
+# with float32's lowest value (a query with no key attends to all S keys evenly, as the einsum's
+# softmax does), probabilities cast to v's dtype for the value product; only the order of the
+# softmax's sums differs (float32 rounding). It runs every query against every key block (the
+# mask is data, so no block is skipped): the einsum's FLOPs, not causal FlashAttention's half.
+FLASH_BLOCK = 128  # keys per block of the 'flash' attention
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    scale_dim: Optional[float] = None, block: int = FLASH_BLOCK) -> jax.Array:
+  """``einsum_attention``'s values (q [B, T, N, H]; k, v [B, S, K, H]; mask [B, T, S] bool;
+  GQA; scale_dim) computed over key blocks of ``block`` with an online softmax, its gradient
+  recomputed blockwise (``jax.custom_vjp``); see the comment above."""
+  return _flash(q, k, v, mask, float(scale_dim or q.shape[-1]), int(block))
+
+
+def _flash_blocks(k, v, mask, block):
+  """Keys, values and mask cut into blocks along S (padded to a multiple of ``block``): k, v
+  [nb, B, blk, K, H], mask [nb, B, T, blk], and a [nb, blk] bool that is False on the padding
+  (keys that exist in no row: weight exactly 0, even for a query that attends to nothing)."""
+  s = k.shape[1]
+  blk = min(block, s)
+  nb = -(-s // blk)
+  pad = nb * blk - s
+  cut = lambda x, axis: jnp.moveaxis(
+      jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)]).reshape(
+          x.shape[:axis] + (nb, blk) + x.shape[axis + 1:]), axis, 0)
+  real = (jnp.arange(nb * blk) < s).reshape(nb, blk)
+  return cut(k, 1), cut(v, 1), cut(mask, 2), real
+
+
+def _flash_scores(q, kb, mb, real, scale):
+  """One block's float32 scores [B, K, G, T, blk], masked as the einsum masks (float32's lowest
+  value), the padding keys at -inf. q: [B, T, K, G, H]."""
+  logits = jnp.einsum('BTKGH,BSKH->BKGTS', q, kb, preferred_element_type=jnp.float32) / scale
+  logits = jnp.where(mb[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  return jnp.where(real, logits, -jnp.inf)
+
+
+def _flash_forward(q, k, v, mask, scale_dim, block):
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
+  scale = np.sqrt(scale_dim).astype(np.float32)
+  kb, vb, mb, real = _flash_blocks(k, v, mask, block)
+
+  def body(carry, xs):
+    top, total, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+    kj, vj, mj, rj = xs
+    logits = _flash_scores(qg, kj, mj, rj, scale)
+    new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+    p = jnp.exp(logits - new_top[..., None])
+    fix = jnp.exp(top - new_top)
+    acc = acc * fix[..., None] + jnp.einsum('BKGTS,BSKH->BKGTH', p.astype(v.dtype), vj,
+                                            preferred_element_type=jnp.float32)
+    return (new_top, total * fix + jnp.sum(p, axis=-1), acc), None
+
+  low = jnp.full((b, kv_heads, n // kv_heads, t), jnp.finfo(jnp.float32).min, jnp.float32)
+  (top, total, acc), _ = jax.lax.scan(
+      body, (low, jnp.zeros_like(low), jnp.zeros(low.shape + (h,), jnp.float32)),
+      (kb, vb, mb, real))
+  out = (acc / total[..., None]).astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  return out, (top, total)  # the output and each query's softmax max and sum [B, K, G, T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q, k, v, mask, scale_dim, block):
+  return _flash_forward(q, k, v, mask, scale_dim, block)[0]
+
+
+def _flash_fwd(q, k, v, mask, scale_dim, block):
+  out, stats = _flash_forward(q, k, v, mask, scale_dim, block)
+  return out, (q, k, v, mask, out, stats)
+
+
+def _flash_bwd(scale_dim, block, res, d_out):
+  """FlashAttention-2's backward (Algorithm 2): per key block, P = exp(S - max) / sum,
+  dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ += dS K, dK = dS^T Q (the
+  1/sqrt(scale_dim) applied to dQ and dK)."""
+  q, k, v, mask, out, (top, total) = res
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  g = n // kv_heads
+  qg = q.reshape(b, t, kv_heads, g, h)
+  dog = d_out.reshape(b, t, kv_heads, g, h)
+  scale = np.sqrt(scale_dim).astype(np.float32)
+  kb, vb, mb, real = _flash_blocks(k, v, mask, block)
+  # rowsum(dO * O) [B, K, G, T], float32
+  delta = jnp.einsum('BTKGH,BTKGH->BKGT', dog.astype(jnp.float32),
+                     out.reshape(b, t, kv_heads, g, h).astype(jnp.float32))
+
+  inv = 1.0 / total
+
+  def body(dq, xs):
+    kj, vj, mj, rj = xs
+    p = jnp.exp(_flash_scores(qg, kj, mj, rj, scale) - top[..., None]) * inv[..., None]
+    dv = jnp.einsum('BKGTS,BTKGH->BSKH', p.astype(v.dtype), dog,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum('BTKGH,BSKH->BKGTS', dog, vj, preferred_element_type=jnp.float32)
+    # masked scores are constants (the einsum's jnp.where): no gradient to q or k through them
+    ds = jnp.where(mj[:, None, None], p * (dp - delta[..., None]) / scale, 0.0).astype(q.dtype)
+    dq = dq + jnp.einsum('BKGTS,BSKH->BTKGH', ds, kj, preferred_element_type=jnp.float32)
+    dk = jnp.einsum('BKGTS,BTKGH->BSKH', ds, qg, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(qg.shape, jnp.float32), (kb, vb, mb, real))
+  whole = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, -1, kv_heads, h)[:, :s]  # blocks -> [B, S]
+  return (dq.reshape(b, t, n, h).astype(q.dtype), whole(dk).astype(k.dtype),
+          whole(dv).astype(v.dtype), None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
+                                 prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
+                                 mask: jax.Array, scale_dim: Optional[float] = None) -> jax.Array:
+  """``attention_after_prefix`` (same arguments and values) by ``flash_attention``: each row's
+  keys are its prefix's (repeated for its R rows: [B, S, K, H], small with few KV heads) then its
+  own, in the unshared sequence's order, under one [B, T, S + T] mask; the repeat's backward sums
+  the prefix's key and value gradients over the R rows, as ``attention_after_prefix``'s does."""
+  b, t = q.shape[:2]
+  pk, pv = prefix_kv
+  p, s = pk.shape[:2]
+  r = b // p
+  seen = (jnp.broadcast_to(prefix_valid[:, None, None, :], (p, r, t, s)) if prefix_valid.ndim == 2
+          else prefix_valid).reshape(b, t, s)
+  keys = jnp.concatenate([jnp.repeat(pk, r, axis=0), k], axis=1)
+  values = jnp.concatenate([jnp.repeat(pv, r, axis=0), v], axis=1)
+  return flash_attention(q, keys, values, jnp.concatenate([seen, mask], axis=-1), scale_dim)
 
 
 # -- attention over the filled part of a KV cache (issue 36) ---------------------------------------

@@ -46,7 +46,8 @@ Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIE
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
 'full' keeps only each layer's input and recomputes the layer, 'save_dots' keeps the outputs of
 the weight matmuls (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and recomputes
-the rest (attention, norms, activations).
+the rest (attention, norms, activations). With 'none' the RMSNorms and the MLP's activation
+and down projection are still recomputed from their inputs (no matmul; ``_rms_norm``'s comment).
 
 Attention (``ForwardOptions.attention``, model.attention), its masks and the KV cache live in
 ``models/attention.py``; the sharding-constraint context in ``models/activations.py``.
@@ -159,9 +160,29 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
   return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
 
 
+# What the training backward keeps of a layer (issue 47): by default jax keeps every intermediate
+# its VJP reads. Two elementwise parts of the layer are recomputed in the backward instead
+# (``jax.checkpoint`` of just that part, whatever ``model.remat`` says), since they cost no
+# matmul to redo and kept whole they were most of a layer's activations: the RMSNorm (a float32
+# copy of x and the normed values besides its output) keeps only its input, and the SwiGLU MLP's
+# down projection (six bf16 [rows, MLP] tensors kept: gate, up, the sigmoid, silu, silu * up)
+# keeps only gate and up (issue 47's 0.4B model, B = 64: ~46 MB of residuals per row and layer
+# before, ~19 MB after, with model.attention='flash'). The recompute is the same ops on the same
+# inputs, so values and gradients are unchanged; benchmarks/learner_memory.py measures it.
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
   """RMSNorm over the last axis. HF Llama's: ``scale * normed`` in x's dtype; with ``plus_one``
-  Gemma's: ``normed * (1 + scale)`` in float32, then cast to x's dtype."""
+  Gemma's: ``normed * (1 + scale)`` in float32, then cast to x's dtype. Recomputed in the
+  backward from x (the comment above)."""
+  return _recomputed(_rms_norm_values, x, scale, eps=eps, plus_one=plus_one)
+
+
+def _recomputed(fn, *args, **static):
+  """``fn(*args, **static)``, its intermediates recomputed in the backward (jax.checkpoint:
+  only ``args`` are kept for it)."""
+  return jax.checkpoint(lambda *a: fn(*a, **static), prevent_cse=False)(*args)
+
+
+def _rms_norm_values(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   if plus_one:
@@ -311,9 +332,13 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   x = rows(_rms_norm(h, p['mlp_norm'], eps, gemma))
   gate = rows(constrain(per_token(_proj(cfg, p, x, 'gate_proj')), *_MLP))
   up = rows(constrain(per_token(_proj(cfg, p, x, 'up_proj')), *_MLP))
-  act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
-  return constrain(h + post(per_token(_proj(cfg, p, act * up, 'down_proj')), 'post_mlp_norm'),
-                   *_EMBED)
+
+  def down(gate, up, p):  # recomputed in the backward from gate and up (the comment at _rms_norm)
+    act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+    return _proj(cfg, p, act * up, 'down_proj')
+
+  mlp_out = _recomputed(down, gate, up, {k: v for k, v in p.items() if k.startswith('down_')})
+  return constrain(h + post(per_token(mlp_out), 'post_mlp_norm'), *_EMBED)
 
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
@@ -387,14 +412,16 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
   themselves as ``_layer`` does (by ``attention``); the suffix rows to their prefix and
-  themselves (the einsum: no fused kernel takes the prefix's keys shared by R rows)."""
+  themselves (the einsum, or with 'flash' ``flash_attention_after_prefix``: no fused kernel takes
+  the prefix's keys shared by R rows)."""
   prefix_mask, prefix_valid, suffix_mask = (attn_lib.layer_mask(p, m) for m in masks)
   scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
   attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim)
-  attn_s = attn_lib.attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask,
-                                           scale_dim)
+  after_prefix = (attn_lib.flash_attention_after_prefix if attention == 'flash'
+                  else attn_lib.attention_after_prefix)
+  attn_s = after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask, scale_dim)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
 
