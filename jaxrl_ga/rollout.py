@@ -122,7 +122,8 @@ class RolloutEngine:
                       param_shardings if self.use_ref and not self.ref_is_base else None,
                       self._state_shardings, self._buffer_shardings.prompt_tokens,
                       self._buffer_shardings.prompt_mask),
-        out_shardings=(self._buffer_shardings, self._state_shardings, rep))
+        out_shardings=(self._buffer_shardings, self._state_shardings, rep),
+        compiler_options=sampling.compiler_options(mesh.devices.flat))  # GPUs: command buffers
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)
