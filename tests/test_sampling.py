@@ -765,6 +765,20 @@ def _decode_body_ops(hlo: str) -> dict[str, int]:
   return count
 
 
+def test_gpu_compiler_options_are_xla_s_and_only_for_gpus():
+  """``compiler_options``: None (XLA's defaults) on CPU, ``GPU_COMPILER_OPTIONS`` for GPU devices;
+  XLA accepts those options by name and value (a wrong value is refused: the check is real), so
+  a GPU run cannot fail on them. Compiled here on CPU, where they have no effect."""
+  class Gpu:
+    platform = 'gpu'
+  assert sampling.compiler_options() is None
+  assert sampling.compiler_options([Gpu()]) == sampling.GPU_COMPILER_OPTIONS
+  f = lambda x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+  assert float(jax.jit(f, compiler_options=sampling.GPU_COMPILER_OPTIONS)(1.0)) == 8.0
+  with pytest.raises(Exception, match='xla_gpu_enable_command_buffer'):
+    jax.jit(f, compiler_options={'xla_gpu_enable_command_buffer': 'WHILE,NOT_A_KIND'})(1.0)
+
+
 def test_decode_step_kernel_count():
   """The decode loop body of the sampler as the rollout compiles it (sampled, temperature and
   top-p traced), on XLA:CPU for the 2-layer ``CFG``: the products are one per fused weight
