@@ -108,7 +108,8 @@ class RolloutEngine:
     # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
-        sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention)
+        sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention,
+        fuse_weights=mesh.devices.flat[0].platform != 'cpu')
     rep = sharding.replicated(mesh)
     slab = lambda nd: row_sharding(mesh, nd)
     self._buffer_shardings = RolloutBuffer(

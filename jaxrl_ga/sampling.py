@@ -53,9 +53,10 @@ slots are masked out) up to float32 summation order. On GPUs the step reads the 
 once instead (``attention.WHOLE_CACHE_PLATFORMS``).
 
 The decode step's weights (``Transformer.decode_layers``) are prepared once per call, before the
-loop: q/k/v and gate/up fused into one product each, LoRA adapters folded in, cast to
-model.dtype. On GPUs the programs that decode compile with XLA's command buffers
-(``GPU_COMPILER_OPTIONS``, ``compiler_options``), so the loop body launches as one graph.
+loop: LoRA adapters folded in, cast to model.dtype, and off the CPU q/k/v and gate/up fused into
+one product each (``Sampler.fuse_weights``). On GPUs the programs that decode compile with XLA's
+command buffers (``GPU_COMPILER_OPTIONS``, ``compiler_options``), so the loop body launches as one
+graph.
 
 Slot pool (``Sampler.slots`` = P > 0; ``sampling.decode_slots``): the batched loop above holds
 every row of a batch until its longest row ends, so one long reply costs a whole batch of decode
@@ -107,6 +108,10 @@ class Sampler:
       (``attention.WHOLE_CACHE_PLATFORMS``).
     attention: the prefill's attention (``Transformer.prefill``; model.attention, set by the
       rollout engine from its forward options); the decode steps keep their own.
+    fuse_weights: the decode loop's q/k/v and gate/up weights concatenated into one product each
+      (``Transformer.decode_layers(fuse=True)``); None: fused unless jax's default backend is
+      the CPU, where the fused products measured slower (BENCHMARKS.md, issue 47). The rollout
+      engine sets it from its mesh's devices.
   """
   max_completion_length: int
   eos_id: int
@@ -116,11 +121,12 @@ class Sampler:
   slots: int = 0
   decode_block: int = attn_lib.DECODE_BLOCK
   attention: str = 'einsum'
+  fuse_weights: Optional[bool] = None
 
   def __post_init__(self):
     attn_lib.check_attention(self.attention)
     for name in dataclasses.fields(self):
-      if name.name == 'attention':
+      if name.name in ('attention', 'fuse_weights'):
         continue
       value = getattr(self, name.name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -133,19 +139,28 @@ class Sampler:
     if self.chunk_size < 0:
       raise ValueError(f'Sampler.chunk_size must be >= 0 (0: all rows at once), got '
                        f'{self.chunk_size}.')
+    if self.fuse_weights not in (None, True, False):
+      raise ValueError(f'Sampler.fuse_weights must be None, True or False, got '
+                       f'{self.fuse_weights!r}.')
     if self.slots < 0 or self.decode_block < 0:
       raise ValueError(f'Sampler.slots and decode_block must be >= 0 (0: off), got '
                        f'{self.slots} and {self.decode_block}.')
 
   @classmethod
   def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int,
-                  attention: str = 'einsum') -> 'Sampler':
+                  attention: str = 'einsum', fuse_weights: Optional[bool] = None) -> 'Sampler':
     """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time.
-    ``attention``: the prefill's (the forward options')."""
+    ``attention``: the prefill's (the forward options'); ``fuse_weights``: as the field."""
     return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
                chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots),
-               attention=attention)
+               attention=attention, fuse_weights=fuse_weights)
+
+  def decode_layers(self, model: tfm.Transformer) -> list[dict[str, jax.Array]]:
+    """The decode loop's weights (``Transformer.decode_layers``), fused as ``fuse_weights``
+    says."""
+    fuse = self.fuse_weights
+    return model.decode_layers(fuse=jax.default_backend() != 'cpu' if fuse is None else fuse)
 
 
 @flax.struct.dataclass
@@ -302,7 +317,7 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
                           positions=rows(cache.positions, 0))
   # Sliced, fused and cast once here, not at every token inside the loop
   # (Transformer.unstacked_layers, decode_layers).
-  layers, cache = model.decode_layers(), cache.per_layer()
+  layers, cache = sampler.decode_layers(model), cache.per_layer()
 
   def choose(logits, step):
     return _choose(logits, jax.random.fold_in(rng, step), temperature, top_p, sampler.top_k,
@@ -366,7 +381,7 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
                                               attention=sampler.attention)
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
-  layers = model.decode_layers()
+  layers = sampler.decode_layers(model)
   slot_ids = jnp.arange(slots)
   # Token 0 of every row, drawn once here from its prompt's logits with the row's own key; a slot
   # that takes a row starts from it (decode feeds it back), and a row ended by it never decodes.

@@ -668,11 +668,13 @@ def _fsdp_generate(graphdef, sampler, mesh, shardings):
 def test_decode_under_fsdp8_equals_unsharded(tiny, greedy, slots):
   """On an fsdp=8 mesh (every weight's embed axis over 8 devices, gathered one layer at a time
   in the decode step; ``transformer._gather_layer``) the batched sampler and the slot pool give
-  the unsharded sampler's greedy tokens."""
+  the unsharded sampler's greedy tokens; with the fused weights of accelerators
+  (``Sampler.fuse_weights``) against the unfused ones the CPU runs by default."""
   mesh = sharding.make_mesh(MeshConfig(1, 8, 1))
   _, shapes, axes = sharding.abstract_model(CFG)
   shardings = sharding.param_shardings(shapes, axes, mesh)
-  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK)
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK,
+                             fuse_weights=True)
   rows = sharding.batch_sharding(mesh)
   out = _fsdp_generate(tiny['graphdef'], sampler, mesh, shardings)(
       jax.device_put(tiny['params'], shardings),
@@ -716,7 +718,8 @@ def test_decode_under_fsdp8_gathers_layers_inside_the_loop():
   assert weights == {'f32[64,64]', 'f32[64,32]', 'f32[64,512]', 'f32[512,64]'}
   fused = {'f32[64,128]', 'f32[64,64]', 'f32[64,1024]', 'f32[512,64]'}  # decode_layers'
   for slots in (0, 3):
-    sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, slots=slots, decode_block=BLOCK)
+    sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, slots=slots, decode_block=BLOCK,
+                               fuse_weights=True)
     hlo = _fsdp_generate(graphdef, sampler, mesh, shardings).lower(
         params, prompt, prompt).compile().as_text()
     gathers = _all_gathers(hlo)
@@ -779,23 +782,26 @@ def test_gpu_compiler_options_are_xla_s_and_only_for_gpus():
     jax.jit(f, compiler_options={'xla_gpu_enable_command_buffer': 'WHILE,NOT_A_KIND'})(1.0)
 
 
-def test_decode_step_kernel_count():
+@pytest.mark.parametrize('fuse,products,fusions', [(True, 13, 80), (None, 19, 86)])
+def test_decode_step_kernel_count(fuse, products, fusions):
   """The decode loop body of the sampler as the rollout compiles it (sampled, temperature and
-  top-p traced), on XLA:CPU for the 2-layer ``CFG``: the products are one per fused weight
-  (``Transformer.decode_layers``: qkv, o, gate/up, down), two of the attention per layer and the
-  head: 2 x (4 + 2) + 1 = 13, where the unfused layer had 2 x (7 + 2) + 1 = 19; and at most 80
-  fusions in all (86 unfused). At the 0.4B shape of issue 47 (24 layers, bf16 compute, 64 rows,
-  576 cache slots; compiled on CPU, not run) the same count went from 988 fusions (217 products)
-  to 940 (145), and from 1198 non-free instructions to 1150. A regression in the step's kernel
-  count shows here without a GPU."""
+  top-p traced), on XLA:CPU for the 2-layer ``CFG``. With the fused weights of accelerators
+  (``Sampler.fuse_weights``, ``Transformer.decode_layers``) the products are one per weight
+  (qkv, o, gate/up, down), two of the attention per layer and the head: 2 x (4 + 2) + 1 = 13,
+  where the unfused layer has 2 x (7 + 2) + 1 = 19 (the CPU's default, and every backend's before
+  issue 47); at most 80 fusions in all (86 unfused). At the 0.4B shape of issue 47 (24 layers,
+  bf16 compute, 64 rows, 576 cache slots; compiled on CPU, not run) fusing took the count from
+  988 fusions (217 products) to 940 (145), and from 1198 non-free instructions to 1150. A
+  regression in the step's kernel count shows here without a GPU."""
   graphdef, shapes, _ = sharding.abstract_model(CFG)
   prompt = jax.ShapeDtypeStruct((N, TP), jnp.int32)
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  fn = sampling.make_generate_fn(graphdef, sampling.Sampler(L, eos_id=1, pad_id=PAD))
+  sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, fuse_weights=fuse)
+  fn = sampling.make_generate_fn(graphdef, sampler)
   count = _decode_body_ops(fn.lower(shapes, prompt, prompt, jax.random.key(0), scalar,
                                     scalar).compile().as_text())
-  assert count.get('dot-fusion', 0) + count.get('dot', 0) == 13, count
-  assert count['fusion'] <= 80, count
+  assert count.get('dot-fusion', 0) + count.get('dot', 0) == products, count
+  assert count['fusion'] <= fusions, count
 
 
 @pytest.mark.parametrize('share,slot_counts', [(1, (1, 3)), (2, (3,))])

@@ -654,16 +654,18 @@ class Transformer(nnx.Module):
     arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
-  def decode_layers(self) -> list[dict[str, jax.Array]]:
+  def decode_layers(self, fuse: bool = True) -> list[dict[str, jax.Array]]:
     """The decode loop's per-layer weights (``unstacked_layers``) prepared once per rollout in
     the layout and dtype the decode step uses, so that a step launches fewer, larger products and
     streams the weights in the compute dtype (issue 47):
 
       * the LoRA adapters folded into their weights, W + (alpha / r) A @ B in float32
         (``fold_adapter``, as ``lora.merged`` folds them: the same function up to rounding);
-      * q/k/v concatenated into one [D, (N + 2K) H] ``qkv_proj`` (and ``qkv_bias``), gate/up
-        into one [D, 2F] ``gate_up_proj`` (``FUSED``): one product each instead of three and
-        two; each output column is the same dot product as before;
+      * with ``fuse``, q/k/v concatenated into one [D, (N + 2K) H] ``qkv_proj`` (and
+        ``qkv_bias``), gate/up into one [D, 2F] ``gate_up_proj`` (``FUSED``): one product each
+        instead of three and two; each output column is the same dot product as before. (On
+        XLA:CPU the fused products measured slower: ``Sampler.fuse_weights`` leaves them
+        unfused there);
       * the projections and biases cast to the compute dtype (model.dtype), the cast ``_proj``
         makes at every use: a bfloat16 decode reads bfloat16 weights (XLA:CPU, which computes
         bfloat16 products in float32, may keep the float32 weights instead).
@@ -683,7 +685,7 @@ class Transformer(nnx.Module):
       for name in [k for k in p if k.endswith('_lora_a')]:
         w = name[:-len('_lora_a')]
         p[w] = fold_adapter(p[w], p.pop(name), p.pop(f'{w}_lora_b'), scale)
-      for fused, parts in FUSED.items():
+      for fused, parts in FUSED.items() if fuse else ():
         if all(k in p for k in parts):
           p[fused] = jnp.concatenate([p.pop(k).astype(dt) for k in parts], axis=-1)
       out.append({k: v.astype(dt) if k.endswith(('_proj', '_bias')) else v
