@@ -28,9 +28,11 @@ each, in alternating order; completions/s = rows / the median call. The greedy t
 sides must be equal (checked and reported); HF's are compared too (float32 on both sides, a
 mismatch can only come from a near-tie).
 
-Decode step against the filled length: jitted ``Transformer.decode`` steps on ``--slots`` rows
-with a cache of Tp + M slots for each M in ``--max_lengths``, its rows filled to each length in
-``--filled`` (the cache's ``index``), the filled-cache attention and the whole-cache one
+Decode step against the filled length: jitted ``Transformer.decode`` steps with the sampler's
+weights (``Transformer.decode_layers``, unfused as on CPU, prepared once per call) on
+``--slots`` rows with a cache of Tp + M slots for each M in ``--max_lengths``, its rows filled to
+each length in ``--filled`` (the cache's ``index``), the filled-cache attention and the
+whole-cache one
 (``decode_block=0``); ``STEPS`` steps per call (the cache donated: neither its allocation nor a
 copy is timed), median of ``--step_reps`` calls; ``--steps_only`` runs the table alone. Flat in
 M, growing with the filled length: the decode step's cost follows the tokens really generated.
@@ -150,7 +152,8 @@ def step_table(graphdef, params, slots: int, tp: int) -> list[dict]:
     for block in (attn_lib.DECODE_BLOCK, 0):
       def steps(params, cache, index, block=block, m=m):
         model = tfm.merge(graphdef, params)
-        layers = model.unstacked_layers()
+        # the sampler's on CPU (Sampler.fuse_weights): once per call, not per step
+        layers = model.decode_layers(fuse=False)
         cache = cache.replace(index=index, valid=jnp.broadcast_to(jnp.arange(tp + m) < index,
                                                                   (slots, tp + m)),
                               positions=jnp.full((slots,), index, jnp.int32))

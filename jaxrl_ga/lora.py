@@ -22,7 +22,6 @@ import os
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga.config import LoRAConfig
@@ -87,9 +86,7 @@ def merged(params: dict, cfg: tfm.ModelConfig) -> tuple[dict, tfm.ModelConfig]:
   adapters, base = split(params)
   layers = dict(base['layers'])
   scale = cfg.lora.alpha / cfg.lora.rank
-  fold = jax.jit(lambda w, a, b: (w.astype(jnp.float32) + scale * jnp.einsum(
-      'lir,lro->lio', a.astype(jnp.float32), b.astype(jnp.float32),
-      precision=jax.lax.Precision.HIGHEST)).astype(w.dtype))
+  fold = jax.jit(lambda w, a, b: tfm.fold_adapter(w, a, b, scale).astype(w.dtype))
   for target in cfg.lora.targets:
     name = f'{target}_proj'
     layers[name] = fold(layers[name], adapters['layers'][f'{name}_lora_a'],

@@ -252,7 +252,7 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
                       pool: bool = False):
   """One iteration of the rollout's decode loop, lowered alone for its cost: ``Transformer.decode``
   of ``rows`` tokens (a pool's rows each at its own cache slot) with the loop's per-layer weights
-  (``unstacked_layers``, sharded at rest as the params are) and a KV cache of ``cache_slots`` slots,
+  (``decode_layers``, sharded at rest as the params are) and a KV cache of ``cache_slots`` slots,
   read whole (``block`` 0: no loop, so the compiler's cost analysis counts all of it). A step's
   attention reads the filled blocks only, so over a completion its cost is that of a step at the
   mean fill, which the caller passes. Sampling the token is not included."""
@@ -263,10 +263,11 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
   from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import attention as attn_lib  # pylint: disable=g-import-not-at-top
 
-  layers = jax.eval_shape(lambda p: tfm.merge(graphdef, p).unstacked_layers(), params)
+  layers = jax.eval_shape(lambda p: tfm.merge(graphdef, p).decode_layers(), params)
   stacked = params['layers']
+  source = lambda k: tfm.FUSED[k][0] if k in tfm.FUSED else k  # a fused weight: its first part's
   layers = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
-      mesh, PartitionSpec(*stacked[k].sharding.spec[1:])) if k in stacked
+      mesh, PartitionSpec(*stacked[source(k)].sharding.spec[1:])) if source(k) in stacked
       else sharding.replicated(mesh)) for k, v in layer.items()} for layer in layers]
   m = model_cfg
   dt = jnp.bfloat16 if m.dtype == 'bfloat16' else jnp.float32

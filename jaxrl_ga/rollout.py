@@ -108,7 +108,8 @@ class RolloutEngine:
     # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
-        sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention)
+        sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention,
+        fuse_weights=mesh.devices.flat[0].platform != 'cpu')
     rep = sharding.replicated(mesh)
     slab = lambda nd: row_sharding(mesh, nd)
     self._buffer_shardings = RolloutBuffer(
@@ -122,7 +123,8 @@ class RolloutEngine:
                       param_shardings if self.use_ref and not self.ref_is_base else None,
                       self._state_shardings, self._buffer_shardings.prompt_tokens,
                       self._buffer_shardings.prompt_mask),
-        out_shardings=(self._buffer_shardings, self._state_shardings, rep))
+        out_shardings=(self._buffer_shardings, self._state_shardings, rep),
+        compiler_options=sampling.compiler_options(mesh.devices.flat))  # GPUs: command buffers
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)

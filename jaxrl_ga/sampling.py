@@ -49,7 +49,14 @@ Filled cache (``Sampler.decode_block``): the KV cache has slots for the prompt a
 completion token, but each decode step attends only over the blocks written so far
 (``Transformer.decode``): a step's attention costs what the tokens generated so far cost,
 not what the maximum length costs. The values are those of the whole cache's attention (its other
-slots are masked out) up to float32 summation order.
+slots are masked out) up to float32 summation order. On GPUs the step reads the whole cache at
+once instead (``attention.WHOLE_CACHE_PLATFORMS``).
+
+The decode step's weights (``Transformer.decode_layers``) are prepared once per call, before the
+loop: LoRA adapters folded in, cast to model.dtype, and off the CPU q/k/v and gate/up fused into
+one product each (``Sampler.fuse_weights``). On GPUs the programs that decode compile with XLA's
+command buffers (``GPU_COMPILER_OPTIONS``, ``compiler_options``), so the loop body launches as one
+graph.
 
 Slot pool (``Sampler.slots`` = P > 0; ``sampling.decode_slots``): the batched loop above holds
 every row of a batch until its longest row ends, so one long reply costs a whole batch of decode
@@ -97,9 +104,14 @@ class Sampler:
       decodes them in a pool of this many slots, each refilled with the next row as soon as its
       row finishes (see "Slot pool" in the module docstring).
     decode_block: cache slots per block of the decode attention, which reads the blocks written
-      so far (``Transformer.decode``); 0 reads the whole cache at every step.
+      so far (``Transformer.decode``); 0 reads the whole cache at every step, as GPUs always do
+      (``attention.WHOLE_CACHE_PLATFORMS``).
     attention: the prefill's attention (``Transformer.prefill``; model.attention, set by the
       rollout engine from its forward options); the decode steps keep their own.
+    fuse_weights: the decode loop's q/k/v and gate/up weights concatenated into one product each
+      (``Transformer.decode_layers(fuse=True)``); None: fused unless jax's default backend is
+      the CPU, where the fused products measured slower (BENCHMARKS.md, issue 47). The rollout
+      engine sets it from its mesh's devices.
   """
   max_completion_length: int
   eos_id: int
@@ -109,11 +121,12 @@ class Sampler:
   slots: int = 0
   decode_block: int = attn_lib.DECODE_BLOCK
   attention: str = 'einsum'
+  fuse_weights: Optional[bool] = None
 
   def __post_init__(self):
     attn_lib.check_attention(self.attention)
     for name in dataclasses.fields(self):
-      if name.name == 'attention':
+      if name.name in ('attention', 'fuse_weights'):
         continue
       value = getattr(self, name.name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -126,19 +139,28 @@ class Sampler:
     if self.chunk_size < 0:
       raise ValueError(f'Sampler.chunk_size must be >= 0 (0: all rows at once), got '
                        f'{self.chunk_size}.')
+    if self.fuse_weights not in (None, True, False):
+      raise ValueError(f'Sampler.fuse_weights must be None, True or False, got '
+                       f'{self.fuse_weights!r}.')
     if self.slots < 0 or self.decode_block < 0:
       raise ValueError(f'Sampler.slots and decode_block must be >= 0 (0: off), got '
                        f'{self.slots} and {self.decode_block}.')
 
   @classmethod
   def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int,
-                  attention: str = 'einsum') -> 'Sampler':
+                  attention: str = 'einsum', fuse_weights: Optional[bool] = None) -> 'Sampler':
     """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time.
-    ``attention``: the prefill's (the forward options')."""
+    ``attention``: the prefill's (the forward options'); ``fuse_weights``: as the field."""
     return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
                chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots),
-               attention=attention)
+               attention=attention, fuse_weights=fuse_weights)
+
+  def decode_layers(self, model: tfm.Transformer) -> list[dict[str, jax.Array]]:
+    """The decode loop's weights (``Transformer.decode_layers``), fused as ``fuse_weights``
+    says."""
+    fuse = self.fuse_weights
+    return model.decode_layers(fuse=jax.default_backend() != 'cpu' if fuse is None else fuse)
 
 
 @flax.struct.dataclass
@@ -293,8 +315,9 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
     logits = rows(logits, 0)
     cache = cache.replace(k=rows(cache.k, 1), v=rows(cache.v, 1), valid=rows(cache.valid, 0),
                           positions=rows(cache.positions, 0))
-  # Sliced once here, not at every token inside the loop (see Transformer.unstacked_layers).
-  layers, cache = model.unstacked_layers(), cache.per_layer()
+  # Sliced, fused and cast once here, not at every token inside the loop
+  # (Transformer.unstacked_layers, decode_layers).
+  layers, cache = sampler.decode_layers(model), cache.per_layer()
 
   def choose(logits, step):
     return _choose(logits, jax.random.fold_in(rng, step), temperature, top_p, sampler.top_k,
@@ -358,7 +381,7 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
                                               attention=sampler.attention)
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
-  layers = model.unstacked_layers()
+  layers = sampler.decode_layers(model)
   slot_ids = jnp.arange(slots)
   # Token 0 of every row, drawn once here from its prompt's logits with the row's own key; a slot
   # that takes a row starts from it (decode feeds it back), and a row ended by it never decodes.
@@ -499,6 +522,25 @@ def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.
                      num_decode_steps=jnp.max(out.num_decode_steps))
 
 
+# XLA:GPU command buffers (CUDA graphs) for every kind of op the decode loop runs, loops and
+# conditionals included, however small the graph: the loop body is launched as one graph instead
+# of one kernel launch per op (several hundred per decode step at the 0.4B shape of issue 47; the
+# step went from 5.9 to 4.9 ms on an H200 with these options set process-wide). XLA's debug
+# options of the same names (XLA_FLAGS); set per program with ``jax.jit(compiler_options=...)``.
+GPU_COMPILER_OPTIONS = {
+    'xla_gpu_enable_command_buffer': 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL',
+    'xla_gpu_graph_min_graph_size': 1,
+}
+
+
+def compiler_options(devices=None) -> Optional[dict]:
+  """The compiler options of a program that decodes (``jax.jit(compiler_options=...)``) on
+  ``devices`` (default: the default backend's): ``GPU_COMPILER_OPTIONS`` on GPUs, None (XLA's
+  defaults) on CPU and TPU."""
+  devices = list(devices) if devices is not None else jax.devices()
+  return dict(GPU_COMPILER_OPTIONS) if devices[0].platform == 'gpu' else None
+
+
 def make_generate_fn(graphdef, sampler: Sampler, *, greedy: bool = False,
                      mesh: Optional[Mesh] = None, param_shardings: Any = None):
   """Jitted ``(params, prompt_tokens, prompt_mask, rng, temperature, top_p) -> Completions``.
@@ -506,6 +548,7 @@ def make_generate_fn(graphdef, sampler: Sampler, *, greedy: bool = False,
   With a ``mesh``, prompts and per-row outputs are sharded over the data-parallel axes
   ``('data', 'fsdp')`` and params take ``param_shardings`` (e.g. from ``sharding.init_params``);
   without one, jit follows the shardings of its inputs. Temperature and top_p are traced.
+  On GPUs it compiles with ``GPU_COMPILER_OPTIONS`` (``compiler_options``).
   """
   def fn(params, prompt_tokens, prompt_mask, rng, temperature, top_p):
     return generate(tfm.merge(graphdef, params), prompt_tokens, prompt_mask, rng, sampler,
@@ -514,7 +557,7 @@ def make_generate_fn(graphdef, sampler: Sampler, *, greedy: bool = False,
   if mesh is None:
     if param_shardings is not None:
       raise ValueError('param_shardings needs a mesh: pass mesh= as well.')
-    return jax.jit(fn)
+    return jax.jit(fn, compiler_options=compiler_options())
   if param_shardings is None:
     raise ValueError('with a mesh, pass param_shardings (e.g. from sharding.init_params).')
   rows2, rows1 = shd.batch_sharding(mesh, 2), shd.batch_sharding(mesh, 1)
@@ -522,4 +565,4 @@ def make_generate_fn(graphdef, sampler: Sampler, *, greedy: bool = False,
   out = Completions(tokens=rows2, mask=rows2, ended_with_eos=rows1, logps=rows2,
                     num_decode_steps=rep)
   return jax.jit(fn, in_shardings=(param_shardings, rows2, rows2, rep, rep, rep),
-                 out_shardings=out)
+                 out_shardings=out, compiler_options=compiler_options(mesh.devices.flat))

@@ -84,8 +84,9 @@ def test_adapters_off_or_zero_is_the_base_model_bitwise():
 
 @pytest.mark.slow
 def test_adapter_forward_equals_float64_merged_weights():
-  """The LoRA model's full forward and its prefill/decode (the sampler's path) equal the plain
-  model whose weights are W + alpha/r * A @ B, merged here in float64 with numpy."""
+  """The LoRA model's full forward and its prefill/decode (the sampler's path, with and without
+  ``decode_layers``' folded, fused weights) equal the plain model whose weights are
+  W + alpha/r * A @ B, merged here in float64 with numpy."""
   cfg = lora.with_lora(MODEL, dataclasses.replace(LORA, targets=('q', 'v', 'o', 'down')))
   g, p = tfm.split(tfm.Transformer(cfg, rngs=nnx.Rngs(0)))
   adapters, frozen = lora.split(p)
@@ -107,6 +108,9 @@ def test_adapter_forward_equals_float64_merged_weights():
   nxt, _ = model.decode(jnp.argmax(first, -1), cache)
   full = tfm.merge(base_g, merged)(jnp.concatenate([tokens, jnp.argmax(first, -1)[:, None]], 1),
                                    jnp.concatenate([mask, jnp.ones_like(mask[:, :1])], 1))
+  np.testing.assert_allclose(nxt, full[:, -1], rtol=0, atol=2e-5)
+  # The sampler's loop: the adapters folded into fused weights (Transformer.decode_layers).
+  nxt, _ = model.decode(jnp.argmax(first, -1), cache.per_layer(), model.decode_layers())
   np.testing.assert_allclose(nxt, full[:, -1], rtol=0, atol=2e-5)
 
 

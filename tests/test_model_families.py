@@ -90,7 +90,7 @@ def test_decode_and_greedy_match_hf(name, block):
   tp, n = prompt.shape[1], greedy.shape[1]
   prefill = jax.jit(lambda p: tfm.merge(graphdef, p).prefill(prompt, prompt_mask, tp + n))
   decode = jax.jit(lambda p, t, c: tfm.merge(graphdef, p).decode(
-      t, c, tfm.merge(graphdef, p).unstacked_layers(), block=block))
+      t, c, tfm.merge(graphdef, p).decode_layers(), block=block))
   logits, cache = prefill(params)
   cache = cache.per_layer()
   steps = [logits]

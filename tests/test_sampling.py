@@ -668,11 +668,13 @@ def _fsdp_generate(graphdef, sampler, mesh, shardings):
 def test_decode_under_fsdp8_equals_unsharded(tiny, greedy, slots):
   """On an fsdp=8 mesh (every weight's embed axis over 8 devices, gathered one layer at a time
   in the decode step; ``transformer._gather_layer``) the batched sampler and the slot pool give
-  the unsharded sampler's greedy tokens."""
+  the unsharded sampler's greedy tokens; with the fused weights of accelerators
+  (``Sampler.fuse_weights``) against the unfused ones the CPU runs by default."""
   mesh = sharding.make_mesh(MeshConfig(1, 8, 1))
   _, shapes, axes = sharding.abstract_model(CFG)
   shardings = sharding.param_shardings(shapes, axes, mesh)
-  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK)
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK,
+                             fuse_weights=True)
   rows = sharding.batch_sharding(mesh)
   out = _fsdp_generate(tiny['graphdef'], sampler, mesh, shardings)(
       jax.device_put(tiny['params'], shardings),
@@ -700,7 +702,9 @@ def test_decode_under_fsdp8_gathers_layers_inside_the_loop():
   """In the compiled fsdp=8 sampler (8 layers) no layer weight is all-gathered before the decode
   loop, where one gather of every layer would stay live for the whole loop: each is gathered
   inside a loop body (``transformer._gather_layer``). Before it, XLA gathered 59 of them in the
-  entry computation, ahead of the loop."""
+  entry computation, ahead of the loop. The decode step gathers the fused weights of
+  ``Transformer.decode_layers`` (qkv [64, 64 + 2 x 32], gate/up [64, 2 x 512]): 4 per layer,
+  7 before they were fused."""
   cfg = tfm.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=512,
                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
   mesh = sharding.make_mesh(MeshConfig(1, 8, 1))
@@ -712,15 +716,92 @@ def test_decode_under_fsdp8_gathers_layers_inside_the_loop():
   weights = {'f32[%s]' % ','.join(map(str, x.shape[1:])) for name, x in shapes['layers'].items()
              if 'embed' in axes['layers'][name]}  # the gathered shapes of one layer's weights
   assert weights == {'f32[64,64]', 'f32[64,32]', 'f32[64,512]', 'f32[512,64]'}
+  fused = {'f32[64,128]', 'f32[64,64]', 'f32[64,1024]', 'f32[512,64]'}  # decode_layers'
   for slots in (0, 3):
-    sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, slots=slots, decode_block=BLOCK)
+    sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, slots=slots, decode_block=BLOCK,
+                               fuse_weights=True)
     hlo = _fsdp_generate(graphdef, sampler, mesh, shardings).lower(
         params, prompt, prompt).compile().as_text()
     gathers = _all_gathers(hlo)
-    assert not [s for s in gathers.get('ENTRY', []) if s in weights], (slots, gathers['ENTRY'])
-    in_loops = sum(s in weights for comp, found in gathers.items() if comp != 'ENTRY'
+    assert not [s for s in gathers.get('ENTRY', []) if s in weights | fused], (
+        slots, gathers['ENTRY'])
+    in_loops = sum(s in fused for comp, found in gathers.items() if comp != 'ENTRY'
                    for s in found)
-    assert in_loops >= 7 * cfg.num_hidden_layers, gathers  # the decode step's, at least
+    assert in_loops >= 4 * cfg.num_hidden_layers, gathers  # the decode step's, at least
+
+
+# -- the compiled decode step ---------------------------------------------------------------------
+_FREE_OPS = ('parameter', 'get-tuple-element', 'tuple', 'constant', 'bitcast')
+
+
+def _decode_body_ops(hlo: str) -> dict[str, int]:
+  """Instructions by opcode in the body of the compiled program's largest while loop (the decode
+  loop: every layer unrolled) and in the loops, conditionals and calls it runs (each counted once:
+  per iteration), without the free ones (``_FREE_OPS``); 'dot-fusion' counts the fusions that hold
+  a dot (a product), also counted in 'fusion'."""
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(' ') and line.rstrip().endswith('{') and '(' in line:
+      name = (line.split(' ')[1] if line.startswith('ENTRY') else line.split(' ')[0]).lstrip('%')
+      comps[name] = []
+    elif name and ' = ' in line:
+      m = re.search(r' ([a-z][\w-]*)\(', line.split(' = ', 1)[1])
+      comps[name].append((m.group(1) if m else '?', line))
+  subs = lambda line, keys: re.findall(r'(?:%s)=\{?%%?([\w.-]+)' % '|'.join(keys), line)
+  bodies = [b for ins in comps.values() for op, line in ins if op == 'while'
+            for b in subs(line, ['body'])]
+  body = max(bodies, key=lambda b: len(comps[b]))
+  count, seen, todo = {}, {body}, [body]
+  while todo:
+    for op, line in comps[todo.pop()]:
+      if op in _FREE_OPS:
+        continue
+      count[op] = count.get(op, 0) + 1
+      if op == 'fusion' and any(o == 'dot' for o, _ in comps[subs(line, ['calls'])[0]]):
+        count['dot-fusion'] = count.get('dot-fusion', 0) + 1
+      keys = ['body', 'condition', 'true_computation', 'false_computation',
+              'branch_computations'] + (['to_apply'] if op == 'call' else [])
+      for sub in subs(line, keys):
+        if sub in comps and sub not in seen:
+          seen.add(sub)
+          todo.append(sub)
+  return count
+
+
+def test_gpu_compiler_options_are_xla_s_and_only_for_gpus():
+  """``compiler_options``: None (XLA's defaults) on CPU, ``GPU_COMPILER_OPTIONS`` for GPU devices;
+  XLA accepts those options by name and value (a wrong value is refused: the check is real), so
+  a GPU run cannot fail on them. Compiled here on CPU, where they have no effect."""
+  class Gpu:
+    platform = 'gpu'
+  assert sampling.compiler_options() is None
+  assert sampling.compiler_options([Gpu()]) == sampling.GPU_COMPILER_OPTIONS
+  f = lambda x: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1]
+  assert float(jax.jit(f, compiler_options=sampling.GPU_COMPILER_OPTIONS)(1.0)) == 8.0
+  with pytest.raises(Exception, match='xla_gpu_enable_command_buffer'):
+    jax.jit(f, compiler_options={'xla_gpu_enable_command_buffer': 'WHILE,NOT_A_KIND'})(1.0)
+
+
+@pytest.mark.parametrize('fuse,products,fusions', [(True, 13, 80), (None, 19, 86)])
+def test_decode_step_kernel_count(fuse, products, fusions):
+  """The decode loop body of the sampler as the rollout compiles it (sampled, temperature and
+  top-p traced), on XLA:CPU for the 2-layer ``CFG``. With the fused weights of accelerators
+  (``Sampler.fuse_weights``, ``Transformer.decode_layers``) the products are one per weight
+  (qkv, o, gate/up, down), two of the attention per layer and the head: 2 x (4 + 2) + 1 = 13,
+  where the unfused layer has 2 x (7 + 2) + 1 = 19 (the CPU's default, and every backend's before
+  issue 47); at most 80 fusions in all (86 unfused). At the 0.4B shape of issue 47 (24 layers,
+  bf16 compute, 64 rows, 576 cache slots; compiled on CPU, not run) fusing took the count from
+  988 fusions (217 products) to 940 (145), and from 1198 non-free instructions to 1150. A
+  regression in the step's kernel count shows here without a GPU."""
+  graphdef, shapes, _ = sharding.abstract_model(CFG)
+  prompt = jax.ShapeDtypeStruct((N, TP), jnp.int32)
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  sampler = sampling.Sampler(L, eos_id=1, pad_id=PAD, fuse_weights=fuse)
+  fn = sampling.make_generate_fn(graphdef, sampler)
+  count = _decode_body_ops(fn.lower(shapes, prompt, prompt, jax.random.key(0), scalar,
+                                    scalar).compile().as_text())
+  assert count.get('dot-fusion', 0) + count.get('dot', 0) == products, count
+  assert count['fusion'] <= fusions, count
 
 
 @pytest.mark.parametrize('share,slot_counts', [(1, (1, 3)), (2, (3,))])

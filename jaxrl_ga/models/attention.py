@@ -22,7 +22,8 @@ cannot express runs the einsum: the suffix-over-shared-prefix attention of
 attention (Gemma 3).
 
 The decode step reads only the filled blocks of its cache (``cache_attention``,
-``blocked_attention``: an online softmax over the blocks).
+``blocked_attention``: an online softmax over the blocks) on CPU and TPU, the whole cache at once
+on GPUs (``WHOLE_CACHE_PLATFORMS``).
 """
 
 from __future__ import annotations
@@ -372,6 +373,13 @@ def flash_attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.A
 # static slice, both copied the whole cache at every layer (its layout or the conditional's
 # operand), so their cost still grew with S.
 DECODE_BLOCK = 64  # cache slots per block of the decode attention (0: always the whole cache)
+# On a GPU the loop costs more than the slots it skips: XLA:GPU runs a while loop whose trip
+# count is computed on the device by copying its condition to the host at every iteration (every
+# block of every layer of every decode step), each block's few small ops are kernels of their own,
+# and the whole cache streams fast (the 0.4B shape of issue 47, 64 rows and 576 slots in bfloat16:
+# 19 MB per layer, 4 us at 4.8 TB/s). There the decode step attends over the whole cache at once
+# (masked slots weigh exactly 0, as in the loop); the platforms of ``lax.platform_dependent``.
+WHOLE_CACHE_PLATFORMS = ('cuda', 'rocm')
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -394,7 +402,12 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   filled, block = attend
   if block <= 0 or block >= k.shape[2]:  # one block: the whole cache, no loop
     return over(k.shape[2])
-  return blocked_attention(q, k, v, mask, filled, block, scale_dim)
+  # The loop on CPU and TPU; on GPUs one attention over the whole cache (WHOLE_CACHE_PLATFORMS).
+  whole = lambda q, k, v, mask, filled: over(k.shape[2])
+  blocked = lambda q, k, v, mask, filled: blocked_attention(q, k, v, mask, filled, block,
+                                                            scale_dim)
+  return jax.lax.platform_dependent(q, k, v, mask, filled, default=blocked,
+                                    **{p: whole for p in WHOLE_CACHE_PLATFORMS})
 
 
 def blocked_attention(q, k, v, mask, filled, block: int, scale_dim: Optional[float] = None

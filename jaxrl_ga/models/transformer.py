@@ -308,9 +308,15 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
   b, t, _ = h.shape
   hs = cfg.head_size
   x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps, cfg.gemma).reshape(b * t, -1)
-  q = constrain(_proj(cfg, p, x, 'q_proj').reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
-  k = constrain(_proj(cfg, p, x, 'k_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
-  v = constrain(_proj(cfg, p, x, 'v_proj').reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  if 'qkv_proj' in p:  # the decode loop's fused weights (Transformer.decode_layers): one product
+    n_q = cfg.num_attention_heads * hs
+    q, k, v = jnp.split(_proj(cfg, p, x, 'qkv_proj'), [n_q, n_q + cfg.num_key_value_heads * hs],
+                        axis=-1)
+  else:
+    q, k, v = (_proj(cfg, p, x, f'{name}_proj') for name in 'qkv')
+  q = constrain(q.reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
+  k = constrain(k.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  v = constrain(v.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
   if cfg.qk_norm:
     q = _rms_norm(q, p['q_norm'], cfg.rms_norm_eps, cfg.gemma)
     k = _rms_norm(k, p['k_norm'], cfg.rms_norm_eps, cfg.gemma)
@@ -330,8 +336,12 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   h = constrain(h + post(per_token(_proj(cfg, p, rows(attn), 'o_proj')), 'post_attn_norm'),
                 *_EMBED)
   x = rows(_rms_norm(h, p['mlp_norm'], eps, gemma))
-  gate = rows(constrain(per_token(_proj(cfg, p, x, 'gate_proj')), *_MLP))
-  up = rows(constrain(per_token(_proj(cfg, p, x, 'up_proj')), *_MLP))
+  if 'gate_up_proj' in p:  # fused (Transformer.decode_layers): one product
+    gate, up = jnp.split(_proj(cfg, p, x, 'gate_up_proj'), 2, axis=-1)
+  else:
+    gate, up = _proj(cfg, p, x, 'gate_proj'), _proj(cfg, p, x, 'up_proj')
+  gate = rows(constrain(per_token(gate), *_MLP))
+  up = rows(constrain(per_token(up), *_MLP))
 
   def down(gate, up, p):  # recomputed in the backward from gate and up (the comment at _rms_norm)
     act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
@@ -386,6 +396,27 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
 # The price: each decode step all-gathers the layer weights again (a weight's (n-1)/n over the
 # interconnect per step) where the hoisted gather paid that once per rollout.
 _GATHERED = {'embed': 'activation_embed'}  # a gathered weight's embed axis: as the activations'
+
+# The decode loop's fused projections (Transformer.decode_layers): name -> the weights
+# concatenated along their output axis, in that order.
+FUSED = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'qkv_bias': ('q_bias', 'k_bias', 'v_bias'),
+         'gate_up_proj': ('gate_proj', 'up_proj')}
+
+
+def fused_axes(axes: dict[str, tuple]) -> dict[str, tuple]:
+  """``axes`` (``DecoderStack.axes()``) with the fused weights' (``FUSED``): the first part's,
+  whose output axis the concatenation extends (q_heads for qkv, mlp for gate/up). Under a
+  tensor-parallel mesh the fused output axis is split as one, so q, k and v (gate and up) are
+  resharded after the product."""
+  return {**axes, **{f: axes[parts[0]] for f, parts in FUSED.items() if parts[0] in axes}}
+
+
+def fold_adapter(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """A LoRA adapter folded into its weight: W + scale A @ B in float32 (leading axes: batch,
+  e.g. the stacked layers)."""
+  f32 = jnp.float32
+  return w.astype(f32) + scale * jnp.matmul(a.astype(f32), b.astype(f32),
+                                            precision=jax.lax.Precision.HIGHEST)
 
 
 def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
@@ -455,7 +486,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     h = self._embed(tokens)  # [B, T, D]
-    axes = self.layers.axes()
+    axes = fused_axes(self.layers.axes())
     if layers is not None:  # the decode loop's: each layer gathered in the step (_gather_layer)
       new_k, new_v, anchor = [], [], h
       for p, k, v in zip(layers, *cache_kv):
@@ -650,10 +681,49 @@ class Transformer(nnx.Module):
     arrays = self._layer_arrays()
     return [{k: v[i] for k, v in arrays.items()} for i in range(self.cfg.num_hidden_layers)]
 
+  def decode_layers(self, fuse: bool = True) -> list[dict[str, jax.Array]]:
+    """The decode loop's per-layer weights (``unstacked_layers``) prepared once per rollout in
+    the layout and dtype the decode step uses, so that a step launches fewer, larger products and
+    streams the weights in the compute dtype (issue 47):
+
+      * the LoRA adapters folded into their weights, W + (alpha / r) A @ B in float32
+        (``fold_adapter``, as ``lora.merged`` folds them: the same function up to rounding);
+      * with ``fuse``, q/k/v concatenated into one [D, (N + 2K) H] ``qkv_proj`` (and
+        ``qkv_bias``), gate/up into one [D, 2F] ``gate_up_proj`` (``FUSED``): one product each
+        instead of three and two; each output column is the same dot product as before. (On
+        XLA:CPU the fused products measured slower: ``Sampler.fuse_weights`` leaves them
+        unfused there);
+      * the projections and biases cast to the compute dtype (model.dtype), the cast ``_proj``
+        makes at every use: a bfloat16 decode reads bfloat16 weights (XLA:CPU, which computes
+        bfloat16 products in float32, may keep the float32 weights instead).
+
+    Norm scales and ``layer_constants`` pass unchanged. The values are the unfused layer's up to
+    float32 summation order (and the adapters' rounding). The learner's forward and the
+    log-probs of the loss never use these arrays. Under fsdp they stay sharded as the weights
+    they come from (``fused_axes``) and the step gathers them one layer at a time
+    (``_gather_layer``). A copy of the layer weights in the compute dtype lives for the rollout:
+    half the float32 params' bytes with bfloat16 compute.
+    """
+    cfg, dt = self.cfg, _DTYPES[self.cfg.dtype]
+    scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else 0.0
+    out = []
+    for p in self.unstacked_layers():
+      p = dict(p)
+      for name in [k for k in p if k.endswith('_lora_a')]:
+        w = name[:-len('_lora_a')]
+        p[w] = fold_adapter(p[w], p.pop(name), p.pop(f'{w}_lora_b'), scale)
+      for fused, parts in FUSED.items() if fuse else ():
+        if all(k in p for k in parts):
+          p[fused] = jnp.concatenate([p.pop(k).astype(dt) for k in parts], axis=-1)
+      out.append({k: v.astype(dt) if k.endswith(('_proj', '_bias')) else v
+                  for k, v in p.items()})
+    return out
+
   def decode(self, tokens: jax.Array, cache: attn_lib.KVCache, layers: Optional[list] = None,
              block: int = attn_lib.DECODE_BLOCK) -> tuple[jax.Array, attn_lib.KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
     ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
+    ``decode_layers()`` (the sampler's) are such arrays with fused projections.
     The attention reads the cache's filled blocks of ``block`` slots only (up to the largest
     row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
     its own slot."""
