@@ -110,12 +110,19 @@ TASK = ('number_questions', dict(question='add', num_digits=1, num_eval=8, forma
 VARIANTS = {
     'defaults': {},  # the config's model settings at run time
     'tuned': dict(attention='xla', remat='full', logprob_chunk_size=128),  # issue 47's row
+    # issue 47's row again, run by the code in --before_tree (an older checkout's jaxrl_ga/):
+    # the before of a before/after measured in one run, on one machine
+    'before': dict(attention='xla', remat='full', logprob_chunk_size=128),
 }
 PHASES = ('step', 'generate', 'learn')
 
 _OURS = flags.DEFINE_list('ours', ['defaults', 'tuned'],
                           f'jaxrl_ga variants to run: {", ".join(VARIANTS)} (empty: none).')
-_TRL = flags.DEFINE_bool('trl', True, "Run TRL's GRPOTrainer too.")
+_TRL = flags.DEFINE_bool('trl', True, "Run TRL's GRPOTrainer too (last, unless --ours lists "
+                         "'trl' at its place).")
+_BEFORE_TREE = flags.DEFINE_string(
+    'before_tree', None, "For --ours=before: a directory holding an older checkout's jaxrl_ga/ "
+    "package, which that variant imports (the tuned settings), for a before/after in one run.")
 _TRL_PYTHON = flags.DEFINE_string('trl_python', sys.executable,
                                   "The Python that runs TRL's side (torch, trl, datasets).")
 _TINY = flags.DEFINE_bool('tiny', False, 'A CPU-sized preset: ' + ', '.join(
@@ -550,9 +557,15 @@ def chip_spec(kind: Optional[str]) -> Optional[dict[str, Any]]:
 
 
 def main_process(s: dict[str, Any]) -> None:
-  unknown = sorted(set(_OURS.value) - set(VARIANTS))
+  unknown = sorted(set(_OURS.value) - set(VARIANTS) - {'trl'})
   if unknown:
-    raise app.UsageError(f'--ours: unknown variant(s) {unknown}; known: {sorted(VARIANTS)}.')
+    raise app.UsageError(f'--ours: unknown variant(s) {unknown}; known: {sorted(VARIANTS)} '
+                         "(and 'trl': TRL's place in the order).")
+  if 'before' in _OURS.value and not (
+      _BEFORE_TREE.value and os.path.isdir(os.path.join(_BEFORE_TREE.value, 'jaxrl_ga'))):
+    raise app.UsageError(f'--ours=before needs --before_tree=DIR holding an older jaxrl_ga/ '
+                         f'(got {_BEFORE_TREE.value!r}), e.g. git archive COMMIT jaxrl_ga | '
+                         'tar -x -C DIR.')
   log_dir = _LOG_DIR.value or tempfile.mkdtemp(prefix='accelerator_logs_')
   os.makedirs(log_dir, exist_ok=True)
   work = tempfile.mkdtemp(prefix='accelerator_')
@@ -568,15 +581,26 @@ def main_process(s: dict[str, Any]) -> None:
     if export['status'] != 'ok':
       raise RuntimeError(f"writing the model failed: {export.get('error')} (log: {export['log']})")
     sides = []
-    for variant in _OURS.value:
-      sides.append((f'jaxrl_ga {variant}', run_child(
-          f'ours_{variant}', sys.executable,
-          ['--role=ours', f'--plan={plan_path}', f'--variant={variant}'], log_dir,
-          child_env())))
-    if _TRL.value:
+
+    def trl():
       sides.append(('TRL GRPOTrainer', run_child(
           'trl', _TRL_PYTHON.value, ['--role=trl', f'--plan={plan_path}'], log_dir,
           child_env())))
+
+    for variant in _OURS.value:
+      if variant == 'trl':  # TRL's place in the order (default: last)
+        trl()
+        continue
+      # 'before' imports jaxrl_ga from --before_tree (first on the path), this script from here
+      extra = ({'PYTHONPATH': os.pathsep.join([os.path.abspath(_BEFORE_TREE.value),
+                                                child_env()['PYTHONPATH']])}
+               if variant == 'before' else None)
+      sides.append((f'jaxrl_ga {variant}', run_child(
+          f'ours_{variant}', sys.executable,
+          ['--role=ours', f'--plan={plan_path}', f'--variant={variant}'], log_dir,
+          child_env(extra))))
+    if _TRL.value and 'trl' not in _OURS.value:
+      trl()
     kinds = [r['device_kind'] for _, r in sides if r.get('device_kind')]
     kind = kinds[0] if kinds else None
     chip = chip_spec(kind)
@@ -612,7 +636,9 @@ def main_process(s: dict[str, Any]) -> None:
   print(f'device: {kind}; {export["params"] / 1e9:.3f}B params; {bounds}')
   print(table(rows))
   machine.write_json(_OUT.value, {
-      'machine': info, 'settings': s, 'variants': {v: VARIANTS[v] for v in _OURS.value},
+      'machine': info, 'settings': s,
+      'variants': {v: VARIANTS[v] for v in _OURS.value if v in VARIANTS},
+      'before_tree': _BEFORE_TREE.value,
       'roofline': roofline, 'sides': rows, 'log_dir': log_dir})
   if not _LOG_DIR.value and not failed:
     shutil.rmtree(log_dir, ignore_errors=True)
