@@ -380,7 +380,8 @@ class AdvantageConfig:
 MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'full', 'save_dots')
-ATTENTION = ('einsum', 'xla', 'splash')  # model.attention (models/transformer.ATTENTION_IMPLS)
+# model.attention: 'auto' (resolved once per run) or one of models/attention.ATTENTION_IMPLS
+ATTENTION = ('auto', 'einsum', 'xla', 'splash', 'cudnn')
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
 LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
@@ -586,12 +587,17 @@ class ModelSpec(ModelConfig):
       share of the work is divided by R. Off with advantage.order_by_advantage_sign's reordered
       rows (learner and old log-probs only).
     attention: the attention of the training forward (learners, old and reference log-probs)
-      and of the rollout's prefill: 'einsum' (two einsums and a softmax over a dense mask),
+      and of the rollout's prefill: 'auto' (the default: resolved once per run, before anything
+      compiles, and printed in one line: 'cudnn' on NVIDIA GPUs when model.dtype is bfloat16
+      and the head size fits, else the einsum with the reason; 'splash' on TPU; on CPU the
+      fastest measured, the einsum), 'einsum' (two einsums and a softmax over a dense mask),
       'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
-      stages it) or 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
-      measure with ``python -m jaxrl_ga.plan``). The decode steps keep their filled-cache
-      attention. What an implementation cannot express runs the einsum (models/transformer.py,
-      "Fused attention"); benchmarks/attention.py compares them.
+      stages it), 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
+      measure with ``python -m jaxrl_ga.plan``) or 'cudnn' (NVIDIA GPUs, bfloat16 only: cuDNN's
+      fused flash attention, ``jax.nn.dot_product_attention(implementation='cudnn')``). The
+      decode steps keep their filled-cache attention. What an implementation cannot express
+      runs the einsum (models/attention.py); benchmarks/attention.py compares them. Not in the
+      checkpoint fingerprint (an implementation choice): a run may resume with another value.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
@@ -611,7 +617,7 @@ class ModelSpec(ModelConfig):
   logprob_chunk_size: int = 0
   scan_layers: bool = True
   share_prompt_prefix: bool = True
-  attention: str = 'einsum'
+  attention: str = 'auto'
 
   def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'

@@ -164,6 +164,8 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   knobs = {k: v for k, v in (('remat', remat), ('logprob_chunk_size', logprob_chunk_size))
            if v is not None}
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **knobs))
+  # model.attention='auto' for these devices (a TPU topology's: 'splash'), not the host's CPU.
+  cfg, _ = programs_lib.resolve_attention(cfg, model_cfg, devices[0])
   g = cfg.grpo
   sched = g.schedule
   mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -333,6 +335,8 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   m = policy.planned_model_config(cfg, hf_config)
   from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  cfg, _ = programs_lib.resolve_attention(cfg, m, devices[0])  # the report's; as lower_grpo's
   steps = lower_grpo(cfg, m, devices)
   n = len(devices)
   hosts = len({d.process_index for d in devices})

@@ -98,8 +98,9 @@ class Sampler:
       row finishes (see "Slot pool" in the module docstring).
     decode_block: cache slots per block of the decode attention, which reads the blocks written
       so far (``Transformer.decode``); 0 reads the whole cache at every step.
-    attention: the prefill's attention (``Transformer.prefill``; model.attention, set by the
-      rollout engine from its forward options); the decode steps keep their own.
+    attention: the prefill's attention (``Transformer.prefill``; one of
+      ``attention.ATTENTION_IMPLS``: model.attention as resolved, set by the rollout engine from
+      its forward options); the decode steps keep their own.
   """
   max_completion_length: int
   eos_id: int
