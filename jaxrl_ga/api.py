@@ -34,6 +34,7 @@ from jaxrl_ga import data
 from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import preference
+from jaxrl_ga import programs
 from jaxrl_ga import rewards
 from jaxrl_ga import rollout
 from jaxrl_ga import schedule
@@ -59,13 +60,10 @@ def load_run_config(config_dict):
 
 
 def validate_against_mesh(cfg, mesh) -> None:
-  """Checks that need the devices (batch sizes vs data parallelism; a TPU for the splash
-  kernel), before compiling."""
-  platform = mesh.devices.flat[0].platform
-  if cfg.model.attention == 'splash' and platform != 'tpu':
-    raise ConfigError(f"model.attention='splash' is a TPU kernel but the devices are {platform}; "
-                      "set model.attention to 'einsum' or 'xla' (python -m jaxrl_ga.plan compiles "
-                      "'splash' for a TPU topology).")
+  """Checks that need the devices (batch sizes vs data parallelism; model.attention's
+  implementation: a TPU for the splash kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context
+  resolves it again with the model's own architecture), before compiling."""
+  programs.resolve_attention(cfg, cfg.model, mesh.devices.flat[0])
   dp = sharding.data_parallel_size(mesh)
   if 'grpo' in cfg.stages:
     schedule.validate(cfg.grpo.schedule, dp)
@@ -338,6 +336,11 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   if jax.process_index() == 0:
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
+  # model.attention='auto' -> one implementation for every program of the run (not in the
+  # checkpoints' fingerprint: a resumed run may resolve it otherwise, docs/configuration.md).
+  cfg, line = programs.resolve_attention(cfg, model_cfg, mesh.devices.flat[0])
+  if line and jax.process_index() == 0:
+    print(f'[{cfg.stages[0]}] {line}', flush=True)
   validate_rollout_chunks(cfg)
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
     # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)

@@ -390,7 +390,8 @@ MODEL_DTYPES = ('float32', 'bfloat16')
 ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'save_dots', 'full')  # least recompute first (jaxrl_ga.fit's order)
 AUTO_CHUNK = -1  # model.logprob_chunk_size='auto' (jaxrl_ga.fit)
-ATTENTION = ('einsum', 'xla', 'splash', 'flash')  # model.attention (models/attention.ATTENTION_IMPLS)
+# model.attention: 'auto' (resolved once per run) or one of models/attention.ATTENTION_IMPLS
+ATTENTION = ('auto', 'einsum', 'xla', 'splash', 'cudnn', 'flash')
 # ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
 ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
 LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
@@ -599,14 +600,20 @@ class ModelSpec(ModelConfig):
       share of the work is divided by R. Off with advantage.order_by_advantage_sign's reordered
       rows (learner and old log-probs only).
     attention: the attention of the training forward (learners, old and reference log-probs)
-      and of the rollout's prefill: 'einsum' (two einsums and a softmax over a dense mask),
+      and of the rollout's prefill: 'auto' (the default: resolved once per run, before anything
+      compiles, and printed in one line: 'cudnn' on NVIDIA GPUs when model.dtype is bfloat16
+      and the head size fits, else 'flash' with the reason; 'splash' on TPU; on CPU the
+      fastest measured, the einsum), 'einsum' (two einsums and a softmax over a dense mask),
       'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
       stages it), 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
-      measure with ``python -m jaxrl_ga.plan``) or 'flash' (FlashAttention's algorithm in pure
-      JAX, every backend: blocked over keys, the backward recomputed, no [B, N, T, S] tensor
-      kept; models/attention.flash_attention; benchmarks/learner_memory.py). The decode steps keep their filled-cache
-      attention. What an implementation cannot express runs the einsum (models/transformer.py,
-      "Fused attention"); benchmarks/attention.py compares them.
+      measure with ``python -m jaxrl_ga.plan``), 'cudnn' (NVIDIA GPUs, bfloat16 only: cuDNN's
+      fused flash attention, ``jax.nn.dot_product_attention(implementation='cudnn')``) or
+      'flash' (FlashAttention's algorithm in pure JAX, every backend: blocked over keys, the
+      backward recomputed, no [B, N, T, S] tensor kept; models/attention.flash_attention,
+      benchmarks/learner_memory.py). The decode steps keep their filled-cache attention. What an
+      implementation cannot express runs the einsum (models/attention.py);
+      benchmarks/attention.py compares them. Not in the checkpoint fingerprint (an
+      implementation choice): a run may resume with another value.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
     the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
@@ -626,7 +633,7 @@ class ModelSpec(ModelConfig):
   logprob_chunk_size: int = AUTO_CHUNK
   scan_layers: bool = True
   share_prompt_prefix: bool = True
-  attention: str = 'einsum'
+  attention: str = 'auto'
 
   def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
     p = 'model.'

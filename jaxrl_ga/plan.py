@@ -175,6 +175,8 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   knobs = {k: v for k, v in (('remat', remat), ('logprob_chunk_size', logprob_chunk_size))
            if v is not None}
   cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **knobs))
+  # model.attention='auto' for these devices (a TPU topology's: 'splash'), not the host's CPU.
+  cfg, _ = programs_lib.resolve_attention(cfg, model_cfg, devices[0])
   g = cfg.grpo
   sched = g.schedule
   mesh = sharding.make_mesh(cfg.mesh, devices)
@@ -343,6 +345,8 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   m = policy.planned_model_config(cfg, hf_config)
   from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import AUTO_CHUNK  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  cfg, _ = programs_lib.resolve_attention(cfg, m, devices[0])  # the report's; as lower_grpo's
   auto = [k for k, v in (('remat', cfg.model.remat == 'auto'),
                          ('logprob_chunk_size', cfg.model.logprob_chunk_size == AUTO_CHUNK)) if v]
   cfg, steps = fitted_steps(cfg, m, devices, (1.0 - headroom) * chip['hbm_bytes'], chip['name'])

@@ -29,15 +29,37 @@ from jaxrl_ga import lora
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.config import ConfigError, DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
+
+
+def resolve_attention(cfg: RunConfig, model_cfg: tfm.ModelConfig, device
+                      ) -> tuple[RunConfig, Optional[str]]:
+  """``cfg`` with model.attention resolved for ``device`` (the mesh's first: its platform, kind
+  and compute capability) and the model (``attn_lib.resolve``): one of ATTENTION_IMPLS, so that
+  every program of the run is built with one concrete implementation; and the console line
+  ('model.attention=auto -> cudnn (NVIDIA H200, bfloat16)'), None when it was set explicitly.
+  An implementation the devices cannot run is a ConfigError. Called once per run before
+  anything compiles: api.build_context for the run's devices, plan.lower_grpo for the TPU
+  topology it lowers for."""
+  setting = cfg.model.attention
+  try:
+    impl, why = attn_lib.resolve(setting, device.platform, model_cfg.dtype, model_cfg,
+                                 getattr(device, 'device_kind', ''),
+                                 getattr(device, 'compute_capability', None))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  line = f'model.attention={setting} -> {impl} ({why})' if setting == attn_lib.AUTO else None
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl)), line
 
 
 def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptions:
   """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
-  attention); ``share_prompts``: R, from ``rollout.prompt_share`` (GRPO only). The trainers pass
-  the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an 'auto' knob left here (a caller
-  building programs directly) is fit's choice without a memory limit: remat 'none', chunk 0."""
+  attention: resolved, ``resolve_attention``); ``share_prompts``: R, from ``rollout.prompt_share``
+  (GRPO only). The trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an
+  'auto' knob left here (a caller building programs directly) is fit's choice without a memory
+  limit: remat 'none', chunk 0."""
   return tfm.ForwardOptions(
       scan_layers=spec.scan_layers, remat='none' if spec.remat == 'auto' else spec.remat,
       logprob_chunk_size=max(spec.logprob_chunk_size, 0),

@@ -106,8 +106,9 @@ class Sampler:
     decode_block: cache slots per block of the decode attention, which reads the blocks written
       so far (``Transformer.decode``); 0 reads the whole cache at every step, as GPUs always do
       (``attention.WHOLE_CACHE_PLATFORMS``).
-    attention: the prefill's attention (``Transformer.prefill``; model.attention, set by the
-      rollout engine from its forward options); the decode steps keep their own.
+    attention: the prefill's attention (``Transformer.prefill``; one of
+      ``attention.ATTENTION_IMPLS``: model.attention as resolved, set by the rollout engine from
+      its forward options); the decode steps keep their own.
     fuse_weights: the decode loop's q/k/v and gate/up weights concatenated into one product each
       (``Transformer.decode_layers(fuse=True)``); None: fused unless jax's default backend is
       the CPU, where the fused products measured slower (BENCHMARKS.md, issue 47). The rollout

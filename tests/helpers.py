@@ -118,11 +118,15 @@ def require_libtpu() -> None:
 
 def tpu_plan_config(**model):
   """configs/grpo_gsm8k_tpu.py:v5e-8 (Qwen2.5-0.5B's shapes) at 2 layers, no remat, no log-prob
-  chunking, TPU_TP + TPU_TC positions; ``model`` overrides model.* -> RunConfig."""
+  chunking, the einsum attention, TPU_TP + TPU_TC positions; ``model`` overrides model.* ->
+  RunConfig. The einsum, not 'auto' (the splash kernel on TPU): under the suite's matmul
+  precision 'highest' (conftest.py) Mosaic cannot compile the kernel's bfloat16 products ("Bad
+  lhs type"), so its tests lower it without compiling."""
   from jaxrl_ga.config import (  # pylint: disable=g-import-not-at-top
       RunConfig, from_mapping, load_config_file)
   c = load_config_file(os.path.join(ROOT, 'configs', 'grpo_gsm8k_tpu.py'), 'v5e-8')
-  c.model.update(num_hidden_layers=2, remat='none', logprob_chunk_size=0, **model)
+  c.model.update(**{'num_hidden_layers': 2, 'remat': 'none', 'logprob_chunk_size': 0,
+                    'attention': 'einsum', **model})
   c.grpo.sampling.update(max_prompt_length=TPU_TP, max_completion_length=TPU_TC)
   return from_mapping(RunConfig, c.to_dict())
 

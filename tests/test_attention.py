@@ -157,24 +157,32 @@ def test_xla_attention_gradient_equals_einsum(fused_calls):
 
 def test_model_attention_setting():
   """model.attention reaches the forward options (and so the learners, the log-prob passes and
-  the rollout's prefill); an unknown name is a ConfigError naming the setting."""
+  the rollout's prefill); its default 'auto' is no implementation (resolved once per run first);
+  an unknown name is a ConfigError naming the setting."""
   assert programs.forward_options(ModelSpec(attention='xla')).attention == 'xla'
-  assert programs.forward_options(ModelSpec()).attention == 'einsum'
-  with pytest.raises(ConfigError, match=r"model.attention='flashy' is not a known value.*'einsum', 'xla', 'splash'"):
+  assert programs.forward_options(ModelSpec(attention='einsum')).attention == 'einsum'
+  assert ModelSpec().attention == 'auto'
+  with pytest.raises(ValueError, match=r"attention='auto'.*resolved once per run"):
+    programs.forward_options(ModelSpec())
+  with pytest.raises(ConfigError, match=r"model.attention='flashy' is not a known value.*'auto', 'einsum', 'xla', 'splash', 'cudnn', 'flash'"):
     ModelSpec(attention='flashy')
 
 
 def test_splash_needs_a_tpu():
-  """model.attention='splash' on CPU devices is a ConfigError before anything compiles (the
-  check the CLI runs with the mesh, ``api.validate_against_mesh``); 'xla' passes it."""
+  """model.attention='splash' and 'cudnn' on CPU devices are ConfigErrors before anything
+  compiles (the check the CLI runs with the mesh, ``api.validate_against_mesh``); 'xla' and
+  'auto' pass it."""
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-  for attention, ok in (('xla', True), ('splash', False)):
+  for attention, error in (('xla', None), ('auto', None),
+                           ('splash', r"model.attention='splash' is a TPU kernel but the "
+                                      r"devices are cpu"),
+                           ('cudnn', r"model.attention='cudnn' cannot run here: cuDNN runs on "
+                                     r"NVIDIA GPUs, the devices are cpu")):
     cfg = from_mapping(RunConfig, {'model': {'attention': attention}})
-    if ok:
+    if error is None:
       api.validate_against_mesh(cfg, mesh)
     else:
-      with pytest.raises(ConfigError, match=r"model.attention='splash' is a TPU kernel but the "
-                         r"devices are cpu"):
+      with pytest.raises(ConfigError, match=error):
         api.validate_against_mesh(cfg, mesh)
 
 
@@ -229,3 +237,86 @@ def test_splash_kernel_in_the_pallas_interpreter():
   for got, ref in zip(vjp(weight), want):
     assert float(jnp.abs(ref).max()) > 0
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
+
+
+def _arch(name):
+  return _loaded(name)[0]
+
+
+@pytest.mark.parametrize('setting,platform,dtype,name,kind,cc,want,why', [
+    # CPU: the einsum (benchmarks/attention.py: 'xla' within 4% of it), whatever the dtype
+    ('auto', 'cpu', 'float32', 'qwen3_tiny', 'cpu', None, 'einsum', 'cpu, float32; the fastest'),
+    ('auto', 'cpu', 'bfloat16', 'qwen3_tiny', 'cpu', None, 'einsum', 'fastest measured on CPU'),
+    # NVIDIA: cuDNN in bf16 with a head size it takes (GQA, sliding windows: the dense mask)
+    ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'cudnn', 'NVIDIA H200, bfloat16'),
+    ('auto', 'gpu', 'bfloat16', 'gemma3_tiny', 'NVIDIA A100-SXM4-80GB', '8.0', 'cudnn', 'A100'),
+    ('auto', 'gpu', 'float32', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'flash',
+     'not cudnn: model.dtype=float32 (cuDNN takes bfloat16 or float16; set model.dtype=bfloat16)'),
+    ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA A100-SXM4-80GB', '8.0', 'flash',
+     'not cudnn: head size 160 (cuDNN: a multiple of 8, at most 128 on this GPU)'),
+    ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA H100 80GB HBM3', '9.0', 'cudnn', 'H100'),
+    ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'AMD Instinct MI300X', None, 'flash',
+     'cuDNN runs on NVIDIA GPUs'),
+    # TPU: splash; Gemma 3's mixed layers keep today's routing (the einsum), named
+    ('auto', 'tpu', 'bfloat16', 'mistral_tiny', 'TPU v5 lite', None, 'splash', 'TPU v5 lite'),
+    ('auto', 'tpu', 'bfloat16', 'gemma3_tiny', 'TPU v5 lite', None, 'splash',
+     'layers mixing sliding and full attention run the einsum'),
+    # explicit values stay as set
+    ('xla', 'gpu', 'float32', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'xla', ''),
+    ('einsum', 'tpu', 'bfloat16', 'qwen3_tiny', 'TPU v5 lite', None, 'einsum', ''),
+    ('cudnn', 'gpu', 'bfloat16', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'cudnn', ''),
+])
+def test_auto_resolution(setting, platform, dtype, name, kind, cc, want, why):
+  """``attention.resolve``: model.attention -> one implementation per backend, dtype and
+  model, and the reason the console line names (the table of docs/configuration.md)."""
+  cfg = (dataclasses.replace(_arch('qwen3_tiny'), head_dim=160) if name == 'wide_heads'
+         else _arch(name))
+  impl, reason = attn_lib.resolve(setting, platform, dtype, cfg, kind, cc)
+  assert impl == want and why in reason, (impl, reason)
+  assert impl in attn_lib.ATTENTION_IMPLS
+
+
+@pytest.mark.parametrize('setting,platform,dtype,kind,error', [
+    ('cudnn', 'gpu', 'float32', 'NVIDIA H200', "'cudnn' cannot run here: model.dtype=float32"),
+    ('cudnn', 'tpu', 'bfloat16', 'TPU v5 lite', "'cudnn' cannot run here: cuDNN runs on NVIDIA"),
+    ('splash', 'gpu', 'bfloat16', 'NVIDIA H200', "'splash' is a TPU kernel but the devices are gpu"),
+])
+def test_explicit_attention_the_devices_cannot_run(setting, platform, dtype, kind, error):
+  with pytest.raises(ValueError, match=error):
+    attn_lib.resolve(setting, platform, dtype, _arch('qwen3_tiny'), kind, '9.0')
+
+
+def test_resolve_attention_line():
+  """``programs.resolve_attention``: the run's config with the implementation in place of
+  'auto' and the console line build_context prints (none for an explicit value); a value the
+  devices cannot run is a ConfigError."""
+  gpu = type('Device', (), {'platform': 'gpu', 'device_kind': 'NVIDIA H200',
+                            'compute_capability': '9.0'})()
+  cfg = from_mapping(RunConfig, {'model': {'dtype': 'bfloat16'}})
+  arch = dataclasses.replace(_arch('qwen3_tiny'), dtype='bfloat16')
+  resolved, line = programs.resolve_attention(cfg, arch, gpu)
+  assert resolved.model.attention == 'cudnn'
+  assert line == 'model.attention=auto -> cudnn (NVIDIA H200, bfloat16)'
+  assert dataclasses.replace(resolved, model=cfg.model) == cfg  # nothing else changed
+  again, line = programs.resolve_attention(resolved, arch, gpu)
+  assert again == resolved and line is None
+  cpu_cfg, line = programs.resolve_attention(cfg, arch, jax.devices()[0])
+  assert cpu_cfg.model.attention == 'einsum' and line.startswith('model.attention=auto -> einsum (cpu')
+  with pytest.raises(ConfigError, match="model.attention='cudnn' cannot run here"):
+    programs.resolve_attention(from_mapping(RunConfig, {'model': {'attention': 'cudnn'}}),
+                               _arch('qwen3_tiny'), gpu)
+
+
+def test_build_context_resolves_auto_once(tmp_path, capsys):
+  """A run with the default model.attention='auto' resolves it in ``api.build_context``, before
+  anything compiles: the context's config holds the implementation (here, on CPU, the einsum,
+  whose programs are bitwise today's) and the console has the one line naming it."""
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo')
+  assert cfg.model.attention == 'auto'
+  ctx, _ = api.build_context(cfg, str(tmp_path))
+  assert ctx.cfg.model.attention == 'einsum'
+  lines = [l for l in capsys.readouterr().out.splitlines() if 'model.attention' in l]
+  assert lines == ['[grpo] model.attention=auto -> einsum (cpu, float32; the fastest measured '
+                   'on CPU, BENCHMARKS.md)'], lines
+  ctx.writer.close(quiet=True)

@@ -127,16 +127,19 @@ def test_tpu_plan_matches_compiler_and_knobs_lower_memory():
   assert chunked < learner['temp_bytes'] - logits
 
 
-def test_splash_attention_lowers_for_tpu():
-  """model.attention='splash' (issue 36): the learner (forward and backward) and the rollout's
+@pytest.mark.parametrize('attention', ['splash', 'auto'])
+def test_splash_attention_lowers_for_tpu(attention):
+  """model.attention='splash' (issue 36), and 'auto' (issue 47: resolved for the topology's
+  devices, not this host's CPU): the learner (forward and backward) and the rollout's
   prefill, lowered for v5e:2x4, call the Pallas kernel (Mosaic's tpu_custom_call) inside a
   shard_map over the batch shards, 3 calls in the learner (forward, dq, dk/dv). libtpu compiles
   them (docs/scaling.md, "Fused attention on TPU"); tests/test_attention.py checks the values."""
   helpers.require_libtpu()
   plan.quiet_libtpu_env()
   devices = plan.topology_devices('v5e:2x4')
-  cfg = helpers.tpu_plan_config(attention='splash', share_prompt_prefix=False)
+  cfg = helpers.tpu_plan_config(attention=attention, share_prompt_prefix=False)
   steps = plan.lower_grpo(cfg, policy.planned_model_config(cfg), devices)
+  assert steps.programs.options.attention == 'splash'
   learner, rollout = steps.learner.as_text(), steps.rollout.as_text()
   assert learner.count('tpu_custom_call') == 3 == learner.count('sdy.manual_computation')
   # the rollout: the prefill's and the old-log-prob pass's forward (1 without the prefill's)

@@ -5,21 +5,25 @@ Masks: a row's [B, T] attention mask is 0/1 or, for SFT's packed rows, segment i
 ``window_masks`` adds the sliding window (Mistral, Gemma 3's local layers) as one more mask term.
 
 The training forward's and the prefill's self-attention (``attend``, by ``ATTENTION_IMPLS``,
-model.attention; issue 36): 'einsum' (``einsum_attention``: two einsums and a float32 softmax
+model.attention; issues 36, 47): 'einsum' (``einsum_attention``: two einsums and a float32 softmax
 over a dense [B, T, S] mask), 'xla' (``jax.nn.dot_product_attention(implementation='xla')`` with
-that mask: the same arithmetic as jax stages it, which every backend compiles) or 'splash' (TPU
+that mask: the same arithmetic as jax stages it, which every backend compiles), 'cudnn' (NVIDIA
+GPUs, bf16/fp16: ``cudnn_attention``, cuDNN's flash attention with that mask as an additive one,
+every mask of the project, the shared-prompt completions' too) or 'splash' (TPU
 only: the Pallas splash-attention kernel, ``jax.experimental.pallas.ops.tpu.splash_attention``,
 which never materializes the [T, S] scores; its mask is causal (or local: the sliding window) and
 the rows' segment ids, 0/1 masks and SFT's packed ids alike, so a padding query attends to the
 padding before it instead of ``causal_mask``'s real positions: only padding positions' outputs
-differ, and no loss reads them) or 'flash' (``flash_attention``: FlashAttention's blocked
-online softmax and recomputing backward in pure JAX, every backend; the dense mask; no
-[B, N, T, S] tensor kept for the backward; issue 47). Every implementation keeps GQA, the
-sliding window, Gemma's ``query_pre_attn_scalar``, packed segments and left padding; what one
-cannot express runs the einsum: the suffix-over-shared-prefix attention of
-``Transformer.hidden_after_prefix`` (``attention_after_prefix``; with 'flash'
-``flash_attention_after_prefix``), and with 'splash' a model whose layers mix sliding and full
-attention (Gemma 3).
+differ, and no loss reads them), 'cudnn' (``cudnn_attention``: cuDNN's fused flash attention on
+NVIDIA GPUs, bf16/fp16) or 'flash' (``flash_attention``: FlashAttention's blocked online softmax
+and recomputing backward in pure JAX, every backend; the dense mask; no [B, N, T, S] tensor kept
+for the backward; issue 47). Every implementation keeps GQA, the sliding window, Gemma's
+``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
+einsum: the suffix-over-shared-prefix attention of ``Transformer.hidden_after_prefix``
+(``attention_after_prefix``; 'cudnn' and 'flash' have their own), and with 'splash' a model
+whose layers mix sliding and full attention (Gemma 3). model.attention='auto', the default, is
+none of these: ``resolve`` turns it into one, once per run before anything compiles
+(``programs.resolve_attention``), so every program holds a concrete implementation.
 
 The decode step reads only the filled blocks of its cache (``cache_attention``,
 ``blocked_attention``: an online softmax over the blocks) on CPU and TPU, the whole cache at once
@@ -40,12 +44,75 @@ import numpy as np
 from jaxrl_ga.config import ModelConfig
 from jaxrl_ga.models import activations
 
-ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'flash')  # ForwardOptions.attention (model.attention)
+ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'cudnn', 'flash')  # ForwardOptions.attention
+AUTO = 'auto'  # model.attention's default: ``resolve`` picks one of ATTENTION_IMPLS per run
 
 
 def check_attention(attention: str) -> None:
   if attention not in ATTENTION_IMPLS:
-    raise ValueError(f'attention={attention!r}; choose one of {", ".join(ATTENTION_IMPLS)}.')
+    hint = (" ('auto' is resolved once per run: programs.resolve_attention)"
+            if attention == AUTO else '')
+    raise ValueError(f'attention={attention!r}; choose one of {", ".join(ATTENTION_IMPLS)}{hint}.')
+
+
+# -- model.attention='auto' (issue 47) --------------------------------------------------------------
+# The implementation on CPU: benchmarks/attention.py measured 'einsum' and 'xla' within 4% of each
+# other (BENCHMARKS.md, "attention.py"; learner fwd+bwd einsum/xla 1.003x at T=256 and 1.038x at
+# T=512, prefill 0.968x and 0.980x), so the einsum, bitwise the default before 'auto' existed.
+CPU_ATTENTION = 'einsum'
+# cuDNN's fused attention (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
+# check_is_flash_attention): bf16/fp16 q, k, v only; head dim a multiple of 8, at most 256 on
+# Hopper (compute capability 9.0) and later, 128 before.
+CUDNN_DTYPES = ('bfloat16', 'float16')
+
+
+def resolve(attention: str, platform: str, dtype: str, cfg: ModelConfig, device_kind: str = '',
+            compute_capability: Optional[str] = None) -> tuple[str, str]:
+  """model.attention -> (one of ATTENTION_IMPLS, why): an explicit implementation as is (ValueError
+  where the devices cannot run it); 'auto' by the backend ``platform`` ('cpu', 'gpu', 'tpu'),
+  the compute ``dtype`` and the model: on NVIDIA GPUs 'cudnn' when the dtype is bf16/fp16 and
+  the head size fits cuDNN's kernel, else 'flash' (the reason named); on TPU 'splash' (a
+  model whose layers mix sliding and full attention runs the einsum there, ``splash_mask``); on
+  CPU ``CPU_ATTENTION``, the fastest measured. ``device_kind`` (e.g. 'NVIDIA H200') and
+  ``compute_capability`` (e.g. '9.0') are the first device's. A pure function: once per run,
+  before anything compiles (programs.resolve_attention)."""
+  where = ', '.join(x for x in (device_kind or platform, dtype) if x)
+  if attention == 'splash' and platform != 'tpu':
+    raise ValueError(f"model.attention='splash' is a TPU kernel but the devices are {platform}; "
+                     "set model.attention to 'auto', 'einsum' or 'xla' (python -m jaxrl_ga.plan "
+                     "compiles 'splash' for a TPU topology).")
+  why_not = _cudnn_unsupported(platform, dtype, cfg, device_kind, compute_capability)
+  if attention == 'cudnn' and why_not:
+    raise ValueError(f"model.attention='cudnn' cannot run here: {why_not}; set model.attention "
+                     "to 'auto' or 'einsum'.")
+  if attention != AUTO:
+    check_attention(attention)
+    return attention, where
+  if platform == 'tpu':
+    sliding = cfg.sliding_layers()
+    mixed = any(sliding) and not all(sliding)
+    return 'splash', where + ('; layers mixing sliding and full attention run the einsum'
+                              if mixed else '')
+  if platform == 'gpu':
+    if why_not:  # FlashAttention in JAX: no [B, N, T, S] tensor kept for the backward either
+      return 'flash', f'{where}; not cudnn: {why_not}'
+    return 'cudnn', where
+  return CPU_ATTENTION, f'{where}; the fastest measured on CPU, BENCHMARKS.md'
+
+
+def _cudnn_unsupported(platform: str, dtype: str, cfg: ModelConfig, device_kind: str,
+                       compute_capability: Optional[str]) -> str:
+  """Why cuDNN's fused attention cannot take this run's attention ('' where it can)."""
+  if platform != 'gpu' or (device_kind and 'nvidia' not in device_kind.lower()):
+    return f'cuDNN runs on NVIDIA GPUs, the devices are {device_kind or platform}'
+  if dtype not in CUDNN_DTYPES:
+    return f'model.dtype={dtype} (cuDNN takes bfloat16 or float16; set model.dtype=bfloat16)'
+  h = cfg.head_size
+  major = int((compute_capability or '0').split('.')[0] or 0)
+  limit = 256 if major >= 9 else 128
+  if h % 8 or h > limit:
+    return f'head size {h} (cuDNN: a multiple of 8, at most {limit} on this GPU)'
+  return ''
 
 
 @flax.struct.dataclass
@@ -167,6 +234,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
   ``scale_dim``: as ``einsum_attention``'s."""
   if isinstance(mask, Segments):
     return splash_attention(q, k, v, mask, scale_dim)
+  if attention == 'cudnn':
+    return cudnn_attention(q, k, v, mask, scale_dim, causal=q.shape[1] == k.shape[1])
   if attention == 'xla':  # the scores times 1/sqrt(d) (the einsum divides: float32 rounding)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                         scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
@@ -174,6 +243,33 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
   if attention == 'flash':
     return flash_attention(q, k, v, mask, scale_dim)
   return einsum_attention(q, k, v, mask, scale_dim=scale_dim)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                    scale_dim: Optional[float] = None, causal: bool = False) -> jax.Array:
+  """cuDNN's fused (flash) attention, ``jax.nn.dot_product_attention(implementation='cudnn')``:
+  q [B, T, N, H], k and v [B, S, K, H] in bf16/fp16 (GQA as is), the dense mask [B, T, S] of
+  every case (left and right padding, SFT's packed segments, sliding windows) passed as its
+  ``mask``, which jax turns into an additive [B, 1, T, S] bias of 0 and a large negative number
+  (``combine_bias_and_mask``): a fully masked padding query averages the values, as the
+  einsum's does. The kernel never materializes the [B, N, T, S] scores; its backward keeps q,
+  k, v, the output, the log-sum-exp [B, N, T] and that bias (one for all the scanned layers
+  when they attend alike; with Gemma 3's per-layer choice, one per layer: the CUDA lowering in
+  tests/test_attention_gpu.py). ``causal`` (T = S, the mask
+  causal): cuDNN skips the blocks above the diagonal (the mask is unchanged by it). Scale:
+  1/sqrt(scale_dim or H), as ``einsum_attention``'s. An odd T or S (cuDNN's backward with a bias
+  takes even lengths only) gets one more query, whose output is dropped, and one more key, masked
+  out: the same values."""
+  t, s = q.shape[1], k.shape[1]
+  dt, ds = t % 2, s % 2
+  if dt or ds:
+    grow = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
+    q, k, v = grow(q, dt), grow(k, ds), grow(v, ds)
+    mask = jnp.pad(mask, ((0, 0), (0, dt), (0, ds)))  # False: the added key is never attended
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                     scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
+                                     is_causal=causal, implementation='cudnn')
+  return out[:, :t]
 
 
 @functools.lru_cache(maxsize=64)
@@ -446,9 +542,13 @@ def blocked_attention(q, k, v, mask, filled, block: int, scale_dim: Optional[flo
 
 def attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
                            prefix_valid: jax.Array, k: jax.Array, v: jax.Array,
-                           mask: jax.Array, scale_dim: Optional[float] = None) -> jax.Array:
+                           mask: jax.Array, scale_dim: Optional[float] = None,
+                           attention: str = 'einsum') -> jax.Array:
   """Grouped-query attention of a suffix over a shared prefix and itself: ``einsum_attention``
-  over the keys [prefix; suffix] without repeating the prefix for every row.
+  over the keys [prefix; suffix] without repeating the prefix for every row; with ``attention``
+  'cudnn', ``cudnn_attention`` over those keys with the prefix's repeated for its R rows (k and
+  v only, [B, S, K, H]: no kernel takes keys shared by rows); 'flash'
+  ``flash_attention_after_prefix``; the others the einsum.
 
   q: [B, T, N, H] suffix queries, rows ``i*R .. i*R+R-1`` sharing prefix row i; prefix_kv: k, v
   [P, S, K, H] with B = P*R; prefix_valid: [P, S] bool (every suffix position sees every valid
@@ -458,10 +558,18 @@ def attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
   key and value gradients sum over them. One softmax over both parts, the keys in the order of the
   unshared sequence, so the values are ``einsum_attention``'s on the concatenated rows.
   """
+  if attention == 'flash':
+    return flash_attention_after_prefix(q, prefix_kv, prefix_valid, k, v, mask, scale_dim)
   b, t, n, h = q.shape
   pk, pv = prefix_kv
   p, s, kv_heads, _ = pk.shape
   r = b // p
+  if attention == 'cudnn':
+    seen = (jnp.broadcast_to(prefix_valid[:, None, None, :], (p, r, t, s)) if prefix_valid.ndim == 2
+            else prefix_valid).reshape(b, t, s)
+    rows = lambda prefix, own: jnp.concatenate([jnp.repeat(prefix, r, axis=0), own], axis=1)
+    return cudnn_attention(q, rows(pk, k), rows(pv, v), jnp.concatenate([seen, mask], -1),
+                           scale_dim)
   q = q.reshape(p, r, t, kv_heads, n // kv_heads, h)  # q head i uses kv head i // (N/K), as HF
   scale = np.sqrt(scale_dim or h).astype(np.float32)
   on_prefix = jnp.einsum('PRTKGH,PSKH->PRKGTS', q, pk, preferred_element_type=jnp.float32) / scale

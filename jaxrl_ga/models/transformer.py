@@ -104,7 +104,7 @@ class ForwardOptions:
     adapters: the LoRA adapters on (the policy) or off (the frozen base: a LoRA run's reference
       policy); a no-op without adapters.
     attention: the attention of the training forward and the prefill, one of
-      ``ATTENTION_IMPLS`` (model.attention; "Fused attention" in the module docstring).
+      ``attention.ATTENTION_IMPLS`` (model.attention once resolved: never 'auto').
   """
   scan_layers: bool = True
   remat: str = 'none'
@@ -443,16 +443,16 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
   themselves as ``_layer`` does (by ``attention``); the suffix rows to their prefix and
-  themselves (the einsum, or with 'flash' ``flash_attention_after_prefix``: no fused kernel takes
-  the prefix's keys shared by R rows)."""
+  themselves (``attention_after_prefix``: 'cudnn' over the prefix's keys repeated per row,
+  'flash' its own, the others the einsum: no fused kernel takes the prefix's keys shared by R
+  rows))."""
   prefix_mask, prefix_valid, suffix_mask = (attn_lib.layer_mask(p, m) for m in masks)
   scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
   attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim)
-  after_prefix = (attn_lib.flash_attention_after_prefix if attention == 'flash'
-                  else attn_lib.attention_after_prefix)
-  attn_s = after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask, scale_dim)
+  attn_s = attn_lib.attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask,
+                                           scale_dim, attention)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
 
 
