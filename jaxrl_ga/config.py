@@ -601,13 +601,12 @@ class ModelSpec(ModelConfig):
       rows (learner and old log-probs only).
     attention: the attention of the training forward (learners, old and reference log-probs)
       and of the rollout's prefill: 'auto' (the default: resolved once per run, before anything
-      compiles, and printed in one line: 'cudnn' on NVIDIA GPUs when model.dtype is bfloat16
-      and the head size fits, else 'flash' with the reason; 'splash' on TPU; on CPU the
-      fastest measured, the einsum), 'einsum' (two einsums and a softmax over a dense mask),
+      compiles, and printed in one line: 'flash' on GPUs; 'splash' on TPU; on CPU the fastest
+      measured, the einsum), 'einsum' (two einsums and a softmax over a dense mask),
       'xla' (``jax.nn.dot_product_attention(implementation='xla')``, the same arithmetic as jax
       stages it), 'splash' (TPU only: the Pallas splash-attention kernel, compiled by libtpu;
-      measure with ``python -m jaxrl_ga.plan``), 'cudnn' (NVIDIA GPUs, bfloat16 only: cuDNN's
-      fused flash attention, ``jax.nn.dot_product_attention(implementation='cudnn')``) or
+      measure with ``python -m jaxrl_ga.plan``), 'cudnn' (cuDNN's fused attention: refused for
+      now, it failed this project's GPU check on an H200, models/attention.CUDNN_FAILED) or
       'flash' (FlashAttention's algorithm in pure JAX, every backend: blocked over keys, the
       backward recomputed, no [B, N, T, S] tensor kept; models/attention.flash_attention,
       benchmarks/learner_memory.py). The decode steps keep their filled-cache attention. What an

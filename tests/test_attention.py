@@ -247,14 +247,15 @@ def _arch(name):
     # CPU: the einsum (benchmarks/attention.py: 'xla' within 4% of it), whatever the dtype
     ('auto', 'cpu', 'float32', 'qwen3_tiny', 'cpu', None, 'einsum', 'cpu, float32; the fastest'),
     ('auto', 'cpu', 'bfloat16', 'qwen3_tiny', 'cpu', None, 'einsum', 'fastest measured on CPU'),
-    # NVIDIA: cuDNN in bf16 with a head size it takes (GQA, sliding windows: the dense mask)
-    ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'cudnn', 'NVIDIA H200, bfloat16'),
-    ('auto', 'gpu', 'bfloat16', 'gemma3_tiny', 'NVIDIA A100-SXM4-80GB', '8.0', 'cudnn', 'A100'),
+    # NVIDIA: 'flash' (cuDNN failed the GPU check, attention.CUDNN_FAILED); the reason named
+    ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'flash',
+     "NVIDIA H200, bfloat16; not cudnn: it failed this project's GPU check"),
+    ('auto', 'gpu', 'bfloat16', 'gemma3_tiny', 'NVIDIA A100-SXM4-80GB', '8.0', 'flash', 'A100'),
     ('auto', 'gpu', 'float32', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'flash',
      'not cudnn: model.dtype=float32 (cuDNN takes bfloat16 or float16; set model.dtype=bfloat16)'),
     ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA A100-SXM4-80GB', '8.0', 'flash',
      'not cudnn: head size 160 (cuDNN: a multiple of 8, at most 128 on this GPU)'),
-    ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA H100 80GB HBM3', '9.0', 'cudnn', 'H100'),
+    ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA H100 80GB HBM3', '9.0', 'flash', 'H100'),
     ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'AMD Instinct MI300X', None, 'flash',
      'cuDNN runs on NVIDIA GPUs'),
     # TPU: splash; Gemma 3's mixed layers keep today's routing (the einsum), named
@@ -264,7 +265,6 @@ def _arch(name):
     # explicit values stay as set
     ('xla', 'gpu', 'float32', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'xla', ''),
     ('einsum', 'tpu', 'bfloat16', 'qwen3_tiny', 'TPU v5 lite', None, 'einsum', ''),
-    ('cudnn', 'gpu', 'bfloat16', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'cudnn', ''),
 ])
 def test_auto_resolution(setting, platform, dtype, name, kind, cc, want, why):
   """``attention.resolve``: model.attention -> one implementation per backend, dtype and
@@ -280,6 +280,8 @@ def test_auto_resolution(setting, platform, dtype, name, kind, cc, want, why):
     ('cudnn', 'gpu', 'float32', 'NVIDIA H200', "'cudnn' cannot run here: model.dtype=float32"),
     ('cudnn', 'tpu', 'bfloat16', 'TPU v5 lite', "'cudnn' cannot run here: cuDNN runs on NVIDIA"),
     ('splash', 'gpu', 'bfloat16', 'NVIDIA H200', "'splash' is a TPU kernel but the devices are gpu"),
+    # refused where it could run: it failed the GPU check (training would be silently wrong)
+    ('cudnn', 'gpu', 'bfloat16', 'NVIDIA H200', "'cudnn' cannot run here: it failed this project's GPU check"),
 ])
 def test_explicit_attention_the_devices_cannot_run(setting, platform, dtype, kind, error):
   with pytest.raises(ValueError, match=error):
@@ -295,8 +297,9 @@ def test_resolve_attention_line():
   cfg = from_mapping(RunConfig, {'model': {'dtype': 'bfloat16'}})
   arch = dataclasses.replace(_arch('qwen3_tiny'), dtype='bfloat16')
   resolved, line = programs.resolve_attention(cfg, arch, gpu)
-  assert resolved.model.attention == 'cudnn'
-  assert line == 'model.attention=auto -> cudnn (NVIDIA H200, bfloat16)'
+  assert resolved.model.attention == 'flash'
+  assert line == ('model.attention=auto -> flash (NVIDIA H200, bfloat16; not cudnn: '
+                  f'{attn_lib.CUDNN_FAILED})')
   assert dataclasses.replace(resolved, model=cfg.model) == cfg  # nothing else changed
   again, line = programs.resolve_attention(resolved, arch, gpu)
   assert again == resolved and line is None
