@@ -610,7 +610,7 @@ class ModelSpec(ModelConfig):
       'flash' (FlashAttention's algorithm in pure JAX, every backend: blocked over keys, the
       backward recomputed, no [B, N, T, S] tensor kept; models/attention.flash_attention,
       benchmarks/learner_memory.py). The decode steps keep their filled-cache attention. What an
-      implementation cannot express runs the einsum (models/attention.py);
+      implementation cannot express runs the einsum ('flash' under 'splash'; models/attention.py);
       benchmarks/attention.py compares them. Not in the checkpoint fingerprint (an
       implementation choice): a run may resume with another value.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).

@@ -258,10 +258,10 @@ def _arch(name):
     ('auto', 'gpu', 'bfloat16', 'wide_heads', 'NVIDIA H100 80GB HBM3', '9.0', 'flash', 'H100'),
     ('auto', 'gpu', 'bfloat16', 'qwen3_tiny', 'AMD Instinct MI300X', None, 'flash',
      'cuDNN runs on NVIDIA GPUs'),
-    # TPU: splash; Gemma 3's mixed layers keep today's routing (the einsum), named
+    # TPU: splash; Gemma 3's mixed layers run 'flash' inside it, named
     ('auto', 'tpu', 'bfloat16', 'mistral_tiny', 'TPU v5 lite', None, 'splash', 'TPU v5 lite'),
     ('auto', 'tpu', 'bfloat16', 'gemma3_tiny', 'TPU v5 lite', None, 'splash',
-     'layers mixing sliding and full attention run the einsum'),
+     'layers mixing sliding and full attention run flash'),
     # explicit values stay as set
     ('xla', 'gpu', 'float32', 'qwen3_tiny', 'NVIDIA H200', '9.0', 'xla', ''),
     ('einsum', 'tpu', 'bfloat16', 'qwen3_tiny', 'TPU v5 lite', None, 'einsum', ''),

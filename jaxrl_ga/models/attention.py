@@ -18,7 +18,8 @@ tests/test_attention_gpu.py on an H200, ``CUDNN_FAILED``) or 'flash' (``flash_at
 and recomputing backward in pure JAX, every backend; the dense mask; no [B, N, T, S] tensor kept
 for the backward; issue 47). Every implementation keeps GQA, the sliding window, Gemma's
 ``query_pre_attn_scalar``, packed segments and left padding; what one cannot express runs the
-einsum: the suffix-over-shared-prefix attention of ``Transformer.hidden_after_prefix``
+einsum, or with 'splash' 'flash' (no [B, N, T, S] tensor kept on a TPU either): the
+suffix-over-shared-prefix attention of ``Transformer.hidden_after_prefix``
 (``attention_after_prefix``; 'cudnn' and 'flash' have their own), and with 'splash' a model
 whose layers mix sliding and full attention (Gemma 3). model.attention='auto', the default, is
 none of these: ``resolve`` turns it into one, once per run before anything compiles
@@ -73,7 +74,7 @@ def resolve(attention: str, platform: str, dtype: str, cfg: ModelConfig, device_
   where the devices cannot run it); 'auto' by the backend ``platform`` ('cpu', 'gpu', 'tpu'),
   the compute ``dtype`` and the model: on GPUs 'flash', the reason for not 'cudnn' named (it
   failed this project's GPU check: ``CUDNN_FAILED``, so 'cudnn' is refused); on TPU 'splash' (a
-  model whose layers mix sliding and full attention runs the einsum there, ``splash_mask``); on
+  model whose layers mix sliding and full attention runs 'flash' there, ``splash_mask``); on
   CPU ``CPU_ATTENTION``, the fastest measured. ``device_kind`` (e.g. 'NVIDIA H200') and
   ``compute_capability`` (e.g. '9.0') are the first device's. A pure function: once per run,
   before anything compiles (programs.resolve_attention)."""
@@ -92,7 +93,7 @@ def resolve(attention: str, platform: str, dtype: str, cfg: ModelConfig, device_
   if platform == 'tpu':
     sliding = cfg.sliding_layers()
     mixed = any(sliding) and not all(sliding)
-    return 'splash', where + ('; layers mixing sliding and full attention run the einsum'
+    return 'splash', where + ('; layers mixing sliding and full attention run flash'
                               if mixed else '')
   if platform == 'gpu':  # FlashAttention in JAX: no [B, N, T, S] tensor kept for the backward
     # Not 'cudnn': on an H200 (jax 0.11.2) it failed tests/test_attention_gpu.py, a relative
@@ -221,7 +222,7 @@ class Segments:
 def splash_mask(cfg: ModelConfig, attention_mask: jax.Array, attention: str
                ) -> Optional[Segments]:
   """``Segments`` of the rows with 'splash' when every layer attends alike (all sliding, or
-  none); None: the dense masks (``window_masks``) and, with 'splash', the einsum."""
+  none); None: the dense masks (``window_masks``) and, with 'splash', 'flash'."""
   sliding = cfg.sliding_layers()
   if attention != 'splash' or (any(sliding) and not all(sliding)):
     return None
@@ -241,7 +242,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                         scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
                                         implementation='xla')
-  if attention == 'flash':
+  if attention in ('flash', 'splash'):  # splash: what its kernel cannot take (Gemma 3's mix)
     return flash_attention(q, k, v, mask, scale_dim)
   return einsum_attention(q, k, v, mask, scale_dim=scale_dim)
 
@@ -559,7 +560,7 @@ def attention_after_prefix(q: jax.Array, prefix_kv: tuple[jax.Array, jax.Array],
   key and value gradients sum over them. One softmax over both parts, the keys in the order of the
   unshared sequence, so the values are ``einsum_attention``'s on the concatenated rows.
   """
-  if attention == 'flash':
+  if attention in ('flash', 'splash'):  # no kernel takes keys shared by rows: flash for splash
     return flash_attention_after_prefix(q, prefix_kv, prefix_valid, k, v, mask, scale_dim)
   b, t, n, h = q.shape
   pk, pv = prefix_kv
