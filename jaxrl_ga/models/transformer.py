@@ -655,7 +655,10 @@ class Transformer(nnx.Module):
     ``attention``: the implementation of its attention (attn_lib.ATTENTION_IMPLS).
 
     Returns the logits of the last slot [B, V] (the next-token distribution) and the cache.
+    'splash' prefills with 'flash': with the kernel the rollout of issue 47's 0.4B shape needed
+    9.19 GiB on v5e:1x1 (plan), with 'flash' or the einsum 3.55 GiB.
     """
+    attention = 'flash' if attention == 'splash' else attention
     b, t = tokens.shape
     cache = self.init_cache(b, cache_length)
     valid = cache.valid.at[:, :t].set(attention_mask.astype(bool))
