@@ -338,9 +338,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   # model.attention='auto' -> one implementation for every program of the run (not in the
   # checkpoints' fingerprint: a resumed run may resolve it otherwise, docs/configuration.md).
-  cfg, line = programs.resolve_attention(cfg, model_cfg, mesh.devices.flat[0])
-  if line and jax.process_index() == 0:
-    print(f'[{cfg.stages[0]}] {line}', flush=True)
+  cfg, attention_line = programs.resolve_attention(cfg, model_cfg, mesh.devices.flat[0])
   validate_rollout_chunks(cfg)
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
     # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
@@ -368,6 +366,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths)
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
+  if attention_line and jax.process_index() == 0:  # after the checks: bad input is one line
+    print(f'[{cfg.stages[0]}] {attention_line}', flush=True)
   # Once the run is known to be valid, and before the weights: a W&B run that cannot start
   # (log.report_to) is an error before anything compiles. run() closes the writer from here on.
   ctx.writer = reporting.MetricWriter(workdir, cfg.log, dataclasses.asdict(cfg))

@@ -59,11 +59,18 @@ def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptio
   attention: resolved, ``resolve_attention``); ``share_prompts``: R, from ``rollout.prompt_share``
   (GRPO only). The trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an
   'auto' knob left here (a caller building programs directly) is fit's choice without a memory
-  limit: remat 'none', chunk 0."""
+  limit: remat 'none', chunk 0; an 'auto' attention, ``attn_lib.resolve``'s for jax's default
+  device (the run itself resolves it once, ``resolve_attention``)."""
+  attention = spec.attention
+  if attention == attn_lib.AUTO:  # likewise: resolved for jax's default device
+    device = jax.devices()[0]
+    attention = attn_lib.resolve(attention, device.platform, spec.dtype, spec,
+                                 getattr(device, 'device_kind', ''),
+                                 getattr(device, 'compute_capability', None))[0]
   return tfm.ForwardOptions(
       scan_layers=spec.scan_layers, remat='none' if spec.remat == 'auto' else spec.remat,
       logprob_chunk_size=max(spec.logprob_chunk_size, 0),
-      share_prompts=share_prompts, attention=spec.attention)
+      share_prompts=share_prompts, attention=attention)
 
 
 def with_memory_knobs(cfg: RunConfig, remat: str, chunk: int) -> RunConfig:

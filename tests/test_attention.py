@@ -157,13 +157,15 @@ def test_xla_attention_gradient_equals_einsum(fused_calls):
 
 def test_model_attention_setting():
   """model.attention reaches the forward options (and so the learners, the log-prob passes and
-  the rollout's prefill); its default 'auto' is no implementation (resolved once per run first);
-  an unknown name is a ConfigError naming the setting."""
+  the rollout's prefill); its default 'auto' is resolved to an implementation (for a program
+  built outside a run, for jax's default device: here the CPU's einsum); ForwardOptions itself
+  refuses 'auto'; an unknown name is a ConfigError naming the setting."""
   assert programs.forward_options(ModelSpec(attention='xla')).attention == 'xla'
   assert programs.forward_options(ModelSpec(attention='einsum')).attention == 'einsum'
   assert ModelSpec().attention == 'auto'
+  assert programs.forward_options(ModelSpec()).attention == attn_lib.CPU_ATTENTION == 'einsum'
   with pytest.raises(ValueError, match=r"attention='auto'.*resolved once per run"):
-    programs.forward_options(ModelSpec())
+    tfm.ForwardOptions(attention='auto')
   with pytest.raises(ConfigError, match=r"model.attention='flashy' is not a known value.*'auto', 'einsum', 'xla', 'splash', 'cudnn', 'flash'"):
     ModelSpec(attention='flashy')
 

@@ -40,11 +40,14 @@ def scanned_learner(devices):
 def test_remat_lowers_the_scanned_learners_temporaries(devices, scanned_learner):
   """Remat on the scanned layers (the TPU config's own setting) lowers the learner's temporaries.
   Unrolled, XLA's schedule kept the peak (2.55 GB with remat=full against 2.30 GB without on
-  2026-11-25), so the check is on the scanned layers."""
+  2026-11-25), so the check is on the scanned layers. Since issue 47 the learner without remat
+  recomputes its norms and SwiGLU activations anyway (models/transformer.py, ``_recomputed``):
+  1.32 GB without remat, 1.24 GB with remat=full here (2026-11-27), where remat saved over 20%
+  before."""
   base = scanned_learner['temp_bytes']
   remat = _learner(helpers.tpu_plan_config(), devices, remat='full')[0]['temp_bytes']
   print(f'temp bytes: scanned learner {base}, remat=full {remat}')
-  assert remat < 0.8 * base
+  assert remat < 0.95 * base
 
 
 def test_lora_flops_match_the_compiler_and_arguments_are_small(devices, scanned_learner):
