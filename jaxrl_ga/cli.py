@@ -19,8 +19,10 @@ import typing
 from typing import Any, Iterator, Optional
 
 from absl import flags
+from absl import logging
 
 from jaxrl_ga import config as config_lib
+from jaxrl_ga import tasks
 
 def fail(message: str, status: int = 2) -> typing.NoReturn:
   """Prints ``error: <message>`` to stderr and exits (2: bad input)."""
@@ -38,7 +40,6 @@ def warnings_only_unless_asked(verbose: bool = False) -> None:
   """absl's verbosity (which orbax's INFO lines and, through the root logger, JAX's follow):
   WARNING unless ``verbose`` or an explicit --verbosity/-v asks for more. Call it after parsing
   (absl's app.run raises a verbosity left unset to INFO then)."""
-  from absl import logging  # pylint: disable=g-import-not-at-top
   if not flags.FLAGS['verbosity'].present:
     flags.FLAGS.verbosity = logging.INFO if verbose else logging.WARNING
 
@@ -210,7 +211,6 @@ def _rows(cls: type, values: Any, defaults: Any, prefix: str) -> Iterator[tuple[
 
 
 def _task_option_rows(task: Any, prefix: str) -> Iterator[tuple[str, ...]]:
-  from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top
   name = task.get('name') if task is not None else None
   options = dict(task.get('options') or {}) if task is not None else {}
   if name not in tasks.TASKS:

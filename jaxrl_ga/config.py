@@ -24,9 +24,11 @@ import os
 import typing
 from typing import Any, Mapping, Optional, Sequence
 
+import ml_collections
 
-class ConfigError(ValueError):
-  """A configuration value is invalid. The message names the setting and how to fix it."""
+from jaxrl_ga import tasks
+
+from jaxrl_ga.errors import ConfigError  # re-exported: jaxrl_ga.config.ConfigError
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -1038,7 +1040,6 @@ def to_config_dict(obj: Any):
   """A dataclass instance as an ``ml_collections.ConfigDict`` of its fields (nested dataclasses
   as nested ConfigDicts, tuples comma-joined); optional fields whose value is None become typed
   placeholders, so that ``--config.<path>=<value>`` can set them too."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
   hints = typing.get_type_hints(type(obj))
   out = {}
   for f in dataclasses.fields(obj):
@@ -1069,7 +1070,6 @@ def set_task(config, name: str, **options: Any) -> None:
   updated by ``options``), so that each can be overridden with ``--config.task.options.<field>``
   and an unknown field is an error naming the valid ones. Raises ConfigError for an unknown task
   or option."""
-  from jaxrl_ga import tasks  # pylint: disable=g-import-not-at-top
   if name not in tasks.TASKS:
     raise ConfigError(f'unknown task {name!r}; known tasks: {", ".join(sorted(tasks.TASKS))}.')
   option_cls = tasks.TASKS[name][1]
@@ -1141,7 +1141,6 @@ def resolve_config_argv(argv: list[str], flag: str = 'config') -> list[str]:
 def load_config_file(path: str, arg: str = ''):
   """``get_config(arg)`` of an ml_collections config file (configs may build on each other);
   ``path`` goes through :func:`resolve_config_path`."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
   path = resolve_config_path(path)
   name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)

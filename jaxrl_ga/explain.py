@@ -28,8 +28,10 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from jaxrl_ga import cli
 from jaxrl_ga import schedule
-from jaxrl_ga.config import (UPDATE_MODES, ConfigError, MeshConfig, ScheduleConfig, from_mapping)
+from jaxrl_ga.config import (UPDATE_MODES, MeshConfig, ScheduleConfig, from_mapping)
+from jaxrl_ga.errors import ConfigError
 
 _SCHEDULE_FIELDS = tuple(f.name for f in dataclasses.fields(ScheduleConfig))
 
@@ -52,7 +54,6 @@ def _define_flags():
                        'least 2 periods and 12 micro-steps, 1 period if that is over 240 rows).')
   flags.DEFINE_enum('format', 'text', ['text', 'json'], 'text: the timeline; json: the table.')
   config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py).')
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   cli.define_print_config()
 
 
@@ -269,7 +270,6 @@ def main(argv):
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """Bad flags as ``main`` reports them (jaxrl_ga.cli.parse_flags)."""
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   return cli.parse_flags(argv)
 
 

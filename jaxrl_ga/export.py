@@ -18,11 +18,21 @@ fingerprint) and the adapters merged into them (W + alpha/r A @ B in float32; ja
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
+from flax import nnx
 
+from jaxrl_ga import checkpoint
+from jaxrl_ga import cli
+from jaxrl_ga import fileio
+from jaxrl_ga import lora
+from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
+from jaxrl_ga.models import transformer as tfm
 
 
 def _define_flags():
@@ -54,8 +64,6 @@ def load_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
 
 def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   """``load_checkpoint``'s tuple and the checkpoint's fingerprint (what the run recorded)."""
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   path = os.path.abspath(checkpoint_dir.rstrip('/'))
   stages = os.path.join(path, 'checkpoints')
   if os.path.isdir(stages):  # a run's workdir: its most recently written stage
@@ -78,11 +86,9 @@ def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   if 'model' not in fingerprint:
     raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
                      f'by jaxrl_ga.main?')
-  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   cfg = policy.model_config_from_dict(fingerprint['model'])
   params = state['learner']['params'] if 'learner' in state else state['params']
   if cfg.lora.rank:  # the adapters only: on the base weights the run started from
-    from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
     params = tfm.combine(base_params(cfg, fingerprint), params)
   tokenizer = None
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
@@ -94,13 +100,9 @@ def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
 def base_params(cfg, fingerprint: dict) -> dict:
   """The frozen base weights of a LoRA run, rebuilt as the run built them
   (models/policy.build_model): model.hf_path's weights, or the seed's initialization."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import lora  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
   if fingerprint.get('model_source'):
-    return hf.load_model(fingerprint['model_source'], dtype=cfg.dtype,
-                         param_dtype=cfg.param_dtype)[2]
+    return policy.load_model(fingerprint['model_source'], dtype=cfg.dtype,
+                             param_dtype=cfg.param_dtype)[2]
   # The adapters are drawn after every base weight: the base model of the same seed.
   return tfm.split(tfm.Transformer(lora.base_config(cfg),
                                    rngs=nnx.Rngs(fingerprint['seed'])))[1]
@@ -125,10 +127,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   replaced export leaves no stale file (an old shard index would win over the new weights) and
   an export cut short leaves ``out_dir`` as it was. Files get the umask's permissions.
   """
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import fileio, lora  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   out_dir = os.path.abspath(out_dir)
   check_out_dir(out_dir, overwrite)
   if adapter_out:
@@ -171,9 +169,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   cli.warnings_only_unless_asked()  # no orbax INFO lines (--verbosity=0 brings them)
-  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:
     src = export_checkpoint(f.checkpoint, f.out, f.tokenizer, f.weights_dtype, f.overwrite,

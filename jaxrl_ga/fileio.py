@@ -20,6 +20,7 @@ the line it could not append.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import io
 import logging
 import os
@@ -301,7 +302,6 @@ def fetch_directory(remote: str, local: str, patterns: tuple[str, ...],
   file never sits in memory), each through a temporary file and ``os.replace``. A file already
   there with the remote's size is kept (a second run reads the bucket's listing only). Returns
   the names copied or kept."""
-  import fnmatch  # pylint: disable=g-import-not-at-top
   fs, root = fsspec.core.url_to_fs(remote)
   os.makedirs(local, exist_ok=True)
   names = []

@@ -5,7 +5,7 @@ A step needs what the compiler's own analysis says it holds at once, per device
 and its temporaries (``step_bytes``; ``jaxrl_ga.plan`` reports the same number). The device has
 (``device_limit``): ``mesh.device_memory_gib`` when set (> 0), else what the backend reports
 (``memory_stats()['bytes_limit']``: GPUs and TPUs do), else the TPU chip's HBM
-(``plan.CHIPS``); with none of these (a plain CPU) nothing is checked and nothing changes.
+(``CHIPS``); with none of these (a plain CPU) nothing is checked and nothing changes.
 
 ``choose`` resolves the memory knobs of the training forward: ``model.remat='auto'`` and
 ``model.logprob_chunk_size=-1`` ('auto', ``AUTO_CHUNK``) take the cheapest setting whose steps
@@ -26,13 +26,36 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional, Sequence
 
-from jaxrl_ga.config import AUTO_CHUNK, REMAT, ConfigError, ModelSpec
+from jaxrl_ga.config import AUTO_CHUNK, REMAT, ModelSpec
+from jaxrl_ga.errors import ConfigError
 
 GIB = 2**30
 _KNOBS = ('lower it with model.remat (none < save_dots < full: less memory, more recompute), '
           'model.logprob_chunk_size (-1: auto; e.g. 64), a smaller {batch} with a larger '
           '{accum} (the same update), or more devices in mesh.fsdp / mesh.tensor; or give '
           'mesh.device_memory_gib if the limit is wrong')
+
+
+# Chip specs (public spec sheets, cloud.google.com/tpu/docs/<v4|v5e|v5p|v6e>): per-chip HBM, peak
+# bf16 flop/s, HBM bandwidth (bytes/s). Keyed by the jax device_kind.
+CHIPS = {
+    'TPU v4': dict(name='v4', hbm_bytes=32 * 2**30, peak_flops=275e12, hbm_bandwidth=1228e9),
+    'TPU v5 lite': dict(name='v5e', hbm_bytes=16 * 2**30, peak_flops=197e12,
+                        hbm_bandwidth=819e9),
+    'TPU v5': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
+    'TPU v5p': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
+    'TPU v6 lite': dict(name='v6e', hbm_bytes=32 * 2**30, peak_flops=918e12,
+                        hbm_bandwidth=1640e9),
+    # NVIDIA GPUs (benchmarks/accelerator.py's bounds; plan compiles for TPUs only): dense bf16
+    # tensor-core flop/s (no sparsity) and HBM bandwidth of the SXM parts, from NVIDIA's data
+    # sheets (nvidia.com/en-us/data-center/h100 and /h200, the A100 datasheet).
+    'NVIDIA H200': dict(name='h200', hbm_bytes=141 * 10**9, peak_flops=989.4e12,
+                        hbm_bandwidth=4.8e12),
+    'NVIDIA H100 80GB HBM3': dict(name='h100', hbm_bytes=80 * 10**9, peak_flops=989.4e12,
+                                  hbm_bandwidth=3.35e12),
+    'NVIDIA A100-SXM4-80GB': dict(name='a100', hbm_bytes=80 * 10**9, peak_flops=312e12,
+                                  hbm_bandwidth=2.039e12),
+}
 
 
 def compile_or_oom(lowered) -> tuple[Any, Optional[int], str]:
@@ -72,6 +95,7 @@ def device_limit(device_memory_gib: float, devices: Optional[Sequence[Any]] = No
   if device_memory_gib:
     return int(device_memory_gib * GIB), f'mesh.device_memory_gib={device_memory_gib:g}'
   if devices is None:
+    # lazy: jaxrl_ga.plan imports this module before it sets JAX_PLATFORMS
     import jax  # pylint: disable=g-import-not-at-top
     devices = jax.local_devices()
   device = devices[0]
@@ -82,8 +106,7 @@ def device_limit(device_memory_gib: float, devices: Optional[Sequence[Any]] = No
   if stats.get('bytes_limit'):
     return int(stats['bytes_limit']), f"the {device.device_kind}'s bytes_limit"
   if device.platform == 'tpu':
-    from jaxrl_ga import plan  # pylint: disable=g-import-not-at-top
-    chip = plan.CHIPS.get(device.device_kind)
+    chip = CHIPS.get(device.device_kind)
     return (chip['hbm_bytes'], f"the {device.device_kind}'s HBM") if chip else None
   return None
 

@@ -21,8 +21,11 @@ import json
 import os
 from typing import Any, Optional
 
+from flax import nnx
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
+import safetensors.numpy
 
 from jaxrl_ga.config import LoRAConfig
 from jaxrl_ga.models import transformer as tfm
@@ -69,7 +72,6 @@ def init_adapters(cfg: tfm.ModelConfig, seed: int, shardings=None) -> dict:
   """The adapters of a fresh ``cfg`` model (A random, B zero), born with ``shardings`` (the
   adapters' part of the model's, or None). The base weights' initialization is dead code in the
   jitted function: XLA computes and allocates none of it."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
 
   def init():
     return split(tfm.split(tfm.Transformer(cfg, rngs=nnx.Rngs(seed)))[1])[0]
@@ -130,7 +132,6 @@ def save_peft(adapters: dict, cfg: tfm.ModelConfig, out_dir: str,
               base_model: Optional[str] = None) -> None:
   """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's file layout; load
   with ``peft.PeftModel.from_pretrained(base, out_dir)``). Only process 0 writes."""
-  import safetensors.numpy  # pylint: disable=g-import-not-at-top
   tensors = peft_tensors(adapters, cfg)
   if jax.process_index() != 0:
     return
@@ -146,6 +147,5 @@ def save_peft(adapters: dict, cfg: tfm.ModelConfig, out_dir: str,
 
 def _gather(x):
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(x)

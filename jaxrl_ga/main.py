@@ -37,7 +37,10 @@ from absl import logging
 from ml_collections import config_flags
 
 from jaxrl_ga import cli
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga import fileio
+from jaxrl_ga import host_memory
+from jaxrl_ga import rewards
+from jaxrl_ga.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Path to an ml_collections config file (get_config()); fields can be '
@@ -71,8 +74,8 @@ def init_distributed(coordinator_address: Optional[str] = None,
                      pci_root: str = '/sys/bus/pci/devices') -> str:
   """jax.distributed: explicit with a coordinator address, automatic on a Cloud TPU VM.
   -> 'explicit', 'tpu_vm' or 'none' (one process)."""
+  # lazy: JAX after main() set the malloc and libtpu environment (host_memory)
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise app.UsageError('--coordinator_address needs --num_processes and --process_id.')
@@ -103,14 +106,11 @@ def main(argv):
     print(f'error: --{"config" if _CONFIG.value is None else "workdir"} is required (e.g. '
           f'--config=configs/grpo_arith.py --workdir=/tmp/grpo_arith).', file=sys.stderr)
     sys.exit(2)
-  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
-  # The library (JAX, orbax, the trainers) only after that.
+  # lazy: the library (JAX, orbax, the trainers) only after that
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import fileio  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import rewards  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
   try:
     cfg = api.load_run_config(_CONFIG.value)

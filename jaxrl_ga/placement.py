@@ -14,6 +14,7 @@ import functools
 from typing import Any, Sequence
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 import numpy as np
 
@@ -115,7 +116,6 @@ def gather_rows(local: np.ndarray, rows: np.ndarray, n: int, mesh: Mesh) -> np.n
     out = np.empty((n, *local.shape[1:]), local.dtype)
     out[np.asarray(rows)] = local
     return out
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   x = from_local(local, rows, (n, *local.shape[1:]), batch_sharding(mesh, local.ndim))
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
@@ -124,7 +124,6 @@ def per_process(x) -> np.ndarray:
   """A small host value of each process, stacked [num_processes, ...] on every process."""
   if jax.process_count() == 1:
     return np.asarray(x)[None]
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
 
 
@@ -132,7 +131,6 @@ def to_host(x) -> np.ndarray:
   """The whole (global) array on this host. On several processes a batch-sharded array is not
   fully addressable: its rows are gathered from every process."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))
 

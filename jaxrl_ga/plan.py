@@ -79,28 +79,14 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from jaxrl_ga import cli
+from jaxrl_ga import fit
+from jaxrl_ga import schedule
+from jaxrl_ga.config import AUTO_CHUNK, RunConfig, from_mapping
+from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.fit import CHIPS  # plan.CHIPS for users (benchmarks/accelerator.py)
 from jaxrl_ga.host_memory import quiet_libtpu_env  # pylint: disable=unused-import (plan's API)
 
-# Chip specs (public spec sheets, cloud.google.com/tpu/docs/<v4|v5e|v5p|v6e>): per-chip HBM, peak
-# bf16 flop/s, HBM bandwidth (bytes/s). Keyed by the jax device_kind.
-CHIPS = {
-    'TPU v4': dict(name='v4', hbm_bytes=32 * 2**30, peak_flops=275e12, hbm_bandwidth=1228e9),
-    'TPU v5 lite': dict(name='v5e', hbm_bytes=16 * 2**30, peak_flops=197e12,
-                        hbm_bandwidth=819e9),
-    'TPU v5': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
-    'TPU v5p': dict(name='v5p', hbm_bytes=95 * 2**30, peak_flops=459e12, hbm_bandwidth=2765e9),
-    'TPU v6 lite': dict(name='v6e', hbm_bytes=32 * 2**30, peak_flops=918e12,
-                        hbm_bandwidth=1640e9),
-    # NVIDIA GPUs (benchmarks/accelerator.py's bounds; plan compiles for TPUs only): dense bf16
-    # tensor-core flop/s (no sparsity) and HBM bandwidth of the SXM parts, from NVIDIA's data
-    # sheets (nvidia.com/en-us/data-center/h100 and /h200, the A100 datasheet).
-    'NVIDIA H200': dict(name='h200', hbm_bytes=141 * 10**9, peak_flops=989.4e12,
-                        hbm_bandwidth=4.8e12),
-    'NVIDIA H100 80GB HBM3': dict(name='h100', hbm_bytes=80 * 10**9, peak_flops=989.4e12,
-                                  hbm_bandwidth=3.35e12),
-    'NVIDIA A100-SXM4-80GB': dict(name='a100', hbm_bytes=80 * 10**9, peak_flops=312e12,
-                                  hbm_bandwidth=2.039e12),
-}
 STEP_KEYS = ('argument_bytes', 'output_bytes', 'temp_bytes', 'peak_bytes', 'flops',
              'bytes_accessed', 'optimal_seconds')
 NOTE = ('Compiler numbers and estimates, not a measurement: memory from the TPU compiler\'s '
@@ -113,8 +99,8 @@ def topology_devices(topology: str, num_slices: int = 1):
   needed), ``num_slices`` slices of it. v4 and v5p chips are megacore: one device per chip, as
   on a TPU VM (MaxText's accelerator_to_spec_map does the same). Raises ConfigError for a
   topology libtpu does not know or without libtpu."""
+  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if not re.fullmatch(r'v\d+[a-z]*:\d+(x\d+)*', topology or ''):
     raise ConfigError(f'--topology={topology!r}: expected <chip>:<shape> such as v5e:2x4, '
                       'v5p:2x2x1, v4:2x2x4 or v6e:2x2.')
@@ -169,8 +155,9 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   step; they change neither its memory nor its flops). With
   ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the old
   log-probs, is lowered with the rollout."""
+  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import schedule, sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
 
   knobs = {k: v for k, v in (('remat', remat), ('logprob_chunk_size', logprob_chunk_size))
            if v is not None}
@@ -206,9 +193,8 @@ def fitted_steps(cfg, model_cfg, devices, limit: float, chip: str):
   """``lower_grpo`` at the memory knobs ``jaxrl_ga.fit`` chooses against ``limit`` bytes per
   chip ('auto' knobs: the cheapest whose steps fit; when none does, the least memory, which the
   report then shows not fitting). -> (``cfg`` with the knobs chosen, the Steps)."""
-  from jaxrl_ga import fit  # pylint: disable=g-import-not-at-top
+  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   spec = cfg.model
   built = {}
 
@@ -258,6 +244,7 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
   read whole (``block`` 0: no loop, so the compiler's cost analysis counts all of it). A step's
   attention reads the filled blocks only, so over a completion its cost is that of a step at the
   mean fill, which the caller passes. Sampling the token is not included."""
+  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
@@ -297,7 +284,6 @@ def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model
 def compile_step(lowered) -> dict[str, Any]:
   """Compiles; -> the compiler's numbers, or for a program the compiler rejects for memory,
   the peak it reported (``compiled`` False, ``error``)."""
-  from jaxrl_ga import fit  # pylint: disable=g-import-not-at-top
   compiled, peak, error = fit.compile_or_oom(lowered)
   if compiled is None:
     out = {k: None for k in STEP_KEYS}
@@ -323,7 +309,6 @@ def compile_step(lowered) -> dict[str, Any]:
 def chip_spec(devices) -> dict[str, Any]:
   kind = devices[0].device_kind
   if kind not in CHIPS:
-    from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
     raise ConfigError(f'no chip spec for device kind {kind!r}; known: {", ".join(CHIPS)}.')
   return CHIPS[kind]
 
@@ -331,7 +316,6 @@ def chip_spec(devices) -> dict[str, Any]:
 def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float = 0.1,
          devices=None, num_slices: int = 1) -> dict[str, Any]:
   """Compiles ``cfg``'s GRPO steps for ``topology``; -> the report (see the module doc)."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if 'grpo' not in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: the plan compiles the GRPO steps; '
                       'include grpo in --config.stages.')
@@ -341,11 +325,11 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
                       'chose in its first [grpo] prompt line).')
   devices = devices or topology_devices(topology, num_slices)
   chip = chip_spec(devices)
+  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
+  from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   m = policy.planned_model_config(cfg, hf_config)
-  from jaxrl_ga import flops as flops_lib  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import AUTO_CHUNK  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   cfg, _ = programs_lib.resolve_attention(cfg, m, devices[0])  # the report's; as lower_grpo's
   auto = [k for k, v in (('remat', cfg.model.remat == 'auto'),
                          ('logprob_chunk_size', cfg.model.logprob_chunk_size == AUTO_CHUNK)) if v]
@@ -563,7 +547,6 @@ def public(rep: dict[str, Any]) -> dict[str, Any]:
 
 
 def _define_flags():
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file('config', None, 'An ml_collections config file (configs/X.py'
                                   '[:arg]); fields can be overridden with --config.<field>=...',
                                   lock_config=True)
@@ -578,8 +561,6 @@ def _define_flags():
 
 
 def main(argv):
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.config import RunConfig, from_mapping  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   try:
     if len(argv) > 1:
@@ -604,7 +585,6 @@ def main(argv):
 
 def _parse_flags(argv):
   """Bad flags as ``main`` reports them (jaxrl_ga.cli.parse_flags)."""
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   return cli.parse_flags(argv)
 
 

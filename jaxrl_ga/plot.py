@@ -56,9 +56,10 @@ def read_metrics(path: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
 def plot_run(workdir: str, out: Optional[str] = None,
              metrics: Optional[Sequence[str]] = None) -> list[str]:
   """Writes the PNGs; returns their paths."""
+  # lazy: optional dependency (matplotlib)
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  # lazy: after use('Agg')
 
   path = fileio.join(workdir, 'metrics.jsonl')
   if not fileio.exists(path):

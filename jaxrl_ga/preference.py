@@ -1,6 +1,6 @@
 """Preference datasets for DPO (``dpo.pairs='dataset'``): rows of prompt, chosen and rejected.
 
-Rows come from ``data.train`` through the data layer (``jaxrl_ga.data.read_rows``: files,
+Rows come from ``data.train`` through the data layer (``jaxrl_ga.rows_lib.read_rows``: files,
 ``datasets`` or Python), in TRL's preference formats:
 
   explicit prompt   {"prompt": ..., "chosen": ..., "rejected": ...}, each a string or a list of
@@ -38,10 +38,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxrl_ga import data
 from jaxrl_ga import fileio
+from jaxrl_ga import rows as rows_lib
 from jaxrl_ga import sft_data
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import text
 
@@ -64,7 +64,7 @@ def _messages(value, where: str, column: str) -> Union[str, Messages]:
   if isinstance(value, str):
     return value
   # [] as well: parse then names what the row lacks (an assistant turn, a shared prompt).
-  messages = [] if isinstance(value, (list, tuple)) and not value else data.as_messages(value)
+  messages = [] if isinstance(value, (list, tuple)) and not value else rows_lib.as_messages(value)
   if messages is not None:
     return messages
   raise ConfigError(f'{where}: "{column}" is a {type(value).__name__} ({str(value)[:60]!r}); '
@@ -75,7 +75,7 @@ def _as_messages(value, role: str) -> Messages:
   return [{'role': role, 'content': value}] if isinstance(value, str) else value
 
 
-def parse(row: data.Row, columns: Mapping[str, str]) -> Preference:
+def parse(row: rows_lib.Row, columns: Mapping[str, str]) -> Preference:
   """A row (columns renamed by ``columns``) -> its Preference; bad rows: ConfigError."""
   where = row.where
   r = {columns.get(k, k): v for k, v in row.items()}
@@ -88,7 +88,7 @@ def parse(row: data.Row, columns: Mapping[str, str]) -> Preference:
   chosen = _messages(r['chosen'], where, 'chosen')
   rejected = _messages(r['rejected'], where, 'rejected')
   if 'prompt' in r:
-    prompt = data.check_prompt(r['prompt'], where)
+    prompt = rows_lib.check_prompt(r['prompt'], where)
   elif isinstance(chosen, list) and isinstance(rejected, list):  # TRL's implicit prompt
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -121,20 +121,20 @@ def parse(row: data.Row, columns: Mapping[str, str]) -> Preference:
   return Preference(prompt, chosen, rejected, fields, where)
 
 
-def eval_row(pref: Preference) -> data.Row:
-  """The row's prompt and other columns, as a held-out evaluation row (``data.DataTask``)."""
-  row = data.Row(prompt=pref.prompt, **pref.fields)
+def eval_row(pref: Preference) -> rows_lib.Row:
+  """The row's prompt and other columns, as a held-out evaluation row (``rows_lib.DataTask``)."""
+  row = rows_lib.Row(prompt=pref.prompt, **pref.fields)
   row.where = pref.where
   return row
 
 
-def _train_row(pref: Preference) -> data.Row:
+def _train_row(pref: Preference) -> rows_lib.Row:
   row = eval_row(pref)
   row.update(chosen=pref.chosen, rejected=pref.rejected)
   return row
 
 
-class PreferenceTask(data.DataTask):
+class PreferenceTask(rows_lib.DataTask):
   """The preference rows of a DPO run (``preferences``) and the held-out rows it evaluates on (a
   DataTask: its prompts, scored by the run's rewards when given; the training stream's examples
   are the preference rows' prompts)."""
@@ -262,15 +262,15 @@ def build_task(cfg, train_source, eval_source, rewards) -> PreferenceTask:
     raise ConfigError(f'stages={",".join(cfg.stages)}: with dpo.pairs=dataset, data.train holds '
                       f'preference rows, which only the dpo stage trains on; set stages=dpo '
                       f'(start it from a trained model with model.hf_path).')
-  columns = data.parse_columns(spec.columns)
-  rows = data.read_rows(train_source, spec.train_split, 'data.train')
+  columns = rows_lib.parse_columns(spec.columns)
+  rows = rows_lib.read_rows(train_source, spec.train_split, 'data.train')
   if not rows:
     raise ConfigError('data.train is empty; give at least one row.')
   preferences = [parse(r, columns) for r in rows]
   if eval_source is None:
-    preferences, held = data.held_out_split(preferences, spec.eval_fraction, cfg.seed)
+    preferences, held = rows_lib.held_out_split(preferences, spec.eval_fraction, cfg.seed)
     eval_rows = [eval_row(p) for p in held]
   else:
-    eval_rows = data.prepare(data.read_rows(eval_source, spec.eval_split, 'data.eval'), columns,
+    eval_rows = rows_lib.prepare(rows_lib.read_rows(eval_source, spec.eval_split, 'data.eval'), columns,
                              'data.eval')
   return PreferenceTask(preferences, eval_rows, rewards, shuffle=spec.shuffle)

@@ -29,7 +29,8 @@ from jaxrl_ga import lora
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
 

@@ -39,6 +39,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from absl import logging
 import numpy as np
 
+from jaxrl_ga.answers import final_number, numbers_equal  # rewards.final_number for users
+from jaxrl_ga.errors import ConfigError
+
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
 
@@ -173,31 +176,10 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
 
 
 # -- built-in rewards -----------------------------------------------------------------------------
-_BOXED = re.compile(r'\\boxed\{([^{}]*)\}')
-_NUMBER = re.compile(r'-?\d[\d,]*(?:\.\d+)?|-?\.\d+')
-
-
-def final_number(text: str) -> Optional[str]:
-  """The final answer a text states: the last ``\\boxed{...}``'s number, else the number after the
-  last ``####``, else the last number; commas dropped. None if it states no number.
-  ``'so \\boxed{1,234}'`` -> ``'1234'``; ``'... #### 42'`` -> ``'42'``; ``'it is 7.'`` -> ``'7'``."""
-  from jaxrl_ga.tasks import gsm8k  # pylint: disable=g-import-not-at-top  (it imports this module)
-  text = str(text)
-  boxed = _BOXED.findall(text)
-  if boxed:
-    numbers = _NUMBER.findall(boxed[-1])
-    return numbers[-1].replace(',', '') if numbers else None
-  if '####' in text:
-    return gsm8k.extract_final_number(text)
-  numbers = _NUMBER.findall(text)
-  return numbers[-1].replace(',', '') if numbers else None
-
-
 @marks_correctness
 def final_answer(prompts, completions, answer=None, **unused_columns):
   """1.0 iff the completion's :func:`final_number` equals the row's ``answer`` numerically; None
   for a row without an answer (or a dataset without the column)."""
-  from jaxrl_ga.tasks import gsm8k  # pylint: disable=g-import-not-at-top
   del prompts, unused_columns
   answers = answer if answer is not None else [None] * len(completions)
   out = []
@@ -207,7 +189,7 @@ def final_answer(prompts, completions, answer=None, **unused_columns):
       out.append(None)
       continue
     got = final_number(completion)
-    out.append(float(got is not None and gsm8k.numbers_equal(got, ref)))
+    out.append(float(got is not None and numbers_equal(got, ref)))
   return out
 
 
@@ -244,7 +226,6 @@ def resolve(reward_funcs, what: str = 'grpo.reward_funcs') -> list[WeightedRewar
   built-in name, ``final_answer=1.0``), or a list of such strings, callables, ``(callable,
   weight)`` pairs and WeightedRewards. A string that does not import, or names something not
   callable, raises ConfigError naming it. Names must be unique."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if isinstance(reward_funcs, str):
     reward_funcs = [s for s in (p.strip() for p in reward_funcs.split(',')) if s]
   out: list[WeightedReward] = []
@@ -273,7 +254,6 @@ def _name_of(fn) -> str:
 
 
 def _from_import_string(spec: str, what: str) -> WeightedReward:
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   target, sep, weight_text = spec.partition('=')
   target = target.strip()
   weight = 1.0
@@ -294,7 +274,6 @@ def _from_import_string(spec: str, what: str) -> WeightedReward:
 def import_callable(target: str, what: str, spec: Optional[str] = None) -> Callable[..., Any]:
   """The callable that the import string ``module:function`` names; ConfigError naming ``what``
   and ``spec`` (default ``target``) when it does not import or is not callable."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   spec = target if spec is None else spec
   module_name, colon, attr = target.strip().partition(':')
   if not colon or not module_name or not attr:

@@ -24,6 +24,10 @@ import sys
 from absl import app
 from absl import flags
 
+from jaxrl_ga import cli
+from jaxrl_ga import host_memory
+from jaxrl_ga.tasks import chat as chat_lib
+
 
 def _define_flags():
   """CLI flags, defined only when run as a program (importing the module defines none)."""
@@ -46,6 +50,7 @@ def _define_flags():
 
 
 def _is_checkpoint(path: str) -> bool:
+  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
     return False
@@ -57,9 +62,11 @@ def _is_checkpoint(path: str) -> bool:
 
 def load(model: str, param_dtype: str = 'float32'):
   """(graphdef, params, tokenizer, description) of any --model source."""
+  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
   from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   if _is_checkpoint(model):
     cfg, params, tokenizer, src = export.load_checkpoint(model)
     if tokenizer is None:
@@ -67,8 +74,8 @@ def load(model: str, param_dtype: str = 'float32'):
     graphdef, _, _ = sharding.abstract_model(cfg)
     return graphdef, params, tokenizer, f'checkpoint {src}'
   hf.check_model_source(model, '--model')
-  tokenizer = hf.load_tokenizer(model)
-  _, graphdef, params = hf.load_model(model, param_dtype=param_dtype)
+  tokenizer = policy.load_tokenizer(model)
+  _, graphdef, params = policy.load_model(model, param_dtype=param_dtype)
   return graphdef, params, tokenizer, model
 
 
@@ -76,9 +83,9 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
              max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              num_samples: int = 1, seed: int = 0) -> list[list[str]]:
   """Completions [prompt][sample] (text without eos), decoded by the jitted sampler."""
+  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
   if tokenizer.eos_token_id is None:
     raise ValueError('the tokenizer has no eos token; set eos_token in its tokenizer_config.json.')
@@ -97,10 +104,8 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  from jaxrl_ga import cli  # pylint: disable=g-import-not-at-top
   cli.warnings_only_unless_asked()  # no orbax INFO lines (--verbosity=0 brings them)
   f = flags.FLAGS
-  from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
   bad = [(name, why) for name, ok, why in [
       ('max_new_tokens', f.max_new_tokens >= 1, 'must be >= 1'),
       ('temperature', f.temperature >= 0, 'must be >= 0 (0 is greedy)'),
@@ -110,7 +115,6 @@ def main(argv):
     name, why = bad[0]
     print(f'error: --{name}={getattr(f, name)} {why}.', file=sys.stderr)
     sys.exit(2)
-  from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(f.reuse_freed_memory)  # before JAX's backend starts its threads
   try:

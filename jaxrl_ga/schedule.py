@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxrl_ga.config import ConfigError, ScheduleConfig, nearest_multiples, or_join
+from jaxrl_ga.config import ScheduleConfig, nearest_multiples, or_join
+from jaxrl_ga.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -43,8 +43,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from jaxrl_ga import data
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga import rows as rows_lib
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.tasks import base
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import text
@@ -54,10 +54,10 @@ _GENERATION_MARKER = re.compile(r'\{%-?\s*generation\s*-?%\}')
 
 
 # -- checking rows (no tokenizer needed) -----------------------------------------------------------
-def check_row(row: data.Row) -> data.Row:
+def check_row(row: rows_lib.Row) -> rows_lib.Row:
   """The row with its SFT columns checked and normalized (message lists as plain dicts)."""
   where = row.where
-  out = data.Row(row)
+  out = rows_lib.Row(row)
   out.where = where
   if 'messages' in row:
     messages = _messages(row['messages'], where, 'messages')
@@ -71,7 +71,7 @@ def check_row(row: data.Row) -> data.Row:
         raise ConfigError(f'{where}: a "{"prompt" if column == "completion" else "completion"}" '
                           f'column but no "{column}" column; SFT rows need both (or "messages",'
                           f' or "text").')
-    out['prompt'] = data.check_prompt(row['prompt'], where)
+    out['prompt'] = rows_lib.check_prompt(row['prompt'], where)
     completion = row['completion']
     if isinstance(completion, str):
       if not completion:
@@ -93,7 +93,7 @@ def check_row(row: data.Row) -> data.Row:
 
 
 def _messages(value, where: str, column: str) -> list[dict[str, str]]:
-  messages = data.as_messages(value)
+  messages = rows_lib.as_messages(value)
   if messages is not None:
     return messages
   raise ConfigError(f'{where}: "{column}" is a {type(value).__name__} ({str(value)[:60]!r}); '
@@ -112,7 +112,7 @@ def has_generation_markers(tokenizer) -> bool:
   return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
 
 
-def encode_row(tokenizer, row: data.Row, eos_id: int) -> tuple[list[int], list[int]]:
+def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], list[int]]:
   """A checked row -> (token ids, loss mask), the mask 1 on the tokens SFT trains on. The first
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
   kind = row_format(row)
@@ -185,7 +185,7 @@ def render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
                                          add_generation_prompt=add_generation_prompt)
   except Exception as e:  # pylint: disable=broad-except  (a template's own raise_exception)
     raise ConfigError(f'{where}: the chat template cannot render this conversation '
-                      f'({data._first_line(e)}).') from None  # pylint: disable=protected-access
+                      f'({rows_lib._first_line(e)}).') from None  # pylint: disable=protected-access
 
 
 def _check_prefix(head: str, whole: str, where: str) -> None:
@@ -245,9 +245,9 @@ def greedy_rows(lengths: Sequence[int], num_rows: int, length: int) -> list[list
 
 
 # -- the task --------------------------------------------------------------------------------------------
-class SFTDataTask(data.DataTask):
+class SFTDataTask(rows_lib.DataTask):
   """SFT rows as a task: ``train_sequence(index, seed)`` gives the (ids, loss mask) of the row at
-  a data position (the order of ``data.DataTask``), after ``encode(tokenizer, ...)`` has
+  a data position (the order of ``rows_lib.DataTask``), after ``encode(tokenizer, ...)`` has
   tokenized every row (and left out those too long, by sft.too_long). Held-out rows are evaluated
   on their prompt: a conversation up to its last assistant turn (or the prompt column), scored by
   the run's reward functions with the reference reply as the ``answer`` column (unless the row
@@ -304,7 +304,7 @@ class SFTDataTask(data.DataTask):
     return max(len(ids) for ids, _ in self.sequences)
 
 
-def build_task(rows: Sequence[data.Row], eval_rows: Sequence[data.Row], rewards, shuffle: bool
+def build_task(rows: Sequence[rows_lib.Row], eval_rows: Sequence[rows_lib.Row], rewards, shuffle: bool
                ) -> SFTDataTask:
   """The SFT task of (already read and renamed) rows: each checked (``check_row``)."""
   train = [check_row(r) for r in rows]

@@ -16,10 +16,12 @@ from typing import Any, Optional, Sequence
 from absl import logging
 from flax import nnx
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxrl_ga.config import ConfigError, MeshConfig
+from jaxrl_ga.config import MeshConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import activations
 from jaxrl_ga.models import transformer as tfm
 
@@ -70,7 +72,6 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
 def _device_grid(devices, sizes):
   """Devices arranged as a mesh grid; uses jax's topology-aware layout when it applies."""
   try:
-    from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top
     return mesh_utils.create_device_mesh(sizes, devices=devices)
   except (ValueError, NotImplementedError, AssertionError):
     return np.asarray(devices).reshape(sizes)

@@ -33,9 +33,12 @@ import time
 from typing import Optional
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
 
 from jaxrl_ga import fileio
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga.errors import ConfigError
 
 LOCK_NAME = 'run.lock'
 _MESSAGE_BYTES = 2048  # the decision broadcast to every process: '' (go) or the error line
@@ -207,8 +210,6 @@ class WorkdirLock:
 def acquire_for_job(workdir: str) -> Optional[WorkdirLock]:
   """Process 0 takes the workdir's lock; every process raises the same ConfigError if it cannot
   (a live holder, or the lock cannot be written). -> the lock on process 0, None elsewhere."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   lock, error = None, None
   if jax.process_index() == 0:
     try:
@@ -216,7 +217,6 @@ def acquire_for_job(workdir: str) -> Optional[WorkdirLock]:
     except (ConfigError, OSError) as e:
       error = e
   if jax.process_count() > 1:  # one decision for the job
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     text = str(error).encode('utf-8')[:_MESSAGE_BYTES] if error else b''
     sent = np.frombuffer(text.ljust(_MESSAGE_BYTES, b'\0'), np.uint8)
     got = np.asarray(multihost_utils.broadcast_one_to_all(sent)).tobytes().rstrip(b'\0')

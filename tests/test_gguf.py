@@ -30,6 +30,7 @@ from jaxrl_ga import tasks
 from jaxrl_ga.config import ConfigError
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
+from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.tasks import chat
 from jaxrl_ga.tasks import number_questions
@@ -44,8 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='module')
 def smollm2():
   """(cfg, graphdef, params, tokenizer), loaded once for the module."""
-  cfg, graphdef, params = hf.load_model(SOURCE)
-  return cfg, graphdef, params, hf.load_tokenizer(SOURCE)
+  cfg, graphdef, params = policy.load_model(SOURCE)
+  return cfg, graphdef, params, policy.load_tokenizer(SOURCE)
 
 
 def _logits(graphdef, params, ids) -> np.ndarray:

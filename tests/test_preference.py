@@ -483,7 +483,7 @@ def test_smollm2_preference_config_and_script_fit_without_truncation(tmp_path, m
   """The shipped example: the script's rows parse as implicit-prompt conversations, and through
   SmolLM2's own chat template every prompt (43 tokens) and reply fit the config's lengths, each
   reply ending in the tokenizer's eos; held-out rows are other problems."""
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
   subprocess.run([sys.executable, os.path.join(ROOT, 'studies', 'your_data',
                                                'make_preference_jsonl.py'), f'--out={tmp_path}'],
                  check=True, capture_output=True, timeout=60)
@@ -494,7 +494,7 @@ def test_smollm2_preference_config_and_script_fit_without_truncation(tmp_path, m
   assert len(task.preferences) == 52 and len(task.eval_rows) == 48
   assert not {p.prompt[0]['content'] for p in task.preferences} & {
       r['prompt'] for r in task.eval_rows}
-  tokenizer = hf.load_tokenizer(cfg.model.hf_path)
+  tokenizer = policy.load_tokenizer(cfg.model.hf_path)
   task.encode(tokenizer, cfg.dpo)
   assert (task.dropped, task.truncated) == (0, 0)
   pairs = task.pairs

@@ -41,7 +41,9 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 import transformers
 
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga import sharding
+from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer
 
 PKG_PREFIX = 'pkg:'
@@ -102,6 +104,7 @@ def resolve(source: Union[str, os.PathLike]) -> str:
 
 def _gguf_module():
   try:
+    # lazy: optional dependency (the gguf package)
     import gguf  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ConfigError(f'reading a GGUF model needs the gguf package; install it with: '
@@ -219,8 +222,6 @@ def hf_tensors(path: str, cfg: transformer.ModelConfig
 def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
                param_dtype: str = 'float32', shardings_fn: Optional[Callable] = None):
   """(cfg, graphdef, params) of a GGUF source; like ``hf.load_model`` (same arguments)."""
-  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
   path = resolve(source)
   cfg = model_config(path, dtype=dtype, param_dtype=param_dtype)
   graphdef, shapes, axes = sharding.abstract_model(cfg)
@@ -233,8 +234,8 @@ def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
 def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerFast:
   """The file's tokenizer with its chat template and bos/eos/unk/pad tokens (see the docstring)."""
   # Torch-free (the package's __init__ and reader import torch, this module does not).
-  # pylint: disable-next=g-import-not-at-top
-  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
+  # lazy: 3.5 s to import (transformers' GGUF tables), only for a GGUF tokenizer
+  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm  # pylint: disable=g-import-not-at-top
   path = resolve(source)
   reader = _reader(path)
   tokenizer_dict, tokenizer_config = {}, {}

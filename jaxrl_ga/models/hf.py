@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, Union
 from absl import logging
 from flax import nnx
 from flax import traverse_util
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' reader needs)
@@ -55,6 +56,7 @@ import transformers
 from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import sharding as shd
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import transformer
 
 # HF architecture -> our ``ModelConfig.architecture``.
@@ -267,8 +269,11 @@ def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
   if path.startswith(_REMOTE_SCHEMES):
     return _remote_copy(path)
   if os.path.isabs(path) or path.startswith(('.', '~')) or os.path.exists(path):
-    raise FileNotFoundError(f'{path!r} is not a checkpoint directory.')
-  import huggingface_hub  # pylint: disable=g-import-not-at-top  (hub ids only)
+    raise FileNotFoundError(f'{path!r} is not a checkpoint directory (a .gguf file loads with '
+                            'jaxrl_ga.models.policy.load_model).')
+  if ':' in path:  # no hub id has one: pkg:<package> (a GGUF) or an unknown scheme
+    raise FileNotFoundError(f'{path!r} is not a checkpoint directory nor a hub id (pkg:<package> '
+                            'loads with jaxrl_ga.models.policy.load_model).')
   return huggingface_hub.snapshot_download(path, allow_patterns=list(_HUB_PATTERNS))
 
 
@@ -483,7 +488,8 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
 
   Args:
     path_or_id: a local checkpoint dir, or a hub id (downloaded: configs, safetensors, tokenizer),
-      or a GGUF source (a .gguf file or pkg:<package>; read by ``jaxrl_ga.models.gguf``).
+      (a GGUF source, a .gguf file or pkg:<package>, loads with ``jaxrl_ga.models.gguf``;
+      ``jaxrl_ga.models.policy.load_model`` takes either kind).
     dtype: compute dtype.
     param_dtype: params dtype.
     shardings_fn: optional; called as ``shardings_fn(abstract_params, logical_axes)``, i.e. the
@@ -494,10 +500,6 @@ def load_model(path_or_id: Union[str, os.PathLike], *, dtype: str = 'float32',
   Returns:
     cfg, the graphdef and the params dict; ``transformer.merge(graphdef, params)`` is the model.
   """
-  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
-  if gguf.is_gguf_source(path_or_id):  # a .gguf file or pkg:<package>
-    return gguf.load_model(path_or_id, dtype=dtype, param_dtype=param_dtype,
-                           shardings_fn=shardings_fn)
   model_dir = _local_dir(path_or_id)
   cfg = model_config_from_hf(model_dir, dtype=dtype, param_dtype=param_dtype)
   graphdef, shapes, axes = shd.abstract_model(cfg)
@@ -509,7 +511,6 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
   """``source`` names an HF model directory, a .gguf file, pkg:<package> or a hub id (org/name);
   anything else (a missing path, a URL scheme, a file of another kind) is a ConfigError naming
   ``setting`` at once, not a hub look-up or a loader's traceback."""
-  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
   if not source or source.startswith('pkg:'):
     return  # pkg: is resolved (with its pip command when missing) by models.gguf
   kinds = ('an HF model directory (local or gs://), a .gguf file, pkg:<package> or a hub id '
@@ -544,7 +545,6 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
   elif path.startswith(('/', '.', '~')) or not re.fullmatch(r'[\w.-]+/[\w.-]+', path):
     raise ConfigError(f'{setting}={source}: no such directory or file; give {kinds}.')
   else:  # a hub id: cached, or one quick look-up (not the minutes of retries of a download)
-    import huggingface_hub  # pylint: disable=g-import-not-at-top
     if isinstance(huggingface_hub.try_to_load_from_cache(path, 'config.json'), str):
       return
     try:
@@ -557,11 +557,9 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
 
 
 def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:
-  """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local dir or hub id), or a GGUF
-  source's (a .gguf file or pkg:<package>; see ``jaxrl_ga.models.gguf``)."""
-  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
-  if gguf.is_gguf_source(path_or_id):
-    return gguf.load_tokenizer(path_or_id)
+  """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local dir, gs:// or hub id;
+  a GGUF source's: ``jaxrl_ga.models.gguf``, or ``jaxrl_ga.models.policy.load_tokenizer`` for
+  either kind)."""
   path = os.fspath(path_or_id)
   return transformers.AutoTokenizer.from_pretrained(
       _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)

@@ -2,7 +2,8 @@
 (``build_model``), in one place for the trainers, ``jaxrl_ga.plan`` and ``jaxrl_ga.export``.
 
 Architectures come from ``model.hf_path`` (an HF checkpoint directory or hub id: ``hf``; a llama
-GGUF file or ``pkg:`` package: ``gguf``) or from the ``model.*`` fields; the LoRA adapters'
+GGUF file or ``pkg:`` package: ``gguf``; this module alone chooses between the two:
+``load_model``, ``load_tokenizer``) or from the ``model.*`` fields; the LoRA adapters'
 settings (``model.lora``) are always the run's. ``planned_model_config`` reads no weights and no
 hub (``jaxrl_ga.plan``); ``model_config_from_dict`` rebuilds a checkpoint's from its fingerprint.
 """
@@ -12,13 +13,32 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Optional
+from typing import Callable, Optional, Union
+
+import transformers
 
 from jaxrl_ga import lora
 from jaxrl_ga import sharding
-from jaxrl_ga.config import ConfigError, LoRAConfig, RunConfig
+from jaxrl_ga.config import LoRAConfig, RunConfig
+from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
+
+
+def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
+               param_dtype: str = 'float32', shardings_fn: Optional[Callable] = None):
+  """(cfg, graphdef, params) of ``source``: a GGUF source (a .gguf file or pkg:<package>) through
+  ``gguf.load_model``, else an HF checkpoint (local dir, gs:// or hub id) through
+  ``hf.load_model`` (the arguments are theirs)."""
+  loader = gguf.load_model if gguf.is_gguf_source(source) else hf.load_model
+  return loader(source, dtype=dtype, param_dtype=param_dtype, shardings_fn=shardings_fn)
+
+
+def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:
+  """The tokenizer of ``source``: a GGUF source's (``gguf.load_tokenizer``), else the HF
+  checkpoint's (``hf.load_tokenizer``)."""
+  return (gguf.load_tokenizer if gguf.is_gguf_source(source) else hf.load_tokenizer)(source)
 
 
 def _first_line(e: Exception) -> str:
@@ -31,7 +51,6 @@ def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
   spec = cfg.model
   if not spec.hf_path:
     return dataclasses.replace(spec.architecture_config(vocab_size), lora=spec.lora)
-  from jaxrl_ga.models import gguf  # pylint: disable=g-import-not-at-top
   if gguf.is_gguf_source(spec.hf_path):
     m = gguf.model_config(gguf.resolve(spec.hf_path), dtype=spec.dtype,
                           param_dtype=spec.param_dtype)
@@ -51,7 +70,6 @@ def planned_model_config(cfg: RunConfig, hf_config: Optional[str] = None) -> tfm
   (directory, .gguf file, pkg:), else the ``model.*`` fields with ``model.vocab_size``."""
   spec = cfg.model
   if hf_config:
-    import transformers  # pylint: disable=g-import-not-at-top
     try:
       m = hf.model_config_from_hf(transformers.AutoConfig.from_pretrained(hf_config),
                                   dtype=spec.dtype, param_dtype=spec.param_dtype)
@@ -85,8 +103,8 @@ def build_model(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh):
   (``jaxrl_ga.lora``); the same base on every call (a resumed run rebuilds it so)."""
   shardings_fn = functools.partial(sharding.param_shardings, mesh=mesh)
   if cfg.model.hf_path:
-    _, _, params = hf.load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
-                                 param_dtype=cfg.model.param_dtype, shardings_fn=shardings_fn)
+    _, _, params = load_model(cfg.model.hf_path, dtype=cfg.model.dtype,
+                              param_dtype=cfg.model.param_dtype, shardings_fn=shardings_fn)
     graphdef, shapes, axes = sharding.abstract_model(model_cfg)
     shardings = shardings_fn(shapes, axes)
     if model_cfg.lora.rank:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga.errors import ConfigError
 
 __all__ = ['has_chat_template', 'prompt_ids', 'prompt_text']
 

@@ -18,7 +18,6 @@ question also appears in the eval set are dropped either way.
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import functools
 import hashlib
 import json
@@ -28,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from jaxrl_ga.answers import extract_final_number, numbers_equal  # gsm8k.<name> for users
 from jaxrl_ga.tasks import base
 
 DEFAULT_SOURCE = 'openai/gsm8k'
@@ -35,8 +35,6 @@ DEFAULT_PROMPT_TEMPLATE = (
     'Solve the math problem. Reason step by step, then write the final answer on its own last '
     'line as "#### <number>".\n\nQuestion: {question}\nAnswer:\n')
 _LOCAL_SUFFIXES = ('.jsonl', '.json')
-# After '####': optional '$' (either side of a minus sign), then 1,234.5 / 5 / .5 (commas allowed).
-_FINAL_NUMBER = re.compile(r'\s*(-?)\s*\$?\s*(-?)((?:[0-9][0-9,]*)?(?:\.[0-9]+)?)')
 _CALCULATOR = re.compile(r'<<[^<>]*>>')
 
 
@@ -58,7 +56,8 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
 
 def _import_datasets():
   try:
-    import datasets  # pylint: disable=import-outside-toplevel
+    # lazy: optional dependency (datasets)
+    import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError('loading GSM8K from the Hugging Face hub needs the `datasets` package: '
                       '`pip install datasets` (or the extra: `pip install -e .[data]`). Or pass '
@@ -93,30 +92,6 @@ def load_gsm8k(source: str = DEFAULT_SOURCE, split: str = 'train',
       raise ValueError(f'{source} ({split}) record {i} lacks string "question" and "answer" '
                        f'fields: {sorted(row)}.')
   return [{'question': row['question'], 'answer': row['answer']} for row in rows]
-
-
-def extract_final_number(text: str) -> Optional[str]:
-  """The number after the last '####' without commas, '$' or a trailing '.'; None if none.
-
-  '#### 1,234' -> '1234'; '#### $5.' -> '5'; '#### -3' -> '-3'; '#### .5' -> '.5'.
-  """
-  marker = text.rfind('####')
-  if marker < 0:
-    return None
-  match = _FINAL_NUMBER.match(text, marker + 4)
-  sign_before, sign_after, number = match.groups()
-  number = number.replace(',', '')
-  if not any(ch.isdigit() for ch in number) or (sign_before and sign_after):
-    return None
-  return ('-' if sign_before or sign_after else '') + number
-
-
-def numbers_equal(predicted: str, reference: str) -> bool:
-  """Numeric equality of two extracted numbers ('2.50' == '2.5'); False if either is malformed."""
-  try:
-    return decimal.Decimal(predicted) == decimal.Decimal(reference)
-  except decimal.InvalidOperation:
-    return False
 
 
 @dataclasses.dataclass(frozen=True)

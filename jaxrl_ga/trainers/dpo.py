@@ -24,7 +24,8 @@ from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import programs
 from jaxrl_ga import sampling
-from jaxrl_ga.config import ConfigError, DPOConfig, LoRAConfig, RunConfig
+from jaxrl_ga.config import DPOConfig, LoRAConfig, RunConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
 from jaxrl_ga.trainers import context

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from jaxrl_ga import fileio
-from jaxrl_ga.config import ConfigError, LogConfig
+from jaxrl_ga.config import LogConfig
+from jaxrl_ga.errors import ConfigError
 
 
 class MetricWriter:
@@ -38,6 +39,7 @@ class MetricWriter:
       self._jsonl = fileio.TextAppender(self._jsonl_path)
       self._completions_path = fileio.join(workdir, 'completions.jsonl')
       if 'tensorboard' in log.report_to:
+        # lazy: optional dependency (tensorboardX)
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
         self._tb_path = fileio.join(workdir, 'tensorboard')
         self._tb = SummaryWriter(self._tb_path)
@@ -131,6 +133,7 @@ class WandbRun:
   workdir when it is local and WANDB_DIR is unset; WANDB_MODE (e.g. offline) is W&B's own."""
 
   def __init__(self, workdir: str, log: LogConfig, run_config: dict[str, Any]):
+    # lazy: optional dependency (wandb)
     import wandb  # pylint: disable=g-import-not-at-top
     self._wandb = wandb
     id_path = fileio.join(workdir, 'wandb_run_id')

@@ -10,7 +10,8 @@ import numpy as np
 from jaxrl_ga import placement
 from jaxrl_ga import programs
 from jaxrl_ga import sft_data
-from jaxrl_ga.config import ConfigError, SFTConfig
+from jaxrl_ga.config import SFTConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting

@@ -28,7 +28,8 @@ from absl import logging
 import jax
 
 from jaxrl_ga import checkpoint
-from jaxrl_ga.config import ConfigError, RunConfig
+from jaxrl_ga.config import RunConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.trainers import reporting
 
 

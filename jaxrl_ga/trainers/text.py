@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxrl_ga import placement
-from jaxrl_ga.config import ConfigError
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.tasks import chat
 
 
