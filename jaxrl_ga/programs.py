@@ -55,10 +55,12 @@ def resolve_attention(cfg: RunConfig, model_cfg: tfm.ModelConfig, device
   return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=impl)), line
 
 
-def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptions:
+def forward_options(spec: ModelSpec, share_prompts: int = 1,
+                    mesh: Any = None) -> tfm.ForwardOptions:
   """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
   attention: resolved, ``resolve_attention``); ``share_prompts``: R, from ``rollout.prompt_share``
-  (GRPO only). The trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an
+  (GRPO only); ``mesh``: the mesh the step is jitted over, where 'splash' runs its kernel per
+  shard (``kernel_mesh``: ``sharding.KernelMesh``; None, or another attention: none). The trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an
   'auto' knob left here (a caller building programs directly) is fit's choice without a memory
   limit: remat 'none', chunk 0; an 'auto' attention, ``attn_lib.resolve``'s for jax's default
   device (the run itself resolves it once, ``resolve_attention``)."""
@@ -71,7 +73,9 @@ def forward_options(spec: ModelSpec, share_prompts: int = 1) -> tfm.ForwardOptio
   return tfm.ForwardOptions(
       scan_layers=spec.scan_layers, remat='none' if spec.remat == 'auto' else spec.remat,
       logprob_chunk_size=max(spec.logprob_chunk_size, 0),
-      share_prompts=share_prompts, attention=attention)
+      share_prompts=share_prompts, attention=attention,
+      kernel_mesh=sharding.KernelMesh(mesh) if mesh is not None and attention == 'splash'
+      else None)
 
 
 def with_memory_knobs(cfg: RunConfig, remat: str, chunk: int) -> RunConfig:
@@ -120,7 +124,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
       graphdef, table, g.sampling, g.loss, mesh, param_shardings, eos_id=eos_id, pad_id=pad_id,
       mask_truncated_completions=g.advantage.mask_truncated_completions,
       defer_old_logps=g.advantage.order_by_advantage_sign,
-      options=forward_options(cfg.model, share))
+      options=forward_options(cfg.model, share, mesh))
   learner = _learner(
       graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                            g.sampling.temperature, engine.learner_options),
@@ -253,16 +257,18 @@ def build_sft_learner(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_sh
                       graphdef, sft: Optional[SFTConfig] = None) -> learner_lib.Learner:
   """SFT's learner (``sft``: the stage config, default ``cfg.sft``)."""
   s = cfg.sft if sft is None else sft
-  return _learner(graphdef, learner_lib.sft_task_loss(forward_options(cfg.model)), s.optimizer,
-                  mesh, param_shardings, model_cfg, s.grad_accum_steps)
+  loss = learner_lib.sft_task_loss(forward_options(cfg.model, mesh=mesh))
+  return _learner(graphdef, loss, s.optimizer, mesh, param_shardings, model_cfg,
+                  s.grad_accum_steps)
 
 
 def build_dpo_learner(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
                       graphdef, dpo: Optional[DPOConfig] = None) -> learner_lib.Learner:
   """DPO's learner (``dpo``: the stage config, default ``cfg.dpo``)."""
   d = cfg.dpo if dpo is None else dpo
-  return _learner(graphdef, learner_lib.dpo_task_loss(d.loss, forward_options(cfg.model)),
-                  d.optimizer, mesh, param_shardings, model_cfg, d.grad_accum_steps)
+  loss = learner_lib.dpo_task_loss(d.loss, forward_options(cfg.model, mesh=mesh))
+  return _learner(graphdef, loss, d.optimizer, mesh, param_shardings, model_cfg,
+                  d.grad_accum_steps)
 
 
 def build_reference_logps(cfg: RunConfig, graphdef) -> Callable:

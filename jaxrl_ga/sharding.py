@@ -9,6 +9,7 @@ so any mesh shape works for any model, only less efficiently.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Optional, Sequence
@@ -120,7 +121,21 @@ def activation_sharding(mesh: Mesh, rules=DEFAULT_RULES):
 
   def fn(x, axes):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x, axes)))
-  return activations.constrain_activations_with(fn, kernel_mesh=(mesh, spec))
+  return activations.constrain_activations_with(fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMesh:
+  """Where a kernel that the partitioner cannot split (the splash-attention Pallas call,
+  ``attention.splash_attention``) runs per shard under ``shard_map``: ``mesh``, its arrays'
+  specs from their logical axes by ``rules`` (``spec``). The forward's options carry it
+  (``ForwardOptions.kernel_mesh``, set by ``programs.forward_options`` for a step on ``mesh``);
+  None there: the kernel runs as is."""
+  mesh: Mesh
+  rules: tuple = DEFAULT_RULES
+
+  def spec(self, x, axes) -> P:
+    return logical_to_spec(axes, x.shape, self.mesh, self.rules)
 
 
 def with_activation_sharding(f, mesh: Mesh, rules=DEFAULT_RULES):

@@ -241,6 +241,36 @@ def test_splash_kernel_in_the_pallas_interpreter():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
 
 
+def test_splash_runs_per_shard_of_the_kernel_mesh_it_is_given():
+  """Where the splash kernel runs is an argument (``kernel_mesh``, which the forward's options
+  carry), not a module global: with ``sharding.KernelMesh(mesh)`` the jitted call holds one
+  shard_map (a manual computation) over the 8 batch shards, without it none, and both give the
+  float64 reference's values on every row (Pallas' interpreter on CPU). ``forward_options`` sets
+  it for 'splash' on a mesh only."""
+  rng = np.random.default_rng(1)
+  b, t, n, kv, h = 8, 16, 2, 1, 8
+  q, k, v = (jnp.asarray(rng.normal(size=(b, t, heads, h)), jnp.float32)
+             for heads in (n, kv, kv))
+  ids = np.zeros((b, t), np.int32)
+  for row in range(b):  # left padding of `row` slots, then one segment
+    ids[row, row:] = 1
+  mesh = sharding.make_mesh(MeshConfig(data=-1))
+  kernel_mesh = sharding.KernelMesh(mesh)
+  segments = attn_lib.Segments(jnp.asarray(ids), 0)
+  want = _reference_attention(q, k, v, ids, 0, None)
+  real = ids > 0
+  for given, manual in ((kernel_mesh, 1), (None, 0)):
+    fn = jax.jit(lambda q, k, v, km=given: attn_lib.splash_attention(
+        q, k, v, segments, interpret=True, kernel_mesh=km))
+    assert fn.lower(q, k, v).as_text().count('sdy.manual_computation') == manual, given
+    error = float(np.abs(np.asarray(fn(q, k, v)) - want)[real].max())
+    assert error < 1e-5, (given, error)
+  assert programs.forward_options(ModelSpec(attention='splash'), mesh=mesh).kernel_mesh == (
+      kernel_mesh)
+  assert programs.forward_options(ModelSpec(attention='splash')).kernel_mesh is None
+  assert programs.forward_options(ModelSpec(attention='flash'), mesh=mesh).kernel_mesh is None
+
+
 def _arch(name):
   return _loaded(name)[0]
 

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga.config import ModelConfig
-from jaxrl_ga.models import activations
 
 ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'cudnn', 'flash')  # ForwardOptions.attention
 AUTO = 'auto'  # model.attention's default: ``resolve`` picks one of ATTENTION_IMPLS per run
@@ -230,12 +229,12 @@ def splash_mask(cfg: ModelConfig, attention_mask: jax.Array, attention: str
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
-           scale_dim: Optional[float] = None) -> jax.Array:
+           scale_dim: Optional[float] = None, kernel_mesh: Any = None) -> jax.Array:
   """Self-attention of the training forward and the prefill by ``attention`` (ATTENTION_IMPLS).
   q: [B, T, N, H]; k, v: [B, S, K, H]; mask: [B, T, S] bool, or ``Segments`` (splash).
-  ``scale_dim``: as ``einsum_attention``'s."""
+  ``scale_dim``: as ``einsum_attention``'s; ``kernel_mesh``: splash's (``splash_attention``)."""
   if isinstance(mask, Segments):
-    return splash_attention(q, k, v, mask, scale_dim)
+    return splash_attention(q, k, v, mask, scale_dim, kernel_mesh=kernel_mesh)
   if attention == 'cudnn':
     return cudnn_attention(q, k, v, mask, scale_dim, causal=q.shape[1] == k.shape[1])
   if attention == 'xla':  # the scores times 1/sqrt(d) (the einsum divides: float32 rounding)
@@ -288,11 +287,13 @@ def _splash_kernel(size: int, window: int, heads: int, interpret: Any):
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
-                     scale_dim: Optional[float] = None, interpret: Any = False) -> jax.Array:
+                     scale_dim: Optional[float] = None, interpret: Any = False,
+                     kernel_mesh: Any = None) -> jax.Array:
   """The Pallas TPU splash-attention kernel (``splash_attention.make_splash_mha``: GQA, a causal
   or local mask, segment ids; MaxText's ``tpu_flash_attention`` calls it the same way), one call
-  per row under ``vmap``, per shard of the batch under ``shard_map`` inside
-  ``activations.constrain_activations_with``'s mesh (the partitioner cannot split a Pallas call;
+  per row under ``vmap``, per shard of the batch under ``shard_map`` over ``kernel_mesh`` (a
+  ``sharding.KernelMesh``: its ``mesh`` and ``spec``; None: one call over the whole batch,
+  ``ForwardOptions.kernel_mesh``) (the partitioner cannot split a Pallas call;
   the heads are not split, so a tensor-parallel mesh gathers them for the kernel). The rows
   are padded to a multiple of the kernel's block with segment id 0, which no real token attends
   to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
@@ -312,10 +313,11 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
     return jax.vmap(lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(a[3], a[3])))(
         q, k, v, ids)
 
-  if activations.kernel_mesh() is not None:
-    mesh, spec = activations.kernel_mesh()
-    specs = tuple(spec(x, ('activation_batch',) + (None,) * (x.ndim - 1)) for x in args)
-    rows = jax.shard_map(rows, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)
+  if kernel_mesh is not None:
+    specs = tuple(kernel_mesh.spec(x, ('activation_batch',) + (None,) * (x.ndim - 1))
+                  for x in args)
+    rows = jax.shard_map(rows, mesh=kernel_mesh.mesh, in_specs=specs, out_specs=specs[0],
+                         check_vma=False)
   return jnp.swapaxes(rows(*args), 1, 2)[:, :t]
 
 

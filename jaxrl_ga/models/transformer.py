@@ -105,6 +105,10 @@ class ForwardOptions:
       policy); a no-op without adapters.
     attention: the attention of the training forward and the prefill, one of
       ``attention.ATTENTION_IMPLS`` (model.attention once resolved: never 'auto').
+    kernel_mesh: where 'splash' runs its Pallas kernel per shard of the batch under
+      ``shard_map`` (a ``sharding.KernelMesh``: the step's mesh and rules); None: one call over
+      the whole batch (one device, or a step not jitted over a mesh). Set by
+      ``programs.forward_options`` for 'splash' steps on a mesh.
   """
   scan_layers: bool = True
   remat: str = 'none'
@@ -112,6 +116,7 @@ class ForwardOptions:
   share_prompts: int = 1
   adapters: bool = True
   attention: str = 'einsum'
+  kernel_mesh: Any = None
 
   def __post_init__(self):
     check_remat(self.remat)
@@ -353,10 +358,12 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
            mask: Any, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
-           write_index: Optional[jax.Array], attend: Any = None, attention: str = 'einsum'):
+           write_index: Optional[jax.Array], attend: Any = None, attention: str = 'einsum',
+           kernel_mesh: Any = None):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
   With a cache, ``attend`` bounds the slots read (``cache_attention``). ``attention``: the
-  implementation of the self-attention without a cache and of the prefill's (``attend``)."""
+  implementation of the self-attention without a cache and of the prefill's (``attend``);
+  ``kernel_mesh``: ``ForwardOptions.kernel_mesh``."""
   q, k, v = _qkv(cfg, p, h, positions, inv_freq)
   mask, scale_dim = attn_lib.layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
@@ -369,13 +376,14 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
     if attention != 'einsum' and isinstance(attend, int):
       # The prefill (attend = its T tokens, written at slot 0): the slots it reads are k and v.
       dense = not isinstance(mask, attn_lib.Segments)
-      attn = attn_lib.attend(q, k, v, mask[..., :attend] if dense else mask, attention, scale_dim)
+      attn = attn_lib.attend(q, k, v, mask[..., :attend] if dense else mask, attention, scale_dim,
+                             kernel_mesh)
       new_kv = (write(kv[0], k), write(kv[1], v))
     else:
       attn, new_kv = attn_lib.cache_attention(q, write(kv[0], k), write(kv[1], v), mask, attend,
                                       scale_dim)
   else:
-    attn = attn_lib.attend(q, k, v, mask, attention, scale_dim)
+    attn = attn_lib.attend(q, k, v, mask, attention, scale_dim, kernel_mesh)
   return _after_attention(cfg, p, h, attn), new_kv
 
 
@@ -438,7 +446,7 @@ def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
 
 def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array, hs: jax.Array,
                         positions: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, ...],
-                        inv_freq: jax.Array, attention: str = 'einsum'
+                        inv_freq: jax.Array, attention: str = 'einsum', kernel_mesh: Any = None
                         ) -> tuple[jax.Array, jax.Array]:
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
@@ -450,7 +458,7 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   scale_dim = cfg.query_pre_attn_scalar or None
   qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
   qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
-  attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim)
+  attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim, kernel_mesh)
   attn_s = attn_lib.attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask,
                                            scale_dim, attention)
   return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
@@ -501,7 +509,7 @@ class Transformer(nnx.Module):
       if kv is not None:  # the prefill: one layer's weights gathered per scan iteration
         p = _gather_layer(p, axes, _DTYPES[cfg.dtype])
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend,
-                    options.attention)
+                    options.attention, options.kernel_mesh)
 
     h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
@@ -624,7 +632,7 @@ class Transformer(nnx.Module):
 
     def body(carry, p):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq,
-                                 options.attention), None
+                                 options.attention, options.kernel_mesh), None
 
     (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
                                self._layer_arrays(options.adapters), options)
