@@ -14,8 +14,8 @@ edge to ``jaxrl_ga.a`` (every package would be a circle with its own children).
 Prints the strongly-connected components of more than one module (the circles, Tarjan's
 algorithm) and every function-level import statement (jaxrl_ga's own and third-party ones) with
 its file:line and the ``# lazy: <reason>`` comment it carries, if any (on its lines, or on a
-comment line above it or above the run of import lines it belongs to). ``tests/test_imports.py`` uses ``analyse`` to assert no circle and a reason on every
-function-level import.
+comment line above it or above the run of import lines it belongs to). ``tests/test_imports.py``
+uses ``analyse`` to assert no circle and a reason on every function-level import.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class _Visitor(ast.NodeVisitor):
 
 
 def _reason(lines: list[str], node: ast.AST) -> str | None:
-  """The '# lazy:' reason on the statement's lines, else on the comment line above it or above
-  the block of import lines it closes (one comment may head several imports)."""
+  """The '# lazy:' reason on the statement's lines, else on a comment line above it or above
+  the block of import (and comment) lines it closes: one comment may head several imports."""
   first, last = node.lineno, node.end_lineno or node.lineno
   for i in range(first, last + 1):
     m = _LAZY.search(lines[i - 1])
@@ -127,7 +127,7 @@ def _reason(lines: list[str], node: ast.AST) -> str | None:
     m = _LAZY.search(line)
     if m and line.startswith('#'):
       return m.group(1).strip()
-    if not line.startswith(('import ', 'from ')):
+    if not line.startswith(('import ', 'from ', '#')):
       return None
     i -= 1
   return None

@@ -8,8 +8,8 @@
     and from Python also a list of dicts or a ``datasets.Dataset``.
 
 With ``stages=sft`` the rows are SFT rows (``messages``, ``prompt`` + ``completion`` or ``text``;
-``jaxrl_ga.sft_data``), read, renamed, split and ordered here. Rows follow TRL's conventions for
-GRPO: ``prompt`` is a string or a list of chat messages
+``jaxrl_ga.sft_data``), read, renamed, split and ordered by ``jaxrl_ga.rows``. Rows follow TRL's
+conventions for GRPO: ``prompt`` is a string or a list of chat messages
 (``{"role": ..., "content": ...}``), rendered through the tokenizer's chat template (a string is
 one user message when the tokenizer has a template); every other column goes to the reward
 functions as a keyword argument, one value per completion (``jaxrl_ga.rewards``). DPO's

@@ -74,7 +74,7 @@ def init_distributed(coordinator_address: Optional[str] = None,
                      pci_root: str = '/sys/bus/pci/devices') -> str:
   """jax.distributed: explicit with a coordinator address, automatic on a Cloud TPU VM.
   -> 'explicit', 'tpu_vm' or 'none' (one process)."""
-  # lazy: JAX after main() set the malloc and libtpu environment (host_memory)
+  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
   import jax  # pylint: disable=g-import-not-at-top
   if coordinator_address:
     if num_processes is None or process_id is None:
@@ -108,7 +108,7 @@ def main(argv):
     sys.exit(2)
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
-  # lazy: the library (JAX, orbax, the trainers) only after that
+  # lazy: the library (JAX, orbax, the trainers) only after that: it starts threads
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top

@@ -271,6 +271,6 @@ def build_task(cfg, train_source, eval_source, rewards) -> PreferenceTask:
     preferences, held = rows_lib.held_out_split(preferences, spec.eval_fraction, cfg.seed)
     eval_rows = [eval_row(p) for p in held]
   else:
-    eval_rows = rows_lib.prepare(rows_lib.read_rows(eval_source, spec.eval_split, 'data.eval'), columns,
-                             'data.eval')
+    eval_rows = rows_lib.prepare(rows_lib.read_rows(eval_source, spec.eval_split, 'data.eval'),
+                                 columns, 'data.eval')
   return PreferenceTask(preferences, eval_rows, rewards, shuffle=spec.shuffle)

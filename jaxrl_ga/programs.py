@@ -60,10 +60,11 @@ def forward_options(spec: ModelSpec, share_prompts: int = 1,
   """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
   attention: resolved, ``resolve_attention``); ``share_prompts``: R, from ``rollout.prompt_share``
   (GRPO only); ``mesh``: the mesh the step is jitted over, where 'splash' runs its kernel per
-  shard (``kernel_mesh``: ``sharding.KernelMesh``; None, or another attention: none). The trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an
-  'auto' knob left here (a caller building programs directly) is fit's choice without a memory
-  limit: remat 'none', chunk 0; an 'auto' attention, ``attn_lib.resolve``'s for jax's default
-  device (the run itself resolves it once, ``resolve_attention``)."""
+  shard (``kernel_mesh``: ``sharding.KernelMesh``; None, or another attention: none). The
+  trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an 'auto' knob left here
+  (a caller building programs directly) is fit's choice without a memory limit: remat 'none',
+  chunk 0; an 'auto' attention, ``attn_lib.resolve``'s for jax's default device (the run itself
+  resolves it once, ``resolve_attention``)."""
   attention = spec.attention
   if attention == attn_lib.AUTO:  # likewise: resolved for jax's default device
     device = jax.devices()[0]

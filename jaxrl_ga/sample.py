@@ -50,7 +50,7 @@ def _define_flags():
 
 
 def _is_checkpoint(path: str) -> bool:
-  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
+  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(path):
     return False
@@ -62,7 +62,7 @@ def _is_checkpoint(path: str) -> bool:
 
 def load(model: str, param_dtype: str = 'float32'):
   """(graphdef, params, tokenizer, description) of any --model source."""
-  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
+  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
   from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
@@ -83,7 +83,7 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
              max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              num_samples: int = 1, seed: int = 0) -> list[list[str]]:
   """Completions [prompt][sample] (text without eos), decoded by the jitted sampler."""
-  # lazy: JAX after host_memory set the malloc and libtpu environment (read when JAX starts)
+  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top

@@ -304,8 +304,8 @@ class SFTDataTask(rows_lib.DataTask):
     return max(len(ids) for ids, _ in self.sequences)
 
 
-def build_task(rows: Sequence[rows_lib.Row], eval_rows: Sequence[rows_lib.Row], rewards, shuffle: bool
-               ) -> SFTDataTask:
+def build_task(rows: Sequence[rows_lib.Row], eval_rows: Sequence[rows_lib.Row], rewards,
+               shuffle: bool) -> SFTDataTask:
   """The SFT task of (already read and renamed) rows: each checked (``check_row``)."""
   train = [check_row(r) for r in rows]
   if not train:

@@ -235,7 +235,8 @@ def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTo
   """The file's tokenizer with its chat template and bos/eos/unk/pad tokens (see the docstring)."""
   # Torch-free (the package's __init__ and reader import torch, this module does not).
   # lazy: 3.5 s to import (transformers' GGUF tables), only for a GGUF tokenizer
-  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
   path = resolve(source)
   reader = _reader(path)
   tokenizer_dict, tokenizer_config = {}, {}
