@@ -51,7 +51,7 @@ Per side, N = ``--steps`` (``--trl_steps``) optimizer steps; each figure is the 
 
   * step: the wall time between the ends of consecutive optimizer steps (the first from the
     start of its rollout).
-  * generate: jaxrl_ga: the rollout, from GRPOTrainer's public ``on_rollout`` hook
+  * generate: jaxrl_ga: the rollout, from GRPOLoop's public ``on_rollout`` hook
     (``generate_s``: the jitted rollout step, generation and any old log-probs, waited for, plus
     ``host_s``: decoding, rewards, advantages); TRL: ``_generate_and_score_completions``
     (generation, decoding, rewards, advantages), timed by a wrapper (its behaviour untouched).
@@ -73,7 +73,7 @@ Per side, N = ``--steps`` (``--trl_steps``) optimizer steps; each figure is the 
 
 jaxrl_ga's run ends from its hook after the N-th step (a ``StopAfterTimedSteps`` the script
 raises and catches): the held-out evaluation and checkpoint at the end of a stage are not part of
-a step. Only public API on jaxrl_ga's side: ``api``, ``config``, ``grpo.GRPOTrainer`` and its
+a step. Only public API on jaxrl_ga's side: ``api``, ``config``, ``grpo.GRPOLoop`` and its
 hooks, ``policy``/``hf`` for the model, ``flops``.
 """
 
@@ -302,8 +302,8 @@ def ours_main(s: dict[str, Any], model_dir: str, variant: str, result: str) -> N
         out['memory_stats'] = dev.memory_stats()
         raise StopAfterTimedSteps
 
-    trainer = grpo.GRPOTrainer(ctx, ctx.cfg.grpo, on_rollout=on_rollout,
-                               on_micro_step=on_micro_step)
+    trainer = grpo.GRPOLoop(ctx, ctx.cfg.grpo, on_rollout=on_rollout,
+                            on_micro_step=on_micro_step)
     out['build_s'] = time.perf_counter() - t0
     out['learner_options'] = {k: getattr(trainer.engine.learner_options, k) for k in (
         'remat', 'logprob_chunk_size', 'share_prompts', 'scan_layers')}

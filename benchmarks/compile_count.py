@@ -11,8 +11,8 @@ steps, on ``--num_cpu_devices`` simulated CPU devices (mesh data=-1: the batch-s
 jax's compile log (``jax.log_compiles``: one "Compiling jit(NAME) ..." record per XLA compile,
 then "Finished XLA compilation of jit(NAME) in S sec") is captured by a logging handler, as in
 ``tests/conftest.py``. The stages run through the public API (``api.build_context``,
-``sft.run_sft``, ``GRPOTrainer``), so the script knows which stage a compile belongs to, and
-GRPOTrainer's ``on_rollout`` / ``on_micro_step`` hooks count the rollouts and learner steps
+``SFTStage.run``, ``grpo.GRPOLoop``), so the script knows which stage a compile belongs to, and
+GRPOLoop's ``on_rollout`` / ``on_micro_step`` hooks count the rollouts and learner steps
 before it. Nothing in the library is wrapped or patched.
 
 Checks (the script exits non-zero if one fails):
@@ -81,7 +81,7 @@ class CompileLog(logging.Handler):
 
 def run_config(workdir: str, log: CompileLog):
   """The smoke config's SFT and GRPO stages, run through the public API (``api.build_context``,
-  ``sft.run_sft``, ``GRPOTrainer`` with its ``on_rollout`` / ``on_micro_step`` hooks) so that
+  ``SFTStage.run``, ``grpo.GRPOLoop`` with its ``on_rollout`` / ``on_micro_step`` hooks) so that
   every compile is labelled with its stage and with the GRPO calls made before it."""
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
@@ -99,10 +99,10 @@ def run_config(workdir: str, log: CompileLog):
 
   ctx, params = api.build_context(cfg, workdir)
   log.stage = 'sft'
-  params, summary = sft.run_sft(ctx, cfg.sft, params)
+  params, summary = sft.SFTStage().run(ctx, params)
   log.stage = 'grpo'
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=count('rollout'),
-                             on_micro_step=count('learner_step'))
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo, on_rollout=count('rollout'),
+                          on_micro_step=count('learner_step'))
   _, grpo_summary = trainer.run(params)
   ctx.writer.close()
   return cfg, summary | grpo_summary, c.to_dict()

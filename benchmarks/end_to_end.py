@@ -36,7 +36,7 @@ TRL is synchronous), so each side's host work between steps (logging, data) coun
 ``warmup_periods`` periods (jit compilation for jaxrl_ga, first calls for torch) are reported apart.
 Per-phase times come from each side's own functions:
 
-  * jaxrl_ga: GRPOTrainer's public hooks. ``on_rollout`` gives the jitted rollout step's time
+  * jaxrl_ga: GRPOLoop's public hooks. ``on_rollout`` gives the jitted rollout step's time
     (generation and old log-probs, waited for) and the host's (decode, rewards, advantages);
     ``on_micro_step`` times each learner step, waited for.
   * TRL: ``_generate`` (tokenize, ``model.generate``, decode), ``_calculate_rewards``, the no-grad
@@ -316,7 +316,7 @@ class NeverEndingContext(context.RunContext):
 
 # -- jaxrl_ga --------------------------------------------------------------------------------------
 class OurSide:
-  """jaxrl_ga's GRPOTrainer, timed through its public on_rollout and on_micro_step hooks."""
+  """jaxrl_ga's GRPOLoop, timed through its public on_rollout and on_micro_step hooks."""
 
   def __init__(self, cfg, workdir: str, turns: Turns, period_steps: int, total_periods: int,
                roofline: Optional[machine.Roofline]):
@@ -324,8 +324,8 @@ class OurSide:
     if _FULL_LENGTH.value:
       ctx = NeverEndingContext(**{f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)})
     self.ctx, self.cfg = ctx, ctx.cfg
-    self.trainer = grpo.GRPOTrainer(ctx, ctx.cfg.grpo, on_rollout=self._on_rollout,
-                                    on_micro_step=self._on_micro_step)
+    self.trainer = grpo.GRPOLoop(ctx, ctx.cfg.grpo, on_rollout=self._on_rollout,
+                                 on_micro_step=self._on_micro_step)
     self.turns, self.period_steps, self.total_periods = turns, period_steps, total_periods
     self.clock = PeriodClock()
     self.k = cfg.grpo.schedule.grad_accum_steps
@@ -337,7 +337,7 @@ class OurSide:
     self.roofline = roofline
 
   def _on_rollout(self, event) -> None:
-    """GRPOTrainer's public on_rollout hook: the rollout's device and host times."""
+    """GRPOLoop's public on_rollout hook: the rollout's device and host times."""
     if not self.clock.running:  # the first period starts with the first rollout
       self.clock.start(at=time.perf_counter() - event.generate_s - event.host_s)
     self.clock.add('generate', event.generate_s)  # generation + old log-probs: one jitted step
@@ -351,7 +351,7 @@ class OurSide:
     self.learn_widths.append(event.host_stats['rollout/learn_width'])  # grpo.length_buckets
 
   def _on_micro_step(self, micro_step: int, started: float, out) -> None:
-    """GRPOTrainer's public on_micro_step hook: each learner step, waited for."""
+    """GRPOLoop's public on_micro_step hook: each learner step, waited for."""
     del micro_step
     jax.block_until_ready(out)
     self.clock.add('learn', time.perf_counter() - started)

@@ -14,7 +14,7 @@ Three rules decide where to pay for it (``jaxrl_ga.schedule``):
 The rollout step reads its per-slice marks from the schedule table (``table.slice_recompute``), so
 each rule is a table with other marks: ``rule_table`` derives the rollout rule's and TRL's marks
 from the table's own ``rollout_recompute`` and ``counts`` (no library option is needed). Each rule
-is a real GRPO run of the library's trainer (``api.build_context``, ``GRPOTrainer(...,
+is a real GRPO run of the library's trainer (``api.build_context``, ``grpo.GRPOLoop(...,
 table=rule_table(...))``: the programs ``jaxrl_ga.programs`` builds for the trainer and for
 ``plan``), with configs/grpo_arith.py's task, rewards and settings at the sizes below, for
 ``warmup_periods + rounds`` periods of lcm(K, S*mu) micro-steps. The trainer's hooks time it:
@@ -196,8 +196,8 @@ def run_rule(size: Size, sched: ScheduleConfig, table: schedule.ScheduleTable, r
   with tempfile.TemporaryDirectory() as workdir:
     ctx, params = api.build_context(cfg, workdir)
     clock = PeriodClock(table.period_micro_steps)
-    trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=clock.on_rollout,
-                               on_micro_step=clock.on_micro_step, table=rule_table(table, rule))
+    trainer = grpo.GRPOLoop(ctx, cfg.grpo, on_rollout=clock.on_rollout,
+                            on_micro_step=clock.on_micro_step, table=rule_table(table, rule))
     initial = jax.device_get(params)  # the run donates its own
     t0 = time.perf_counter()
     final, summary = trainer.run(params)

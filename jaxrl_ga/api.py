@@ -27,7 +27,6 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
-import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
@@ -36,8 +35,6 @@ from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import programs
 from jaxrl_ga import rewards
-from jaxrl_ga import rollout
-from jaxrl_ga import schedule
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
 from jaxrl_ga import workdir_lock
@@ -45,12 +42,9 @@ from jaxrl_ga.config import RunConfig, from_mapping, load_config_file
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
-from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
-from jaxrl_ga.trainers import dpo
-from jaxrl_ga.trainers import grpo
+from jaxrl_ga.trainers import registry
 from jaxrl_ga.trainers import reporting
-from jaxrl_ga.trainers import sft
 from jaxrl_ga.trainers import stage as stage_lib
 from jaxrl_ga.trainers import text
 
@@ -61,52 +55,20 @@ def load_run_config(config_dict):
 
 
 def validate_against_mesh(cfg, mesh) -> None:
-  """Checks that need the devices (batch sizes vs data parallelism; model.attention's
-  implementation: a TPU for the splash kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context
-  resolves it again with the model's own architecture), before compiling."""
+  """Checks that need the devices (model.attention's implementation: a TPU for the splash
+  kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context resolves it again with the model's
+  own architecture) and each stage's (``Stage.validate``: batch sizes vs data parallelism, the
+  rows generated at once), before compiling."""
   programs.resolve_attention(cfg, cfg.model, mesh.devices.flat[0])
   dp = sharding.data_parallel_size(mesh)
-  if 'grpo' in cfg.stages:
-    schedule.validate(cfg.grpo.schedule, dp)
-  for stage in ('sft', 'dpo'):
-    if stage in cfg.stages:
-      schedule.check_micro_batch(getattr(cfg, stage).micro_batch_size, dp,
-                                 name=f'{stage}.micro_batch_size')
-
-
-def validate_rollout_chunks(cfg) -> None:
-  """sampling.rollout_micro_batch_size must divide the rows generated at once."""
-  rows = {}
-  if 'grpo' in cfg.stages:
-    rows['grpo'] = (cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
-                    'the completions of a rollout, steps_per_generation*micro_batch_size')
-  if 'dpo' in cfg.stages:
-    rows['dpo'] = (cfg.dpo.sampling, dpo.GENERATION_PROMPTS * cfg.dpo.samples_per_prompt,
-                   f'the completions sampled at once, {dpo.GENERATION_PROMPTS}*samples_per_prompt')
-  for stage, (sampling_cfg, n, what) in rows.items():
-    size = sampling_cfg.rollout_micro_batch_size
-    if 0 < size < n and n % size:
-      divisors = [d for d in range(1, n) if n % d == 0]
-      near = ([d for d in divisors if d < size][-1:] + [d for d in divisors if d > size][:1])
-      raise ConfigError(
-          f'{stage}.sampling.rollout_micro_batch_size={size} must divide the {n} rows generated '
-          f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
-
-
-# The training stream (seed + this) whose prompts validate_lengths measures before any stage.
-LENGTH_CHECK_STREAM = 7907
+  for stage in registry.of_run(cfg):
+    stage.validate(cfg, dp)
 
 
 # Rows of your data (data.train) whose prompts validate_lengths measures against an explicit
 # width: the data positions of the first epoch up to this, each process those it trains on
 # (DataTask.first_epoch). A width of 0 measures every row (it must hold all of them).
 LENGTH_CHECK_ROWS = 20000
-
-
-# A prompt width chosen from the data (max_prompt_length=0) is rounded up to a multiple of this:
-# nothing in the mesh constrains it (no axis shards the sequence; the splash kernel pads to its
-# own block), and a few widths only keep the compiled shapes stable when a dataset grows a little.
-PROMPT_WIDTH_MULTIPLE = 8
 
 
 def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
@@ -117,13 +79,14 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   model.max_position_embeddings. A ``<stage>.sampling.max_prompt_length`` of 0
   becomes the longest prompt measured (your data or a built-in dataset: every row, and the
   held-out set; a generated task: the sample and its bound, when it has one,
-  ``task.max_prompt_length``) rounded up to PROMPT_WIDTH_MULTIPLE; ``sft.max_length`` and
-  ``dpo.max_length`` of 0 the same from your rows (``_choose_lengths``). -> (cfg with those
-  lengths, {setting: the longest prompt or sequence} of each length chosen so)."""
+  ``task.max_prompt_length``) rounded up to stage.PROMPT_WIDTH_MULTIPLE; a stage's own lengths
+  of 0 the same from your rows (``_choose_lengths``; ``Stage.length_limits`` says what each must
+  hold). -> (cfg with those lengths, {setting: the longest prompt or sequence} of each length
+  chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
-  stages = [s for s in ('grpo', 'dpo') if s in cfg.stages]
-  from_data = [s for s in stages if getattr(cfg, s).sampling.max_prompt_length == 0]
+  stages = _sampling_stages(cfg)
+  from_data = [s for s in stages if s.config(cfg).sampling.max_prompt_length == 0]
   if isinstance(task, data.DataTask):
     probe = 0  # GRPO's rows: below, each process its own; SFT's and DPO's rows: as follows
   elif from_data and hasattr(task, 'num_train'):  # a built-in dataset (gsm8k): every row
@@ -134,7 +97,7 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
     probe = 0  # DPO samples only to evaluate; PreferenceTask.encode checks every row's prompt
   # A stream of its own: every host checks the same examples, and the training stream's data
   # positions stay each host's own (tests/test_multihost.py counts who builds which example).
-  train = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM) for i in range(probe)]
+  train = [task.train_example(i, cfg.seed + stage_lib.LENGTH_CHECK_STREAM) for i in range(probe)]
   if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
     # This process's rows (every one with a width of 0; the union over processes is the whole
     # first epoch, every row); the longest is taken over all processes.
@@ -144,27 +107,23 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   prompt_eval = longest(held_out, prompt)
   prompt_train = int(placement.per_process(longest(train, prompt)).max())
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
-  cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, max(prompt_train, prompt_eval),
-                                prompt_eval, source)
+  measured = stage_lib.Measured(source=source, train=train, prompt_eval=prompt_eval,
+                                prompt_longest=max(prompt_train, prompt_eval))
+  cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, measured)
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
-  if 'sft' in cfg.stages:
-    sft = cfg.sft
-    example = task.longest() if isinstance(task, sft_data.SFTDataTask) else longest(
-        train, lambda e: prompt(e) + text.encode(tokenizer, task.sft_completion(e))) + 1  # + eos
-    needs += [('sft.max_length', sft.max_length, max(example, prompt_eval))]
-    positions += [('sft.max_length + eval.max_completion_length',
-                   sft.max_length + cfg.eval.max_completion_length)]
-  for stage in stages:
-    sampling = getattr(cfg, stage).sampling
-    needs += [(f'{stage}.sampling.max_prompt_length', sampling.max_prompt_length,
-               max(prompt_train, prompt_eval))]
-    positions += [(f'{stage}.sampling.max_prompt_length + max({stage}.sampling.'
-                   f'max_completion_length, eval.max_completion_length)',
-                   sampling.max_prompt_length + max(sampling.max_completion_length,
-                                                    cfg.eval.max_completion_length))]
-  if 'dpo' in cfg.stages:
-    positions += [('dpo.max_length', cfg.dpo.max_length)]
+  for stage in registry.of_run(cfg):
+    if stage in stages:  # its prompt width
+      name, sampling = stage.name, stage.config(cfg).sampling
+      needs += [(f'{name}.sampling.max_prompt_length', sampling.max_prompt_length,
+                 max(prompt_train, prompt_eval))]
+      positions += [(f'{name}.sampling.max_prompt_length + max({name}.sampling.'
+                     f'max_completion_length, eval.max_completion_length)',
+                     sampling.max_prompt_length + max(sampling.max_completion_length,
+                                                      cfg.eval.max_completion_length))]
+    own_needs, own_positions = stage.length_limits(cfg, task, tokenizer, measured)
+    needs += own_needs
+    positions += own_positions
   for setting, value, needed in needs:
     if needed > value:
       raise ConfigError(f'{setting}={value}, but {source} has a prompt (or SFT example) of '
@@ -182,42 +141,37 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   return cfg, chosen
 
 
-def _choose_lengths(cfg, task, tokenizer, model_cfg, prompt_longest: int, prompt_eval: int,
-                    source: str) -> tuple[RunConfig, dict[str, int]]:
-  """The lengths set to 0, chosen (validate_lengths): each prompt width from ``prompt_longest``
-  (the prompts measured) and a built-in task's bound; ``sft.max_length`` from your SFT rows and
-  the held-out prompts (``prompt_eval``); ``dpo.max_length`` from the preference rows. -> (cfg
-  with them, {setting: the longest prompt or sequence it holds})."""
+def _sampling_stages(cfg) -> list[stage_lib.Stage]:
+  """The run's stages that sample from prompts (their config has ``sampling``)."""
+  return [s for s in registry.of_run(cfg) if hasattr(s.config(cfg), 'sampling')]
+
+
+def _choose_lengths(cfg, task, tokenizer, model_cfg, measured: stage_lib.Measured
+                    ) -> tuple[RunConfig, dict[str, int]]:
+  """The lengths set to 0, chosen (validate_lengths): each prompt width from the prompts
+  measured (``measured.prompt_longest``) and a built-in task's bound; then each stage's own
+  (``Stage.choose_lengths``: ``sft.max_length`` from your SFT rows and the held-out prompts,
+  ``dpo.max_length`` from the preference rows). -> (cfg with them, {setting: the longest prompt
+  or sequence it holds})."""
   model_positions, chosen = model_cfg.max_position_embeddings, {}
-  for stage in (s for s in ('grpo', 'dpo') if s in cfg.stages):
-    setting, needed = f'{stage}.sampling.max_prompt_length', prompt_longest
+  for stage in _sampling_stages(cfg):
+    setting, needed = f'{stage.name}.sampling.max_prompt_length', measured.prompt_longest
     if _value(cfg, setting):
       continue
     try:  # a built-in task's own bound, when it has one (its prompts are generated)
       needed = max(needed, int(getattr(task, 'max_prompt_length', 0)))
     except NotImplementedError:  # none: the sample above (number_questions)
       pass
-    stage_cfg, chosen[setting] = getattr(cfg, stage), needed
+    stage_cfg, chosen[setting] = stage.config(cfg), needed
     room = model_positions - max(stage_cfg.sampling.max_completion_length,
                                  cfg.eval.max_completion_length)
     sampling = dataclasses.replace(stage_cfg.sampling,
-                                   max_prompt_length=_rounded_up(needed, room))
-    cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(stage_cfg, sampling=sampling)})
-  room = model_positions - cfg.eval.max_completion_length
-  if 'sft' in cfg.stages and not cfg.sft.max_length:
-    if not isinstance(task, sft_data.SFTDataTask):
-      raise ConfigError(f'sft.max_length=0 measures your data (data.train with stages=sft); '
-                        f'{source} generates its examples: set sft.max_length.')
-    chosen['sft.max_length'] = needed = max(task.longest(), prompt_eval)
-    cfg = dataclasses.replace(cfg, sft=dataclasses.replace(
-        cfg.sft, max_length=_rounded_up(needed, room)))
-  if 'dpo' in cfg.stages and not cfg.dpo.max_length:
-    if not isinstance(task, preference.PreferenceTask):
-      raise ConfigError('dpo.max_length=0 measures a preference dataset (dpo.pairs=dataset); '
-                        'sampled pairs need it set (their prompt width plus completions).')
-    chosen['dpo.max_length'] = needed = task.longest_pair(tokenizer, cfg.dpo)
-    cfg = dataclasses.replace(cfg, dpo=dataclasses.replace(
-        cfg.dpo, max_length=_rounded_up(needed, model_positions)))
+                                   max_prompt_length=stage_lib.rounded_up(needed, room))
+    cfg = dataclasses.replace(cfg, **{stage.name: dataclasses.replace(stage_cfg,
+                                                                      sampling=sampling)})
+  for stage in registry.of_run(cfg):
+    cfg, own = stage.choose_lengths(cfg, task, tokenizer, model_cfg, measured)
+    chosen.update(own)
   return cfg, chosen
 
 
@@ -230,71 +184,15 @@ def _what(setting: str) -> str:
   return 'prompt' if setting.endswith('prompt_length') else 'sequence'
 
 
-def _rounded_up(needed: int, room: int) -> int:
-  """``needed`` tokens rounded up to PROMPT_WIDTH_MULTIPLE, but not past ``room`` (the model's
-  positions left) when ``needed`` itself still fits; past it the position check names both."""
-  step = PROMPT_WIDTH_MULTIPLE
-  return min(max(step, -(-needed // step) * step), max(needed, room))
-
-
-# Rows whose columns the reward functions' dry call passes (validate_rewards).
-DRY_CALL_ROWS = 2
-
-
-def validate_rewards(cfg, task) -> None:
-  """Before anything compiles: each reward function of a GRPO run, called on DRY_CALL_ROWS rows
-  of the training stream (of your data: this process's own first rows, as no other process
-  parses them) with placeholder completions, keeps its contract (``rewards.check_on_dry_call``:
-  one finite float or None per completion; ConfigError naming the function otherwise). A
-  refusal on one process stops every process."""
-  fns = task.reward_functions() if 'grpo' in cfg.stages else []
-  if not fns:
-    return
-  k = len(rewards.DRY_COMPLETIONS)
-  if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
-    first = task.first_epoch(cfg.seed, cfg.grpo.schedule.prompts_per_rollout)
-    examples = first[:DRY_CALL_ROWS]  # each process owns >= 1 prompt of every rollout
-  else:
-    examples = [task.train_example(i, cfg.seed + LENGTH_CHECK_STREAM)
-                for i in range(DRY_CALL_ROWS)]
-
-  def dry_call():
-    try:
-      rewards.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
-                                task_base.reward_fields(examples, k))
-    except rewards.RewardError as e:
-      raise ConfigError(str(e)) from None
-
-  _on_every_process('a reward function is refused', dry_call)
-
-
 def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
-  """data.build_task, each process checking the rows at its own GRPO data positions (the rows
-  it trains on: rollout.local_prompts); a row refused on one process stops every process."""
+  """data.build_task, each process checking the rows at the data positions it trains on
+  (``Stage.owned_positions``: GRPO's, rollout.local_prompts); a row refused on one process stops
+  every process."""
   owns = lambda position: True
-  if 'grpo' in cfg.stages:
-    own = set(rollout.local_prompts(cfg.grpo.schedule, mesh).tolist())
-    per_rollout = cfg.grpo.schedule.prompts_per_rollout
-    owns = lambda position: position % per_rollout in own
-  return _on_every_process('data.train: a row is refused', lambda: data.build_task(
+  for stage in registry.of_run(cfg):
+    owns = stage.owned_positions(cfg, mesh) or owns
+  return stage_lib.on_every_process('data.train: a row is refused', lambda: data.build_task(
       cfg, train_dataset, eval_dataset, reward_funcs, owns=owns))
-
-
-def _on_every_process(what: str, fn):
-  """``fn()``, whose ConfigError on any process stops every process (the process that found it
-  raises its own line; the others name the processes) instead of leaving them waiting at the
-  first collective. -> what fn returns."""
-  error = out = None
-  try:
-    out = fn()
-  except ConfigError as e:
-    error = e
-  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
-  if error is not None:
-    raise error
-  if failed:
-    raise ConfigError(f'{what} on process(es) {failed} (their error names it); fix it there.')
-  return out
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -314,7 +212,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
     task.eval_examples()
     if not isinstance(task, data.DataTask):  # its rows are checked (by their process) above
-      task.train_example(0, cfg.seed + LENGTH_CHECK_STREAM)
+      task.train_example(0, cfg.seed + stage_lib.LENGTH_CHECK_STREAM)
   except ConfigError:
     raise
   except (ValueError, OSError, ImportError, KeyError) as e:
@@ -340,7 +238,6 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   # model.attention='auto' -> one implementation for every program of the run (not in the
   # checkpoints' fingerprint: a resumed run may resolve it otherwise, docs/configuration.md).
   cfg, attention_line = programs.resolve_attention(cfg, model_cfg, mesh.devices.flat[0])
-  validate_rollout_chunks(cfg)
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
     # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
     task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length or sys.maxsize,
@@ -351,12 +248,12 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
             f'{cfg.sft.too_long}).', flush=True)
   cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
   for setting, longest in chosen_widths.items():
-    if jax.process_index() == 0 and not setting.startswith('grpo.'):  # GRPO: its prompt line
-      print(f'[{setting.split(".")[0]}] {setting}={_value(cfg, setting)}, chosen from the data: '
+    stage = registry.get(setting.split('.')[0])
+    if jax.process_index() == 0 and stage.announces_chosen_lengths:
+      print(f'[{stage.name}] {setting}={_value(cfg, setting)}, chosen from the data: '
             f'its longest {_what(setting)} has {longest} tokens', flush=True)
-  validate_rewards(cfg, task)
-  if 'dpo' in cfg.stages:
-    dpo.check_reference(cfg, cfg.dpo, model_cfg)
+  for stage in registry.of_run(cfg):  # its reward functions, its reference model, ...
+    stage.check_inputs(cfg, task, model_cfg)
   if isinstance(task, preference.PreferenceTask):  # every row encoded and checked, and the cache
     task.encode(tokenizer, cfg.dpo)
     preference.load_cache(workdir, task)  # refused before anything compiles
@@ -366,7 +263,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           param_shardings=sharding.param_shardings(shapes, axes, mesh),
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths)
-  stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
+  # before any weight is read or any step compiles
+  stage_lib.check_resume(ctx, [registry.get(name) for name in cfg.stages])
   if attention_line and jax.process_index() == 0:  # after the checks: bad input is one line
     print(f'[{cfg.stages[0]}] {attention_line}', flush=True)
   # Once the run is known to be valid, and before the weights: a W&B run that cannot start
@@ -433,12 +331,7 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
                      'mesh': dict(mesh.shape)}
     try:
       for name in cfg.stages:
-        if name == 'sft':
-          params, s = sft.run_sft(ctx, cfg.sft, params)
-        elif name == 'grpo':
-          params, s = grpo.GRPOTrainer(ctx, cfg.grpo).run(params)
-        else:
-          params, s = dpo.run_dpo(ctx, cfg.dpo, params)
+        params, s = registry.get(name).run(ctx, params)
         summary.update(s)
     except checkpoint.Preempted as e:
       summary.update({'stopped_early': True, 'stopped_stage': e.stage,
@@ -538,21 +431,21 @@ class Trainer:
 
 class GRPOTrainer(Trainer):
   """GRPO on your data and rewards; see :class:`Trainer`."""
-  stage = 'grpo'
+  stage = registry.GRPO.name
 
 
 class SFTTrainer(Trainer):
   """The SFT stage on your data (``train_dataset``: rows of ``messages``, ``prompt`` +
   ``completion`` or ``text``, ``jaxrl_ga.sft_data``; ``reward_funcs``, optional, score the
   held-out replies) or the built-in task's; see :class:`Trainer`."""
-  stage = 'sft'
+  stage = registry.SFT.name
 
 
 class DPOTrainer(Trainer):
   """The DPO stage on your preference rows (``train_dataset`` or ``data.train``: prompt, chosen
   and rejected, ``jaxrl_ga.preference``; ``dpo.pairs='dataset'`` is then implied), else on pairs
   it samples from the built-in task; see :class:`Trainer`."""
-  stage = 'dpo'
+  stage = registry.DPO.name
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)

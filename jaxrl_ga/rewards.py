@@ -137,7 +137,7 @@ def check_on_dry_call(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   passes them (``prompts`` and columns ``fields``, one entry per completion: each row
   len(DRY_COMPLETIONS) times in a row) with DRY_COMPLETIONS as each row's completions. One that
   raises, returns another count than the completions or a non-finite value raises RewardError
-  naming it (the caller's bad input: api.validate_rewards); the values are not used."""
+  naming it (the caller's bad input: GRPOStage.check_inputs); the values are not used."""
   rows = len(prompts) // len(DRY_COMPLETIONS)
   completions = list(DRY_COMPLETIONS) * rows
   for r in rewards:

@@ -57,7 +57,7 @@ def assert_trees_equal(got, want) -> None:
 
 
 def run_grpo_in_pieces(make_trainer, workdir, stops, total_micro_steps: int):
-  """``make_trainer(workdir) -> (grpo.GRPOTrainer, params)`` run stopped after each micro-step of
+  """``make_trainer(workdir) -> (grpo.GRPOLoop, params)`` run stopped after each micro-step of
   ``stops``, then to the end, each run a fresh trainer resuming from the last one's checkpoint;
   asserts that each resumed where the last stopped and ran only the micro-steps left.
   -> (params, summary) of the last run."""

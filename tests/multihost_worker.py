@@ -39,13 +39,14 @@ from jaxrl_ga import data  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import rows as rows_lib  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
+from jaxrl_ga.trainers import stage  # pylint: disable=g-import-not-at-top
 
 loaded = []  # (index, seed) of every training example this process builds
 _train_example = arithmetic.ArithmeticTask.train_example
 
 
 def _recording_train_example(self, index, seed):
-  if seed != api.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
+  if seed != stage.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
     loaded.append((int(index), int(seed)))
   return _train_example(self, index, seed)
 
@@ -55,7 +56,7 @@ _data_train_example = data.DataTask.train_example
 
 
 def _recording_data_example(self, index, seed):
-  if seed != api.LENGTH_CHECK_STREAM:
+  if seed != stage.LENGTH_CHECK_STREAM:
     loaded.append((int(index), int(seed)))
   return _data_train_example(self, index, seed)
 
@@ -92,7 +93,7 @@ if os.environ.get('JAXRL_GA_TEST_REWARD_RAISES_ON') == str(pid):
 
     def fn(prompts, completions, **fields):
       calls.append(1)
-      if len(calls) == 3:  # the dry call before compiling (api.validate_rewards), 2 rollouts
+      if len(calls) == 3:  # the dry call before compiling (GRPOStage.check_inputs), 2 rollouts
         raise RuntimeError(f'reward server unreachable (test, process {pid})')
       return first.fn(prompts, completions, **fields)
 

@@ -44,7 +44,7 @@ failure message, and exits 1 if a listed test passed on the mutant. Which tests 
       masks, shapes and reference model only). Caught by test_preference's cache test, whose
       changed dataset has a reply of the same token length with other tokens: the resume must
       refuse the cache.
-  dpo_ignores_no_shuffle  run_dpo on a preference dataset ignores data.shuffle=False (its pairs
+  dpo_ignores_no_shuffle  DPOStage.run on a preference dataset ignores data.shuffle=False (its pairs
       shuffled anyway). Caught by test_preference's DPO run, whose first micro-batch must hold
       pairs 0..B-1 in file order.
   logged_reward_of_another_row  completions.jsonl gives process 0's local completion j the total

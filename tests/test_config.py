@@ -185,3 +185,20 @@ def test_every_stage_sets_its_evaluation_cadence_with_eval_every(stage):
   assert getattr(from_mapping(RunConfig, {stage: {'eval_every': 3}}), stage).eval_every == 3
   with pytest.raises(ConfigError, match=rf'^{stage}\.eval_every must be >= 0 \(0: '):
     from_mapping(RunConfig, {stage: {'eval_every': -1}})
+
+
+def test_every_stage_a_config_accepts_is_registered_with_its_config_and_k():
+  """config.STAGES and the registry that api.run goes through hold the same stages, in order;
+  each stage's config is the RunConfig field of its name, and its K is micro-steps per optimizer
+  step (GRPO's sequential mode: one optimizer step per micro-step, docs/design.md)."""
+  from jaxrl_ga import config  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import registry  # pylint: disable=g-import-not-at-top
+  assert tuple(registry.STAGES) == config.STAGES
+  cfg = from_mapping(RunConfig, {'sft': {'grad_accum_steps': 3}, 'dpo': {'grad_accum_steps': 5},
+                                 'grpo': {'schedule': {'grad_accum_steps': 4,
+                                                       'update_mode': 'sequential'}}})
+  for name, stage in registry.STAGES.items():
+    assert stage.name == name and isinstance(getattr(cfg, name), stage.config_type)
+  k = {name: stage.optimizer_every(getattr(cfg, name))
+       for name, stage in registry.STAGES.items()}
+  assert k == {'sft': 3, 'grpo': 1, 'dpo': 5}

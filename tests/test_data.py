@@ -381,9 +381,9 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path):
   cli_log = [json.loads(l) for l in open(tmp_path / 'cli.log', encoding='utf-8')]
   api_log = [json.loads(l) for l in open(tmp_path / 'api.log', encoding='utf-8')]
   assert cli_log == api_log  # the same completions, in the same order, with the same columns
-  # First the dry call before compiling (api.validate_rewards): 2 rows, 2 placeholders each.
-  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
-  dry = len(R.DRY_COMPLETIONS) * api.DRY_CALL_ROWS
+  # First the dry call before compiling (GRPOStage.check_inputs): 2 rows, 2 placeholders each.
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  dry = len(R.DRY_COMPLETIONS) * grpo.DRY_CALL_ROWS
   assert [r['completion'] for r in api_log[:2 * dry]] == 2 * list(R.DRY_COMPLETIONS) * 2
   api_log = api_log[2 * dry:]
   # The prompt width, chosen from the data: its longest prompt through the plain chat template,
@@ -460,7 +460,7 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
   def trainer(workdir):
     ctx, params = api.build_context(cfg, str(workdir))
     assert len(ctx.task.train) == 12 and len(ctx.task.eval_rows) == 3
-    return grpo.GRPOTrainer(ctx, cfg.grpo), params
+    return grpo.GRPOLoop(ctx, cfg.grpo), params
 
   t, params = trainer(tmp_path / 'a')
   want, _ = t.run(params)

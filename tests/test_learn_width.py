@@ -2,7 +2,7 @@
 that holds every position its rows train on, and applies the update of the whole-width window
 loss.
 
-Through GRPOTrainer.run on the tiny arithmetic model (untrained, so completion lengths are uneven
+Through GRPOLoop.run on the tiny arithmetic model (untrained, so completion lengths are uneven
 and EOS ends some early), stopped in the middle of a rollout and of a window and resumed: the
 widths the learner's step receives are checked against the bucket of each slice's last trained
 position, computed here from the rollout buffer's masks; and each optimizer step's applied
@@ -49,7 +49,7 @@ def test_learner_width_follows_the_longest_completion_and_the_update_is_the_full
                        buffer=host(e.buffer), advantages=np.asarray(e.advantages),
                        width=e.host_stats['rollout/learn_width']))
 
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout)
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo, on_rollout=on_rollout)
   seen, compiled, _ = _record_steps(trainer, compile_log)
   # Stopped after micro-step 2 (rollout 1's first slice, window 1's first micro-step), resumed:
   # the resumed run takes the widths of the restored buffer.
@@ -99,7 +99,7 @@ def test_lora_learner_compiles_every_width_before_the_loop(tmp_path, compile_log
       'grpo.num_steps': 2, 'grpo.length_buckets': 3, 'grpo.sampling.max_completion_length': 24,
       'model.lora.rank': 4, 'eval.num_examples': 0, 'checkpoint.every_steps': 0})
   ctx, params = api.build_context(cfg, str(tmp_path))
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo)
   assert trainer.widths == (8, 16, 24)
   _, compiled, with_frozen = _record_steps(trainer, compile_log)
   trainer.run(params)

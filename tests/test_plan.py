@@ -179,7 +179,7 @@ def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
       'grpo.schedule.micro_batch_size': 16, **overrides})
   assert not cfg.model.scan_layers and cfg.model.share_prompt_prefix
   ctx, params = api.build_context(cfg, str(tmp_path))
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo)
   assert trainer.engine.share_prompts == 2
   trainer.part = context.TrainedPart(ctx, params)
   state = trainer._fresh_state(params)  # what run() starts from  pylint: disable=protected-access

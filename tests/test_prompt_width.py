@@ -66,7 +66,7 @@ def test_zero_is_the_datas_longest_prompt_rounded_up_to_8(tmp_path, monkeypatch)
   assert ctx.fingerprint('grpo')['grpo']['sampling']['max_prompt_length'] == width
   # A caller's own cfg.grpo (width 0) gets the chosen width, for every program the trainer builds.
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo)
   assert trainer.engine.sampling_cfg.max_prompt_length == width
   assert trainer.cfg == ctx.cfg.grpo
 
@@ -166,9 +166,11 @@ def test_a_bad_reward_is_refused_before_anything_compiles(tmp_path, compile_log,
 
 def test_the_dry_call_passes_rows_as_the_trainer_does(tmp_path):
   """Two rows, each with both placeholder completions, its prompt and its columns."""
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   SEEN.clear()
   rows = [{'prompt': f'{i}+1=', 'answer': str(i + 1)} for i in range(10)]
-  api.validate_rewards(_config(tmp_path, rows), _task(tmp_path, rows, [seen_columns]))
+  grpo.GRPOStage().check_inputs(_config(tmp_path, rows), _task(tmp_path, rows, [seen_columns]),
+                                None)
   (prompts, completions, answers), = SEEN
   from jaxrl_ga import rewards  # pylint: disable=g-import-not-at-top
   assert completions == list(rewards.DRY_COMPLETIONS) * 2

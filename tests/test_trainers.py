@@ -91,7 +91,7 @@ def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
 
   def trainer(workdir):
     ctx, params = api.build_context(cfg, str(workdir))
-    return grpo.GRPOTrainer(ctx, cfg.grpo), params
+    return grpo.GRPOLoop(ctx, cfg.grpo), params
 
   t, params = trainer(tmp_path / 'a')
   want, _ = t.run(params)
@@ -114,7 +114,7 @@ def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
 
   def run(workdir, n):
     ctx, params = api.build_context(cfg(n), str(workdir))
-    return grpo.GRPOTrainer(ctx, cfg(n).grpo).run(params)
+    return grpo.GRPOLoop(ctx, cfg(n).grpo).run(params)
 
   want, _ = run(tmp_path / 'one', 4)
   run(tmp_path / 'two', 2)
@@ -167,7 +167,7 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path):
       cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 3,
                                                    'checkpoint.every_steps': 1}})
       ctx, params = api.build_context(cfg, sys.argv[1])
-      trainer = grpo.GRPOTrainer(ctx, cfg.grpo)
+      trainer = grpo.GRPOLoop(ctx, cfg.grpo)
       calls = []
       def fn(prompts, completions, **fields):
         calls.append(1)
@@ -253,8 +253,8 @@ def test_grpo_public_hooks_see_every_rollout_and_micro_step(tmp_path, capsys):
     events.append((e.micro_step, int(e.learner.optimizer_step), np.asarray(e.advantages),
                    e.buffer.completion_tokens.shape[:2], e))
 
-  trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout,
-                             on_micro_step=lambda s, started, out: steps.append(s))
+  trainer = grpo.GRPOLoop(ctx, cfg.grpo, on_rollout=on_rollout,
+                          on_micro_step=lambda s, started, out: steps.append(s))
   trainer.run(params)
   sched = cfg.grpo.schedule  # K=3, S=2: 6 micro-steps, a rollout every 2
   assert steps == list(range(6))

@@ -1,5 +1,5 @@
-"""DPO host loop on pairs sampled from the current (SFT) policy, or read from a preference
-dataset (``dpo.pairs='dataset'``, ``jaxrl_ga.preference``).
+"""The DPO stage (``DPOStage``): its loop on pairs sampled from the current (SFT) policy, or
+read from a preference dataset (``dpo.pairs='dataset'``, ``jaxrl_ga.preference``).
 
 Sampled: for each of ``num_prompts`` prompts the policy samples ``samples_per_prompt``
 completions; the first correct and the first incorrect one make a (chosen, rejected) pair. The
@@ -205,62 +205,96 @@ class PairStream:
         {k: v[rows] for k, v in extra.items()}, b, self.mesh)
 
 
-def run_dpo(ctx: context.RunContext, cfg: DPOConfig, params) -> tuple[Any, dict[str, Any]]:
-  """Trains (or resumes) the DPO stage from ``params``. -> (params, summary)."""
-  cfg = ctx.with_chosen_lengths('dpo', cfg)  # lengths of 0: those chosen from the data
-  # dpo.micro_batch_size is checked against the mesh before anything is built
-  # (api.validate_against_mesh), as GRPO's schedule is.
-  part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
-  pairs = load_or_build_pairs(ctx, cfg, params)
-  shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
-  stream = PairStream(pairs, cfg, ctx.cfg.seed, ctx.mesh, shuffle=shuffle)
-  n_pairs, b = stream.num_pairs, cfg.micro_batch_size
-  batch_at = stream.batch_at
+class DPOStage(stage.Stage):
+  """Direct preference optimization (``stages=dpo``) on sampled or given pairs."""
 
-  ckpt = ctx.checkpointer('dpo')
-  k = cfg.grad_accum_steps
-  first = batch_at(0)
-  # Compiled and checked against the device's memory here (jaxrl_ga.fit), 'auto' knobs chosen;
-  # the pairs' reference pass before it runs fit's choice without a limit (remat does not apply).
-  learner = programs.fitted_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                        ctx.graphdef, cfg, first)
-  fresh = learner.init(part.trained, first, part.frozen)
-  state, meta = stage.restore(ctx, ckpt, 'dpo', fresh, k)
-  if not stage.trains_on('dpo', meta, cfg.num_steps, k):
-    return part.policy(state.params), meta['summary']
-  summary = meta['summary']
-  if 'eval/accuracy_before' not in summary:
-    summary['eval/accuracy_before'] = stage.evaluate_or_save(
+  name = 'dpo'
+  config_type = DPOConfig
+
+  def validate(self, cfg: RunConfig, dp: int) -> None:
+    super().validate(cfg, dp)
+    stage.check_rollout_chunk(
+        self.name, cfg.dpo.sampling, GENERATION_PROMPTS * cfg.dpo.samples_per_prompt,
+        f'the completions sampled at once, {GENERATION_PROMPTS}*samples_per_prompt')
+
+  def choose_lengths(self, cfg, task, tokenizer, model_cfg, measured):
+    """dpo.max_length=0: the preference rows' longest pair, rounded up."""
+    if cfg.dpo.max_length:
+      return cfg, {}
+    if not isinstance(task, preference.PreferenceTask):
+      raise ConfigError('dpo.max_length=0 measures a preference dataset (dpo.pairs=dataset); '
+                        'sampled pairs need it set (their prompt width plus completions).')
+    needed = task.longest_pair(tokenizer, cfg.dpo)
+    return dataclasses.replace(cfg, dpo=dataclasses.replace(
+        cfg.dpo, max_length=stage.rounded_up(needed, model_cfg.max_position_embeddings))), {
+            'dpo.max_length': needed}
+
+  def length_limits(self, cfg, task, tokenizer, measured):
+    """A pair's sequence fits the model's positions (PreferenceTask.encode fits every row to
+    dpo.max_length; sampled pairs are refused past it)."""
+    return [], [('dpo.max_length', cfg.dpo.max_length)]
+
+  def check_inputs(self, cfg: RunConfig, task, model_cfg) -> None:
+    check_reference(cfg, cfg.dpo, model_cfg)
+
+  def programs(self, ctx: context.RunContext, stage_cfg: DPOConfig, example=None):
+    """The learner, compiled for ``example`` (the first micro-batch) and checked against the
+    device's memory (jaxrl_ga.fit), 'auto' knobs chosen; the pairs' reference pass before it
+    runs fit's choice without a limit (remat does not apply)."""
+    return programs.fitted_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                       ctx.graphdef, stage_cfg, example)
+
+  def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
+    cfg = ctx.cfg.dpo  # lengths of 0: those chosen from the data (api.build_context)
+    # dpo.micro_batch_size is checked against the mesh before anything is built (validate).
+    part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
+    evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
+    pairs = load_or_build_pairs(ctx, cfg, params)
+    shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
+    stream = PairStream(pairs, cfg, ctx.cfg.seed, ctx.mesh, shuffle=shuffle)
+    n_pairs, b = stream.num_pairs, cfg.micro_batch_size
+    batch_at = stream.batch_at
+
+    ckpt = ctx.checkpointer('dpo')
+    k = cfg.grad_accum_steps
+    first = batch_at(0)
+    learner = self.programs(ctx, cfg, first)
+    fresh = learner.init(part.trained, first, part.frozen)
+    state, meta = stage.restore(ctx, ckpt, 'dpo', fresh, k)
+    if not stage.trains_on('dpo', meta, cfg.num_steps, k):
+      return part.policy(state.params), meta['summary']
+    summary = meta['summary']
+    if 'eval/accuracy_before' not in summary:
+      summary['eval/accuracy_before'] = stage.evaluate_or_save(
+          ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params)))
+      reporting.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
+                                f'before DPO ({n_pairs} pairs)')
+    summary['dpo/pairs'] = n_pairs
+    if cfg.pairs == 'dataset':
+      summary['dpo/dropped_rows'] = ctx.task.dropped
+      summary['dpo/truncated_replies'] = ctx.task.truncated
+      if ctx.task.dropped or ctx.task.truncated:
+        print(f'[dpo] {ctx.task.dropped} preference row(s) dropped (a prompt over the limit), '
+              f'{ctx.task.truncated} reply(ies) cut to dpo.max_length={cfg.max_length}', flush=True)
+
+    with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
+                         log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
+                         max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
+      while not loop.done:
+        state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
+        meta['data_position'] += b
+        step = loop.micro_step_done(state, out)
+        if step:  # an optimizer step fired
+          loop.log(step, out, {})
+          if loop.eval_due(step):
+            loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
+          loop.save_if_due(step, state)
+        if loop.stop_requested(state):
+          break
+
+    summary['eval/accuracy_after'] = stage.evaluate_or_save(
         ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params)))
-    reporting.report_accuracy(ctx, 'dpo', 0, summary['eval/accuracy_before'],
-                              f'before DPO ({n_pairs} pairs)')
-  summary['dpo/pairs'] = n_pairs
-  if cfg.pairs == 'dataset':
-    summary['dpo/dropped_rows'] = ctx.task.dropped
-    summary['dpo/truncated_replies'] = ctx.task.truncated
-    if ctx.task.dropped or ctx.task.truncated:
-      print(f'[dpo] {ctx.task.dropped} preference row(s) dropped (a prompt over the limit), '
-            f'{ctx.task.truncated} reply(ies) cut to dpo.max_length={cfg.max_length}', flush=True)
-
-  with stage.StageLoop(ctx, 'dpo', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
-                       log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
-                       max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
-    while not loop.done:
-      state, out = learner.step(state, batch_at(meta['data_position']), part.frozen)
-      meta['data_position'] += b
-      step = loop.micro_step_done(state, out)
-      if step:  # an optimizer step fired
-        loop.log(step, out, {})
-        if loop.eval_due(step):
-          loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
-        loop.save_if_due(step, state)
-      if loop.stop_requested(state):
-        break
-
-  summary['eval/accuracy_after'] = stage.evaluate_or_save(
-      ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params)))
-  reporting.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'],
-                            'after DPO')
-  stage.finish(ckpt, state, meta, summary)
-  return part.policy(state.params), summary
+    reporting.report_accuracy(ctx, 'dpo', cfg.num_steps, summary['eval/accuracy_after'],
+                              'after DPO')
+    stage.finish(ckpt, state, meta, summary)
+    return part.policy(state.params), summary

@@ -1,6 +1,7 @@
-"""GRPO: the stage's loop (``GRPOTrainer.run``) and one rollout's host work (``_new_rollout``:
-prompts in, rewards and advantages computed on the host); everything per-token runs in the
-jitted rollout and learner steps. The schedule: the design doc, docs/design, "Schedule semantics".
+"""The GRPO stage (``GRPOStage``), its loop (``GRPOLoop.run``) and one rollout's host work
+(``_new_rollout``: prompts in, rewards and advantages computed on the host); everything
+per-token runs in the jitted rollout and learner steps. The schedule: the design doc,
+docs/design, "Schedule semantics".
 
 Micro-step s trains slice s % S of rollout s // E (E = S*mu); a rollout is generated when
 s % E == 0 by the current policy; the schedule table decides, inside the rollout step, which
@@ -25,12 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_ga import data
 from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
-from jaxrl_ga.config import GRPOConfig
+from jaxrl_ga.config import GRPOConfig, RunConfig
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
@@ -44,7 +47,7 @@ _LOG_KEYS = ('loss', 'reward/mean', 'reward/accuracy', 'kl', 'clip_ratio/region_
 
 @dataclasses.dataclass(frozen=True)
 class RolloutEvent:
-  """What ``GRPOTrainer(on_rollout=...)`` receives after each rollout (the public hook for
+  """What ``GRPOLoop(on_rollout=...)`` receives after each rollout (the public hook for
   benchmarks and studies: read, don't modify). Read it during the call: the next learner step
   donates ``learner``'s buffers."""
   micro_step: int  # the micro-step the rollout was generated at
@@ -56,8 +59,75 @@ class RolloutEvent:
   host_s: float  # decoding, rewards and advantages on the host
 
 
-class GRPOTrainer:
-  """Builds the engines once; ``run(params)`` trains (resuming if a checkpoint exists).
+# Rows of the training stream whose columns the reward functions' dry call passes
+# (GRPOStage.check_inputs).
+DRY_CALL_ROWS = 2
+
+
+class GRPOStage(stage.Stage):
+  """Online RL with group-relative advantages (``stages=grpo``); its loop: ``GRPOLoop``."""
+
+  name = 'grpo'
+  config_type = GRPOConfig
+  announces_chosen_lengths = False  # the first rollout's prompt line says it
+
+  def validate(self, cfg: RunConfig, dp: int) -> None:
+    schedule.validate(cfg.grpo.schedule, dp)
+    stage.check_rollout_chunk(
+        self.name, cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
+        'the completions of a rollout, steps_per_generation*micro_batch_size')
+
+  def optimizer_every(self, stage_cfg: GRPOConfig) -> int:
+    return stage_cfg.schedule.optimizer_every
+
+  def owned_positions(self, cfg: RunConfig, mesh):
+    """The prompts of a rollout whose rows this process holds (rollout.local_prompts)."""
+    own = set(rollout_lib.local_prompts(cfg.grpo.schedule, mesh).tolist())
+    per_rollout = cfg.grpo.schedule.prompts_per_rollout
+    return lambda position: position % per_rollout in own
+
+  def check_inputs(self, cfg: RunConfig, task, model_cfg) -> None:
+    """Each reward function, called on DRY_CALL_ROWS rows of the training stream (of your data:
+    this process's own first rows, as no other process parses them) with placeholder
+    completions, keeps its contract (``rewards.check_on_dry_call``: one finite float or None per
+    completion; ConfigError naming the function otherwise). A refusal on one process stops
+    every process."""
+    fns = task.reward_functions()
+    if not fns:
+      return
+    k = len(rewards_lib.DRY_COMPLETIONS)
+    if type(task) is data.DataTask:  # pylint: disable=unidiomatic-typecheck  (GRPO's rows)
+      first = task.first_epoch(cfg.seed, cfg.grpo.schedule.prompts_per_rollout)
+      examples = first[:DRY_CALL_ROWS]  # each process owns >= 1 prompt of every rollout
+    else:
+      examples = [task.train_example(i, cfg.seed + stage.LENGTH_CHECK_STREAM)
+                  for i in range(DRY_CALL_ROWS)]
+
+    def dry_call():
+      try:
+        rewards_lib.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
+                                      task_base.reward_fields(examples, k))
+      except rewards_lib.RewardError as e:
+        raise ConfigError(str(e)) from None
+
+    stage.on_every_process('a reward function is refused', dry_call)
+
+  def programs(self, ctx: context.RunContext, stage_cfg: GRPOConfig,
+               table: Optional[schedule.ScheduleTable] = None) -> programs_lib.GRPOPrograms:
+    """The engine and learner, every step compiled and checked against the device's memory
+    (jaxrl_ga.fit), 'auto' knobs chosen; ``table``: the schedule table (default
+    ``schedule.build_table(stage_cfg.schedule)``)."""
+    return programs_lib.fitted_grpo_programs(
+        ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
+        pad_id=ctx.pad_id, grpo=stage_cfg, graphdef=ctx.graphdef, table=table)
+
+  def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
+    return GRPOLoop(ctx, ctx.cfg.grpo).run(params)
+
+
+class GRPOLoop:
+  """The GRPO stage's loop: builds the engines once; ``run(params)`` trains (resuming if a
+  checkpoint exists).
 
   Hooks (optional): ``on_rollout(RolloutEvent)`` after each rollout; ``on_micro_step(micro_step,
   started, out)`` after each learner step is dispatched (``started``: time.perf_counter() before
@@ -73,11 +143,8 @@ class GRPOTrainer:
     cfg = ctx.with_chosen_lengths('grpo', cfg)  # a prompt width of 0: the one chosen
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
-    # The schedule is validated against the mesh by main.validate_against_mesh. Every step is
-    # compiled here and checked against the device's memory (jaxrl_ga.fit), 'auto' knobs chosen.
-    programs = programs_lib.fitted_grpo_programs(
-        ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
-        pad_id=ctx.pad_id, grpo=cfg, graphdef=ctx.graphdef, table=table)
+    # The schedule is validated against the mesh by GRPOStage.validate (api.validate_against_mesh).
+    programs = GRPOStage().programs(ctx, cfg, table)
     self.table, self.engine, self.learner = programs.table, programs.engine, programs.learner
     self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()

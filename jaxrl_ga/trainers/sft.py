@@ -1,8 +1,9 @@
-"""SFT host loop: the task's reference completions or your data's rows (``jaxrl_ga.sft_data``),
-packed or one per row, token cross-entropy, exact accumulation."""
+"""The SFT stage (``SFTStage``): its loop on the task's reference completions or your data's rows
+(``jaxrl_ga.sft_data``), packed or one per row, token cross-entropy, exact accumulation."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
 from jaxrl_ga.trainers import stage
+from jaxrl_ga.trainers import text
 
 
 def example_sequence(ctx: context.RunContext, index: int, seed: int, max_length: int
@@ -54,69 +56,102 @@ def micro_batch(ctx: context.RunContext, cfg: SFTConfig, position: int, seed: in
   return batch, sum(len(r) for r in packed)
 
 
-def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[str, Any]]:
-  """Trains (or resumes) the SFT stage from ``params``. -> (params, summary)."""
-  cfg = ctx.with_chosen_lengths('sft', cfg)  # sft.max_length=0: the one chosen from the data
-  # sft.micro_batch_size is checked against the mesh before anything is built
-  # (main.validate_against_mesh), as GRPO's schedule is.
-  part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-  b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
+class SFTStage(stage.Stage):
+  """Supervised fine-tuning (``stages=sft``): token cross-entropy on reference completions."""
 
-  def batch_at(position):  # each process builds only its own rows -> (batch, examples used)
-    batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
-    return placement.place_rows(batch, b, ctx.mesh), consumed
+  name = 'sft'
+  config_type = SFTConfig
 
-  first = batch_at(0)[0]
-  # Compiled and checked against the device's memory here (jaxrl_ga.fit), 'auto' knobs chosen.
-  learner = programs.fitted_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                        ctx.graphdef, cfg, first)
-  ckpt = ctx.checkpointer('sft')
-  fresh = learner.init(part.trained, first, part.frozen)
-  state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
-  if not stage.trains_on('sft', meta, cfg.num_steps, k):
-    return part.policy(state.params), meta['summary']
-  evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
-  # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
-  # 7919), checked every probe_every steps; the warm start ends when they are solved.
-  probe = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
-      ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
-      if cfg.target_accuracy else None
+  def choose_lengths(self, cfg, task, tokenizer, model_cfg, measured):
+    """sft.max_length=0: your rows' longest (or the longest held-out prompt), rounded up."""
+    if cfg.sft.max_length:
+      return cfg, {}
+    if not isinstance(task, sft_data.SFTDataTask):
+      raise ConfigError(f'sft.max_length=0 measures your data (data.train with stages=sft); '
+                        f'{measured.source} generates its examples: set sft.max_length.')
+    needed = max(task.longest(), measured.prompt_eval)
+    room = model_cfg.max_position_embeddings - cfg.eval.max_completion_length
+    return dataclasses.replace(cfg, sft=dataclasses.replace(
+        cfg.sft, max_length=stage.rounded_up(needed, room))), {'sft.max_length': needed}
 
-  before = {}
-  if cfg.eval_before and meta['micro_step'] == 0:
-    before['eval/accuracy_before_sft'] = evaluator.accuracy(part.policy(state.params))
-    reporting.report_accuracy(ctx, 'sft', 0, before['eval/accuracy_before_sft'], 'before SFT')
-  reached_target = False
-  with stage.StageLoop(ctx, 'sft', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
-                       log_every=cfg.log_every, log_keys=('loss', 'grad_norm'),
-                       eval_every=cfg.eval_every,
-                       max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
-    while not loop.done:
-      batch, consumed = batch_at(meta['data_position'])
-      state, out = learner.step(state, batch, part.frozen)
-      meta['data_position'] += consumed
-      step = loop.micro_step_done(state, out)
-      if step:  # an optimizer step fired
-        loop.log(step, out, {})
-        if loop.eval_due(step):
-          loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
-        if probe is not None and step % cfg.probe_every == 0:
-          reached_target = _probe_reaches_target(ctx, cfg, probe, step,
-                                                 part.policy(state.params))
-          if reached_target:
-            break  # finish() below writes the last checkpoint
-        loop.save_if_due(step, state)
-      if loop.stop_requested(state):
-        break
+  def length_limits(self, cfg, task, tokenizer, measured):
+    """Every example (prompt + completion + eos) and held-out prompt fits sft.max_length, and
+    a held-out prompt with its greedy completion the model's positions."""
+    if isinstance(task, sft_data.SFTDataTask):
+      example = task.longest()
+    else:
+      example = max((len(text.encode_prompt(tokenizer, e.prompt)
+                         + text.encode(tokenizer, task.sft_completion(e)))
+                     for e in measured.train), default=0) + 1  # + eos
+    return ([('sft.max_length', cfg.sft.max_length, max(example, measured.prompt_eval))],
+            [('sft.max_length + eval.max_completion_length',
+              cfg.sft.max_length + cfg.eval.max_completion_length)])
 
-  summary = {**before, 'eval/accuracy_after_sft': stage.evaluate_or_save(
-                 ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params))),
-             'sft/optimizer_steps': meta['micro_step'] // k,
-             'sft/stopped_at_target': reached_target}
-  reporting.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
-                            summary['eval/accuracy_after_sft'], 'after SFT')
-  stage.finish(ckpt, state, meta, summary)
-  return part.policy(state.params), summary
+  def programs(self, ctx: context.RunContext, stage_cfg: SFTConfig, example=None):
+    """The learner, compiled for ``example`` (the first micro-batch) and checked against the
+    device's memory (jaxrl_ga.fit), 'auto' knobs chosen."""
+    return programs.fitted_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                       ctx.graphdef, stage_cfg, example)
+
+  def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
+    cfg = ctx.cfg.sft  # sft.max_length=0: the one chosen from the data (api.build_context)
+    # sft.micro_batch_size is checked against the mesh before anything is built (validate).
+    part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
+    b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
+
+    def batch_at(position):  # each process builds only its own rows -> (batch, examples used)
+      batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
+      return placement.place_rows(batch, b, ctx.mesh), consumed
+
+    first = batch_at(0)[0]
+    learner = self.programs(ctx, cfg, first)
+    ckpt = ctx.checkpointer('sft')
+    fresh = learner.init(part.trained, first, part.frozen)
+    state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
+    if not stage.trains_on('sft', meta, cfg.num_steps, k):
+      return part.policy(state.params), meta['summary']
+    evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
+    # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
+    # 7919), checked every probe_every steps; the warm start ends when they are solved.
+    probe = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
+        ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
+        if cfg.target_accuracy else None
+
+    before = {}
+    if cfg.eval_before and meta['micro_step'] == 0:
+      before['eval/accuracy_before_sft'] = evaluator.accuracy(part.policy(state.params))
+      reporting.report_accuracy(ctx, 'sft', 0, before['eval/accuracy_before_sft'], 'before SFT')
+    reached_target = False
+    with stage.StageLoop(ctx, 'sft', ckpt, meta, num_steps=cfg.num_steps, optimizer_every=k,
+                         log_every=cfg.log_every, log_keys=('loss', 'grad_norm'),
+                         eval_every=cfg.eval_every,
+                         max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite) as loop:
+      while not loop.done:
+        batch, consumed = batch_at(meta['data_position'])
+        state, out = learner.step(state, batch, part.frozen)
+        meta['data_position'] += consumed
+        step = loop.micro_step_done(state, out)
+        if step:  # an optimizer step fired
+          loop.log(step, out, {})
+          if loop.eval_due(step):
+            loop.report_eval(step, evaluator.accuracy(part.policy(state.params)))
+          if probe is not None and step % cfg.probe_every == 0:
+            reached_target = _probe_reaches_target(ctx, cfg, probe, step,
+                                                   part.policy(state.params))
+            if reached_target:
+              break  # finish() below writes the last checkpoint
+          loop.save_if_due(step, state)
+        if loop.stop_requested(state):
+          break
+
+    summary = {**before, 'eval/accuracy_after_sft': stage.evaluate_or_save(
+                   ctx, ckpt, state, meta, lambda st: evaluator.accuracy(part.policy(st.params))),
+               'sft/optimizer_steps': meta['micro_step'] // k,
+               'sft/stopped_at_target': reached_target}
+    reporting.report_accuracy(ctx, 'sft', summary['sft/optimizer_steps'],
+                              summary['eval/accuracy_after_sft'], 'after SFT')
+    stage.finish(ckpt, state, meta, summary)
+    return part.policy(state.params), summary
 
 
 def _probe_reaches_target(ctx, cfg: SFTConfig, probe, step: int, params) -> bool:

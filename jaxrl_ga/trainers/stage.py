@@ -1,6 +1,8 @@
-"""A stage's life around its own training loop: restore or start, the bookkeeping of each
-micro-step (``StageLoop``: logging, periodic evaluation, checkpoints, non-finite windows, a clean
-stop on SIGTERM), the final evaluation and the finished checkpoint.
+"""What a stage is to the run (``Stage``: its config, checks, programs and ``run``; the
+registered ones: ``trainers/registry.py``) and a stage's life around its own training loop:
+restore or start, the bookkeeping of each micro-step (``StageLoop``: logging, periodic
+evaluation, checkpoints, non-finite windows, a clean stop on SIGTERM), the final evaluation and
+the finished checkpoint.
 
 Each stage module (``sft``, ``grpo``, ``dpo``) writes its loop itself, top to bottom::
 
@@ -22,15 +24,136 @@ Each stage module (``sft``, ``grpo``, ``dpo``) writes its loop itself, top to bo
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import jax
+import numpy as np
 
 from jaxrl_ga import checkpoint
+from jaxrl_ga import placement
+from jaxrl_ga import schedule
 from jaxrl_ga.config import RunConfig
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.trainers import reporting
+
+
+# -- what a stage is to the run -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """The prompts measured before any stage runs (api.validate_lengths), for a stage's own
+  lengths (``Stage.choose_lengths``, ``Stage.length_limits``)."""
+  source: str  # what they came from: 'data.train/data.eval' or "task 'arith'"
+  train: list  # the training examples measured (none where the stage's data checks its own)
+  prompt_eval: int  # tokens of the longest held-out prompt
+  prompt_longest: int  # tokens of the longest prompt measured, training and held-out
+
+
+class Stage:
+  """A stage of a run (``stages=sft,grpo``), registered by its ``name`` (trainers/registry.py):
+  api.py validates, sizes and runs every stage through these methods and names none. A stage
+  trains the policy it is given and hands its result to the next (docs/design.md, "Stages").
+
+  The defaults are those of a stage that trains on fixed micro-batches (SFT, DPO): K is
+  ``grad_accum_steps`` and the micro-batch splits over the data-parallel shards.
+  """
+
+  name: str = ''  # the stage's name in ``stages`` and its config's field of RunConfig
+  config_type: type = type(None)  # that field's type (SFTConfig, GRPOConfig, DPOConfig)
+  # Whether api.build_context prints each length chosen from the data (GRPO's first rollout
+  # reports its prompt width itself).
+  announces_chosen_lengths: bool = True
+
+  def config(self, cfg: RunConfig):
+    """The stage's config (``cfg.<name>``)."""
+    return getattr(cfg, self.name)
+
+  def validate(self, cfg: RunConfig, dp: int) -> None:
+    """ConfigError for a setting of the stage that cannot run on ``dp`` data-parallel shards,
+    or that contradicts another, before anything is built (api.validate_against_mesh)."""
+    schedule.check_micro_batch(self.config(cfg).micro_batch_size, dp,
+                               name=f'{self.name}.micro_batch_size')
+
+  def optimizer_every(self, stage_cfg) -> int:
+    """K of the stage: micro-steps per optimizer step."""
+    return stage_cfg.grad_accum_steps
+
+  def owned_positions(self, cfg: RunConfig, mesh) -> Optional[Callable[[int], bool]]:
+    """Whether this process trains on the training row at a data position (the rows
+    data.build_task checks on this process); None: the stage has no rule of its own."""
+    return None
+
+  def choose_lengths(self, cfg: RunConfig, task, tokenizer, model_cfg, measured: Measured
+                     ) -> tuple[RunConfig, dict[str, int]]:
+    """The stage's own lengths left at 0 (prompt widths aside: api._choose_lengths), chosen
+    from the data. -> (cfg with them, {setting: the longest sequence it holds})."""
+    return cfg, {}
+
+  def length_limits(self, cfg: RunConfig, task, tokenizer, measured: Measured
+                    ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int]]]:
+    """The stage's own lengths (prompt widths aside) against the data and the model. ->
+    ([(setting, value, tokens the data needs)], [(what, positions a sequence can take)])."""
+    return [], []
+
+  def check_inputs(self, cfg: RunConfig, task, model_cfg) -> None:
+    """ConfigError for a refused input of the stage (a reward function, a reference model),
+    before anything compiles."""
+
+  def programs(self, ctx, stage_cfg, **inputs):
+    """The stage's compiled programs (``jaxrl_ga.programs``), fitted to the device's memory."""
+    raise NotImplementedError
+
+  def run(self, ctx, params) -> tuple[Any, dict[str, Any]]:
+    """Trains (or resumes) the stage from ``params`` with ``ctx.cfg``. -> (params, summary)."""
+    raise NotImplementedError
+
+
+# The stream of training examples (seed + this) that the checks before any stage read
+# (api.validate_lengths, the reward functions' dry call).
+LENGTH_CHECK_STREAM = 7907
+
+
+# A length chosen from the data (a setting of 0) is rounded up to a multiple of this: nothing in
+# the mesh constrains it (no axis shards the sequence; the splash kernel pads to its own block),
+# and a few widths only keep the compiled shapes stable when a dataset grows a little.
+PROMPT_WIDTH_MULTIPLE = 8
+
+
+def rounded_up(needed: int, room: int) -> int:
+  """``needed`` tokens rounded up to PROMPT_WIDTH_MULTIPLE, but not past ``room`` (the model's
+  positions left) when ``needed`` itself still fits; past it the position check names both."""
+  step = PROMPT_WIDTH_MULTIPLE
+  return min(max(step, -(-needed // step) * step), max(needed, room))
+
+
+def check_rollout_chunk(stage: str, sampling_cfg, n: int, what: str) -> None:
+  """``<stage>.sampling.rollout_micro_batch_size`` divides the ``n`` rows generated at once
+  (``what`` says which)."""
+  size = sampling_cfg.rollout_micro_batch_size
+  if 0 < size < n and n % size:
+    divisors = [d for d in range(1, n) if n % d == 0]
+    near = ([d for d in divisors if d < size][-1:] + [d for d in divisors if d > size][:1])
+    raise ConfigError(
+        f'{stage}.sampling.rollout_micro_batch_size={size} must divide the {n} rows generated '
+        f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
+
+
+def on_every_process(what: str, fn):
+  """``fn()``, whose ConfigError on any process stops every process (the process that found it
+  raises its own line; the others name the processes) instead of leaving them waiting at the
+  first collective. -> what fn returns."""
+  error = out = None
+  try:
+    out = fn()
+  except ConfigError as e:
+    error = e
+  failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
+  if error is not None:
+    raise error
+  if failed:
+    raise ConfigError(f'{what} on process(es) {failed} (their error names it); fix it there.')
+  return out
 
 
 class NonFiniteError(RuntimeError):
@@ -77,8 +200,9 @@ def trains_on(stage: str, meta: dict[str, Any], num_steps: int, k: int) -> bool:
   return True
 
 
-def check_resume(ctx) -> None:
-  """Before any stage runs or compiles: every stage checkpoint of the workdir fits this run.
+def check_resume(ctx, stages: Sequence[Stage]) -> None:
+  """Before any stage runs or compiles: every stage checkpoint of the workdir fits this run
+  (``stages``: the run's, in order).
 
   Raises ConfigError (one line naming each changed setting, old and new value) if a checkpoint
   was written with settings that change what its state means, if an unfinished stage has
@@ -103,7 +227,7 @@ def check_resume(ctx) -> None:
   for i, stage in enumerate(cfg.stages):
     if stage not in records:
       continue
-    meta, k = records[stage], optimizer_every(cfg, stage)
+    meta, k = records[stage], stages[i].optimizer_every(stages[i].config(cfg))
     steps, num_steps = meta['micro_step'] // k, getattr(cfg, stage).num_steps
     if not meta['done'] and meta['micro_step'] > num_steps * k:
       raise ConfigError(
@@ -117,13 +241,6 @@ def check_resume(ctx) -> None:
           f'{stage}.num_steps={num_steps}, but {stage} finished at step {steps} and {later[0]} '
           f'has already trained from that result; set {stage}.num_steps back to {steps}, or '
           f'use a fresh --workdir to train a longer {stage}.')
-
-
-def optimizer_every(cfg: RunConfig, stage: str) -> int:
-  """K of a stage: micro-steps per optimizer step."""
-  if stage == 'grpo':
-    return cfg.grpo.schedule.optimizer_every
-  return getattr(cfg, stage).grad_accum_steps
 
 
 # -- the loop's bookkeeping ---------------------------------------------------------------------

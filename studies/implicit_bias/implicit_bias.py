@@ -15,8 +15,9 @@ falls during training, falls more slowly under sequential updates than under acc
 
 On the arithmetic task of configs/grpo_arith.py, per seed:
 
-  * one SFT warm start (``trainers.sft.run_sft``, the config's stop at a target probe accuracy),
-    whose params start both GRPO arms (each arm has its own workdir and checkpointer);
+  * one SFT warm start (``trainers.sft.SFTStage.run``, the config's stop at a target probe
+    accuracy), whose params start both GRPO arms (each arm has its own workdir and
+    checkpointer);
   * arm ``accumulate``: update_mode='accumulate', K micro-batches per optimizer step;
   * arm ``sequential``: update_mode='sequential' (one optimizer step per micro-batch) with
     order_by_advantage_sign=True (each rollout sorted: positive advantages first, negative last)
@@ -43,9 +44,9 @@ checks they agree. In the sequential arm the learner's diagnostic is per optimiz
 sign-sorted micro-batch, which usually holds one sign only (cosine of a zero vector, logged as 0):
 it is recorded as it comes, but only the per-rollout measure compares the arms.
 
-The one hook: GRPOTrainer's public ``on_rollout`` callback reads each fresh rollout (its
+The one hook: GRPOLoop's public ``on_rollout`` callback reads each fresh rollout (its
 micro-batches, advantages, rewards) and the learner's params and optimizer-step counter. Everything
-else is the library's public path (api.build_context, run_sft, GRPOTrainer.run, metrics.jsonl).
+else is the library's public path (api.build_context, SFTStage.run, GRPOLoop.run, metrics.jsonl).
 
 Outputs: a table on stdout, --out (JSON: every per-rollout, per-step and eval series, statistics,
 machine, load average) and --plot (PNG). Runs go under --runs_dir (default: a fresh temp dir).
@@ -159,11 +160,11 @@ def make_alignment_probe(graphdef, task_loss):
 
 
 def _recording_trainer(grpo_lib):
-  """GRPOTrainer that records every rollout through its public ``on_rollout`` hook: its sample
+  """GRPOLoop that records every rollout through its public ``on_rollout`` hook: its sample
   position, the learner's optimizer-step counter, rewards, the advantage signs per micro-batch,
   and the per-rollout alignment."""
 
-  class RecordingTrainer(grpo_lib.GRPOTrainer):
+  class RecordingTrainer(grpo_lib.GRPOLoop):
 
     def __init__(self, ctx, cfg, probe, console, label: str):
       super().__init__(ctx, cfg, on_rollout=self._record)
@@ -251,7 +252,7 @@ def run_seed(study: Study, seed: int, runs_dir: str, console) -> dict:
     ctx, params = api.build_context(sft_cfg, sft_dir)
     sft_summary = {'sft/optimizer_steps': 0, 'eval/accuracy_after_sft': math.nan}
     if study.warm_start:
-      params, sft_summary = sft_lib.run_sft(ctx, sft_cfg.sft, params)
+      params, sft_summary = sft_lib.SFTStage().run(ctx, params)
     ctx.writer.close()
   warm_start = jax.device_get(params)  # each arm gets its own device copy (steps donate)
   del params
