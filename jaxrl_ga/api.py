@@ -59,14 +59,25 @@ def load_run_config(config_dict):
   return from_mapping(RunConfig, config_dict.to_dict())
 
 
-def validate_against_mesh(cfg, mesh) -> None:
+def validate_against_mesh(cfg, mesh, rollout_mesh=None) -> None:
   """Checks that need the devices (batch sizes vs data parallelism; model.attention's
   implementation: a TPU for the splash kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context
-  resolves it again with the model's own architecture), before compiling."""
+  resolves it again with the model's own architecture), before compiling. ``rollout_mesh``: the
+  rollout role's (sharding.role_meshes; default: ``mesh``), which GRPO's batches must divide too."""
   programs.resolve_attention(cfg, cfg.model, mesh.devices.flat[0])
   dp = sharding.data_parallel_size(mesh)
   if 'grpo' in cfg.stages:
     schedule.validate(cfg.grpo.schedule, dp)
+    if rollout_mesh is not None and rollout_mesh is not mesh:
+      if jax.process_count() > 1:
+        raise ConfigError(f'mesh.rollout.devices={cfg.mesh.rollout.devices!r}: a rollout on '
+                          "devices of its own runs on one process only; leave it unset (the "
+                          f"actor's mesh) on {jax.process_count()} processes.")
+      programs.resolve_attention(cfg, cfg.model, rollout_mesh.devices.flat[0])
+      try:
+        schedule.validate(cfg.grpo.schedule, sharding.data_parallel_size(rollout_mesh))
+      except ConfigError as e:
+        raise ConfigError(f'mesh.rollout (devices={cfg.mesh.rollout.devices!r}): {e}') from None
   for stage in ('sft', 'dpo'):
     if stage in cfg.stages:
       schedule.check_micro_batch(getattr(cfg, stage).micro_batch_size, dp,
@@ -305,8 +316,9 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``reward_funcs`` (callables, (callable, weight) pairs or import strings) override
   ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``);
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
-  mesh = sharding.make_mesh(cfg.mesh)
-  validate_against_mesh(cfg, mesh)
+  meshes = sharding.role_meshes(cfg.mesh)
+  mesh = meshes['actor']
+  validate_against_mesh(cfg, mesh, meshes['rollout'])
   task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
@@ -360,11 +372,14 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     task.encode(tokenizer, cfg.dpo)
     preference.load_cache(workdir, task)  # refused before anything compiles
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+  shardings_on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
-                          param_shardings=sharding.param_shardings(shapes, axes, mesh),
+                          param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
-                          widths_from_data=chosen_widths)
+                          widths_from_data=chosen_widths, own_meshes={
+                              role: context.Role(role, m, shardings_on[id(m)])
+                              for role, m in meshes.items() if m is not mesh})
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   if attention_line and jax.process_index() == 0:  # after the checks: bad input is one line
     print(f'[{cfg.stages[0]}] {attention_line}', flush=True)

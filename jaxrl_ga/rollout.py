@@ -15,6 +15,12 @@ difference over completion tokens).
 The buffer's arrays are laid out ``[S, B, ...]`` with B sharded over the data-parallel axes, so
 ``micro_batch(buffer, j, advantages)`` hands the learner slice j without moving rows between
 devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completions of prompt g.
+
+Roles (docs/design.md, "Roles"): the rollout step runs on the rollout role's mesh
+(``rollout_mesh``; default: the actor's), its params synced there (``sharding.sync_weights``);
+its buffer is written on that mesh and moved to the actor's (``sharding.reshard``: nothing moves
+when they share a mesh), where the reorder step and the learner consume it. The buffer carries
+the policy version that generated it (``policy_version``: the optimizer steps its params had).
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ class RolloutBuffer:
   old_logps: jax.Array  # [S, B, Tc]; meaningful where has_old
   has_old: jax.Array  # [S, B] bool: the slice is consumed off-policy at some iteration
   ref_logps: Optional[jax.Array]  # [S, B, Tc] when beta > 0
+  # [] int32 on the actor's mesh: the optimizer steps of the params that generated the rollout
+  # (``rollout_rows``' policy_version). Set on the host: the jitted steps see None.
+  policy_version: Optional[jax.Array] = None
 
 
 class RolloutEngine:
@@ -68,8 +77,12 @@ class RolloutEngine:
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False,
-               options: tfm.ForwardOptions = tfm.ForwardOptions()):
+               options: tfm.ForwardOptions = tfm.ForwardOptions(),
+               rollout_mesh=None, rollout_shardings=None):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
+    ``mesh``, ``param_shardings``: the actor's (the reorder step, the learner's micro-batches);
+    ``rollout_mesh``, ``rollout_shardings``: the rollout role's, where the rollout step runs
+    (default: the actor's), its params and ``ref_params`` on ``rollout_shardings``.
     ``options``: the run's forward (``learner_options`` is the learner's; the forward-only old-
     and reference-log-prob passes run it without remat). Its ``share_prompts`` is R from
     ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
@@ -87,6 +100,8 @@ class RolloutEngine:
     self.ref_is_base = self.use_ref and bool(lora.split(param_shardings)[0])
     self.table = table
     self.mesh = mesh
+    self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
+    rollout_shardings = param_shardings if rollout_shardings is None else rollout_shardings
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
     self.options = options
@@ -109,22 +124,27 @@ class RolloutEngine:
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
         sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention,
-        fuse_weights=mesh.devices.flat[0].platform != 'cpu')
+        fuse_weights=self.rollout_mesh.devices.flat[0].platform != 'cpu')
     rep = sharding.replicated(mesh)
-    slab = lambda nd: row_sharding(mesh, nd)
-    self._buffer_shardings = RolloutBuffer(
-        prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
-        completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
-        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
+    # The buffer's and the state's shardings on the actor's mesh, and on the rollout's (equal to
+    # them when the roles share a mesh).
+    self._buffer_shardings = self._buffers_on(mesh)
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
+    self._rollout_buffer_shardings = self._buffers_on(self.rollout_mesh)
+    rollout_rep = sharding.replicated(self.rollout_mesh)
+    self._rollout_state_shardings = RolloutState(counter=rollout_rep, forward_passes=rollout_rep,
+                                                 rng=rollout_rep)
+    self._rollout_param_shardings = rollout_shardings
     self._step = jax.jit(
-        sharding.with_activation_sharding(self._rollout, mesh),
-        in_shardings=(param_shardings,
-                      param_shardings if self.use_ref and not self.ref_is_base else None,
-                      self._state_shardings, self._buffer_shardings.prompt_tokens,
-                      self._buffer_shardings.prompt_mask),
-        out_shardings=(self._buffer_shardings, self._state_shardings, rep),
-        compiler_options=sampling.compiler_options(mesh.devices.flat))  # GPUs: command buffers
+        sharding.with_activation_sharding(self._rollout, self.rollout_mesh),
+        in_shardings=(rollout_shardings,
+                      rollout_shardings if self.use_ref and not self.ref_is_base else None,
+                      self._rollout_state_shardings, self.prompt_sharding,
+                      self._rollout_buffer_shardings.prompt_mask),
+        out_shardings=(self._rollout_buffer_shardings, self._rollout_state_shardings,
+                       rollout_rep),
+        compiler_options=sampling.compiler_options(  # GPUs: command buffers
+            self.rollout_mesh.devices.flat))
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)
@@ -140,23 +160,44 @@ class RolloutEngine:
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
 
+  def _buffers_on(self, mesh) -> RolloutBuffer:
+    """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the jitted steps
+    take it (policy_version None)."""
+    slab = lambda nd: row_sharding(mesh, nd)
+    return RolloutBuffer(
+        prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
+        completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
+        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
+
   def init_state(self, seed: int) -> RolloutState:
     # Built by a jitted function: on several processes each places only its own shards.
     return jax.jit(lambda: _initial_state(seed), out_shardings=self._state_shardings)()
 
-  def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
+  def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
+              policy_version: int = 0):
     """prompts: [S*B/G, Tp] left-padded host arrays, the same on every process.
-    -> (buffer, state, metrics)."""
+    -> (buffer, state, metrics), as ``rollout_rows``."""
     g = self.sched.num_generations
     slab = lambda x: placement.put(np.repeat(np.asarray(x), g, axis=0).reshape(
-        *self.prompt_index.shape, -1), self._buffer_shardings.prompt_tokens)
-    return self._step(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask))
+        *self.prompt_index.shape, -1), self.prompt_sharding)
+    return self.rollout_rows(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask),
+                             policy_version)
 
-  def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
-    """As ``rollout`` with the prompts already laid out per row: [S, B, Tp] global arrays on
-    ``buffer_shardings.prompt_tokens``, row (j, i) holding prompt ``prompt_index[j, i]``. Each
-    process builds only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``)."""
-    return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
+  def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
+                   policy_version: int = 0):
+    """One rollout by the rollout role's ``params`` (and ``ref_params``; both on its shardings:
+    ``sharding.sync_weights``), the version of the policy they are (its optimizer steps). The
+    prompts are laid out per row: [S, B, Tp] global arrays on ``prompt_sharding``, row (j, i)
+    holding prompt ``prompt_index[j, i]``; each process builds only its own rows
+    (``placement.local_indices(..., axis=1)``, ``from_local``). ``state``: on the actor's mesh.
+    -> (buffer and state on the actor's mesh, metrics)."""
+    buffer, state, metrics = self._step(
+        params, ref_params, sharding.reshard(state, self._rollout_state_shardings),
+        prompt_tokens, prompt_mask)
+    version = placement.put(np.asarray(policy_version, np.int32),
+                            sharding.replicated(self.mesh))
+    return (sharding.reshard(buffer, self._buffer_shardings).replace(policy_version=version),
+            sharding.reshard(state, self._state_shardings), metrics)
 
   @property
   def prompt_index(self) -> np.ndarray:
@@ -177,12 +218,21 @@ class RolloutEngine:
     if not self.defer_old_logps:
       raise ValueError('reorder() needs an engine built with defer_old_logps=True, so that old '
                        'log-probs follow the rows into their final slices.')
-    return self._reorder_fn(params, buffer, state, advantages, order)
+    version = buffer.policy_version
+    buffer, state, advantages = self._reorder_fn(
+        params, buffer.replace(policy_version=None), state, advantages, order)
+    return buffer.replace(policy_version=version), state, advantages
 
   @property
   def buffer_shardings(self) -> RolloutBuffer:
-    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes)."""
+    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes) on the
+    actor's mesh, as the jitted steps take it (policy_version None)."""
     return self._buffer_shardings
+
+  @property
+  def prompt_sharding(self):
+    """The sharding of the [S, B, Tp] prompt rows ``rollout_rows`` takes (the rollout's mesh)."""
+    return self._rollout_buffer_shardings.prompt_tokens
 
   @property
   def advantage_sharding(self):
@@ -192,7 +242,8 @@ class RolloutEngine:
   @property
   def step_fn(self):
     """The jitted rollout step, (params, ref_params, state, prompt_tokens, prompt_mask) ->
-    (buffer, state, metrics), for AOT lowering (``jaxrl_ga.plan``) and compile counting."""
+    (buffer, state, metrics), all on the rollout's mesh, for AOT lowering (``jaxrl_ga.plan``,
+    its arguments: ``abstract_step_args``) and compile counting."""
     return self._step
 
   @property
@@ -203,20 +254,28 @@ class RolloutEngine:
 
   # -- abstract shapes (ShapeDtypeStructs with their shardings; nothing is computed) ------------
   def abstract_state(self) -> RolloutState:
+    """The rollout state on the actor's mesh (what a checkpoint and ``reorder_fn`` hold)."""
     return _with_shardings(jax.eval_shape(lambda: _initial_state(0)), self._state_shardings)
 
   def abstract_prompts(self) -> jax.ShapeDtypeStruct:
     """The [S, B, Tp] prompt rows that ``rollout_rows`` and ``step_fn`` take."""
     s, b = self.prompt_index.shape
     return jax.ShapeDtypeStruct((s, b, self.sampling_cfg.max_prompt_length), jnp.int32,
-                                sharding=self._buffer_shardings.prompt_tokens)
+                                sharding=self.prompt_sharding)
+
+  def abstract_step_args(self, params, ref_params=None) -> tuple:
+    """``step_fn``'s arguments (params, ref_params, state, prompt_tokens, prompt_mask) on the
+    rollout's mesh, from the actor's ``params`` (and ``ref_params``; ShapeDtypeStructs)."""
+    on_rollout = lambda tree: None if tree is None else _with_shardings(
+        tree, self._rollout_param_shardings)
+    prompts = self.abstract_prompts()
+    state = _with_shardings(self.abstract_state(), self._rollout_state_shardings)
+    return on_rollout(params), on_rollout(ref_params), state, prompts, prompts
 
   def abstract_buffer(self, params, ref_params=None) -> RolloutBuffer:
     """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
     ShapeDtypeStructs."""
-    prompts = self.abstract_prompts()
-    buffer, _, _ = jax.eval_shape(self._rollout, params, ref_params, self.abstract_state(),
-                                  prompts, prompts)
+    buffer, _, _ = jax.eval_shape(self._rollout, *self.abstract_step_args(params, ref_params))
     return _with_shardings(buffer, self._buffer_shardings)
 
   def abstract_advantages(self) -> jax.ShapeDtypeStruct:
@@ -237,8 +296,9 @@ class RolloutEngine:
     """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded).
     ``width``: its completion arrays cut to their first ``width`` positions (``slice_widths``;
     default: all max_completion_length of them)."""
-    return self._slice(buffer, jnp.asarray(slice_index, jnp.int32), advantages,
-                       width=self.sampling_cfg.max_completion_length if width is None else width)
+    width = self.sampling_cfg.max_completion_length if width is None else width
+    return self._slice(buffer.replace(policy_version=None), jnp.asarray(slice_index, jnp.int32),
+                       advantages, width=width)
 
   def slice_widths(self, buffer: RolloutBuffer, widths: tuple[int, ...]) -> np.ndarray:
     """[S]: for each slice of ``buffer``, the shortest of ``widths`` (ascending, the last
@@ -280,7 +340,8 @@ class RolloutEngine:
     def gen_prompts(x):  # [S, B, Tp] prompts per row -> [B/R*S, Tp] in generation order
       x = jnp.swapaxes(x.reshape(s, b // r, r, *x.shape[2:])[:, :, 0], 0, 1)
       x = x.reshape(b // r * s, *x.shape[2:])
-      return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.mesh, x.ndim))
+      return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.rollout_mesh,
+                                                                         x.ndim))
 
     # [B/R*S*R, ...] in generation order -> [S, B, ...]
     slab = lambda x: jnp.swapaxes(x.reshape(b // r, s, r, *x.shape[1:]), 0, 1).reshape(
