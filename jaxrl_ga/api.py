@@ -59,25 +59,34 @@ def load_run_config(config_dict):
   return from_mapping(RunConfig, config_dict.to_dict())
 
 
-def validate_against_mesh(cfg, mesh, rollout_mesh=None) -> None:
+def validate_against_mesh(cfg, mesh, meshes=None) -> None:
   """Checks that need the devices (batch sizes vs data parallelism; model.attention's
   implementation: a TPU for the splash kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context
-  resolves it again with the model's own architecture), before compiling. ``rollout_mesh``: the
-  rollout role's (sharding.role_meshes; default: ``mesh``), which GRPO's batches must divide too."""
+  resolves it again with the model's own architecture), before compiling. ``meshes``: every
+  role's (sharding.role_meshes; default: all ``mesh``), whose data parallelism GRPO's batches
+  must divide too."""
   programs.resolve_attention(cfg, cfg.model, mesh.devices.flat[0])
   dp = sharding.data_parallel_size(mesh)
   if 'grpo' in cfg.stages:
     schedule.validate(cfg.grpo.schedule, dp)
-    if rollout_mesh is not None and rollout_mesh is not mesh:
+    for role in ('rollout', 'reference'):
+      devices = getattr(cfg.mesh, role).devices
+      if not devices or role not in (meshes or {}):
+        continue
       if jax.process_count() > 1:
-        raise ConfigError(f'mesh.rollout.devices={cfg.mesh.rollout.devices!r}: a rollout on '
-                          "devices of its own runs on one process only; leave it unset (the "
-                          f"actor's mesh) on {jax.process_count()} processes.")
-      programs.resolve_attention(cfg, cfg.model, rollout_mesh.devices.flat[0])
+        raise ConfigError(f'mesh.{role}.devices={devices!r}: a role on devices of its own runs '
+                          f'on one process only; leave it unset on {jax.process_count()} '
+                          'processes.')
+      if role == 'reference' and cfg.model.lora.rank and cfg.grpo.loss.beta > 0:
+        raise ConfigError(f'mesh.reference.devices={devices!r} with model.lora.rank='
+                          f'{cfg.model.lora.rank}: the reference is the policy\'s own base '
+                          'weights (adapters off), computed where the rollout runs; leave '
+                          'mesh.reference unset.')
+      programs.resolve_attention(cfg, cfg.model, meshes[role].devices.flat[0])
       try:
-        schedule.validate(cfg.grpo.schedule, sharding.data_parallel_size(rollout_mesh))
+        schedule.validate(cfg.grpo.schedule, sharding.data_parallel_size(meshes[role]))
       except ConfigError as e:
-        raise ConfigError(f'mesh.rollout (devices={cfg.mesh.rollout.devices!r}): {e}') from None
+        raise ConfigError(f'mesh.{role} (devices={devices!r}): {e}') from None
   for stage in ('sft', 'dpo'):
     if stage in cfg.stages:
       schedule.check_micro_batch(getattr(cfg, stage).micro_batch_size, dp,
@@ -318,7 +327,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
   meshes = sharding.role_meshes(cfg.mesh)
   mesh = meshes['actor']
-  validate_against_mesh(cfg, mesh, meshes['rollout'])
+  validate_against_mesh(cfg, mesh, meshes)
   task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
@@ -378,8 +387,9 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths, own_meshes={
-                              role: context.Role(role, m, shardings_on[id(m)])
-                              for role, m in meshes.items() if m is not mesh})
+                              role: context.Role(role, meshes[role], shardings_on[id(meshes[role])])
+                              for role in ('rollout', 'reference')
+                              if getattr(cfg.mesh, role).devices})
   stage_lib.check_resume(ctx)  # before any weight is read or any step compiles
   if attention_line and jax.process_index() == 0:  # after the checks: bad input is one line
     print(f'[{cfg.stages[0]}] {attention_line}', flush=True)

@@ -305,12 +305,13 @@ def _check_mesh_sizes(name: str, data, fsdp, tensor) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RoleMeshConfig:
-  """The mesh of a GRPO run's rollout role (``mesh.rollout``): its own devices and sizes, or
-  (devices '') the actor's mesh.
+  """The mesh of a GRPO run's rollout or reference role (``mesh.rollout``, ``mesh.reference``):
+  its own devices and sizes, or (devices '') its default mesh.
 
   Attributes:
     devices: the role's devices, a slice start:stop of jax.devices() (e.g. '4:8'); '' (default):
-      the actor's mesh (its sizes below must then stay at their defaults).
+      the rollout on the actor's mesh, the reference on the rollout's (its sizes below must then
+      stay at their defaults).
     data: pure data parallelism on the role's devices (one size may be -1: the rest).
     fsdp: data parallelism with params sharded over it, on the role's devices.
     tensor: tensor parallelism on the role's devices.
@@ -327,8 +328,7 @@ class MeshConfig:
 
   A GRPO run has three roles (docs/design.md, "Roles"): the actor (the learner and the old
   log-probs) on this mesh, the rollout (generation) on ``rollout``'s, and the reference (the
-  reference log-probs, computed in the rollout step) on the rollout's; by default all three
-  share this mesh.
+  reference log-probs) on ``reference``'s; by default all three share this mesh.
 
   Attributes:
     data: pure data parallelism (params replicated over it).
@@ -342,6 +342,9 @@ class MeshConfig:
       all of them.
     rollout: the rollout role's mesh (RoleMeshConfig: devices, data, fsdp, tensor); its devices
       '' (default): the actor's mesh.
+    reference: the reference role's mesh (RoleMeshConfig); its devices '' (default): the
+      rollout's, whose step then computes the reference log-probs; else a reference step of its
+      own runs there.
   """
   data: int = -1
   fsdp: int = 1
@@ -349,6 +352,7 @@ class MeshConfig:
   device_memory_gib: float = 0.0
   devices: str = ''
   rollout: RoleMeshConfig = RoleMeshConfig()
+  reference: RoleMeshConfig = RoleMeshConfig()
 
   def __post_init__(self):
     _require(isinstance(self.device_memory_gib, numbers.Real)
@@ -357,16 +361,17 @@ class MeshConfig:
              'device; 0: what the backend reports).')
     _check_mesh_sizes('mesh', self.data, self.fsdp, self.tensor)
     device_slice('mesh.devices', self.devices)
-    r = self.rollout
-    _require(isinstance(r, RoleMeshConfig), 'mesh.rollout must be a section (devices, data, '
-             f'fsdp, tensor), got {r!r}.')
-    _check_mesh_sizes('mesh.rollout', r.data, r.fsdp, r.tensor)
-    if device_slice('mesh.rollout.devices', r.devices) is None:
-      changed = [f'mesh.rollout.{k}={getattr(r, k)}' for k in ('data', 'fsdp', 'tensor')
-                 if getattr(r, k) != getattr(RoleMeshConfig(), k)]
-      _require(not changed, f'{", ".join(changed)} is set but mesh.rollout.devices is not: the '
-               "rollout then uses the actor's mesh; set mesh.rollout.devices (e.g. '4:8') or "
-               'leave the sizes at their defaults.')
+    for role, default in (('rollout', "the actor's"), ('reference', "the rollout's")):
+      r, name = getattr(self, role), f'mesh.{role}'
+      _require(isinstance(r, RoleMeshConfig), f'{name} must be a section (devices, data, '
+               f'fsdp, tensor), got {r!r}.')
+      _check_mesh_sizes(name, r.data, r.fsdp, r.tensor)
+      if device_slice(f'{name}.devices', r.devices) is None:
+        changed = [f'{name}.{k}={getattr(r, k)}' for k in ('data', 'fsdp', 'tensor')
+                   if getattr(r, k) != getattr(RoleMeshConfig(), k)]
+        _require(not changed, f'{", ".join(changed)} is set but {name}.devices is not: the '
+                 f"{role} then uses {default} mesh; set {name}.devices (e.g. '4:8') or leave "
+                 'the sizes at their defaults.')
 
 
 # A GRPO run's roles, each with its mesh (MeshConfig; sharding.role_meshes): the actor

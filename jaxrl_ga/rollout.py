@@ -19,8 +19,11 @@ devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completi
 Roles (docs/design.md, "Roles"): the rollout step runs on the rollout role's mesh
 (``rollout_mesh``; default: the actor's), its params synced there (``sharding.sync_weights``);
 its buffer is written on that mesh and moved to the actor's (``sharding.reshard``: nothing moves
-when they share a mesh), where the reorder step and the learner consume it. The buffer carries
-the policy version that generated it (``policy_version``: the optimizer steps its params had).
+when they share a mesh), where the reorder step and the learner consume it. The reference
+log-probs are computed by the rollout step, or, with a reference mesh of its own
+(``reference_mesh``), by a reference step there (``reference_fn``) from the rollout's rows. The
+buffer carries the policy version that generated it (``policy_version``: the optimizer steps its
+params had).
 """
 
 from __future__ import annotations
@@ -78,11 +81,14 @@ class RolloutEngine:
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False,
                options: tfm.ForwardOptions = tfm.ForwardOptions(),
-               rollout_mesh=None, rollout_shardings=None):
+               rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
+               reference_shardings=None):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
     ``mesh``, ``param_shardings``: the actor's (the reorder step, the learner's micro-batches);
     ``rollout_mesh``, ``rollout_shardings``: the rollout role's, where the rollout step runs
-    (default: the actor's), its params and ``ref_params`` on ``rollout_shardings``.
+    (default: the actor's), its params on ``rollout_shardings``; ``reference_mesh``,
+    ``reference_shardings``: the reference role's (default: the rollout's, whose step then
+    computes the reference log-probs), ``ref_params`` on ``reference_shardings``.
     ``options``: the run's forward (``learner_options`` is the learner's; the forward-only old-
     and reference-log-prob passes run it without remat). Its ``share_prompts`` is R from
     ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
@@ -102,6 +108,13 @@ class RolloutEngine:
     self.mesh = mesh
     self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
     rollout_shardings = param_shardings if rollout_shardings is None else rollout_shardings
+    # The reference log-probs in the rollout step (default), or in a step of their own on the
+    # reference's mesh (not with LoRA, whose reference is the rollout's own base weights).
+    self.reference_mesh = self.rollout_mesh if reference_mesh is None else reference_mesh
+    self.ref_in_step = self.use_ref and self.reference_mesh is self.rollout_mesh
+    if self.use_ref and not self.ref_in_step and self.ref_is_base:
+      raise ValueError('with LoRA the reference is the base weights of the rollout\'s params: '
+                       'no reference_mesh of its own.')
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
     self.options = options
@@ -128,9 +141,9 @@ class RolloutEngine:
     rep = sharding.replicated(mesh)
     # The buffer's and the state's shardings on the actor's mesh, and on the rollout's (equal to
     # them when the roles share a mesh).
-    self._buffer_shardings = self._buffers_on(mesh)
+    self._buffer_shardings = self._buffers_on(mesh, self.use_ref)
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
-    self._rollout_buffer_shardings = self._buffers_on(self.rollout_mesh)
+    self._rollout_buffer_shardings = self._buffers_on(self.rollout_mesh, self.ref_in_step)
     rollout_rep = sharding.replicated(self.rollout_mesh)
     self._rollout_state_shardings = RolloutState(counter=rollout_rep, forward_passes=rollout_rep,
                                                  rng=rollout_rep)
@@ -138,13 +151,20 @@ class RolloutEngine:
     self._step = jax.jit(
         sharding.with_activation_sharding(self._rollout, self.rollout_mesh),
         in_shardings=(rollout_shardings,
-                      rollout_shardings if self.use_ref and not self.ref_is_base else None,
+                      rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
                       self._rollout_state_shardings, self.prompt_sharding,
                       self._rollout_buffer_shardings.prompt_mask),
         out_shardings=(self._rollout_buffer_shardings, self._rollout_state_shardings,
                        rollout_rep),
         compiler_options=sampling.compiler_options(  # GPUs: command buffers
             self.rollout_mesh.devices.flat))
+    self._ref_shardings = reference_shardings  # with the reference step below
+    self._ref_step = None
+    if self.use_ref and not self.ref_in_step:
+      ref_rows = row_sharding(self.reference_mesh, 3)
+      self._ref_step = jax.jit(
+          sharding.with_activation_sharding(self._reference, self.reference_mesh),
+          in_shardings=(reference_shardings, *[ref_rows] * 4), out_shardings=ref_rows)
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)
@@ -160,14 +180,14 @@ class RolloutEngine:
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
 
-  def _buffers_on(self, mesh) -> RolloutBuffer:
+  def _buffers_on(self, mesh, with_ref: bool) -> RolloutBuffer:
     """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the jitted steps
-    take it (policy_version None)."""
+    take it (policy_version None); ``with_ref``: it holds reference log-probs."""
     slab = lambda nd: row_sharding(mesh, nd)
     return RolloutBuffer(
         prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
         completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
-        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
+        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if with_ref else None)
 
   def init_state(self, seed: int) -> RolloutState:
     # Built by a jitted function: on several processes each places only its own shards.
@@ -185,15 +205,21 @@ class RolloutEngine:
 
   def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
                    policy_version: int = 0):
-    """One rollout by the rollout role's ``params`` (and ``ref_params``; both on its shardings:
-    ``sharding.sync_weights``), the version of the policy they are (its optimizer steps). The
-    prompts are laid out per row: [S, B, Tp] global arrays on ``prompt_sharding``, row (j, i)
-    holding prompt ``prompt_index[j, i]``; each process builds only its own rows
-    (``placement.local_indices(..., axis=1)``, ``from_local``). ``state``: on the actor's mesh.
-    -> (buffer and state on the actor's mesh, metrics)."""
+    """One rollout by the rollout role's ``params`` (and the reference's ``ref_params``, each on
+    its role's shardings: ``sharding.sync_weights``), the version of the policy they are (its
+    optimizer steps). The prompts are laid out per row: [S, B, Tp] global arrays on
+    ``prompt_sharding``, row (j, i) holding prompt ``prompt_index[j, i]``; each process builds
+    only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``). ``state``: on
+    the actor's mesh. -> (buffer and state on the actor's mesh, metrics)."""
     buffer, state, metrics = self._step(
-        params, ref_params, sharding.reshard(state, self._rollout_state_shardings),
-        prompt_tokens, prompt_mask)
+        params, ref_params if self.ref_in_step else None,
+        sharding.reshard(state, self._rollout_state_shardings), prompt_tokens, prompt_mask)
+    if self._ref_step is not None:  # on the reference's mesh, from the rollout's rows
+      rows = row_sharding(self.reference_mesh, 3)
+      ref = self._ref_step(ref_params, *sharding.reshard(
+          (buffer.prompt_tokens, buffer.prompt_mask, buffer.completion_tokens,
+           buffer.completion_mask), (rows,) * 4))
+      buffer = buffer.replace(ref_logps=sharding.reshard(ref, self._buffer_shardings.ref_logps))
     version = placement.put(np.asarray(policy_version, np.int32),
                             sharding.replicated(self.mesh))
     return (sharding.reshard(buffer, self._buffer_shardings).replace(policy_version=version),
@@ -247,6 +273,23 @@ class RolloutEngine:
     return self._step
 
   @property
+  def reference_fn(self):
+    """The jitted reference step of a reference mesh of its own, (ref_params, prompt_tokens,
+    prompt_mask, completion_tokens, completion_mask) -> reference log-probs [S, B, Tc]; None
+    when the rollout step computes them."""
+    return self._ref_step
+
+  def abstract_reference_args(self, ref_params) -> tuple:
+    """``reference_fn``'s arguments on the reference's mesh, from ``ref_params``
+    (ShapeDtypeStructs)."""
+    rows = row_sharding(self.reference_mesh, 3)
+    prompts = self.abstract_prompts()
+    tc = self.sampling_cfg.max_completion_length
+    comp = jax.ShapeDtypeStruct((*prompts.shape[:2], tc), jnp.int32, sharding=rows)
+    prompts = jax.ShapeDtypeStruct(prompts.shape, prompts.dtype, sharding=rows)
+    return _with_shardings(ref_params, self._ref_shardings), prompts, prompts, comp, comp
+
+  @property
   def reorder_fn(self):
     """The jitted reorder step (``reorder``), (params, buffer, state, advantages, order) ->
     (buffer, state, advantages), for AOT lowering (``jaxrl_ga.plan``)."""
@@ -270,12 +313,16 @@ class RolloutEngine:
         tree, self._rollout_param_shardings)
     prompts = self.abstract_prompts()
     state = _with_shardings(self.abstract_state(), self._rollout_state_shardings)
-    return on_rollout(params), on_rollout(ref_params), state, prompts, prompts
+    return (on_rollout(params), on_rollout(ref_params) if self.ref_in_step else None, state,
+            prompts, prompts)
 
   def abstract_buffer(self, params, ref_params=None) -> RolloutBuffer:
     """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
     ShapeDtypeStructs."""
     buffer, _, _ = jax.eval_shape(self._rollout, *self.abstract_step_args(params, ref_params))
+    if self._ref_step is not None:
+      buffer = buffer.replace(ref_logps=jax.eval_shape(
+          self._reference, *self.abstract_reference_args(ref_params)))
     return _with_shardings(buffer, self._buffer_shardings)
 
   def abstract_advantages(self) -> jax.ShapeDtypeStruct:
@@ -360,10 +407,9 @@ class RolloutEngine:
       old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
 
     ref = None
-    if self.use_ref:
+    if self.ref_in_step:
       ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
-      ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options),
-                        (p_tok, p_mask, c_tok, c_mask))
+      ref = self._ref_logps(ref_model, p_tok, p_mask, c_tok, c_mask)
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
@@ -390,6 +436,14 @@ class RolloutEngine:
     new_state = RolloutState(counter=state.counter + 1, forward_passes=state.forward_passes +
                              passes, rng=state.rng)
     return buffer, new_state, metrics
+
+  def _ref_logps(self, ref_model, *rows):
+    """The reference log-probs [S, B, Tc] of the rows (prompt tokens, mask, completion tokens,
+    mask: [S, B, ...]), one slice at a time."""
+    return jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options), rows)
+
+  def _reference(self, ref_params, *rows):
+    return self._ref_logps(tfm.merge(self.graphdef, ref_params), *rows)
 
   def _logps_of(self, model, xs, options: tfm.ForwardOptions):
     return logprobs.completion_logps(model, *xs, options,

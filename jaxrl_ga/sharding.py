@@ -74,8 +74,9 @@ def role_meshes(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
   """{role: its mesh} for ``config.ROLES`` (docs/design.md, "Roles"): the actor's over
   ``mesh.devices`` of ``devices`` (default: jax.devices()) with mesh.data/fsdp/tensor; the
   rollout's over ``mesh.rollout.devices`` with its own sizes, or the actor's very mesh (the same
-  object) when those are unset; the reference's is the rollout's (the rollout step computes the
-  reference log-probs). A slice past the devices is a ConfigError naming the setting."""
+  object) when those are unset; the reference's over ``mesh.reference.devices``, or the
+  rollout's very mesh (whose step then computes the reference log-probs). A slice past the
+  devices is a ConfigError naming the setting."""
   devices = list(jax.devices() if devices is None else devices)
 
   def mesh_of(name, role_cfg):
@@ -89,7 +90,7 @@ def role_meshes(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
 
   actor = mesh_of('mesh', cfg) or make_mesh(cfg, devices)
   rollout = mesh_of('mesh.rollout', cfg.rollout) or actor
-  return dict(zip(ROLES, (actor, rollout, rollout)))
+  return dict(zip(ROLES, (actor, rollout, mesh_of('mesh.reference', cfg.reference) or rollout)))
 
 
 def reshard(tree: Any, shardings: Any) -> Any:

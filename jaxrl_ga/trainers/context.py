@@ -49,9 +49,9 @@ class RunContext:
   # {setting: the data's longest prompt, in tokens} of each width chosen from the data (a
   # ``max_prompt_length`` of 0, api.validate_lengths); ``cfg`` holds the width chosen.
   widths_from_data: dict[str, int] = dataclasses.field(default_factory=dict)
-  # The roles on a mesh of their own (mesh.rollout; sharding.role_meshes): name -> Role. The
-  # rollout's is by default the actor's (``mesh``, ``param_shardings``), the reference's the
-  # rollout's (the rollout step computes the reference log-probs).
+  # The roles given devices of their own (mesh.rollout, mesh.reference; sharding.role_meshes):
+  # name -> Role. The rollout's is by default the actor's (``mesh``, ``param_shardings``), the
+  # reference's the rollout's (the rollout step then computes the reference log-probs).
   own_meshes: dict[str, Role] = dataclasses.field(default_factory=dict)
 
   @property

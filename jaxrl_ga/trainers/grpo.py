@@ -82,11 +82,12 @@ class GRPOTrainer:
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     # The schedule is validated against the mesh by main.validate_against_mesh. Every step is
     # compiled here and checked against the device's memory (jaxrl_ga.fit), 'auto' knobs chosen.
-    rollout_role = ctx.roles['rollout']
+    rollout, reference = ctx.roles['rollout'], ctx.roles['reference']
     programs = programs_lib.fitted_grpo_programs(
         ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
         pad_id=ctx.pad_id, grpo=cfg, graphdef=ctx.graphdef, table=table,
-        rollout_mesh=rollout_role.mesh, rollout_shardings=rollout_role.param_shardings)
+        rollout_mesh=rollout.mesh, rollout_shardings=rollout.param_shardings,
+        reference_mesh=reference.mesh, reference_shardings=reference.param_shardings)
     self.table, self.engine, self.learner = programs.table, programs.engine, programs.learner
     self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
@@ -96,7 +97,7 @@ class GRPOTrainer:
                                             cfg.length_buckets)
     self._slice_widths = None
     self._policy_version = None  # of the current rollout's buffer (host int)
-    self._ref_on_rollout = None  # the reference params on the reference role (set by run)
+    self._ref_on_role = None  # the reference params on the reference role (set by run)
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:
@@ -132,7 +133,7 @@ class GRPOTrainer:
     self._policy_version = None  # likewise
     state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
     # The reference never changes during a run: on its role once.
-    self._ref_on_rollout = sharding.sync_weights(state['ref_params'], ctx.roles['reference'])
+    self._ref_on_role = sharding.sync_weights(state['ref_params'], ctx.roles['reference'])
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
@@ -246,7 +247,7 @@ class GRPOTrainer:
     self._policy_version = meta['micro_step'] // self.cfg.schedule.optimizer_every
     buffer, state['rollout'], rollout_metrics = self.engine.rollout_rows(
         sharding.sync_weights(self.policy(state), self.ctx.roles['rollout']),
-        self._ref_on_rollout, state['rollout'], tokens, mask, self._policy_version)
+        self._ref_on_role, state['rollout'], tokens, mask, self._policy_version)
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()
