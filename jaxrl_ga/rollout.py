@@ -69,7 +69,7 @@ class RolloutBuffer:
   has_old: jax.Array  # [S, B] bool: the slice is consumed off-policy at some iteration
   ref_logps: Optional[jax.Array]  # [S, B, Tc] when beta > 0
   # [] int32 on the actor's mesh: the optimizer steps of the params that generated the rollout
-  # (``rollout_rows``' policy_version). Set on the host: the jitted steps see None.
+  # (``rollout_rows``' policy_version); None in the rollout step's own output.
   policy_version: Optional[jax.Array] = None
 
 
@@ -141,7 +141,7 @@ class RolloutEngine:
     rep = sharding.replicated(mesh)
     # The buffer's and the state's shardings on the actor's mesh, and on the rollout's (equal to
     # them when the roles share a mesh).
-    self._buffer_shardings = self._buffers_on(mesh, self.use_ref)
+    self._buffer_shardings = self._buffers_on(mesh, self.use_ref).replace(policy_version=rep)
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
     self._rollout_buffer_shardings = self._buffers_on(self.rollout_mesh, self.ref_in_step)
     rollout_rep = sharding.replicated(self.rollout_mesh)
@@ -181,8 +181,8 @@ class RolloutEngine:
                        self._buffer_shardings.has_old))
 
   def _buffers_on(self, mesh, with_ref: bool) -> RolloutBuffer:
-    """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the jitted steps
-    take it (policy_version None); ``with_ref``: it holds reference log-probs."""
+    """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the rollout step
+    writes it (policy_version None); ``with_ref``: it holds reference log-probs."""
     slab = lambda nd: row_sharding(mesh, nd)
     return RolloutBuffer(
         prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
@@ -220,9 +220,9 @@ class RolloutEngine:
           (buffer.prompt_tokens, buffer.prompt_mask, buffer.completion_tokens,
            buffer.completion_mask), (rows,) * 4))
       buffer = buffer.replace(ref_logps=sharding.reshard(ref, self._buffer_shardings.ref_logps))
-    version = placement.put(np.asarray(policy_version, np.int32),
-                            sharding.replicated(self.mesh))
-    return (sharding.reshard(buffer, self._buffer_shardings).replace(policy_version=version),
+    buffer = buffer.replace(policy_version=placement.put(np.asarray(policy_version, np.int32),
+                                                         self._buffer_shardings.policy_version))
+    return (sharding.reshard(buffer, self._buffer_shardings),
             sharding.reshard(state, self._state_shardings), metrics)
 
   @property
@@ -244,15 +244,12 @@ class RolloutEngine:
     if not self.defer_old_logps:
       raise ValueError('reorder() needs an engine built with defer_old_logps=True, so that old '
                        'log-probs follow the rows into their final slices.')
-    version = buffer.policy_version
-    buffer, state, advantages = self._reorder_fn(
-        params, buffer.replace(policy_version=None), state, advantages, order)
-    return buffer.replace(policy_version=version), state, advantages
+    return self._reorder_fn(params, buffer, state, advantages, order)
 
   @property
   def buffer_shardings(self) -> RolloutBuffer:
-    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes) on the
-    actor's mesh, as the jitted steps take it (policy_version None)."""
+    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes; its policy
+    version replicated) on the actor's mesh."""
     return self._buffer_shardings
 
   @property
@@ -323,6 +320,7 @@ class RolloutEngine:
     if self._ref_step is not None:
       buffer = buffer.replace(ref_logps=jax.eval_shape(
           self._reference, *self.abstract_reference_args(ref_params)))
+    buffer = buffer.replace(policy_version=jax.ShapeDtypeStruct((), jnp.int32))
     return _with_shardings(buffer, self._buffer_shardings)
 
   def abstract_advantages(self) -> jax.ShapeDtypeStruct:
@@ -466,7 +464,8 @@ class RolloutEngine:
   def _reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
     s, b = advantages.shape
     perm = lambda x: x.reshape(s * b, *x.shape[2:])[order].reshape(x.shape)
-    buffer = jax.tree.map(perm, buffer)
+    buffer = jax.tree.map(perm, buffer.replace(policy_version=None)).replace(
+        policy_version=buffer.policy_version)
     marks = jnp.asarray(self.table.slice_recompute)[
         (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
     old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,

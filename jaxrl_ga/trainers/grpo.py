@@ -109,12 +109,9 @@ class GRPOTrainer:
     # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
     zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
     example = self.engine.abstract_micro_batch(params, ref)
-    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.ctx.mesh))
-    buffer = jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)).replace(
-        policy_version=zeros(version))
     return {'learner': self.learner.init(self.part.trained, example, self.part.frozen),
             'rollout': self.engine.init_state(self.ctx.cfg.seed),
-            'buffer': buffer,
+            'buffer': jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)),
             'advantages': zeros(self.engine.abstract_advantages()), 'ref_params': ref}
 
   def run(self, params, stop_at_micro_step: Optional[int] = None
