@@ -54,15 +54,17 @@ def load_run_config(config_dict):
   return from_mapping(RunConfig, config_dict.to_dict())
 
 
-def validate_against_mesh(cfg, mesh) -> None:
+def validate_against_mesh(cfg, mesh, meshes=None) -> None:
   """Checks that need the devices (model.attention's implementation: a TPU for the splash
   kernel, an NVIDIA GPU and bf16 for cuDNN's; build_context resolves it again with the model's
   own architecture) and each stage's (``Stage.validate``: batch sizes vs data parallelism, the
-  rows generated at once), before compiling."""
+  rows generated at once; ``Stage.validate_roles``: the same on every role's mesh,
+  ``meshes``: sharding.role_meshes, default all ``mesh``), before compiling."""
   programs.resolve_attention(cfg, cfg.model, mesh.devices.flat[0])
   dp = sharding.data_parallel_size(mesh)
   for stage in registry.of_run(cfg):
     stage.validate(cfg, dp)
+    stage.validate_roles(cfg, meshes or {})
 
 
 # Rows of your data (data.train) whose prompts validate_lengths measures against an explicit
@@ -204,8 +206,9 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   ``reward_funcs`` (callables, (callable, weight) pairs or import strings) override
   ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``);
   ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
-  mesh = sharding.make_mesh(cfg.mesh)
-  validate_against_mesh(cfg, mesh)
+  meshes = sharding.role_meshes(cfg.mesh)
+  mesh = meshes['actor']
+  validate_against_mesh(cfg, mesh, meshes)
   task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
@@ -258,11 +261,15 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     task.encode(tokenizer, cfg.dpo)
     preference.load_cache(workdir, task)  # refused before anything compiles
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+  shardings_on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
-                          param_shardings=sharding.param_shardings(shapes, axes, mesh),
+                          param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
-                          widths_from_data=chosen_widths)
+                          widths_from_data=chosen_widths, own_meshes={
+                              role: context.Role(role, meshes[role], shardings_on[id(meshes[role])])
+                              for role in ('rollout', 'reference')
+                              if getattr(cfg.mesh, role).devices})
   # before any weight is read or any step compiles
   stage_lib.check_resume(ctx, [registry.get(name) for name in cfg.stages])
   if attention_line and jax.process_index() == 0:  # after the checks: bad input is one line

@@ -21,6 +21,7 @@ import importlib.util
 import math
 import numbers
 import os
+import re
 import typing
 from typing import Any, Mapping, Optional, Sequence
 
@@ -282,9 +283,54 @@ class OptimizerConfig:
     _require(self.max_grad_norm >= 0, f'{p}max_grad_norm must be >= 0 (0 disables).')
 
 
+def device_slice(setting: str, value: str) -> Optional[tuple[int, int]]:
+  """A role's devices, ``'start:stop'`` (a slice of ``jax.devices()``, e.g. '4:8'), as
+  (start, stop); None for '' (the setting's default). Anything else is a ConfigError naming
+  ``setting``. Whether the slice exists is checked against the devices (sharding.role_meshes)."""
+  if value == '':
+    return None
+  m = re.fullmatch(r'\s*(\d+)\s*:\s*(\d+)\s*', value) if isinstance(value, str) else None
+  _require(m is not None and int(m.group(1)) < int(m.group(2)),
+           f'{setting}={value!r} must be a slice start:stop of jax.devices() with start < stop, '
+           f"e.g. '4:8' (devices 4 to 7), or '' (the default).")
+  return int(m.group(1)), int(m.group(2))
+
+
+def _check_mesh_sizes(name: str, data, fsdp, tensor) -> None:
+  sizes = (data, fsdp, tensor)
+  _require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes),
+           f'{name} sizes must be positive integers or -1, got data={data}, fsdp={fsdp}, '
+           f'tensor={tensor}.')
+  _require(sum(s == -1 for s in sizes) <= 1,
+           f'at most one {name} size may be -1, got data={data}, fsdp={fsdp}, tensor={tensor}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshConfig:
+  """The mesh of a GRPO run's rollout or reference role (``mesh.rollout``, ``mesh.reference``):
+  its own devices and sizes, or (devices '') its default mesh.
+
+  Attributes:
+    devices: the role's devices, a slice start:stop of jax.devices() (e.g. '4:8'); '' (default):
+      the rollout on the actor's mesh, the reference on the rollout's (its sizes below must then
+      stay at their defaults).
+    data: pure data parallelism on the role's devices (one size may be -1: the rest).
+    fsdp: data parallelism with params sharded over it, on the role's devices.
+    tensor: tensor parallelism on the role's devices.
+  """
+  devices: str = ''
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Device mesh sizes. One size may be -1: it takes the devices that are left.
+
+  A GRPO run has three roles (docs/design.md, "Roles"): the actor (the learner and the old
+  log-probs) on this mesh, the rollout (generation) on ``rollout``'s, and the reference (the
+  reference log-probs) on ``reference``'s; by default all three share this mesh.
 
   Attributes:
     data: pure data parallelism (params replicated over it).
@@ -294,24 +340,45 @@ class MeshConfig:
       backend reports (``memory_stats()['bytes_limit']`` on GPU and TPU, else a TPU chip's HBM),
       none on a CPU. Every compiled step is checked against it before the first step runs
       (``jaxrl_ga.fit``: 'auto' memory knobs choose, explicit ones that do not fit are an error).
+    devices: the actor's devices, a slice start:stop of jax.devices() (e.g. '0:4'); '' (default):
+      all of them.
+    rollout: the rollout role's mesh (RoleMeshConfig: devices, data, fsdp, tensor); its devices
+      '' (default): the actor's mesh.
+    reference: the reference role's mesh (RoleMeshConfig); its devices '' (default): the
+      rollout's, whose step then computes the reference log-probs; else a reference step of its
+      own runs there.
   """
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   device_memory_gib: float = 0.0
+  devices: str = ''
+  rollout: RoleMeshConfig = RoleMeshConfig()
+  reference: RoleMeshConfig = RoleMeshConfig()
 
   def __post_init__(self):
     _require(isinstance(self.device_memory_gib, numbers.Real)
              and math.isfinite(self.device_memory_gib) and self.device_memory_gib >= 0,
              f'mesh.device_memory_gib={self.device_memory_gib!r} must be a number >= 0 (GiB per '
              'device; 0: what the backend reports).')
-    sizes = (self.data, self.fsdp, self.tensor)
-    _require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes),
-             f'mesh sizes must be positive integers or -1, got data={self.data}, '
-             f'fsdp={self.fsdp}, tensor={self.tensor}.')
-    _require(sum(s == -1 for s in sizes) <= 1,
-             f'at most one mesh size may be -1, got data={self.data}, fsdp={self.fsdp}, '
-             f'tensor={self.tensor}.')
+    _check_mesh_sizes('mesh', self.data, self.fsdp, self.tensor)
+    device_slice('mesh.devices', self.devices)
+    for role, default in (('rollout', "the actor's"), ('reference', "the rollout's")):
+      r, name = getattr(self, role), f'mesh.{role}'
+      _require(isinstance(r, RoleMeshConfig), f'{name} must be a section (devices, data, '
+               f'fsdp, tensor), got {r!r}.')
+      _check_mesh_sizes(name, r.data, r.fsdp, r.tensor)
+      if device_slice(f'{name}.devices', r.devices) is None:
+        changed = [f'{name}.{k}={getattr(r, k)}' for k in ('data', 'fsdp', 'tensor')
+                   if getattr(r, k) != getattr(RoleMeshConfig(), k)]
+        _require(not changed, f'{", ".join(changed)} is set but {name}.devices is not: the '
+                 f"{role} then uses {default} mesh; set {name}.devices (e.g. '4:8') or leave "
+                 'the sizes at their defaults.')
+
+
+# A GRPO run's roles, each with its mesh (MeshConfig; sharding.role_meshes): the actor
+# (learner, old log-probs), the rollout (generation), the reference (reference log-probs).
+ROLES = ('actor', 'rollout', 'reference')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -166,7 +166,7 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   cfg, _ = programs_lib.resolve_attention(cfg, model_cfg, devices[0])
   g = cfg.grpo
   sched = g.schedule
-  mesh = sharding.make_mesh(cfg.mesh, devices)
+  mesh = sharding.role_meshes(cfg.mesh, devices)['actor']  # every step on it (mesh.rollout too)
   schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   pshard = sharding.param_shardings(shapes, axes, mesh)

@@ -18,6 +18,7 @@ split here (``lora.partition``), the params by ``trainers.context.TrainedPart``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -108,10 +109,15 @@ class GRPOPrograms:
 def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
                         eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
                         graphdef: Any = None,
-                        table: Optional[schedule.ScheduleTable] = None) -> GRPOPrograms:
+                        table: Optional[schedule.ScheduleTable] = None,
+                        rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
+                        reference_shardings=None) -> GRPOPrograms:
   """The GRPO engine and learner of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
   ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
   adapters; the learner trains the adapters, the base is a frozen step argument);
+  ``rollout_mesh``, ``rollout_shardings``: the rollout role's (default: ``mesh``'s; the run's
+  ``ctx.roles['rollout']``), where the rollout step runs; ``reference_mesh``,
+  ``reference_shardings``: the reference role's (default: the rollout's);
   ``graphdef``: the model's (default: from ``model_cfg``); ``table``: the schedule table
   (default: ``schedule.build_table(grpo.schedule)``; benchmarks/recompute.py passes another rule's
   marks). The schedule must already be valid for the mesh (``schedule.validate``)."""
@@ -119,13 +125,16 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
   table = schedule.build_table(sched) if table is None else table
-  share = rollout_lib.prompt_share(sched, sharding.data_parallel_size(mesh),
-                                   cfg.model.share_prompt_prefix)
+  share = math.gcd(*(rollout_lib.prompt_share(sched, sharding.data_parallel_size(m),
+                                               cfg.model.share_prompt_prefix)
+                      for m in (mesh, rollout_mesh or mesh)))  # rows no mesh moves
   engine = rollout_lib.RolloutEngine(
       graphdef, table, g.sampling, g.loss, mesh, param_shardings, eos_id=eos_id, pad_id=pad_id,
       mask_truncated_completions=g.advantage.mask_truncated_completions,
       defer_old_logps=g.advantage.order_by_advantage_sign,
-      options=forward_options(cfg.model, share, mesh))
+      options=forward_options(cfg.model, share, rollout_mesh or mesh), rollout_mesh=rollout_mesh,
+      rollout_shardings=rollout_shardings, reference_mesh=reference_mesh,
+      reference_shardings=reference_shardings)
   learner = _learner(
       graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                            g.sampling.temperature, engine.learner_options),
@@ -138,7 +147,8 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
 # What each step of a stage is called in fit's line and errors.
 STEP_NAMES = {'learner': 'learner micro-step',
               'rollout': 'rollout step (generation, old and reference log-probs)',
-              'reorder': 'reorder step (old log-probs)'}
+              'reorder': 'reorder step (old log-probs)',
+              'reference': 'reference step (reference log-probs on their own mesh)'}
 
 
 def abstract_params(model_cfg: tfm.ModelConfig, param_shardings):
@@ -152,7 +162,8 @@ def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg
                      steps=('learner', 'rollout')) -> dict[str, Any]:
   """The GRPO programs' ``steps`` lowered at the run's shapes and shardings from ``params``
   (ShapeDtypeStructs, ``abstract_params``): {'learner': the micro-step at the full completion
-  width, 'rollout': generation with the old and reference log-probs, 'reorder' (with
+  width, 'rollout': generation with the old and reference log-probs, 'reference' (with a
+  reference mesh of its own): the reference log-probs there, 'reorder' (with
   ``advantage.order_by_advantage_sign`` when 'rollout' is asked): the step that then computes the
   old log-probs} as jax.stages.Lowered, what ``jaxrl_ga.plan`` and ``jaxrl_ga.fit`` compile."""
   engine = programs.engine
@@ -165,8 +176,10 @@ def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg
     out['learner'] = programs.learner.step_fn.lower(lstate, example,
                                                     *([] if frozen is None else [frozen]))
   if 'rollout' in steps:
-    state, prompts = engine.abstract_state(), engine.abstract_prompts()
-    out['rollout'] = engine.step_fn.lower(params, ref, state, prompts, prompts)
+    out['rollout'] = engine.step_fn.lower(*engine.abstract_step_args(params, ref))
+    if engine.reference_fn is not None:
+      out['reference'] = engine.reference_fn.lower(*engine.abstract_reference_args(ref))
+    state = engine.abstract_state()
     if engine.defer_old_logps:
       order = jax.ShapeDtypeStruct((grpo.schedule.completions_per_rollout,), jax.numpy.int32,
                                    sharding=sharding.replicated(programs.engine.mesh))
@@ -178,10 +191,11 @@ def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg
 def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
                          eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
                          graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
-                         say: Callable[[str], None] = fit.say) -> GRPOPrograms:
+                         say: Callable[[str], None] = fit.say, **roles) -> GRPOPrograms:
   """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
   every step (learner, rollout, reorder) compiled and checked before the first runs (ConfigError
-  when explicit knobs do not fit); the trainer's steps then find their executables compiled."""
+  when explicit knobs do not fit); the trainer's steps then find their executables compiled.
+  ``roles``: build_grpo_programs' rollout and reference meshes and shardings."""
   g = cfg.grpo if grpo is None else grpo
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
   params = abstract_params(model_cfg, param_shardings)
@@ -189,7 +203,7 @@ def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param
   def build(remat, chunk):
     progs = build_grpo_programs(with_memory_knobs(cfg, remat, chunk), model_cfg, mesh,
                                 param_shardings, eos_id=eos_id, pad_id=pad_id, grpo=g,
-                                graphdef=graphdef, table=table)
+                                graphdef=graphdef, table=table, **roles)
     return progs, lambda: [(STEP_NAMES[k], v) for k, v in
                            lower_grpo_steps(progs, params, g, model_cfg).items()]
 

@@ -15,6 +15,15 @@ difference over completion tokens).
 The buffer's arrays are laid out ``[S, B, ...]`` with B sharded over the data-parallel axes, so
 ``micro_batch(buffer, j, advantages)`` hands the learner slice j without moving rows between
 devices. Rows ``g*G .. g*G+G-1`` of the rollout (slice-major) are the G completions of prompt g.
+
+Roles (docs/design.md, "Roles"): the rollout step runs on the rollout role's mesh
+(``rollout_mesh``; default: the actor's), its params synced there (``sharding.sync_weights``);
+its buffer is written on that mesh and moved to the actor's (``sharding.reshard``: nothing moves
+when they share a mesh), where the reorder step and the learner consume it. The reference
+log-probs are computed by the rollout step, or, with a reference mesh of its own
+(``reference_mesh``), by a reference step there (``reference_fn``) from the rollout's rows. The
+buffer carries the policy version that generated it (``policy_version``: the optimizer steps its
+params had).
 """
 
 from __future__ import annotations
@@ -59,6 +68,9 @@ class RolloutBuffer:
   old_logps: jax.Array  # [S, B, Tc]; meaningful where has_old
   has_old: jax.Array  # [S, B] bool: the slice is consumed off-policy at some iteration
   ref_logps: Optional[jax.Array]  # [S, B, Tc] when beta > 0
+  # [] int32 on the actor's mesh: the optimizer steps of the params that generated the rollout
+  # (``rollout_rows``' policy_version); None in the rollout step's own output.
+  policy_version: Optional[jax.Array] = None
 
 
 class RolloutEngine:
@@ -68,8 +80,15 @@ class RolloutEngine:
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
                eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False,
-               options: tfm.ForwardOptions = tfm.ForwardOptions()):
+               options: tfm.ForwardOptions = tfm.ForwardOptions(),
+               rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
+               reference_shardings=None):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
+    ``mesh``, ``param_shardings``: the actor's (the reorder step, the learner's micro-batches);
+    ``rollout_mesh``, ``rollout_shardings``: the rollout role's, where the rollout step runs
+    (default: the actor's), its params on ``rollout_shardings``; ``reference_mesh``,
+    ``reference_shardings``: the reference role's (default: the rollout's, whose step then
+    computes the reference log-probs), ``ref_params`` on ``reference_shardings``.
     ``options``: the run's forward (``learner_options`` is the learner's; the forward-only old-
     and reference-log-prob passes run it without remat). Its ``share_prompts`` is R from
     ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
@@ -87,6 +106,15 @@ class RolloutEngine:
     self.ref_is_base = self.use_ref and bool(lora.split(param_shardings)[0])
     self.table = table
     self.mesh = mesh
+    self.rollout_mesh = mesh if rollout_mesh is None else rollout_mesh
+    rollout_shardings = param_shardings if rollout_shardings is None else rollout_shardings
+    # The reference log-probs in the rollout step (default), or in a step of their own on the
+    # reference's mesh (not with LoRA, whose reference is the rollout's own base weights).
+    self.reference_mesh = self.rollout_mesh if reference_mesh is None else reference_mesh
+    self.ref_in_step = self.use_ref and self.reference_mesh is self.rollout_mesh
+    if self.use_ref and not self.ref_in_step and self.ref_is_base:
+      raise ValueError('with LoRA the reference is the base weights of the rollout\'s params: '
+                       'no reference_mesh of its own.')
     self.mask_truncated = mask_truncated_completions
     self.defer_old_logps = defer_old_logps
     self.options = options
@@ -109,22 +137,34 @@ class RolloutEngine:
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
         sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention,
-        fuse_weights=mesh.devices.flat[0].platform != 'cpu')
+        fuse_weights=self.rollout_mesh.devices.flat[0].platform != 'cpu')
     rep = sharding.replicated(mesh)
-    slab = lambda nd: row_sharding(mesh, nd)
-    self._buffer_shardings = RolloutBuffer(
-        prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
-        completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
-        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if self.use_ref else None)
+    # The buffer's and the state's shardings on the actor's mesh, and on the rollout's (equal to
+    # them when the roles share a mesh).
+    self._buffer_shardings = self._buffers_on(mesh, self.use_ref).replace(policy_version=rep)
     self._state_shardings = RolloutState(counter=rep, forward_passes=rep, rng=rep)
+    self._rollout_buffer_shardings = self._buffers_on(self.rollout_mesh, self.ref_in_step)
+    rollout_rep = sharding.replicated(self.rollout_mesh)
+    self._rollout_state_shardings = RolloutState(counter=rollout_rep, forward_passes=rollout_rep,
+                                                 rng=rollout_rep)
+    self._rollout_param_shardings = rollout_shardings
     self._step = jax.jit(
-        sharding.with_activation_sharding(self._rollout, mesh),
-        in_shardings=(param_shardings,
-                      param_shardings if self.use_ref and not self.ref_is_base else None,
-                      self._state_shardings, self._buffer_shardings.prompt_tokens,
-                      self._buffer_shardings.prompt_mask),
-        out_shardings=(self._buffer_shardings, self._state_shardings, rep),
-        compiler_options=sampling.compiler_options(mesh.devices.flat))  # GPUs: command buffers
+        sharding.with_activation_sharding(self._rollout, self.rollout_mesh),
+        in_shardings=(rollout_shardings,
+                      rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
+                      self._rollout_state_shardings, self.prompt_sharding,
+                      self._rollout_buffer_shardings.prompt_mask),
+        out_shardings=(self._rollout_buffer_shardings, self._rollout_state_shardings,
+                       rollout_rep),
+        compiler_options=sampling.compiler_options(  # GPUs: command buffers
+            self.rollout_mesh.devices.flat))
+    self._ref_shardings = reference_shardings  # with the reference step below
+    self._ref_step = None
+    if self.use_ref and not self.ref_in_step:
+      ref_rows = row_sharding(self.reference_mesh, 3)
+      self._ref_step = jax.jit(
+          sharding.with_activation_sharding(self._reference, self.reference_mesh),
+          in_shardings=(reference_shardings, *[ref_rows] * 4), out_shardings=ref_rows)
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
     per_token = sharding.batch_sharding(mesh, 2)
@@ -140,23 +180,50 @@ class RolloutEngine:
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
 
+  def _buffers_on(self, mesh, with_ref: bool) -> RolloutBuffer:
+    """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the rollout step
+    writes it (policy_version None); ``with_ref``: it holds reference log-probs."""
+    slab = lambda nd: row_sharding(mesh, nd)
+    return RolloutBuffer(
+        prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
+        completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
+        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if with_ref else None)
+
   def init_state(self, seed: int) -> RolloutState:
     # Built by a jitted function: on several processes each places only its own shards.
     return jax.jit(lambda: _initial_state(seed), out_shardings=self._state_shardings)()
 
-  def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
+  def rollout(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
+              policy_version: int = 0):
     """prompts: [S*B/G, Tp] left-padded host arrays, the same on every process.
-    -> (buffer, state, metrics)."""
+    -> (buffer, state, metrics), as ``rollout_rows``."""
     g = self.sched.num_generations
     slab = lambda x: placement.put(np.repeat(np.asarray(x), g, axis=0).reshape(
-        *self.prompt_index.shape, -1), self._buffer_shardings.prompt_tokens)
-    return self._step(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask))
+        *self.prompt_index.shape, -1), self.prompt_sharding)
+    return self.rollout_rows(params, ref_params, state, slab(prompt_tokens), slab(prompt_mask),
+                             policy_version)
 
-  def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask):
-    """As ``rollout`` with the prompts already laid out per row: [S, B, Tp] global arrays on
-    ``buffer_shardings.prompt_tokens``, row (j, i) holding prompt ``prompt_index[j, i]``. Each
-    process builds only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``)."""
-    return self._step(params, ref_params, state, prompt_tokens, prompt_mask)
+  def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
+                   policy_version: int = 0):
+    """One rollout by the rollout role's ``params`` (and the reference's ``ref_params``, each on
+    its role's shardings: ``sharding.sync_weights``), the version of the policy they are (its
+    optimizer steps). The prompts are laid out per row: [S, B, Tp] global arrays on
+    ``prompt_sharding``, row (j, i) holding prompt ``prompt_index[j, i]``; each process builds
+    only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``). ``state``: on
+    the actor's mesh. -> (buffer and state on the actor's mesh, metrics)."""
+    buffer, state, metrics = self._step(
+        params, ref_params if self.ref_in_step else None,
+        sharding.reshard(state, self._rollout_state_shardings), prompt_tokens, prompt_mask)
+    if self._ref_step is not None:  # on the reference's mesh, from the rollout's rows
+      rows = row_sharding(self.reference_mesh, 3)
+      ref = self._ref_step(ref_params, *sharding.reshard(
+          (buffer.prompt_tokens, buffer.prompt_mask, buffer.completion_tokens,
+           buffer.completion_mask), (rows,) * 4))
+      buffer = buffer.replace(ref_logps=sharding.reshard(ref, self._buffer_shardings.ref_logps))
+    buffer = buffer.replace(policy_version=placement.put(np.asarray(policy_version, np.int32),
+                                                         self._buffer_shardings.policy_version))
+    return (sharding.reshard(buffer, self._buffer_shardings),
+            sharding.reshard(state, self._state_shardings), metrics)
 
   @property
   def prompt_index(self) -> np.ndarray:
@@ -181,8 +248,14 @@ class RolloutEngine:
 
   @property
   def buffer_shardings(self) -> RolloutBuffer:
-    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes)."""
+    """The NamedShardings of a buffer's arrays ([S, B, ...], B over the data axes; its policy
+    version replicated) on the actor's mesh."""
     return self._buffer_shardings
+
+  @property
+  def prompt_sharding(self):
+    """The sharding of the [S, B, Tp] prompt rows ``rollout_rows`` takes (the rollout's mesh)."""
+    return self._rollout_buffer_shardings.prompt_tokens
 
   @property
   def advantage_sharding(self):
@@ -192,8 +265,26 @@ class RolloutEngine:
   @property
   def step_fn(self):
     """The jitted rollout step, (params, ref_params, state, prompt_tokens, prompt_mask) ->
-    (buffer, state, metrics), for AOT lowering (``jaxrl_ga.plan``) and compile counting."""
+    (buffer, state, metrics), all on the rollout's mesh, for AOT lowering (``jaxrl_ga.plan``,
+    its arguments: ``abstract_step_args``) and compile counting."""
     return self._step
+
+  @property
+  def reference_fn(self):
+    """The jitted reference step of a reference mesh of its own, (ref_params, prompt_tokens,
+    prompt_mask, completion_tokens, completion_mask) -> reference log-probs [S, B, Tc]; None
+    when the rollout step computes them."""
+    return self._ref_step
+
+  def abstract_reference_args(self, ref_params) -> tuple:
+    """``reference_fn``'s arguments on the reference's mesh, from ``ref_params``
+    (ShapeDtypeStructs)."""
+    rows = row_sharding(self.reference_mesh, 3)
+    prompts = self.abstract_prompts()
+    tc = self.sampling_cfg.max_completion_length
+    comp = jax.ShapeDtypeStruct((*prompts.shape[:2], tc), jnp.int32, sharding=rows)
+    prompts = jax.ShapeDtypeStruct(prompts.shape, prompts.dtype, sharding=rows)
+    return _with_shardings(ref_params, self._ref_shardings), prompts, prompts, comp, comp
 
   @property
   def reorder_fn(self):
@@ -203,20 +294,33 @@ class RolloutEngine:
 
   # -- abstract shapes (ShapeDtypeStructs with their shardings; nothing is computed) ------------
   def abstract_state(self) -> RolloutState:
+    """The rollout state on the actor's mesh (what a checkpoint and ``reorder_fn`` hold)."""
     return _with_shardings(jax.eval_shape(lambda: _initial_state(0)), self._state_shardings)
 
   def abstract_prompts(self) -> jax.ShapeDtypeStruct:
     """The [S, B, Tp] prompt rows that ``rollout_rows`` and ``step_fn`` take."""
     s, b = self.prompt_index.shape
     return jax.ShapeDtypeStruct((s, b, self.sampling_cfg.max_prompt_length), jnp.int32,
-                                sharding=self._buffer_shardings.prompt_tokens)
+                                sharding=self.prompt_sharding)
+
+  def abstract_step_args(self, params, ref_params=None) -> tuple:
+    """``step_fn``'s arguments (params, ref_params, state, prompt_tokens, prompt_mask) on the
+    rollout's mesh, from the actor's ``params`` (and ``ref_params``; ShapeDtypeStructs)."""
+    on_rollout = lambda tree: None if tree is None else _with_shardings(
+        tree, self._rollout_param_shardings)
+    prompts = self.abstract_prompts()
+    state = _with_shardings(self.abstract_state(), self._rollout_state_shardings)
+    return (on_rollout(params), on_rollout(ref_params) if self.ref_in_step else None, state,
+            prompts, prompts)
 
   def abstract_buffer(self, params, ref_params=None) -> RolloutBuffer:
     """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
     ShapeDtypeStructs."""
-    prompts = self.abstract_prompts()
-    buffer, _, _ = jax.eval_shape(self._rollout, params, ref_params, self.abstract_state(),
-                                  prompts, prompts)
+    buffer, _, _ = jax.eval_shape(self._rollout, *self.abstract_step_args(params, ref_params))
+    if self._ref_step is not None:
+      buffer = buffer.replace(ref_logps=jax.eval_shape(
+          self._reference, *self.abstract_reference_args(ref_params)))
+    buffer = buffer.replace(policy_version=jax.ShapeDtypeStruct((), jnp.int32))
     return _with_shardings(buffer, self._buffer_shardings)
 
   def abstract_advantages(self) -> jax.ShapeDtypeStruct:
@@ -237,8 +341,9 @@ class RolloutEngine:
     """The learner's micro-batch for slice j; advantages: [S, B] (device, B-sharded).
     ``width``: its completion arrays cut to their first ``width`` positions (``slice_widths``;
     default: all max_completion_length of them)."""
-    return self._slice(buffer, jnp.asarray(slice_index, jnp.int32), advantages,
-                       width=self.sampling_cfg.max_completion_length if width is None else width)
+    width = self.sampling_cfg.max_completion_length if width is None else width
+    return self._slice(buffer.replace(policy_version=None), jnp.asarray(slice_index, jnp.int32),
+                       advantages, width=width)
 
   def slice_widths(self, buffer: RolloutBuffer, widths: tuple[int, ...]) -> np.ndarray:
     """[S]: for each slice of ``buffer``, the shortest of ``widths`` (ascending, the last
@@ -280,7 +385,8 @@ class RolloutEngine:
     def gen_prompts(x):  # [S, B, Tp] prompts per row -> [B/R*S, Tp] in generation order
       x = jnp.swapaxes(x.reshape(s, b // r, r, *x.shape[2:])[:, :, 0], 0, 1)
       x = x.reshape(b // r * s, *x.shape[2:])
-      return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.mesh, x.ndim))
+      return jax.lax.with_sharding_constraint(x, sharding.batch_sharding(self.rollout_mesh,
+                                                                         x.ndim))
 
     # [B/R*S*R, ...] in generation order -> [S, B, ...]
     slab = lambda x: jnp.swapaxes(x.reshape(b // r, s, r, *x.shape[1:]), 0, 1).reshape(
@@ -299,10 +405,9 @@ class RolloutEngine:
       old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
 
     ref = None
-    if self.use_ref:
+    if self.ref_in_step:
       ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
-      ref = jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options),
-                        (p_tok, p_mask, c_tok, c_mask))
+      ref = self._ref_logps(ref_model, p_tok, p_mask, c_tok, c_mask)
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
@@ -330,6 +435,14 @@ class RolloutEngine:
                              passes, rng=state.rng)
     return buffer, new_state, metrics
 
+  def _ref_logps(self, ref_model, *rows):
+    """The reference log-probs [S, B, Tc] of the rows (prompt tokens, mask, completion tokens,
+    mask: [S, B, ...]), one slice at a time."""
+    return jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options), rows)
+
+  def _reference(self, ref_params, *rows):
+    return self._ref_logps(tfm.merge(self.graphdef, ref_params), *rows)
+
   def _logps_of(self, model, xs, options: tfm.ForwardOptions):
     return logprobs.completion_logps(model, *xs, options,
                                      temperature=self.sampling_cfg.temperature)[0]
@@ -351,7 +464,8 @@ class RolloutEngine:
   def _reorder(self, params, buffer: RolloutBuffer, state: RolloutState, advantages, order):
     s, b = advantages.shape
     perm = lambda x: x.reshape(s * b, *x.shape[2:])[order].reshape(x.shape)
-    buffer = jax.tree.map(perm, buffer)
+    buffer = jax.tree.map(perm, buffer.replace(policy_version=None)).replace(
+        policy_version=buffer.policy_version)
     marks = jnp.asarray(self.table.slice_recompute)[
         (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
     old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,

@@ -21,7 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxrl_ga.config import MeshConfig
+from jaxrl_ga.config import ROLES, MeshConfig, device_slice
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import activations
 from jaxrl_ga.models import transformer as tfm
@@ -50,24 +50,70 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over ``devices`` (default: all); a size of -1 takes the rest."""
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None,
+              name: str = 'mesh') -> Mesh:
+  """A (data, fsdp, tensor) mesh over ``devices`` (default: all); a size of -1 takes the rest.
+  ``cfg``: a MeshConfig or a RoleMeshConfig (its sizes), ``name`` its setting in errors."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = [cfg.data, cfg.fsdp, cfg.tensor]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if len(devices) % known:
       raise ConfigError(
-          f'mesh data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}: the fixed sizes '
+          f'{name} data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor}: the fixed sizes '
           f'(product {known}) do not divide the {len(devices)} devices; choose sizes whose '
           f'product divides {len(devices)}.')
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
     raise ConfigError(
-        f'mesh data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor} needs {math.prod(sizes)} '
+        f'{name} data={cfg.data}, fsdp={cfg.fsdp}, tensor={cfg.tensor} needs {math.prod(sizes)} '
         f'devices but {len(devices)} are available; make the product equal {len(devices)} or '
         f'set one size to -1.')
   return Mesh(_device_grid(devices, sizes), MESH_AXES)
+
+
+def role_meshes(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None
+                ) -> dict[str, Mesh]:
+  """{role: its mesh} for ``config.ROLES`` (docs/design.md, "Roles"): the actor's over
+  ``mesh.devices`` of ``devices`` (default: jax.devices()) with mesh.data/fsdp/tensor; the
+  rollout's over ``mesh.rollout.devices`` with its own sizes, or the actor's very mesh (the same
+  object) when those are unset; the reference's over ``mesh.reference.devices``, or the
+  rollout's very mesh (whose step then computes the reference log-probs). A slice past the
+  devices is a ConfigError naming the setting."""
+  devices = list(jax.devices() if devices is None else devices)
+
+  def mesh_of(name, role_cfg):
+    span = device_slice(f'{name}.devices', role_cfg.devices)
+    if span is None:
+      return None
+    if span[1] > len(devices):
+      raise ConfigError(f'{name}.devices={role_cfg.devices!r}: there are {len(devices)} devices '
+                        f'(0:{len(devices)}); give a slice within them.')
+    return make_mesh(role_cfg, devices[span[0]:span[1]], name=name)
+
+  actor = mesh_of('mesh', cfg) or make_mesh(cfg, devices)
+  rollout = mesh_of('mesh.rollout', cfg.rollout) or actor
+  return dict(zip(ROLES, (actor, rollout, mesh_of('mesh.reference', cfg.reference) or rollout)))
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+  """``tree`` (arrays) on ``shardings`` (a tree of NamedShardings, or a prefix of it):
+  ``jax.device_put`` of each leaf not already there; a leaf already on its sharding is returned
+  itself, so between roles that share a mesh nothing is copied. None: None."""
+  if tree is None:
+    return None
+
+  def put(x, sh):
+    return x if x.sharding == sh else jax.device_put(x, sh)
+  return jax.tree.map(put, tree, shardings)
+
+
+def sync_weights(params: Any, dst_role) -> Any:
+  """The actor's ``params`` on role ``dst_role``'s param shardings (a
+  ``trainers.context.Role``): what GRPO does before each rollout. Where the roles share a mesh
+  it returns ``params`` themselves (no copy); else the weights are transferred
+  (``jax.device_put``) to the role's devices."""
+  return reshard(params, dst_role.param_shardings)
 
 
 def _device_grid(devices, sizes):

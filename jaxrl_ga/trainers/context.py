@@ -1,5 +1,6 @@
-"""The run context (everything a stage needs besides its own config) and the part of the policy a
-stage trains (``TrainedPart``). The policy's architecture and params: ``models/policy.py``."""
+"""The run context (everything a stage needs besides its own config), its roles (``Role``: a mesh
+and the policy's shardings on it) and the part of the policy a stage trains (``TrainedPart``).
+The policy's architecture and params: ``models/policy.py``."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ import jax
 from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
 from jaxrl_ga import lora
-from jaxrl_ga.config import RunConfig
+from jaxrl_ga.config import ROLES, RunConfig
 from jaxrl_ga.models import transformer as tfm
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+  """One role of a run (config.ROLES; docs/design.md, "Roles"): its mesh and the policy's
+  param shardings on it. 'actor': the learner and the old log-probs; 'rollout': generation;
+  'reference': the reference log-probs."""
+  name: str
+  mesh: Any
+  param_shardings: Any
 
 
 @dataclasses.dataclass
 class RunContext:
-  """Everything a stage needs besides its own config."""
+  """Everything a stage needs besides its own config. ``mesh`` and ``param_shardings`` are the
+  actor's; ``roles`` names every role's."""
   cfg: RunConfig
   workdir: str
   mesh: Any
@@ -37,6 +49,19 @@ class RunContext:
   # {setting: the data's longest prompt, in tokens} of each width chosen from the data (a
   # ``max_prompt_length`` of 0, api.validate_lengths); ``cfg`` holds the width chosen.
   widths_from_data: dict[str, int] = dataclasses.field(default_factory=dict)
+  # The roles given devices of their own (mesh.rollout, mesh.reference; sharding.role_meshes):
+  # name -> Role. The rollout's is by default the actor's (``mesh``, ``param_shardings``), the
+  # reference's the rollout's (the rollout step then computes the reference log-probs).
+  own_meshes: dict[str, Role] = dataclasses.field(default_factory=dict)
+
+  @property
+  def roles(self) -> dict[str, Role]:
+    """{name: Role} of every role of config.ROLES."""
+    actor = Role(ROLES[0], self.mesh, self.param_shardings)
+    rollout = self.own_meshes.get('rollout') or dataclasses.replace(actor, name='rollout')
+    reference = (self.own_meshes.get('reference')
+                 or dataclasses.replace(rollout, name='reference'))
+    return {'actor': actor, 'rollout': rollout, 'reference': reference}
 
   @property
   def is_primary(self) -> bool:

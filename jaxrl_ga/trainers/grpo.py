@@ -14,6 +14,12 @@ LoRA (model.lora): the learner trains the adapters of the stage's input params; 
 are frozen, held by the trainer (never in a checkpoint: a resumed run gets them from its input
 params again) and passed to every step; the reference policy (beta > 0) is the policy with its
 adapters disabled, so no reference params are held either.
+
+Roles (docs/design.md, "Roles"): before each rollout the policy's params are synced to the
+rollout role (``sharding.sync_weights``: nothing moves when it shares the actor's mesh), the
+reference params once per run; the rollout's buffer comes back on the actor's mesh with the
+policy version that generated it, which every micro-step checks (``_check_policy_version``) and
+the log reports (``rollout/policy_version``, ``rollout/policy_lag``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from jaxrl_ga import data
 from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
+from jaxrl_ga import sharding
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga.config import GRPOConfig, RunConfig
@@ -77,6 +84,29 @@ class GRPOStage(stage.Stage):
         self.name, cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
         'the completions of a rollout, steps_per_generation*micro_batch_size')
 
+  def validate_roles(self, cfg: RunConfig, meshes: dict) -> None:
+    """The rollout's and reference's own meshes (``mesh.rollout``/``mesh.reference`` set): one
+    process only, no LoRA reference elsewhere, and the schedule valid on their data
+    parallelism."""
+    for role in ('rollout', 'reference'):
+      devices = getattr(cfg.mesh, role).devices
+      if not devices or role not in meshes:
+        continue
+      if jax.process_count() > 1:
+        raise ConfigError(f'mesh.{role}.devices={devices!r}: a role on devices of its own runs '
+                          f'on one process only; leave it unset on {jax.process_count()} '
+                          'processes.')
+      if role == 'reference' and cfg.model.lora.rank and cfg.grpo.loss.beta > 0:
+        raise ConfigError(f'mesh.reference.devices={devices!r} with model.lora.rank='
+                          f'{cfg.model.lora.rank}: the reference is the policy\'s own base '
+                          'weights (adapters off), computed where the rollout runs; leave '
+                          'mesh.reference unset.')
+      programs_lib.resolve_attention(cfg, cfg.model, meshes[role].devices.flat[0])
+      try:
+        schedule.validate(cfg.grpo.schedule, sharding.data_parallel_size(meshes[role]))
+      except ConfigError as e:
+        raise ConfigError(f'mesh.{role} (devices={devices!r}): {e}') from None
+
   def optimizer_every(self, stage_cfg: GRPOConfig) -> int:
     return stage_cfg.schedule.optimizer_every
 
@@ -119,7 +149,11 @@ class GRPOStage(stage.Stage):
     ``schedule.build_table(stage_cfg.schedule)``)."""
     return programs_lib.fitted_grpo_programs(
         ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
-        pad_id=ctx.pad_id, grpo=stage_cfg, graphdef=ctx.graphdef, table=table)
+        pad_id=ctx.pad_id, grpo=stage_cfg, graphdef=ctx.graphdef, table=table,
+        rollout_mesh=ctx.roles['rollout'].mesh,
+        rollout_shardings=ctx.roles['rollout'].param_shardings,
+        reference_mesh=ctx.roles['reference'].mesh,
+        reference_shardings=ctx.roles['reference'].param_shardings)
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
     return GRPOLoop(ctx, ctx.cfg.grpo).run(params)
@@ -153,6 +187,8 @@ class GRPOLoop:
     self.widths = rollout_lib.length_widths(cfg.sampling.max_completion_length,
                                             cfg.length_buckets)
     self._slice_widths = None
+    self._policy_version = None  # of the current rollout's buffer (host int)
+    self._ref_on_role = None  # the reference params on the reference role (set by run)
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:
@@ -182,7 +218,10 @@ class GRPOLoop:
     ckpt = ctx.checkpointer('grpo')
     self.part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
     self._slice_widths = None  # set by each rollout; from the restored buffer on a resume
+    self._policy_version = None  # likewise
     state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
+    # The reference never changes during a run: on its role once.
+    self._ref_on_role = sharding.sync_weights(state['ref_params'], ctx.roles['reference'])
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
@@ -201,6 +240,7 @@ class GRPOLoop:
                          log_every=cfg.log_every, log_keys=_LOG_KEYS, eval_every=cfg.eval_every,
                          max_consecutive_nonfinite=cfg.optimizer.max_consecutive_nonfinite,
                          stop_at_micro_step=stop_at_micro_step) as loop:
+      lag = 0  # the window's largest policy lag (rollout/policy_lag)
       while not loop.done:
         s = loop.micro_step
         if s % e == 0:  # a new rollout, generated by the current policy
@@ -212,6 +252,8 @@ class GRPOLoop:
                                    ctx.widths_from_data.get('grpo.sampling.max_prompt_length'))
         if self._slice_widths is None:  # resumed in the middle of a rollout
           self._slice_widths = self.engine.slice_widths(state['buffer'], self.widths)
+          self._policy_version = int(state['buffer'].policy_version)
+        lag = max(lag, self._check_policy_version(s))
         batch = self.engine.micro_batch(state['buffer'], s % s_, state['advantages'],
                                         width=int(self._slice_widths[s % s_]))
         started = time.perf_counter()
@@ -221,7 +263,9 @@ class GRPOLoop:
         step = loop.micro_step_done(state, out)
         if step:  # an optimizer step fired
           loop.log(step, out, meta.get('host_stats', {}) | {
-              'rollout/forward_passes_total': state['rollout'].forward_passes})
+              'rollout/forward_passes_total': state['rollout'].forward_passes,
+              'rollout/policy_lag': float(lag)})
+          lag = 0
           if loop.eval_due(step):
             loop.report_eval(step, evaluate(state))
           loop.save_if_due(step, state)
@@ -249,6 +293,21 @@ class GRPOLoop:
     stage.finish(ckpt, state, meta, summary)
     return params, summary | this_run
 
+  def _check_policy_version(self, micro_step: int) -> int:
+    """The learner trains micro-step ``micro_step`` on the rollout generated at the start of its
+    rollout period (micro-step s - s % E) by the params of the optimizer steps done then: the
+    buffer's policy version must be that count, else it is another policy's rollout. -> the
+    policy lag: optimizer steps between the params that generated the rollout and the learner's
+    now."""
+    sched = self.cfg.schedule
+    want = (micro_step - micro_step % sched.micro_steps_per_rollout) // sched.optimizer_every
+    if self._policy_version != want:
+      raise RuntimeError(
+          f'micro-step {micro_step} trains on a rollout of policy version '
+          f'{self._policy_version} (optimizer steps of the params that generated it), but its '
+          f'rollout is the one generated after optimizer step {want}.')
+    return micro_step // sched.optimizer_every - self._policy_version
+
   def _compile_widths(self, params, state) -> None:
     """grpo.length_buckets > 1: the learner step compiled for every width before the loop, so
     that a width a micro-batch first needs mid-run does not stall training for a compile."""
@@ -273,8 +332,10 @@ class GRPOLoop:
     examples, tokens, mask = self._prompt_rows(meta['data_position'])
     meta['data_position'] += self.prompts_per_rollout
     t_start = time.perf_counter()
+    self._policy_version = meta['micro_step'] // self.cfg.schedule.optimizer_every
     buffer, state['rollout'], rollout_metrics = self.engine.rollout_rows(
-        self.policy(state), state['ref_params'], state['rollout'], tokens, mask)
+        sharding.sync_weights(self.policy(state), self.ctx.roles['rollout']),
+        self._ref_on_role, state['rollout'], tokens, mask, self._policy_version)
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()
@@ -288,6 +349,7 @@ class GRPOLoop:
                                    for k, v in jax.device_get(rollout_metrics).items()}
     # The completion positions the learner computes per row (grpo.length_buckets).
     host_stats['rollout/learn_width'] = float(np.mean(self._slice_widths))
+    host_stats['rollout/policy_version'] = float(self._policy_version)
     if self.on_rollout is not None:
       self.on_rollout(RolloutEvent(
           micro_step=meta['micro_step'],
@@ -310,7 +372,7 @@ class GRPOLoop:
                                  ctx.pad_id, 'grpo.sampling.max_prompt_length')
     place = lambda x: placement.from_local(
         x.reshape(s, len(rows), -1), rows, (s, b, x.shape[-1]),
-        self.engine.buffer_shardings.prompt_tokens, axis=1)
+        self.engine.prompt_sharding, axis=1)
     return [examples[int(p)] for p in index], place(tokens), place(mask)
 
   def _score(self, buffer, examples) -> tuple[np.ndarray, dict[str, float]]:

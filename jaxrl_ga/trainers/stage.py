@@ -75,6 +75,10 @@ class Stage:
     schedule.check_micro_batch(self.config(cfg).micro_batch_size, dp,
                                name=f'{self.name}.micro_batch_size')
 
+  def validate_roles(self, cfg: RunConfig, meshes: dict) -> None:
+    """ConfigError for a setting that cannot run on a role's own mesh (``meshes``: role ->
+    mesh, sharding.role_meshes); only GRPO's rollout and reference may have one."""
+
   def optimizer_every(self, stage_cfg) -> int:
     """K of the stage: micro-steps per optimizer step."""
     return stage_cfg.grad_accum_steps
