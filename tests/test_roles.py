@@ -44,7 +44,7 @@ def _grpo(workdir, **mesh):
 
   def make_trainer(workdir):
     ctx, params = api.build_context(cfg, str(workdir))
-    trainer = grpo.GRPOTrainer(ctx, cfg.grpo, on_rollout=on_rollout)
+    trainer = grpo.GRPOLoop(ctx, cfg.grpo, on_rollout=on_rollout)
     engine = trainer.engine
 
     def spy(name, step, key):  # where a step really ran: its outputs' devices
