@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga.config import ModelConfig
+from jaxrl_ga.models.config import ModelConfig
 from jaxrl_ga.models import activations
 
 ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'cudnn', 'flash')  # ForwardOptions.attention
