@@ -15,10 +15,12 @@ import pytest
 import transformers
 
 from jaxrl_ga import sharding
+from jaxrl_ga.config import RunConfig
 from jaxrl_ga.models import families
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 from jaxrl_ga.models.config import ModelConfig
+from jaxrl_ga.trainers import context
 
 import helpers
 
@@ -95,3 +97,23 @@ def test_each_spec_field_is_what_the_model_computes_by(name, field, flipped, mon
   error = _relative_error(name)
   print(f'{name} with {field}={flipped!r}: relative logit error {error:.2f}')
   assert error > 0.05
+
+
+def test_the_fingerprint_of_a_model_without_family_settings_is_as_before_they_existed():
+  """A checkpoint's fingerprint['model'] lists these fields, as checkpoints written before any
+  family had settings of its own (Gemma 3, Mistral) did, so those resume; a family's settings
+  join it once set."""
+  before = {'vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+            'num_attention_heads', 'num_key_value_heads', 'head_dim', 'rope_theta',
+            'rope_scaling', 'rms_norm_eps', 'attention_bias', 'tie_word_embeddings',
+            'max_position_embeddings', 'architecture', 'param_dtype', 'dtype', 'lora'}
+
+  def fingerprint_model(cfg):
+    ctx = context.RunContext(cfg=RunConfig(), workdir='', mesh=None, task=None, tokenizer=None,
+                             model_cfg=cfg, graphdef=None, param_shardings=None, writer=None)
+    return ctx.fingerprint('grpo')['model']
+
+  assert set(fingerprint_model(_config(families.FAMILIES['llama']))) == before
+  gemma = fingerprint_model(_config(families.FAMILIES['gemma3']))
+  assert set(gemma) == before | set(families.FAMILIES['gemma3'].settings)
+  assert gemma['layer_types'] == ['sliding_attention', 'full_attention']
