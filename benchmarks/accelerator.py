@@ -83,7 +83,6 @@ import sys
 
 import machine  # benchmarks/machine.py (no torch or JAX at import)
 
-import dataclasses
 import json
 import os
 import resource
@@ -266,6 +265,7 @@ class StopAfterTimedSteps(Exception):
 def ours_main(s: dict[str, Any], model_dir: str, variant: str, result: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import config  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   out: dict[str, Any] = {'side': 'jaxrl_ga', 'variant': variant, 'status': 'ok'}
   dev = jax.devices()[0]
@@ -278,7 +278,7 @@ def ours_main(s: dict[str, Any], model_dir: str, variant: str, result: str) -> N
   workdir = tempfile.mkdtemp(prefix=f'accelerator_{variant}_')
   try:
     cfg = run_config(s, model_dir, variant, steps)
-    out['model'] = dataclasses.asdict(cfg.model)
+    out['model'] = config.settings_dict(cfg.model)
     t0 = time.perf_counter()
     ctx, params = api.build_context(cfg, workdir)
 

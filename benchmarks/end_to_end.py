@@ -126,7 +126,7 @@ import trl
 from jaxrl_ga import api
 from jaxrl_ga import flops
 from jaxrl_ga import logprobs
-from jaxrl_ga.config import load_config_file
+from jaxrl_ga.config import load_config_file, settings_dict
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
@@ -711,7 +711,7 @@ def summarize(size, cfg, period_steps, num_steps, periods, steps, n_params, chec
   warm = _WARMUP.value
   sched, sampling = cfg.grpo.schedule, cfg.grpo.sampling
   out = {
-      'size': size.name, 'model': dataclasses.asdict(cfg.model), 'param_count': n_params,
+      'size': size.name, 'model': settings_dict(cfg.model), 'param_count': n_params,
       'schedule': dataclasses.asdict(sched),
       'max_prompt_length': sampling.max_prompt_length,
       'max_completion_length': sampling.max_completion_length,

@@ -38,7 +38,7 @@ from jaxrl_ga import rewards
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
 from jaxrl_ga import workdir_lock
-from jaxrl_ga.config import RunConfig, from_mapping, load_config_file
+from jaxrl_ga.config import RunConfig, from_mapping, load_config_file, settings_dict
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
@@ -276,7 +276,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     print(f'[{cfg.stages[0]}] {attention_line}', flush=True)
   # Once the run is known to be valid, and before the weights: a W&B run that cannot start
   # (log.report_to) is an error before anything compiles. run() closes the writer from here on.
-  ctx.writer = reporting.MetricWriter(workdir, cfg.log, dataclasses.asdict(cfg))
+  ctx.writer = reporting.MetricWriter(workdir, cfg.log, settings_dict(cfg))
   try:
     ctx.graphdef, params, ctx.param_shardings = _build_model(cfg, model_cfg, mesh)
   except BaseException:
@@ -373,7 +373,7 @@ def make_config(config=None, **overrides) -> RunConfig:
     path, _, arg = config.partition(':')
     config = load_config_file(path, arg)
   if isinstance(config, RunConfig):
-    values = dataclasses.asdict(config)
+    values = settings_dict(config)
   elif config is None:
     values = {}
   elif hasattr(config, 'to_dict'):

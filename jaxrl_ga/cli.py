@@ -196,18 +196,20 @@ def _one_line(text: str, width: int = 110) -> str:
 
 
 def _rows(cls: type, values: Any, defaults: Any, prefix: str) -> Iterator[tuple[str, ...]]:
-  hints = typing.get_type_hints(cls)
-  docs = _attribute_docs(cls)
-  for f in dataclasses.fields(cls):
-    hint, path = hints[f.name], prefix + f.name
-    value = values.get(f.name) if values is not None else None
-    default = defaults.get(f.name) if defaults is not None else None
+  settings = config_lib.settings(cls)
+  docs: dict[str, str] = {}
+  for owner in [*dict.fromkeys(o for _, o in settings.values() if o is not cls), cls]:  # cls last
+    docs.update(_attribute_docs(owner))
+  for name, (hint, _) in settings.items():
+    path = prefix + name
+    value = values.get(name) if values is not None else None
+    default = defaults.get(name) if defaults is not None else None
     if dataclasses.is_dataclass(hint):
       yield from _rows(hint, value, default, path + '.')
-    elif f.name == 'options' and cls is config_lib.TaskSpec:
+    elif name == 'options' and cls is config_lib.TaskSpec:
       yield from _task_option_rows(values, path + '.')
     else:
-      yield path, _show(value), _show(default), _one_line(docs.get(f.name, ''))
+      yield path, _show(value), _show(default), _one_line(docs.get(name, ''))
 
 
 def _task_option_rows(task: Any, prefix: str) -> Iterator[tuple[str, ...]]:

@@ -15,6 +15,7 @@ device):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
@@ -22,14 +23,19 @@ import math
 import numbers
 import os
 import re
+import types
 import typing
 from typing import Any, Mapping, Optional, Sequence
 
 import ml_collections
 
 from jaxrl_ga import tasks
-
 from jaxrl_ga.errors import ConfigError  # re-exported: jaxrl_ga.config.ConfigError
+
+# The architecture (re-exported here for users): models/config.py.
+from jaxrl_ga.models.config import (  # pylint: disable=unused-import
+    ARCHITECTURES, LAYER_TYPES, LORA_TARGETS, MODEL_DTYPES, ROPE_TYPES, LoRAConfig, ModelConfig,
+    RopeScaling)
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -455,191 +461,33 @@ class AdvantageConfig:
     _one_of(self, 'scale_rewards', SCALE_REWARDS, 'advantage.')
 
 
-MODEL_DTYPES = ('float32', 'bfloat16')
-ROPE_TYPES = ('default', 'linear', 'llama3')
 REMAT = ('none', 'save_dots', 'full')  # least recompute first (jaxrl_ga.fit's order)
 AUTO_CHUNK = -1  # model.logprob_chunk_size='auto' (jaxrl_ga.fit)
 # model.attention: 'auto' (resolved once per run) or one of models/attention.ATTENTION_IMPLS
 ATTENTION = ('auto', 'einsum', 'xla', 'splash', 'cudnn', 'flash')
-# ModelConfig.architecture: the HF class export writes (jaxrl_ga/models/hf.py, docs/models.md).
-ARCHITECTURES = ('qwen2', 'llama', 'qwen3', 'gemma3', 'mistral')
-LAYER_TYPES = ('full_attention', 'sliding_attention')  # HF's layer_types values
+# The architecture of model.* where a config sets none of its fields: a tiny model built from
+# scratch, its vocabulary from the task's tokenizer.
+FRESH_MODEL = ModelConfig(vocab_size=0, hidden_size=128, intermediate_size=256,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          attention_bias=True, tie_word_embeddings=True,
+                          max_position_embeddings=512)
+_ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Rotary-embedding frequency scaling (HF ``rope_scaling``); ``rope_type`` in ROPE_TYPES."""
-  rope_type: str = 'default'
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
+@dataclasses.dataclass(frozen=True, init=False)
+class ModelSpec:
+  """The run's model (``model.*``): its architecture (``arch``, a ModelConfig), where the policy
+  comes from and how its training forward runs.
 
-  def __post_init__(self):
-    if self.rope_type not in ROPE_TYPES:
-      raise ValueError(f'rope_scaling.rope_type={self.rope_type!r} is not supported; '
-                       f'supported: {", ".join(ROPE_TYPES)}.')
-
-
-LORA_TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-  """Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685) on the decoder layers' weight
-  matrices: ``model.lora.*``. With ``rank`` > 0 only the adapters train; the base weights are
-  frozen (``jaxrl_ga.lora``). Adapters and their optimizer state are float32 whatever
-  ``model.param_dtype`` (which then sets the frozen base weights' storage: 'bfloat16' halves it).
+  The architecture's fields are settings of ``model.*`` themselves, flat beside the others
+  (docs/design, "Families and the model's settings"): config files and ``--config.model.<field>``
+  set them so (``model.hidden_size=256``; ``arch`` is marked ``flat``, see :func:`settings`), and
+  ``ModelSpec(hidden_size=256, hf_path=...)`` and ``spec.hidden_size`` take and read them so.
 
   Attributes:
-    rank: r, the adapters' rank; 0 disables LoRA (full fine-tuning).
-    alpha: the adapters' output is scaled by alpha / rank (PEFT's ``lora_alpha``).
-    targets: comma-separated projections to adapt, among q, k, v, o (attention) and gate, up,
-      down (MLP): PEFT's ``target_modules`` q_proj, ..., down_proj.
-    dropout: 0 only (PEFT's ``lora_dropout``; the learner step draws no dropout randomness).
-  """
-  rank: int = 0
-  alpha: float = 16.0
-  targets: tuple[str, ...] = LORA_TARGETS
-  dropout: float = 0.0
-
-  def __post_init__(self):
-    p = 'model.lora.'
-    targets = self.targets.split(',') if isinstance(self.targets, str) else self.targets
-    object.__setattr__(self, 'targets', tuple(t.strip() for t in targets if t.strip()))
-    _require(_is_int(self.rank) and self.rank >= 0,
-             f'{p}rank={self.rank!r} must be an integer >= 0 (0: no LoRA, full fine-tuning).')
-    object.__setattr__(self, 'rank', int(self.rank))
-    _require(isinstance(self.alpha, numbers.Real) and math.isfinite(self.alpha)
-             and self.alpha > 0, f'{p}alpha={self.alpha!r} must be a finite number > 0.')
-    bad = [t for t in self.targets if t not in LORA_TARGETS]
-    _require(self.targets and not bad and len(set(self.targets)) == len(self.targets),
-             f'{p}targets={",".join(self.targets)!r}: give distinct names among '
-             f'{",".join(LORA_TARGETS)} (e.g. {p}targets=q,v).')
-    _require(self.dropout == 0, f'{p}dropout={self.dropout!r} is not supported (the learner '
-             f'step draws no dropout randomness); set {p}dropout=0.')
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Architecture of a Qwen2/Llama/Qwen3/Gemma 3/Mistral decoder (``models.transformer``). Field names follow
-  the HF config. ``ModelSpec`` below is the run's ``model.*`` settings: these fields plus where
-  the weights come from.
-
-  Attributes:
-    vocab_size: token embeddings (and logits) rows.
-    hidden_size: d_model, the residual stream's width.
-    intermediate_size: the MLP's hidden width (SwiGLU).
-    num_hidden_layers: decoder layers.
-    num_attention_heads: query heads.
-    num_key_value_heads: key/value heads (grouped-query attention; divides the query heads).
-    head_dim: per-head width; None: hidden_size // num_attention_heads.
-    rope_theta: RoPE base frequency.
-    rope_scaling: RoPE scaling (Llama 3 or linear), None for none.
-    rms_norm_eps: epsilon of the RMSNorms.
-    attention_bias: q/k/v projection biases (Qwen2: True; Llama: False).
-    tie_word_embeddings: the output head reuses the token embedding matrix.
-    max_position_embeddings: the longest sequence (prompt + completion) the model takes.
-    architecture: one of ARCHITECTURES, which HF class export writes; it also fixes the layer's
-      structure: 'qwen3' and 'gemma3' RMSNorm q and k per head, 'gemma3' is Gemma 3's layer
-      (``gemma`` below).
-    sliding_window: W > 0: a sliding layer's query at position p sees the keys at positions
-      > p - W (HF's sliding_window_overlay); 0: none.
-    layer_types: per layer 'full_attention' or 'sliding_attention' (HF's layer_types); empty:
-      every layer sliding when sliding_window > 0 (Mistral), else full.
-    rope_local_theta: the RoPE base of the sliding layers, which use no rope scaling (Gemma 3's
-      rope_local_base_freq); 0: they use rope_theta and rope_scaling as the full layers do.
-    query_pre_attn_scalar: attention scores are scaled by its -1/2 power (Gemma); 0: head size.
-    final_logit_softcapping: c > 0: logits = c * tanh(logits / c) (Gemma); 0: none.
-    param_dtype: 'float32' or 'bfloat16': the dtype params are stored in. The optimizer state
-      (accumulator, AdamW's moments) is float32 either way (learner.float32_like).
-    dtype: 'float32' or 'bfloat16': the compute dtype; logits and softmax are always float32.
-    lora: low-rank adapters on the layers' projections (rank 0: none); part of the architecture.
-  """
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
-  num_key_value_heads: int
-  head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
-  rope_theta: float = 10000.0
-  rope_scaling: Optional[RopeScaling] = None
-  rms_norm_eps: float = 1e-6
-  attention_bias: bool = False  # q/k/v biases (Qwen2: True)
-  tie_word_embeddings: bool = False
-  max_position_embeddings: int = 2048
-  architecture: str = 'qwen2'  # ARCHITECTURES: which HF class export writes
-  param_dtype: str = 'float32'
-  dtype: str = 'float32'  # compute dtype; logits and softmax are always float32
-  sliding_window: int = 0
-  layer_types: tuple[str, ...] = ()
-  rope_local_theta: float = 0.0
-  query_pre_attn_scalar: float = 0.0
-  final_logit_softcapping: float = 0.0
-  # Low-rank adapters on the layers' projections (rank 0: none). Part of the architecture: the
-  # module's params include them (jaxrl_ga.lora). HF configs carry none (PEFT's are separate).
-  lora: LoRAConfig = LoRAConfig()
-
-  def __post_init__(self):
-    if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(
-          f'num_attention_heads={self.num_attention_heads} must be a multiple of '
-          f'num_key_value_heads={self.num_key_value_heads} (grouped-query attention).')
-    for name in ('param_dtype', 'dtype'):
-      if getattr(self, name) not in MODEL_DTYPES:
-        raise ValueError(f'{name}={getattr(self, name)!r}; choose one of '
-                         f'{", ".join(MODEL_DTYPES)}.')
-    if self.architecture not in ARCHITECTURES:
-      raise ValueError(f'architecture={self.architecture!r}; choose one of '
-                       f'{", ".join(ARCHITECTURES)}.')
-    types = self.layer_types
-    types = tuple(t.strip() for t in (types.split(',') if isinstance(types, str) else types)
-                  if t.strip())
-    object.__setattr__(self, 'layer_types', types)
-    if types and (len(types) != self.num_hidden_layers or set(types) - set(LAYER_TYPES)):
-      raise ValueError(f'layer_types={",".join(types)!r}: give {self.num_hidden_layers} entries '
-                       f'(one per layer) among {", ".join(LAYER_TYPES)}, or none.')
-    if self.sliding_window < 0 or ('sliding_attention' in types and not self.sliding_window):
-      raise ValueError(f'sliding_window={self.sliding_window}: sliding layers need a window > 0.')
-    gemma_only = ('layer_types', 'rope_local_theta', 'query_pre_attn_scalar',
-                  'final_logit_softcapping')
-    set_here = [n for n in gemma_only if getattr(self, n)]
-    if self.architecture != 'gemma3' and set_here:
-      raise ValueError(f'{", ".join(set_here)}: Gemma 3 settings, but architecture='
-                       f'{self.architecture!r}; set architecture=gemma3 or leave them unset.')
-    if self.sliding_window and self.architecture not in ('gemma3', 'mistral'):
-      raise ValueError(f'sliding_window={self.sliding_window} with architecture='
-                       f'{self.architecture!r}: only gemma3 and mistral have sliding windows.')
-
-  @property
-  def head_size(self) -> int:
-    return self.head_dim or self.hidden_size // self.num_attention_heads
-
-  @property
-  def qk_norm(self) -> bool:
-    """q and k RMSNormed per head before RoPE (Qwen3, Gemma 3)."""
-    return self.architecture in ('qwen3', 'gemma3')
-
-  @property
-  def gemma(self) -> bool:
-    """Gemma 3's layer: RMSNorms scale by (1 + w) in float32, a norm after attention and after
-    the MLP besides the ones before, embeddings times sqrt(hidden_size), a GELU-tanh MLP."""
-    return self.architecture == 'gemma3'
-
-  def sliding_layers(self) -> tuple[bool, ...]:
-    """Per layer: does it attend through the sliding window."""
-    if self.layer_types:
-      return tuple(t == 'sliding_attention' for t in self.layer_types)
-    return (self.sliding_window > 0,) * self.num_hidden_layers
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec(ModelConfig):
-  """The run's model (``model.*``): where the policy comes from, and ModelConfig's architecture
-  fields with the defaults of a tiny model built from scratch.
-
-  Attributes:
+    arch: the architecture, a ModelConfig: its fields (HF names) are set and read flat, as
+      ``model.hidden_size``; by default a tiny model built from scratch (FRESH_MODEL). With
+      ``hf_path`` set, training takes the checkpoint's own architecture and ignores them.
     hf_path: where the weights, tokenizer and architecture come from: an HF model directory
       (local or gs://, which is copied to $JAXRL_GA_MODEL_CACHE; or a hub id), a ``.gguf`` file, or ``pkg:<package>`` (the one GGUF file inside an installed
       package). Empty: a fresh model of the architecture fields, its vocabulary from the task's
@@ -684,18 +532,8 @@ class ModelSpec(ModelConfig):
       implementation choice): a run may resume with another value.
     dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
-    the other fields: ModelConfig's (HF names). With ``hf_path`` set, training takes the
-      checkpoint's own architecture and ignores them.
   """
-  vocab_size: int = 0
-  hidden_size: int = 128
-  intermediate_size: int = 256
-  num_hidden_layers: int = 2
-  num_attention_heads: int = 4
-  num_key_value_heads: int = 2
-  attention_bias: bool = True
-  tie_word_embeddings: bool = True
-  max_position_embeddings: int = 512
+  arch: ModelConfig = dataclasses.field(default=FRESH_MODEL, metadata={'flat': True})
   hf_path: str = ''
   remat: str = 'auto'
   logprob_chunk_size: int = AUTO_CHUNK
@@ -703,12 +541,31 @@ class ModelSpec(ModelConfig):
   share_prompt_prefix: bool = True
   attention: str = 'auto'
 
-  def __post_init__(self):  # ConfigErrors naming model.*; ModelConfig's checks, reworded
+  def __init__(self, arch: Optional[ModelConfig] = None, **settings: Any):
+    """``arch`` (default FRESH_MODEL) with the ModelConfig fields among ``settings`` replaced,
+    and this class's own settings; a bad value is a ConfigError naming ``model.<setting>``."""
+    own = {f.name: f.default for f in dataclasses.fields(ModelSpec) if f.name != 'arch'}
+    unknown = sorted(set(settings) - set(own) - set(_ARCH_FIELDS))
+    if unknown:
+      raise TypeError(f'ModelSpec() got unexpected keyword argument(s) {", ".join(unknown)}')
+    for name, default in own.items():
+      object.__setattr__(self, name, settings.pop(name, default))
+    base = FRESH_MODEL if arch is None else arch
+    values = {name: settings.get(name, getattr(base, name)) for name in _ARCH_FIELDS}
+    self._validate(types.SimpleNamespace(**values))
+    try:
+      object.__setattr__(self, 'arch', ModelConfig(**values))
+    except ValueError as e:  # ModelConfig's own checks (layer types, family settings)
+      raise ConfigError(f'model.{e}') from None
+
+  def _validate(self, arch: Any) -> None:
+    """ConfigErrors naming model.*, ``arch`` the architecture's values before ModelConfig's own
+    checks."""
     p = 'model.'
-    _one_of(self, 'architecture', ARCHITECTURES, p)
+    _one_of(arch, 'architecture', ARCHITECTURES, p)
     _one_of(self, 'attention', ATTENTION, p)
-    _one_of(self, 'dtype', MODEL_DTYPES, p)
-    _one_of(self, 'param_dtype', MODEL_DTYPES, p)
+    _one_of(arch, 'dtype', MODEL_DTYPES, p)
+    _one_of(arch, 'param_dtype', MODEL_DTYPES, p)
     _one_of(self, 'remat', REMAT + ('auto',), p)
     for name in ('scan_layers', 'share_prompt_prefix'):
       _require(isinstance(getattr(self, name), bool),
@@ -719,21 +576,27 @@ class ModelSpec(ModelConfig):
              f'{p}logprob_chunk_size={self.logprob_chunk_size!r} must be an integer >= 0 '
              '(0: no chunking) or -1 (auto: the largest that fits the device).')
     if not self.hf_path:
-      _positive_int(self, 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+      _positive_int(arch, 'hidden_size', 'intermediate_size', 'num_hidden_layers',
                     'num_attention_heads', 'num_key_value_heads', prefix=p)
-      _require(self.num_attention_heads % self.num_key_value_heads == 0,
-               f'{p}num_attention_heads={self.num_attention_heads} must be a multiple of '
-               f'{p}num_key_value_heads={self.num_key_value_heads}.')
-      _require(self.hidden_size % self.num_attention_heads == 0,
-               f'{p}hidden_size={self.hidden_size} must be a multiple of '
-               f'{p}num_attention_heads={self.num_attention_heads}.')
+      _require(arch.num_attention_heads % arch.num_key_value_heads == 0,
+               f'{p}num_attention_heads={arch.num_attention_heads} must be a multiple of '
+               f'{p}num_key_value_heads={arch.num_key_value_heads}.')
+      _require(arch.hidden_size % arch.num_attention_heads == 0,
+               f'{p}hidden_size={arch.hidden_size} must be a multiple of '
+               f'{p}num_attention_heads={arch.num_attention_heads}.')
+
+  def __getattr__(self, name: str) -> Any:
+    """The architecture's fields and properties read through: ``spec.hidden_size``,
+    ``spec.head_size`` (only called for names the spec itself lacks)."""
+    if name.startswith('_') or (name not in _ARCH_FIELDS and not hasattr(ModelConfig, name)):
+      raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
+    return getattr(self.arch, name)
 
   def architecture_config(self, vocab_size: Optional[int] = None) -> ModelConfig:
-    """The architecture alone (a plain ModelConfig), with ``vocab_size`` when given."""
-    arch = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
-    if vocab_size is not None:
-      arch['vocab_size'] = vocab_size
-    return ModelConfig(**arch)
+    """The architecture (``arch``), with ``vocab_size`` when given."""
+    if vocab_size is None:
+      return self.arch
+    return dataclasses.replace(self.arch, vocab_size=vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1077,21 +940,48 @@ class RunConfig:
              f'of {", ".join(STAGES)} (e.g. "sft,grpo").')
 
 
-def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
-  """Builds dataclass ``cls`` from a mapping (e.g. a ConfigDict section), rejecting unknown keys.
+def settings(cls: type) -> dict[str, tuple[Any, type]]:
+  """The settings of config dataclass ``cls`` as config files and ``--config.<path>`` name them:
+  {name: (type, the dataclass that declares it)}, its fields in order, those of a field marked
+  ``metadata={'flat': True}`` in its place (``ModelSpec.arch``: ``model.hidden_size``)."""
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.metadata.get('flat'):
+      out.update(settings(hints[f.name]))
+    else:
+      out[f.name] = (hints[f.name], cls)
+  return out
 
-  Nested dataclass fields are built recursively from nested mappings.
+
+def settings_dict(obj: Any) -> dict[str, Any]:
+  """Config dataclass ``obj`` as nested dicts of its :func:`settings` (``dataclasses.asdict``
+  with a ``flat`` field's fields in its place): what config files write, and
+  :func:`from_mapping` takes back."""
+  out = {}
+  for name in settings(type(obj)):
+    value = getattr(obj, name)
+    out[name] = settings_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+  return out
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
+  """Builds dataclass ``cls`` from a mapping (e.g. a ConfigDict section) of its
+  :func:`settings`, rejecting unknown keys.
+
+  Nested dataclass fields (an optional one too) are built recursively from nested mappings.
   """
-  fields = {f.name: f for f in dataclasses.fields(cls)}
+  fields = settings(cls)
   unknown = sorted(set(values) - set(fields))
   if unknown:
     raise ConfigError(
         f'unknown setting(s) {", ".join(prefix + u for u in unknown)} for {cls.__name__}; '
         f'known settings: {", ".join(prefix + f for f in fields)}.')
-  hints = typing.get_type_hints(cls)
   kwargs = {}
   for name, value in values.items():
-    hint = hints[name]
+    hint = fields[name][0]
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    hint = inner[0] if len(inner) == 1 else hint  # Optional[X] -> X
     if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
       value = from_mapping(hint, value, prefix=f'{prefix}{name}.')
     kwargs[name] = value
@@ -1104,23 +994,22 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
 
 
 def to_config_dict(obj: Any):
-  """A dataclass instance as an ``ml_collections.ConfigDict`` of its fields (nested dataclasses
-  as nested ConfigDicts, tuples comma-joined); optional fields whose value is None become typed
-  placeholders, so that ``--config.<path>=<value>`` can set them too."""
-  hints = typing.get_type_hints(type(obj))
+  """A dataclass instance as an ``ml_collections.ConfigDict`` of its :func:`settings` (nested
+  dataclasses as nested ConfigDicts, tuples comma-joined); optional fields whose value is None
+  become typed placeholders, so that ``--config.<path>=<value>`` can set them too."""
   out = {}
-  for f in dataclasses.fields(obj):
-    value = getattr(obj, f.name)
+  for name, (hint, _) in settings(type(obj)).items():
+    value = getattr(obj, name)
     if dataclasses.is_dataclass(value):
       value = to_config_dict(value)
     elif value is None:
-      inner = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+      inner = [a for a in typing.get_args(hint) if a is not type(None)]
       value = ml_collections.config_dict.placeholder(inner[0] if inner else object)
     elif isinstance(value, tuple):
       value = ','.join(value)
     elif isinstance(value, Mapping):
       value = ml_collections.ConfigDict(dict(value))
-    out[f.name] = value
+    out[name] = value
   return ml_collections.ConfigDict(out)
 
 

@@ -34,7 +34,8 @@ def param_count(m) -> int:
   d, v = m.hidden_size, m.vocab_size
   q_dim, kv_dim = m.num_attention_heads * m.head_size, m.num_key_value_heads * m.head_size
   layer = layer_matmul_params(m) + 2 * d + (q_dim + 2 * kv_dim if m.attention_bias else 0)
-  layer += (2 * m.head_size if m.qk_norm else 0) + (2 * d if m.gemma else 0)  # Qwen3/Gemma norms
+  family = m.family  # its extra norms: q/k per head, after attention and MLP
+  layer += (2 * m.head_size if family.qk_norm else 0) + (2 * d if family.post_norms else 0)
   return m.num_hidden_layers * layer + v * d * (1 if m.tie_word_embeddings else 2) + d
 
 

@@ -90,10 +90,13 @@ def test_a_users_config_file_that_raises_shows_its_traceback(tmp_path):
 
 
 def _leaves(cls, prefix=''):
-  """Every setting of a dataclass tree, walked here independently of jaxrl_ga.cli."""
+  """Every setting of a dataclass tree, walked here independently of jaxrl_ga.cli; a field marked
+  flat (ModelSpec.arch) sets its own fields under its parent's name (model.hidden_size)."""
   hints = typing.get_type_hints(cls)
   for f in dataclasses.fields(cls):
-    if dataclasses.is_dataclass(hints[f.name]):
+    if f.metadata.get('flat'):
+      yield from _leaves(hints[f.name], prefix)
+    elif dataclasses.is_dataclass(hints[f.name]):
       yield from _leaves(hints[f.name], f'{prefix}{f.name}.')
     elif not (cls is config_lib.TaskSpec and f.name == 'options'):
       yield prefix + f.name

@@ -1,1 +1,2 @@
-"""Decoder-only transformers (Qwen2 / Llama families) and their Hugging Face interop."""
+"""Decoder-only transformers (the families of ``families.py``: Qwen2/3, Llama, Gemma 3,
+Mistral) and their Hugging Face and GGUF interop."""

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga.config import ModelConfig
+from jaxrl_ga.models.config import ModelConfig
 
 ATTENTION_IMPLS = ('einsum', 'xla', 'splash', 'cudnn', 'flash')  # ForwardOptions.attention
 AUTO = 'auto'  # model.attention's default: ``resolve`` picks one of ATTENTION_IMPLS per run

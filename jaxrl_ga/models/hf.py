@@ -19,11 +19,14 @@ HF -> params layout (L layers stacked on axis 0; HF ``nn.Linear`` weights are [o
   model.layers.{i}.mlp.down_proj.weight [D, F]     -> layers/down_proj [L, F, D]
   model.layers.{i}.self_attn.{q,k}_norm.weight [H] -> layers/{q,k}_norm [L, H] (Qwen3, Gemma 3)
   model.norm.weight [D]                            -> final_norm [D]
-
-Gemma 3 names its norms differently: post_attention_layernorm is the norm after attention
-(layers/post_attn_norm), pre_feedforward_layernorm the one before the MLP (layers/mlp_norm),
-post_feedforward_layernorm the one after it (layers/post_mlp_norm).
   lm_head.weight [V, D]                            -> lm_head [D, V] (absent when tied)
+
+These are Llama's names (``families.HF_LAYER_TENSORS``); a family's spec has its own where they
+differ (``Family.hf_layer_tensors``): Gemma 3's post_attention_layernorm is the norm after
+attention (layers/post_attn_norm), pre_feedforward_layernorm the one before the MLP
+(layers/mlp_norm), post_feedforward_layernorm the one after it (layers/post_mlp_norm). The family
+(``models/families.py``) also says which HF config attributes it reads (``HF_SETTINGS``), refuses
+and writes; nothing here branches on a family's name.
 
 Typical use::
 
@@ -57,47 +60,11 @@ from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import sharding as shd
 from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import families
 from jaxrl_ga.models import transformer
 
-# HF architecture -> our ``ModelConfig.architecture``.
-SUPPORTED_ARCHITECTURES = {'Qwen2ForCausalLM': 'qwen2', 'LlamaForCausalLM': 'llama',
-                           'Qwen3ForCausalLM': 'qwen3', 'Gemma3ForCausalLM': 'gemma3',
-                           'MistralForCausalLM': 'mistral'}
-_HF_ARCHITECTURES = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}  # ours -> HF's
-_HF_CONFIG_CLASSES = {'qwen2': transformers.Qwen2Config, 'llama': transformers.LlamaConfig,
-                      'qwen3': transformers.Qwen3Config, 'gemma3': transformers.Gemma3TextConfig,
-                      'mistral': transformers.MistralConfig}
-
-# Our param name -> (HF tensor name, whether HF stores it transposed).
-_TOP_TENSORS = {
-    'embed': ('model.embed_tokens.weight', False),
-    'final_norm': ('model.norm.weight', False),
-    'lm_head': ('lm_head.weight', True),
-}
-# Our name under ``layers`` -> (HF name after ``model.layers.{i}.``, transposed).
-_LAYER_TENSORS = {
-    'attn_norm': ('input_layernorm.weight', False),
-    'q_proj': ('self_attn.q_proj.weight', True),
-    'q_bias': ('self_attn.q_proj.bias', False),
-    'k_proj': ('self_attn.k_proj.weight', True),
-    'k_bias': ('self_attn.k_proj.bias', False),
-    'v_proj': ('self_attn.v_proj.weight', True),
-    'v_bias': ('self_attn.v_proj.bias', False),
-    'o_proj': ('self_attn.o_proj.weight', True),
-    'mlp_norm': ('post_attention_layernorm.weight', False),
-    'gate_proj': ('mlp.gate_proj.weight', True),
-    'up_proj': ('mlp.up_proj.weight', True),
-    'down_proj': ('mlp.down_proj.weight', True),
-    'q_norm': ('self_attn.q_norm.weight', False),
-    'k_norm': ('self_attn.k_norm.weight', False),
-}
-# Gemma 3's names where they differ (and its norms after attention and MLP).
-_GEMMA_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    'mlp_norm': ('pre_feedforward_layernorm.weight', False),
-    'post_attn_norm': ('post_attention_layernorm.weight', False),
-    'post_mlp_norm': ('post_feedforward_layernorm.weight', False),
-}
+# HF architecture -> our ``ModelConfig.architecture`` (a family's ``hf_class``).
+SUPPORTED_ARCHITECTURES = {f.hf_class: f.name for f in families.FAMILIES.values()}
 _INDEX_FILE = 'model.safetensors.index.json'
 _SINGLE_FILE = 'model.safetensors'
 # What ``snapshot_download`` fetches for a hub id: configs, weights, tokenizer files.
@@ -141,16 +108,49 @@ def _rope_from_hf(hf: transformers.PretrainedConfig, layer_type: Optional[str] =
                    f'(rope parameters: {params}).')
 
 
-def _architecture(hf: transformers.PretrainedConfig) -> str:
+def _local_rope_theta(hf: transformers.PretrainedConfig) -> float:
+  """The sliding layers' RoPE base (Gemma 3's ``rope_parameters['sliding_attention']``); their
+  rope scaling is refused."""
+  theta, scaling = _rope_from_hf(hf, 'sliding_attention')
+  if scaling is not None:
+    raise ValueError(f'{hf.model_type}: rope scaling of the sliding layers ({scaling}) is not '
+                     'supported.')
+  return theta
+
+
+# A family's settings (``Family.settings``, ModelConfig fields) -> (its value read from an HF
+# config, the HF config attributes export writes for it given the ModelConfig and the full
+# layers' rope parameters).
+HF_SETTINGS = {
+    'sliding_window': (lambda hf: getattr(hf, 'sliding_window', None) or 0,
+                       lambda cfg, rope: {'sliding_window': cfg.sliding_window or None}),
+    'layer_types': (lambda hf: tuple(hf.layer_types),
+                    lambda cfg, rope: {'layer_types': list(
+                        cfg.layer_types or ['full_attention'] * cfg.num_hidden_layers)}),
+    'rope_local_theta': (_local_rope_theta, lambda cfg, rope: {'rope_parameters': {
+        'full_attention': rope, 'sliding_attention': {
+            'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}}}),
+    'query_pre_attn_scalar': (
+        lambda hf: float(hf.query_pre_attn_scalar),
+        lambda cfg, rope: {'query_pre_attn_scalar': _number(cfg.query_pre_attn_scalar
+                                                            or cfg.head_size)}),
+    'final_logit_softcapping': (
+        lambda hf: float(hf.final_logit_softcapping or 0.0),
+        lambda cfg, rope: {'final_logit_softcapping': cfg.final_logit_softcapping or None}),
+}
+
+
+def _family(hf: transformers.PretrainedConfig) -> families.Family:
+  """The family of an HF config: by its ``architectures``, else its ``model_type``."""
   names = list(getattr(hf, 'architectures', None) or [])
-  by_type = {**_HF_ARCHITECTURES, 'gemma3_text': 'Gemma3ForCausalLM'}
+  by_type = {t: f.hf_class for f in families.FAMILIES.values() for t in f.model_types}
   if not names and hf.model_type in by_type:
     names = [by_type[hf.model_type]]
   if len(names) != 1 or names[0] not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
         f'Unsupported architecture {names or None} (model_type {hf.model_type!r}); supported: '
         f'{", ".join(SUPPORTED_ARCHITECTURES)}.')
-  return SUPPORTED_ARCHITECTURES[names[0]]
+  return families.FAMILIES[SUPPORTED_ARCHITECTURES[names[0]]]
 
 
 def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
@@ -167,47 +167,32 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
 
   Raises:
     ValueError: naming the offender, for an architecture not in SUPPORTED_ARCHITECTURES, an
-      unsupported rope type, or a feature the model lacks (Qwen2/Qwen3 sliding-window layers,
-      biases other than Qwen2's q/k/v ones, an activation other than SiLU (GELU-tanh for
-      Gemma 3), Gemma 3's attention soft-capping or bidirectional attention).
+      unsupported rope type, or a feature the model lacks (its family's ``hf_refused``: Qwen2/3
+      sliding-window layers, biases other than Qwen2's q/k/v ones, Gemma 3's attention
+      soft-capping or bidirectional attention; an activation other than the family's).
   """
   hf = hf_config_or_dir
   if not isinstance(hf, transformers.PretrainedConfig):
     path = os.fspath(hf)
     hf = transformers.AutoConfig.from_pretrained(
         _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
-  arch = _architecture(hf)
-  gemma = arch == 'gemma3'
-  act_name, act_want = ('hidden_activation', 'gelu_pytorch_tanh') if gemma else ('hidden_act',
-                                                                                 'silu')
+  family = _family(hf)
+  arch = family.name
+  act_name, act_want = family.hf_activation
   act = getattr(hf, act_name, act_want)
   if act != act_want:
     raise ValueError(f'{arch}: {act_name}={act!r} is not supported (only {act_want}).')
-  if arch in ('qwen2', 'qwen3') and getattr(hf, 'use_sliding_window', False):
-    raise ValueError('use_sliding_window=True (sliding-window attention) is not supported.')
-  if arch != 'qwen2':
-    for name in ('attention_bias', 'mlp_bias'):
-      if getattr(hf, name, False):
-        raise ValueError(f'{arch} with {name}=True is not supported (the model has q/k/v biases '
-                         'only, and only for Qwen2).')
-  extra = {}
-  if gemma:
-    for name in ('attn_logit_softcapping', 'use_bidirectional_attention'):
-      if getattr(hf, name, None):
-        raise ValueError(f'gemma3 with {name}={getattr(hf, name)} is not supported.')
-    local_theta, local_scaling = _rope_from_hf(hf, 'sliding_attention')
-    if local_scaling is not None:
-      raise ValueError(f'gemma3: rope scaling of the sliding layers ({local_scaling}) is not '
-                       'supported.')
-    extra = dict(layer_types=tuple(hf.layer_types), sliding_window=hf.sliding_window or 0,
-                 rope_local_theta=local_theta,
-                 query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
-                 final_logit_softcapping=float(hf.final_logit_softcapping or 0.0))
-    if 'sliding_attention' not in extra['layer_types']:
-      extra.update(sliding_window=0, rope_local_theta=0.0)
-  elif arch == 'mistral':
-    extra = dict(sliding_window=getattr(hf, 'sliding_window', None) or 0)
-  theta, scaling = _rope_from_hf(hf, 'full_attention' if gemma else None)
+  for name in family.hf_refused:
+    if getattr(hf, name, None):
+      raise ValueError(f'{arch} with {name}={getattr(hf, name)} is not supported (the model '
+                       'lacks that feature).')
+  extra = {name: HF_SETTINGS[name][0](hf) for name in family.settings}
+  if 'layer_types' in extra and 'sliding_attention' not in extra['layer_types']:
+    for name, unset in (('sliding_window', 0), ('rope_local_theta', 0.0)):  # no layer slides
+      if name in extra:
+        extra[name] = unset
+  per_type = 'rope_local_theta' in family.settings  # rope_parameters per layer type
+  theta, scaling = _rope_from_hf(hf, 'full_attention' if per_type else None)
   default_head_dim = hf.hidden_size // hf.num_attention_heads
   head_dim = getattr(hf, 'head_dim', None) or default_head_dim
   return transformer.ModelConfig(
@@ -221,7 +206,7 @@ def model_config_from_hf(hf_config_or_dir: Union[str, os.PathLike,
       rope_theta=theta,
       rope_scaling=scaling,
       rms_norm_eps=hf.rms_norm_eps,
-      attention_bias=arch == 'qwen2',  # HF Qwen2 always has q/k/v biases.
+      attention_bias=family.attention_bias,  # HF Qwen2 always has q/k/v biases
       tie_word_embeddings=bool(getattr(hf, 'tie_word_embeddings', False)),
       max_position_embeddings=hf.max_position_embeddings,
       architecture=arch,
@@ -347,13 +332,13 @@ class _NamedSlice:
 
 
 def _hf_names(path: tuple[str, ...], num_layers: int,
-              gemma: bool = False) -> tuple[list[str], bool]:
+              family: families.Family) -> tuple[list[str], bool]:
   """Param path (e.g. ('layers', 'q_proj')) -> its HF tensor names (one per layer) and whether
-  HF stores them transposed; ``gemma``: Gemma 3's names."""
+  HF stores them transposed, by the ``family``'s names."""
   if path[0] == 'layers':
-    name, transposed = (_GEMMA_LAYER_TENSORS if gemma else _LAYER_TENSORS)[path[1]]
+    name, transposed = family.hf_layer_tensors[path[1]]
     return [f'model.layers.{i}.{name}' for i in range(num_layers)], transposed
-  name, transposed = _TOP_TENSORS[path[0]]
+  name, transposed = families.HF_TOP_TENSORS[path[0]]
   return [name], transposed
 
 
@@ -416,7 +401,7 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
   """
   expected = traverse_util.flatten_dict(shd.abstract_model(cfg)[1])
   flat_shardings = traverse_util.flatten_dict(shardings) if shardings is not None else {}
-  names = {path: _hf_names(path, cfg.num_hidden_layers, cfg.gemma) for path in expected}
+  names = {path: _hf_names(path, cfg.num_hidden_layers, cfg.family) for path in expected}
 
   wanted = {name for hf_names, _ in names.values() for name in hf_names}
   missing = sorted(wanted - set(available))
@@ -569,14 +554,14 @@ def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrain
 def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = None,
               tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None
               ) -> transformers.PretrainedConfig:
-  """The ``Qwen2Config`` / ``LlamaConfig`` / ``Qwen3Config`` / ``Gemma3TextConfig`` /
-  ``MistralConfig`` describing cfg.
+  """The HF config (its family's ``hf_config_class``: ``Qwen2Config``, ``LlamaConfig``, ...)
+  describing cfg.
 
   ``weights_dtype`` (default cfg.param_dtype) becomes its ``dtype``; pad/bos/eos token ids come
   from the tokenizer when one is given.
   """
-  arch = cfg.architecture
-  if cfg.attention_bias != (arch == 'qwen2'):
+  family, arch = cfg.family, cfg.architecture
+  if cfg.attention_bias != family.attention_bias:
     raise ValueError(f'attention_bias={cfg.attention_bias} has no HF {arch} equivalent (Qwen2 '
                      'always has q/k/v biases, Llama has none here).')
   rope = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
@@ -588,7 +573,7 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
                 high_freq_factor=sc.high_freq_factor,
                 original_max_position_embeddings=sc.original_max_position_embeddings)
   kwargs = dict(
-      architectures=[_HF_ARCHITECTURES[arch]],
+      architectures=[family.hf_class],
       vocab_size=cfg.vocab_size,
       hidden_size=cfg.hidden_size,
       intermediate_size=cfg.intermediate_size,
@@ -601,29 +586,17 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
       rope_parameters=rope,
       dtype=weights_dtype or cfg.param_dtype,
   )
-  # head_dim for every architecture; Qwen2's attention reads an optional one (when it differs).
-  if arch != 'qwen2' or cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
+  # head_dim for every family but Qwen2, whose attention reads an optional one (when it differs).
+  if family.hf_head_dim_always or cfg.head_size != cfg.hidden_size // cfg.num_attention_heads:
     kwargs.update(head_dim=cfg.head_size)
-  if arch == 'llama':
-    kwargs.update(attention_bias=False, mlp_bias=False)
-  elif arch == 'qwen3':
-    kwargs.update(attention_bias=False, use_sliding_window=False)
-  elif arch == 'mistral':
-    kwargs.update(sliding_window=cfg.sliding_window or None)
-  elif arch == 'gemma3':
-    local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}
-    kwargs.update(
-        attention_bias=False, hidden_activation='gelu_pytorch_tanh',
-        rope_parameters={'full_attention': rope, 'sliding_attention': local},
-        layer_types=list(cfg.layer_types or ['full_attention'] * cfg.num_hidden_layers),
-        sliding_window=cfg.sliding_window or None,
-        query_pre_attn_scalar=_number(cfg.query_pre_attn_scalar or cfg.head_size),
-        final_logit_softcapping=cfg.final_logit_softcapping or None,
-        attn_logit_softcapping=None)
+  kwargs.update(family.hf_export)
+  kwargs[family.hf_activation[0]] = family.hf_activation[1]
+  for name in family.settings:
+    kwargs.update(HF_SETTINGS[name][1](cfg, rope))
   if tokenizer is not None:
     kwargs.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id)
-  return _HF_CONFIG_CLASSES[arch](**kwargs)
+  return getattr(transformers, family.hf_config_class)(**kwargs)
 
 
 def _number(x: float):
@@ -654,7 +627,7 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
   config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer)
   tensors = {}
   for path, value in traverse_util.flatten_dict(params).items():
-    hf_names, transposed = _hf_names(path, cfg.num_hidden_layers, cfg.gemma)
+    hf_names, transposed = _hf_names(path, cfg.num_hidden_layers, cfg.family)
     host = placement.to_host(value).astype(np_dtype, copy=False)
     per_name = list(host) if path[0] == 'layers' else [host]
     for name, x in zip(hf_names, per_name):

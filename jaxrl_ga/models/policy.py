@@ -59,7 +59,7 @@ def model_config(cfg: RunConfig, vocab_size: int) -> tfm.ModelConfig:
       m = hf.model_config_from_hf(spec.hf_path, dtype=spec.dtype, param_dtype=spec.param_dtype)
     except (OSError, ValueError, KeyError) as e:  # unknown model_type, unsupported feature
       raise ConfigError(f'model.hf_path={spec.hf_path}: {_first_line(e)} (supported: '
-                        'Qwen2ForCausalLM and LlamaForCausalLM checkpoints, or a llama GGUF '
+                        f'{", ".join(hf.SUPPORTED_ARCHITECTURES)} checkpoints, or a llama GGUF '
                         'file)') from None
   return dataclasses.replace(m, lora=spec.lora)
 

@@ -3,10 +3,11 @@
 
 RMSNorm, rotary embeddings (rope_theta; 'linear' and Llama-3 scaling), grouped-query attention,
 SwiGLU MLP, optional q/k/v bias (Qwen2), tied or untied embeddings, float32/bfloat16 params and
-compute. Per architecture (``ModelConfig``): q/k RMSNorm per head (Qwen3, Gemma 3); Gemma 3's
-layer (``cfg.gemma``: (1 + w) norms, norms after attention and MLP too, scaled embeddings,
-GELU-tanh, ``query_pre_attn_scalar``, final logit soft-capping); sliding-window attention
-(Mistral, Gemma 3's local layers) as one more mask term, and Gemma 3's local RoPE base. What
+compute. What a family changes (``cfg.family``, its spec in ``models/families.py``): q/k RMSNorm
+per head (Qwen3, Gemma 3); (1 + w) norms, norms after attention and MLP too, scaled embeddings
+and GELU-tanh (Gemma 3); and the family's settings (``ModelConfig``): ``query_pre_attn_scalar``,
+final logit soft-capping, sliding-window attention (Mistral, Gemma 3's local layers) as one more
+mask term, and Gemma 3's local RoPE base. What
 differs between layers (sliding or not, the RoPE frequencies) is arrays stacked with the layer
 params (``layer_constants``), so the layers still run as one scan. The layers' params are stacked on a leading ``layers`` axis and run with ``lax.scan``, so
 compile time does not grow with depth.
@@ -56,6 +57,7 @@ Attention (``ForwardOptions.attention``, model.attention), its masks and the KV 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -65,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_ga.config import ModelConfig, RopeScaling  # pylint: disable=unused-import
+from jaxrl_ga.models.config import ModelConfig, RopeScaling  # pylint: disable=unused-import
 from jaxrl_ga.models import activations
 from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models.activations import constrain
@@ -76,6 +78,9 @@ REMAT_POLICIES = {
     'full': jax.checkpoint_policies.nothing_saveable,
     'save_dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+# The MLP's gate activation by name (families.ACTIVATIONS, a family's ``activation``).
+ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': functools.partial(jax.nn.gelu, approximate=True)}
 
 # vocabulary blocks of the tied head's product at decode time (Transformer._next_token_logits)
 _HEAD_BLOCKS = 32
@@ -233,12 +238,13 @@ class DecoderStack(nnx.Module):
     def const(value, shape, axes):
       return nnx.Param(jnp.full((n_layers, *shape), value, pdt), logical_axes=('layers', *axes))
 
-    norm_init = 0.0 if cfg.gemma else 1.0  # Gemma's norms scale by (1 + w)
+    family = cfg.family
+    norm_init = 0.0 if family.norm_plus_one else 1.0  # (1 + w) norms start at w = 0
     self.attn_norm = const(norm_init, (d,), ('norm',))
-    if cfg.qk_norm:  # per head, over the head dim (Qwen3, Gemma 3)
+    if family.qk_norm:  # per head, over the head dim
       self.q_norm = const(norm_init, (cfg.head_size,), ('norm',))
       self.k_norm = const(norm_init, (cfg.head_size,), ('norm',))
-    if cfg.gemma:  # the norms after attention and after the MLP
+    if family.post_norms:  # the norms after attention and after the MLP
       self.post_attn_norm = const(norm_init, (d,), ('norm',))
       self.post_mlp_norm = const(norm_init, (d,), ('norm',))
     self.q_proj = weight((d, q_dim), ('embed', 'q_heads'))
@@ -311,8 +317,8 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
   """The attention inputs of one layer. h: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H],
   rotary embeddings applied to q and k."""
   b, t, _ = h.shape
-  hs = cfg.head_size
-  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps, cfg.gemma).reshape(b * t, -1)
+  hs, plus_one = cfg.head_size, cfg.family.norm_plus_one
+  x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps, plus_one).reshape(b * t, -1)
   if 'qkv_proj' in p:  # the decode loop's fused weights (Transformer.decode_layers): one product
     n_q = cfg.num_attention_heads * hs
     q, k, v = jnp.split(_proj(cfg, p, x, 'qkv_proj'), [n_q, n_q + cfg.num_key_value_heads * hs],
@@ -322,9 +328,9 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
   q = constrain(q.reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
   k = constrain(k.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
   v = constrain(v.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
-  if cfg.qk_norm:
-    q = _rms_norm(q, p['q_norm'], cfg.rms_norm_eps, cfg.gemma)
-    k = _rms_norm(k, p['k_norm'], cfg.rms_norm_eps, cfg.gemma)
+  if cfg.family.qk_norm:
+    q = _rms_norm(q, p['q_norm'], cfg.rms_norm_eps, plus_one)
+    k = _rms_norm(k, p['k_norm'], cfg.rms_norm_eps, plus_one)
   inv_freq = p.get('rope_inv_freq', inv_freq)  # the layer's own (layer_constants), if any
   return _rope(q, positions, inv_freq), _rope(k, positions, inv_freq), v
 
@@ -336,11 +342,12 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   b, t, _ = h.shape
   rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
   per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
-  eps, gemma = cfg.rms_norm_eps, cfg.gemma
-  post = lambda y, name: _rms_norm(y, p[name], eps, True) if gemma else y  # Gemma's post-norms
+  eps, family = cfg.rms_norm_eps, cfg.family
+  post = lambda y, name: (_rms_norm(y, p[name], eps, family.norm_plus_one) if family.post_norms
+                          else y)  # the norms after attention and after the MLP (Gemma 3)
   h = constrain(h + post(per_token(_proj(cfg, p, rows(attn), 'o_proj')), 'post_attn_norm'),
                 *_EMBED)
-  x = rows(_rms_norm(h, p['mlp_norm'], eps, gemma))
+  x = rows(_rms_norm(h, p['mlp_norm'], eps, family.norm_plus_one))
   if 'gate_up_proj' in p:  # fused (Transformer.decode_layers): one product
     gate, up = jnp.split(_proj(cfg, p, x, 'gate_up_proj'), 2, axis=-1)
   else:
@@ -349,8 +356,7 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   up = rows(constrain(per_token(up), *_MLP))
 
   def down(gate, up, p):  # recomputed in the backward from gate and up (the comment at _rms_norm)
-    act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
-    return _proj(cfg, p, act * up, 'down_proj')
+    return _proj(cfg, p, ACTIVATIONS[family.activation](gate) * up, 'down_proj')
 
   mlp_out = _recomputed(down, gate, up, {k: v for k, v in p.items() if k.startswith('down_')})
   return constrain(h + post(per_token(mlp_out), 'post_mlp_norm'), *_EMBED)
@@ -522,13 +528,14 @@ class Transformer(nnx.Module):
   def _embed(self, tokens: jax.Array) -> jax.Array:
     """[B, T] token ids -> [B, T, D] embeddings in the compute dtype."""
     h = jnp.take(self.embed[...], tokens, axis=0)
-    if self.cfg.gemma:  # times sqrt(D) rounded to the table's dtype, as HF's Gemma
+    if self.cfg.family.scale_embeddings:  # times sqrt(D) rounded to the table's dtype, as HF's
       h = h * jnp.asarray(math.sqrt(self.cfg.hidden_size), h.dtype)
     h = h.astype(_DTYPES[self.cfg.dtype])
     return constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
 
   def _final_norm(self, h: jax.Array) -> jax.Array:
-    return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, self.cfg.gemma)
+    return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps,
+                     self.cfg.family.norm_plus_one)
 
   def _logits(self, h: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""

@@ -14,6 +14,7 @@ from jaxrl_ga import checkpoint
 from jaxrl_ga import fileio
 from jaxrl_ga import lora
 from jaxrl_ga.config import ROLES, RunConfig
+from jaxrl_ga.models import families
 from jaxrl_ga.models import transformer as tfm
 
 
@@ -110,10 +111,9 @@ class RunContext:
                       'task': dataclasses.asdict(self.cfg.task), **data})
 
 
-# ModelConfig fields added after checkpoints were first written (Gemma 3, Mistral); left out of
-# the fingerprint while unset.
-_LATER_MODEL_FIELDS = ('sliding_window', 'layer_types', 'rope_local_theta',
-                       'query_pre_attn_scalar', 'final_logit_softcapping')
+# ModelConfig fields added after checkpoints were first written: the settings only some families
+# read (Gemma 3's, Mistral's; models/families.py); left out of the fingerprint while unset.
+_LATER_MODEL_FIELDS = families.FAMILY_SETTINGS
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
