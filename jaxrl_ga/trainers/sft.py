@@ -65,19 +65,19 @@ def run_sft(ctx: context.RunContext, cfg: SFTConfig, params) -> tuple[Any, dict[
     batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
     return placement.place_rows(batch, b, ctx.mesh), consumed
 
-  first = batch_at(0)[0]
-  # Compiled and checked against the device's memory here (jaxrl_ga.fit), 'auto' knobs chosen.
-  learner = programs.fitted_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                        ctx.graphdef, cfg, first)
+  # The stage's programs (programs.LearnerPrograms), compiled and checked against the device's
+  # memory here (jaxrl_ga.fit), 'auto' knobs chosen.
+  progs = programs.fitted_sft_programs(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                       ctx.graphdef, cfg, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+  learner = progs.learner
   ckpt = ctx.checkpointer('sft')
-  fresh = learner.init(part.trained, first, part.frozen)
-  state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
+  state, meta = stage.restore(ctx, ckpt, 'sft', progs.init_state(params), k)
   if not stage.trains_on('sft', meta, cfg.num_steps, k):
     return part.policy(state.params), meta['summary']
-  evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
+  evaluator = evaluation.Evaluator(ctx, progs.table['evaluation'])
   # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
   # 7919), checked every probe_every steps; the warm start ends when they are solved.
-  probe = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
+  probe = evaluation.Evaluator(ctx, progs.table['evaluation'], examples=[
       ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
       if cfg.target_accuracy else None
 
