@@ -1,4 +1,4 @@
-r"""Compiles a run's GRPO programs (rollout, learner, ...) ahead of time for a TPU topology, without a TPU.
+r"""Compiles a run's GRPO programs ahead of time for a TPU topology, without a TPU.
 
   python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 --topology=v5e:2x4
   python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 \

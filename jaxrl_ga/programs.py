@@ -5,7 +5,7 @@ or unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old 
 the attention).
 
   progs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
-  state = progs.init_state(params)            # the starting state (progs.abstract_state(): its shapes)
+  state = progs.init_state(params)            # the starting state (abstract_state(): shapes)
   fn, args = progs.table['learner']           # the jitted step and its abstract arguments
   progs.table['rollout'].lower()              # what plan lowers for every entry
 
@@ -301,7 +301,8 @@ def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, 
 
 
 def _fuse_weights(mesh) -> bool:
-  """The decode loop's fused projections off the CPU (``Sampler.fuse_weights``), as the rollout's."""
+  """The decode loop's fused projections off the CPU (``Sampler.fuse_weights``), as the
+  rollout's."""
   return mesh.devices.flat[0].platform != 'cpu'
 
 

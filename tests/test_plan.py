@@ -228,3 +228,70 @@ def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
   assert (pool_cache in trained['decode'].as_text()) == bool(sp.decode_slots)
   assert (planned.decode_rows, planned.decode is not None) == (
       sp.decode_slots or trainer.table.config.completions_per_rollout, True)
+
+
+@pytest.mark.parametrize('lora_rank', [0, 4])
+def test_sft_and_dpo_tables_are_the_calls_their_trainers_make(tmp_path, lora_rank):
+  """Every entry of the SFT and DPO programs' tables (learner, evaluation; DPO's reference pass
+  and the generation of its sampled pairs) at its abstract arguments lowers to the StableHLO of
+  the call its trainer makes: at the starting state ``init_state`` puts together, SFT's first
+  micro-batch (trainers/sft.py's rows of the task), DPO's (``PairStream.batch_at`` over pairs
+  laid out as trainers/dpo.py lays them out), the evaluator's and the pairs' prompt batches and
+  the reference pass's rows, built here from text. A table whose shapes, dtypes or shardings
+  were not the trainer's would lower another program (or a second one at run time)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, lora, placement, programs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import dpo, evaluation, sft, text  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('dpo_arith', **{'model.lora.rank': lora_rank})
+  ctx, params = api.build_context(cfg, str(tmp_path))
+  frozen = lora.partition(params, ctx.model_cfg)[1]
+  extra = [] if frozen is None else [frozen]
+  prompts = lambda n, width: placement.shard_batch(text.left_pad(
+      [text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, 0).prompt) for i in range(n)],
+      width, ctx.pad_id, 'test'), ctx.mesh)
+  key, one = jax.random.PRNGKey(0), np.float32(1.0)
+
+  def evaluator_call(program):
+    ev = evaluation.Evaluator(ctx, program)
+    generate = ev._generate  # pylint: disable=protected-access
+    return generate.lower(params, *prompts(ev.batch_size, ev.max_prompt_length), key, one, one)
+
+  s = ctx.cfg.sft
+  progs = programs.build_sft_programs(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                      ctx.graphdef, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+  rows = placement.batch_rows(s.micro_batch_size, ctx.mesh)
+  batch = placement.place_rows(sft.micro_batch(ctx, s, 0, 0, rows)[0], s.micro_batch_size,
+                               ctx.mesh)
+  calls = {'learner': progs.learner.step_fn.lower(progs.init_state(params), batch, *extra),
+           'evaluation': evaluator_call(progs.table['evaluation'])}
+  assert set(calls) == set(progs.table)
+  for name, lowered in calls.items():
+    assert progs.table[name].lower().as_text() == lowered.as_text(), ('sft', name)
+
+  d = ctx.cfg.dpo
+  progs = dpo.stage_programs(ctx, d, fitted=False)
+  assert d.pairs != 'dataset' and d.loss.rpo_alpha
+  n = 2 * d.micro_batch_size
+  ids = [text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, 0).prompt)
+         for i in range(n)]
+  pairs = {}
+  for side, reply in (('chosen', [5, ctx.eos_id]), ('rejected', [6, 7, ctx.eos_id])):
+    rows = text.right_padded_rows(ids, [reply] * n, d.max_length, ctx.pad_id, 'test')
+    pairs.update({f'{side}_{k}': v for k, v in rows.items()})
+    pairs[f'ref_{side}_logps'] = np.zeros(n, np.float32)  # as add_reference_logps keeps them
+  reference_rows = placement.shard_batch(
+      [pairs[f'chosen_{k}'][:progs.table['reference'].args[1].shape[0]]
+       for k in ('tokens', 'attention_mask', 'loss_mask')], ctx.mesh)
+  generation_rows = dpo.GENERATION_PROMPTS * d.samples_per_prompt
+  stream = dpo.PairStream(pairs, d, 0, ctx.mesh)
+  calls = {'learner': progs.learner.step_fn.lower(progs.init_state(params), stream.batch_at(0),
+                                                  *extra),
+           'evaluation': evaluator_call(progs.table['evaluation']),
+           'reference': progs.table['reference'].fn.lower(params, *reference_rows),
+           'generation': progs.table['generation'].fn.lower(
+               params, *prompts(generation_rows, d.sampling.max_prompt_length),
+               key, np.float32(d.sampling.temperature), np.float32(d.sampling.top_p))}
+  assert set(calls) == set(progs.table)
+  for name, lowered in calls.items():
+    assert progs.table[name].lower().as_text() == lowered.as_text(), ('dpo', name)
