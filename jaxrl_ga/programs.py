@@ -116,7 +116,7 @@ class Program(NamedTuple):
     return self.fn.lower(*self.args)
 
 
-# What each step of a stage is called in fit's line, errors and plan's report.
+# What each step of a stage is called in fit's line and errors.
 STEP_NAMES = {'learner': 'learner micro-step',
               'rollout': 'rollout step (generation, old and reference log-probs)',
               'reorder': 'reorder step (old log-probs)',
