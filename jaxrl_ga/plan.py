@@ -511,7 +511,8 @@ def render_text(rep: dict[str, Any]) -> str:
   for name, s in rep.get('programs', {}).items():
     status = 'fits' if s['fits'] else ('DOES NOT FIT' if s['compiled'] else
                                        'REJECTED by the compiler')
-    lines.append(f'{name}: {status} (peak {gib(s["peak_bytes"])}'
+    label = 'decode step (the full cache)' if name == 'decode' else name
+    lines.append(f'{label}: {status} (peak {gib(s["peak_bytes"])}'
                  + (f' = {100 * s["hbm_fraction"]:.0f}% of HBM)' if s['hbm_fraction'] else ')'))
     if not s['compiled']:
       lines.append(f'  {s["error"]}')
