@@ -13,7 +13,7 @@ sizes through the scripts' shared size flags (``--big_hidden_size``, ``--big_lay
 ``machine.BIG_MODEL_FLAGS``).
 
 Both variants are the library's SFT stage pieces: ``api.build_context`` (rows read, rendered,
-tokenized and fitted once), ``programs.build_sft_learner`` and ``trainers.sft.micro_batch`` (the
+tokenized and fitted once), ``programs.build_sft_programs`` and ``trainers.sft.micro_batch`` (the
 micro-batch the trainer builds at a data position: ``--micro_batch_size`` rows of
 ``--max_length`` tokens, one example per row, or as many as greedily fill the rows). Each is
 compiled first (compile time apart), then timed in interleaved rounds of ``--steps`` learner
@@ -99,10 +99,12 @@ def main(argv):
     cfg = api.make_config('configs/sft_arith.py', **base, **{'sft.packing': packing})
     v = {'cfg': cfg.sft, 'seed': cfg.seed, 'position': 0, 'times': [], 'examples': 0,
          'tokens': 0, 'slots': 0,
-         'learner': programs.build_sft_learner(cfg, ctx.model_cfg, ctx.mesh,
-                                               ctx.param_shardings, ctx.graphdef)}
+         'programs': programs.build_sft_programs(cfg, ctx.model_cfg, ctx.mesh,
+                                                 ctx.param_shardings, ctx.graphdef,
+                                                 eos_id=ctx.eos_id, pad_id=ctx.pad_id)}
+    v['learner'] = v['programs'].learner
     t0 = time.perf_counter()
-    v['state'] = v['learner'].init(part.trained, next_batch(v, ctx), part.frozen)
+    v['state'] = v['programs'].init_state(params)
     v['state'], out = v['learner'].step(v['state'], next_batch(v, ctx), part.frozen)
     jax.block_until_ready(out)
     v.update(compile_s=time.perf_counter() - t0, examples=0, tokens=0, slots=0)

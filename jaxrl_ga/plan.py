@@ -1,4 +1,4 @@
-r"""Compiles a run's rollout and learner steps ahead of time for a TPU topology, without a TPU.
+r"""Compiles a run's GRPO programs ahead of time for a TPU topology, without a TPU.
 
   python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 --topology=v5e:2x4
   python -m jaxrl_ga.plan --config=configs/grpo_gsm8k_tpu.py:v5e-8 \
@@ -15,7 +15,10 @@ log-probs, LoRA; tests/test_plan.py checks that the lowered text is the trainer'
 installed: ``pip install 'jax[tpu]'``), lowered at the config's real shapes and shardings and
 compiled by the TPU compiler. Topologies with several hosts (e.g. v4:2x2x4, 4 hosts) compile the
 same way. With ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the
-old log-probs, is compiled and reported too.
+old log-probs, is compiled and reported too. Every other entry of the factory's table is compiled
+as well and reported by its memory (``programs`` in the report, a line each, and in ``fits``):
+``evaluation`` (the held-out evaluation's greedy generation) and ``decode`` (one iteration of the
+rollout's decode loop at the run's shapes).
 
 Per chip and per step it reports the compiler's memory analysis (argument, output, temp and peak
 bytes; the chip's HBM), flops and bytes, and estimates derived from them. These are compiler
@@ -41,10 +44,11 @@ The rollout is the trainer's (``decode``, ``prompt_share`` in the report): with
 ``grpo.sampling.decode_slots`` > 0 its decode loop is the slot pool's, else batches of
 ``rollout_micro_batch_size`` rows (0: all); each prompt is prefilled once for its
 ``prompt_share.generation`` rows, and the old-log-prob pass runs each prompt's forward once per
-``prompt_share.old_logprobs`` rows. ``decode`` models the loop from one of its steps, compiled
-alone (``lower_decode_step``: the loop's per-layer weights, sharded at rest, and a KV cache at the
-mean fill of a completion of max_completion_length tokens, Tp + Tc // 2 slots, read whole: the
-filled-blocks attention reads that many on average): the compiler's ``compiler_flops`` and
+``prompt_share.old_logprobs`` rows. ``decode`` models the loop from one of its steps, the loop's
+own body compiled alone (``programs.decode_program``: the draw of the next token included, the
+loop's per-layer weights sharded at rest, and a KV cache at the mean fill of a completion of
+max_completion_length tokens, Tp + Tc // 2 slots, read whole: the filled-blocks attention reads
+that many on average): the compiler's ``compiler_flops`` and
 ``compiler_bytes_accessed`` per chip, ``roofline_seconds`` = max(flops / peak, bytes / HBM
 bandwidth), ``optimal_seconds`` (the cost model's, when sane), ``step_seconds`` (the larger),
 ``tokens_per_second`` = ``rows_per_step`` / step_seconds (an upper bound), and
@@ -132,29 +136,32 @@ class Steps:
   """The lowered steps of a GRPO run on a mesh (lowered, not yet compiled)."""
   mesh: Any
   model_cfg: Any
-  programs: Any  # programs.GRPOPrograms: the trainer's engine and learner
+  programs: Any  # programs.GRPOPrograms: the trainer's programs and their table
   rollout: Any  # jax.stages.Lowered
   learner: Any
   reorder: Any  # the reorder step of deferred old log-probs; None without
   learner_rows: int  # sequences per micro-step (global)
   rollout_rows: int  # completions per rollout (global)
   recompute_rows: int  # old-log-prob rows of the rollout with the most marked slices
-  decode: Any = None  # one step of the rollout's decode loop (``lower_decode_step``); None without
+  decode: Any = None  # the decode estimate: the rollout's loop body at the mean fill; None without
   decode_rows: int = 0  # rows that step decodes (global): the pool's slots, or a batch's rows
   decode_cache_slots: int = 0  # the KV cache slots it reads: their mean over a whole completion
+  # every other entry of the programs' table, lowered ('decode': the loop body at the real
+  # shapes, 'evaluation': the held-out evaluation's generation)
+  others: dict = dataclasses.field(default_factory=dict)
 
 
 def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
-               logprob_chunk_size: Optional[int] = None, steps=('rollout', 'learner'),
+               logprob_chunk_size: Optional[int] = None, steps=None,
                eos_id: int = 0, pad_id: int = 0) -> Steps:
-  """Lowers the GRPO steps of ``cfg`` (a RunConfig) on ``devices``: the programs the trainer
-  runs, built by the same factory (``programs.build_grpo_programs``: layers scanned or unrolled,
-  remat, the log-prob chunk, the shared prompt forward, deferred old log-probs, LoRA), lowered at
-  the config's shapes and shardings from abstract params. ``remat`` / ``logprob_chunk_size``
-  override ``cfg.model``'s. ``eos_id`` / ``pad_id``: the tokenizer's (constants of the rollout
-  step; they change neither its memory nor its flops). With
-  ``grpo.advantage.order_by_advantage_sign`` the reorder step, which then computes the old
-  log-probs, is lowered with the rollout."""
+  """Lowers the GRPO programs of ``cfg`` (a RunConfig) on ``devices``: the programs the trainer
+  runs, the entries of the same factory's table (``programs.build_grpo_programs``: layers
+  scanned or unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old
+  log-probs, LoRA), lowered at the config's shapes and shardings from abstract params.
+  ``steps``: the entries to lower (default: every one; 'rollout' brings 'reorder', with
+  ``grpo.advantage.order_by_advantage_sign``, and the decode estimate). ``remat`` /
+  ``logprob_chunk_size`` override ``cfg.model``'s. ``eos_id`` / ``pad_id``: the tokenizer's
+  (constants of the generation steps; they change neither their memory nor their flops)."""
   # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
@@ -170,23 +177,30 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   pshard = sharding.param_shardings(shapes, axes, mesh)
-  params = programs_lib.abstract_params(model_cfg, pshard)
   progs = programs_lib.build_grpo_programs(cfg, model_cfg, mesh, pshard, eos_id=eos_id,
                                            pad_id=pad_id, graphdef=graphdef)
   engine = progs.engine
-  lowered = programs_lib.lower_grpo_steps(progs, params, g, model_cfg, steps)
-  rollout, reorder, learner = (lowered.get(k) for k in ('rollout', 'reorder', 'learner'))
-  marks = int(progs.table.slice_recompute.sum(axis=1).max()) \
+  if steps is None:
+    steps = tuple(progs.table)
+  elif 'rollout' in steps:
+    steps = tuple(steps) + ('reorder',)
+  lowered = programs_lib.lower(progs, steps)
+  rollout, reorder, learner = (lowered.pop(k, None) for k in ('rollout', 'reorder', 'learner'))
+  marks = int(progs.schedule.slice_recompute.sum(axis=1).max()) \
       if g.sampling.old_logprob_source == 'recompute' else 0
   b = sched.micro_batch_size
   rows = decode_rows(engine.sampler, sched.completions_per_rollout)
-  slots = g.sampling.max_prompt_length + g.sampling.max_completion_length // 2
-  decode = lower_decode_step(graphdef, params, mesh, rows, slots, model_cfg,
-                             pool=bool(engine.sampler.slots)) if 'rollout' in steps else None
+  tc = g.sampling.max_completion_length
+  slots = g.sampling.max_prompt_length + tc // 2
+  # The decode estimate: the rollout's own loop body (programs.decode_program) with a KV cache
+  # at the mean fill of a completion, Tp + Tc // 2 slots, read whole (block 0: no loop over the
+  # filled blocks, so that the compiler's cost analysis counts all of it).
+  decode = programs_lib.decode_program(engine, progs.params, completion_length=tc // 2 + 1,
+                                       block=0).lower() if 'rollout' in steps else None
   return Steps(mesh=mesh, model_cfg=model_cfg, programs=progs, rollout=rollout, learner=learner,
                reorder=reorder, learner_rows=b, rollout_rows=sched.completions_per_rollout,
                recompute_rows=marks * b, decode=decode, decode_rows=rows,
-               decode_cache_slots=slots)
+               decode_cache_slots=slots, others=lowered)
 
 
 def fitted_steps(cfg, model_cfg, devices, limit: float, chip: str):
@@ -234,50 +248,6 @@ def decode_steps(sampler, completions: int, completion_length: int) -> int:
   if sampler.slots:
     return -(-completions * tokens // rows)
   return completions // rows * tokens
-
-
-def lower_decode_step(graphdef, params, mesh, rows: int, cache_slots: int, model_cfg, *,
-                      pool: bool = False):
-  """One iteration of the rollout's decode loop, lowered alone for its cost: ``Transformer.decode``
-  of ``rows`` tokens (a pool's rows each at its own cache slot) with the loop's per-layer weights
-  (``decode_layers``, sharded at rest as the params are) and a KV cache of ``cache_slots`` slots,
-  read whole (``block`` 0: no loop, so the compiler's cost analysis counts all of it). A step's
-  attention reads the filled blocks only, so over a completion its cost is that of a step at the
-  mean fill, which the caller passes. Sampling the token is not included."""
-  # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import transformer as tfm  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import attention as attn_lib  # pylint: disable=g-import-not-at-top
-
-  layers = jax.eval_shape(lambda p: tfm.merge(graphdef, p).decode_layers(), params)
-  stacked = params['layers']
-  source = lambda k: tfm.FUSED[k][0] if k in tfm.FUSED else k  # a fused weight: its first part's
-  layers = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
-      mesh, PartitionSpec(*stacked[source(k)].sharding.spec[1:])) if source(k) in stacked
-      else sharding.replicated(mesh)) for k, v in layer.items()} for layer in layers]
-  m = model_cfg
-  dt = jnp.bfloat16 if m.dtype == 'bfloat16' else jnp.float32
-  spec = lambda *axes, shape: NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh))
-  kv_shape = (rows, m.num_key_value_heads, cache_slots, m.head_size)
-  kv = jax.ShapeDtypeStruct(kv_shape, dt, sharding=spec('activation_batch', 'activation_heads',
-                                                        None, None, shape=kv_shape))
-  row = lambda dtype, *shape: jax.ShapeDtypeStruct(
-      (rows, *shape), dtype, sharding=spec('activation_batch', *[None] * len(shape),
-                                           shape=(rows, *shape)))
-  index = row(jnp.int32) if pool else jax.ShapeDtypeStruct(
-      (), jnp.int32, sharding=sharding.replicated(mesh))
-  cache = attn_lib.KVCache(k=(kv,) * m.num_hidden_layers, v=(kv,) * m.num_hidden_layers,
-                      valid=row(jnp.bool_, cache_slots), index=index,
-                      positions=row(jnp.int32))
-
-  def step(params, layers, tokens, cache):
-    return tfm.merge(graphdef, params).decode(tokens, cache, layers, block=0)
-
-  fn = jax.jit(sharding.with_activation_sharding(step, mesh))
-  return fn.lower(params, layers, row(jnp.int32), cache)
 
 
 # -- compiling and reporting ---------------------------------------------------------------------
@@ -377,12 +347,16 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
   lr['tokens_per_second'] = steps.learner_rows * (tp + tc) / lr['roofline_seconds']
   report_steps['learner'] = lr
 
+  # The table's other programs, memory only: the held-out evaluation's generation and the
+  # decode loop's body at the run's shapes (the decode estimate above times it).
+  others = {name: compile_step(lowered) for name, lowered in steps.others.items()}
+
   limit = (1.0 - headroom) * chip['hbm_bytes']
-  for step in report_steps.values():
+  for step in [*report_steps.values(), *others.values()]:
     step['fits'] = bool(step['compiled'] and step['peak_bytes'] <= limit)
     step['hbm_fraction'] = None if step['peak_bytes'] is None else \
         step['peak_bytes'] / chip['hbm_bytes']
-  fits = all(s['fits'] for s in report_steps.values())
+  fits = all(s['fits'] for s in [*report_steps.values(), *others.values()])
   sched = g.schedule
   micro_per_opt = sched.optimizer_every
   rollouts_per_opt = micro_per_opt / sched.micro_steps_per_rollout
@@ -410,11 +384,14 @@ def plan(cfg, topology: str, *, hf_config: Optional[str] = None, headroom: float
       'completions_per_second_estimate': (rollouts_per_opt * steps.rollout_rows) / opt_seconds,
       'steps': {k: {kk: vv for kk, vv in v.items() if kk != 'executable'}
                 for k, v in report_steps.items()},
+      'programs': {k: {kk: vv for kk, vv in v.items() if kk != 'executable'}
+                   for k, v in others.items()},
       'prompt_share': {'generation': engine.gen_share, 'old_logprobs': engine.micro_batch_share},
       'decode': {k: v for k, v in decode.items() if k != 'executable'},
       'knobs': [] if fits else knobs(cfg, report_steps),
       'note': NOTE,
       '_executables': {**{k: v['executable'] for k, v in report_steps.items()},
+                       **{f'program/{k}': v['executable'] for k, v in others.items()},
                        'decode_step': decode['executable']},
   }
 
@@ -514,6 +491,14 @@ def render_text(rep: dict[str, Any]) -> str:
     if 'decode_tokens_per_second' in s:
       lines.append(f'  decode tokens/s <= {s["decode_tokens_per_second"]:.0f}, completions/s <= '
                    f'{s["completions_per_second"]:.1f}')
+  for name, s in rep.get('programs', {}).items():
+    status = 'fits' if s['fits'] else ('DOES NOT FIT' if s['compiled'] else
+                                       'REJECTED by the compiler')
+    label = 'decode step (the full cache)' if name == 'decode' else name
+    lines.append(f'{label}: {status} (peak {gib(s["peak_bytes"])}'
+                 + (f' = {100 * s["hbm_fraction"]:.0f}% of HBM)' if s['hbm_fraction'] else ')'))
+    if not s['compiled']:
+      lines.append(f'  {s["error"]}')
   d = rep['decode']
   how = (f'a slot pool of {d["rows_per_step"]} slots' if d['mode'] == 'slot_pool' else
          f'{d["rows_per_step"]} rows at a time')

@@ -1,16 +1,34 @@
-"""Each stage's jitted programs, built in one place from the run's config. GRPO's trainer,
-``jaxrl_ga.plan`` and benchmarks/recompute.py build their engine and learner here
-(``build_grpo_programs``), so that what ``plan`` compiles and what a benchmark times is the program
-that trains (layers scanned or unrolled, remat, the log-prob chunk, the shared prompt forward,
-deferred old log-probs, LoRA); SFT's learner (``build_sft_learner``) and DPO's learner
-(``build_dpo_learner``) and reference pass (``build_reference_logps``) likewise.
+"""Each stage's jitted programs as one value, built in one place from the run's config: the
+trainers, ``jaxrl_ga.plan``, ``jaxrl_ga.fit`` and the benchmarks take their programs from it, so
+that what ``plan`` compiles and what a benchmark times is the program that trains (layers scanned
+or unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old log-probs, LoRA,
+the attention).
 
-  programs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
-  programs.engine.rollout_rows(...); programs.learner.step(...)
+  progs = build_grpo_programs(cfg, model_cfg, mesh, param_shardings, eos_id=..., pad_id=...)
+  state = progs.init_state(params)            # the starting state (abstract_state(): shapes)
+  fn, args = progs.table['learner']           # the jitted step and its abstract arguments
+  progs.table['rollout'].lower()              # what plan lowers for every entry
+
+Per stage (``build_grpo_programs``, ``build_sft_programs``, ``build_dpo_programs``) the value
+has ``abstract_state()``, ``init_state(params)`` (the one place the starting state is put
+together: the learner's state, the rollout's, the reference-params rule) and ``table``, name ->
+``Program`` (the jitted step, its abstract arguments: ShapeDtypeStructs with their shardings):
+
+  * 'learner': the learner micro-step (every stage);
+  * 'rollout', 'reorder' (with ``advantage.order_by_advantage_sign``), 'decode' (GRPO): the
+    rollout step, the reorder by advantage sign, and one iteration of the rollout's own decode
+    loop jitted alone (``sampling.make_decode_step``);
+  * 'evaluation' (every stage): the held-out evaluation's greedy generation;
+  * 'reference' and, with sampled pairs, 'generation' (DPO): the reference pass and the sampling
+    of the pairs.
+
+The ``fitted_*`` builders choose the memory knobs with ``jaxrl_ga.fit``, compiling the steps
+they govern (``FIT_STEPS``) before the first runs.
 
 The forward's settings are one ``ForwardOptions`` (``forward_options``), passed as an argument down
 to the model; the learner's may differ from the rollout's only in the rows that share a prompt
-(``RolloutEngine.learner_options``: none after a reorder by advantage sign). With LoRA every
+(``RolloutEngine.learner_options``: none after a reorder by advantage sign). Every generation
+program prefills with the forward's attention (``model.attention``, resolved). With LoRA every
 learner trains the adapters and takes the base weights as a frozen argument: the shardings are
 split here (``lora.partition``), the params by ``trainers.context.TrainedPart``.
 """
@@ -19,15 +37,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 from jaxrl_ga import fit
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import logprobs
 from jaxrl_ga import lora
+from jaxrl_ga import placement
 from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
@@ -92,18 +113,99 @@ def memory_limit(cfg: RunConfig, mesh):
   return fit.device_limit(cfg.mesh.device_memory_gib, list(mesh.devices.flat))
 
 
+class Program(NamedTuple):
+  """A table entry: a jitted step and the abstract arguments it runs on (ShapeDtypeStructs with
+  their shardings, the shapes the trainer calls it with)."""
+  fn: Any
+  args: tuple
+
+  def lower(self):
+    return self.fn.lower(*self.args)
+
+
+# What each step of a stage is called in fit's line and errors.
+STEP_NAMES = {'learner': 'learner micro-step',
+              'rollout': 'rollout step (generation, old and reference log-probs)',
+              'reorder': 'reorder step (old log-probs)',
+              'decode': 'decode step (one iteration of the rollout\'s decode loop)',
+              'evaluation': 'evaluation (greedy generation)',
+              'generation': 'DPO generation (sampled pairs)',
+              'reference': 'reference pass (reference log-probs; GRPO: on a mesh of its own)'}
+# The steps the memory knobs (model.remat, model.logprob_chunk_size) change: what fit compiles.
+FIT_STEPS = ('learner', 'rollout', 'reorder', 'reference')
+DPO_GENERATION_PROMPTS = 32  # prompts per DPO generation call (fixed shape: one compile)
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOPrograms:
   """The GRPO stage's programs: the rollout engine (generation, old and reference log-probs, the
-  reorder by advantage sign) and the learner, with the schedule table they follow."""
+  reorder by advantage sign) and the learner, the schedule table they follow, and ``table``
+  (name -> Program: 'learner', 'rollout', 'reorder' when old log-probs are deferred,
+  'evaluation', 'decode')."""
   engine: rollout_lib.RolloutEngine
   learner: learner_lib.Learner
-  table: schedule.ScheduleTable
+  schedule: schedule.ScheduleTable
+  model_cfg: tfm.ModelConfig
+  params: Any  # the policy's params as ShapeDtypeStructs (``abstract_params``)
+  seed: int  # the rollout state's RNG seed (the run's)
+  table: Mapping[str, Program]
 
   @property
   def options(self) -> tfm.ForwardOptions:
     """The rollout's forward options (``engine.learner_options``: the learner's)."""
     return self.engine.options
+
+  def reference_params(self, params):
+    """The reference policy's params held in the state: the stage's input ``params`` when
+    beta > 0, None without a KL term or under LoRA (the reference is the base, adapters off)."""
+    return params if self.engine.use_ref and not self.engine.ref_is_base else None
+
+  def init_state(self, params) -> dict[str, Any]:
+    """The stage's starting state from its input ``params``: {'learner': TrainState, 'rollout':
+    RolloutState, 'buffer': zeros of a rollout buffer, 'advantages': zeros, 'ref_params'}, what
+    a checkpoint holds (under LoRA the learner trains the adapters; the base is not in it)."""
+    return _grpo_state(self, params, abstract=False)
+
+  def abstract_state(self) -> dict[str, Any]:
+    """``init_state``'s shapes and shardings (ShapeDtypeStructs); nothing is computed."""
+    return _grpo_state(self, self.params, abstract=True)
+
+
+def _grpo_state(progs: GRPOPrograms, params, *, abstract: bool) -> dict[str, Any]:
+  engine = progs.engine
+  ref = progs.reference_params(params)
+  trained, frozen = lora.partition(params, progs.model_cfg)  # LoRA: the base is frozen
+  example = engine.abstract_micro_batch(params, ref)
+  buffer, advantages = engine.abstract_buffer(params, ref), engine.abstract_advantages()
+  if abstract:
+    return {'learner': progs.learner.abstract_init(trained, example, frozen),
+            'rollout': engine.abstract_state(), 'buffer': buffer, 'advantages': advantages,
+            'ref_params': ref}
+  # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
+  zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+  return {'learner': progs.learner.init(trained, example, frozen),
+          'rollout': engine.init_state(progs.seed), 'buffer': jax.tree.map(zeros, buffer),
+          'advantages': zeros(advantages), 'ref_params': ref}
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerPrograms:
+  """The SFT or DPO stage's programs: the learner and ``table`` (name -> Program: 'learner',
+  'evaluation'; DPO: 'reference', and 'generation' with sampled pairs)."""
+  learner: learner_lib.Learner
+  model_cfg: tfm.ModelConfig
+  params: Any  # the policy's params as ShapeDtypeStructs
+  example: dict  # a micro-batch's shapes (``sft_example``, ``dpo_example``)
+  table: Mapping[str, Program]
+
+  def init_state(self, params) -> learner_lib.TrainState:
+    """The learner's starting state from the stage's input ``params`` (LoRA: the adapters)."""
+    trained, frozen = lora.partition(params, self.model_cfg)
+    return self.learner.init(trained, self.example, frozen)
+
+  def abstract_state(self) -> learner_lib.TrainState:
+    trained, frozen = lora.partition(self.params, self.model_cfg)
+    return self.learner.abstract_init(trained, self.example, frozen)
 
 
 def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
@@ -112,7 +214,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                         table: Optional[schedule.ScheduleTable] = None,
                         rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
                         reference_shardings=None) -> GRPOPrograms:
-  """The GRPO engine and learner of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
+  """The GRPO programs of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
   ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
   adapters; the learner trains the adapters, the base is a frozen step argument);
   ``rollout_mesh``, ``rollout_shardings``: the rollout role's (default: ``mesh``'s; the run's
@@ -124,31 +226,103 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   g = cfg.grpo if grpo is None else grpo
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
-  table = schedule.build_table(sched) if table is None else table
+  sched_table = schedule.build_table(sched) if table is None else table
   share = math.gcd(*(rollout_lib.prompt_share(sched, sharding.data_parallel_size(m),
                                                cfg.model.share_prompt_prefix)
                       for m in (mesh, rollout_mesh or mesh)))  # rows no mesh moves
+  options = forward_options(cfg.model, share, rollout_mesh or mesh)
   engine = rollout_lib.RolloutEngine(
-      graphdef, table, g.sampling, g.loss, mesh, param_shardings, eos_id=eos_id, pad_id=pad_id,
-      mask_truncated_completions=g.advantage.mask_truncated_completions,
-      defer_old_logps=g.advantage.order_by_advantage_sign,
-      options=forward_options(cfg.model, share, rollout_mesh or mesh), rollout_mesh=rollout_mesh,
-      rollout_shardings=rollout_shardings, reference_mesh=reference_mesh,
-      reference_shardings=reference_shardings)
+      graphdef, sched_table, g.sampling, g.loss, mesh, param_shardings, eos_id=eos_id,
+      pad_id=pad_id, mask_truncated_completions=g.advantage.mask_truncated_completions,
+      defer_old_logps=g.advantage.order_by_advantage_sign, options=options,
+      rollout_mesh=rollout_mesh, rollout_shardings=rollout_shardings,
+      reference_mesh=reference_mesh, reference_shardings=reference_shardings)
   learner = _learner(
       graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                            g.sampling.temperature, engine.learner_options),
       g.optimizer, mesh, param_shardings, model_cfg, sched.optimizer_every,
       lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
       align_diagnostic=g.align_diagnostic)
-  return GRPOPrograms(engine=engine, learner=learner, table=table)
+  params = abstract_params(model_cfg, param_shardings)
+  progs = GRPOPrograms(engine=engine, learner=learner, schedule=sched_table,
+                       model_cfg=model_cfg, params=params, seed=cfg.seed, table={})
+  state = progs.abstract_state()  # (its abstract_init also builds the learner's jitted step)
+  ref, frozen = state['ref_params'], lora.partition(params, model_cfg)[1]
+  entries = {
+      'learner': Program(learner.step_fn, (state['learner'],
+                                           engine.abstract_micro_batch(params, ref),
+                                           *([] if frozen is None else [frozen]))),
+      'rollout': Program(engine.step_fn, engine.abstract_step_args(params, ref))}
+  if engine.reference_fn is not None:  # the reference log-probs on a mesh of their own
+    entries['reference'] = Program(engine.reference_fn, engine.abstract_reference_args(ref))
+  if engine.defer_old_logps:
+    order = jax.ShapeDtypeStruct((sched.completions_per_rollout,), jnp.int32,
+                                 sharding=sharding.replicated(mesh))
+    entries['reorder'] = Program(engine.reorder_fn, (params, state['buffer'], state['rollout'],
+                                                     state['advantages'], order))
+  entries['decode'] = decode_program(engine, params)
+  entries['evaluation'] = evaluation_program(
+      cfg, graphdef, mesh, param_shardings, params, eos_id=eos_id, pad_id=pad_id,
+      max_prompt_length=g.sampling.max_prompt_length, attention=options.attention)
+  return dataclasses.replace(progs, table=entries)
 
 
-# What each step of a stage is called in fit's line and errors.
-STEP_NAMES = {'learner': 'learner micro-step',
-              'rollout': 'rollout step (generation, old and reference log-probs)',
-              'reorder': 'reorder step (old log-probs)',
-              'reference': 'reference step (reference log-probs on their own mesh)'}
+def decode_program(engine: rollout_lib.RolloutEngine, params, *,
+                   completion_length: Optional[int] = None,
+                   block: Optional[int] = None) -> Program:
+  """One iteration of the rollout's decode loop (the loop body ``sampling.generate`` runs in
+  the rollout step) jitted alone: its carry is that of one generation call, a batch of
+  ``rollout_micro_batch_size`` rows (0: all) or the slot pool's. ``completion_length`` / ``block``
+  (``jaxrl_ga.plan``'s estimate): the sampler's max_completion_length / decode_block replaced,
+  so that the cache has Tp + completion_length - 1 slots and is read in blocks of ``block``
+  (0: whole). ``params``: the actor's, as ShapeDtypeStructs (the step takes them on the
+  rollout's mesh)."""
+  sampler, sched = engine.sampler, engine.sched
+  params = engine.abstract_step_args(params)[0]
+  changes = {k: v for k, v in (('max_completion_length', completion_length),
+                               ('decode_block', block)) if v is not None}
+  sampler = dataclasses.replace(sampler, **changes)
+  completions = sched.completions_per_rollout
+  rows = completions if sampler.slots else (
+      min(sampler.chunk_size, completions) if sampler.chunk_size else completions)
+  mesh = engine.rollout_mesh  # where generation runs
+  prompts = jax.ShapeDtypeStruct((rows // engine.gen_share, engine.sampling_cfg.max_prompt_length),
+                                 jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
+  return Program(*sampling.make_decode_step(engine.graphdef, sampler, params, prompts, prompts,
+                                            share=engine.gen_share, mesh=mesh))
+
+
+def _generation_program(graphdef, sampler: sampling.Sampler, mesh, param_shardings, params,
+                        rows: int, prompt_length: int, *, greedy: bool) -> Program:
+  """``sampling.make_generate_fn`` on ``mesh`` and its arguments: ``rows`` prompts of
+  ``prompt_length`` tokens, a PRNGKey, temperature and top_p (float32 scalars)."""
+  fn = sampling.make_generate_fn(graphdef, sampler, greedy=greedy, mesh=mesh,
+                                 param_shardings=param_shardings)
+  rep = sharding.replicated(mesh)
+  prompts = jax.ShapeDtypeStruct((rows, prompt_length), jnp.int32,
+                                 sharding=sharding.batch_sharding(mesh, 2))
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)  # jax.random.PRNGKey's
+  return Program(fn, (params, prompts, prompts, key, scalar, scalar))
+
+
+def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, *, eos_id: int,
+                       pad_id: int, max_prompt_length: int, attention: str) -> Program:
+  """The held-out evaluation's greedy generation (``trainers.evaluation.Evaluator``): batches of
+  ``eval.batch_size`` prompts (rounded up to the data-parallel size) of ``max_prompt_length``
+  tokens, ``eval.max_completion_length`` tokens each, prefilled with ``attention``."""
+  sampler = sampling.Sampler(max_completion_length=cfg.eval.max_completion_length,
+                             eos_id=eos_id, pad_id=pad_id, attention=attention,
+                             fuse_weights=_fuse_weights(mesh))
+  return _generation_program(graphdef, sampler, mesh, param_shardings, params,
+                             placement.padded_batch_size(cfg.eval.batch_size, mesh),
+                             max_prompt_length, greedy=True)
+
+
+def _fuse_weights(mesh) -> bool:
+  """The decode loop's fused projections off the CPU (``Sampler.fuse_weights``), as the
+  rollout's."""
+  return mesh.devices.flat[0].platform != 'cpu'
 
 
 def abstract_params(model_cfg: tfm.ModelConfig, param_shardings):
@@ -158,34 +332,15 @@ def abstract_params(model_cfg: tfm.ModelConfig, param_shardings):
                       shapes, param_shardings)
 
 
-def lower_grpo_steps(programs: GRPOPrograms, params, grpo: GRPOConfig, model_cfg,
-                     steps=('learner', 'rollout')) -> dict[str, Any]:
-  """The GRPO programs' ``steps`` lowered at the run's shapes and shardings from ``params``
-  (ShapeDtypeStructs, ``abstract_params``): {'learner': the micro-step at the full completion
-  width, 'rollout': generation with the old and reference log-probs, 'reference' (with a
-  reference mesh of its own): the reference log-probs there, 'reorder' (with
-  ``advantage.order_by_advantage_sign`` when 'rollout' is asked): the step that then computes the
-  old log-probs} as jax.stages.Lowered, what ``jaxrl_ga.plan`` and ``jaxrl_ga.fit`` compile."""
-  engine = programs.engine
-  ref = params if grpo.loss.beta > 0 and not engine.ref_is_base else None
-  out = {}
-  if 'learner' in steps:
-    example = engine.abstract_micro_batch(params, ref)
-    trained, frozen = lora.partition(params, model_cfg)  # LoRA: the base is a frozen argument
-    lstate = programs.learner.abstract_init(trained, example, frozen)
-    out['learner'] = programs.learner.step_fn.lower(lstate, example,
-                                                    *([] if frozen is None else [frozen]))
-  if 'rollout' in steps:
-    out['rollout'] = engine.step_fn.lower(*engine.abstract_step_args(params, ref))
-    if engine.reference_fn is not None:
-      out['reference'] = engine.reference_fn.lower(*engine.abstract_reference_args(ref))
-    state = engine.abstract_state()
-    if engine.defer_old_logps:
-      order = jax.ShapeDtypeStruct((grpo.schedule.completions_per_rollout,), jax.numpy.int32,
-                                   sharding=sharding.replicated(programs.engine.mesh))
-      out['reorder'] = engine.reorder_fn.lower(params, engine.abstract_buffer(params, ref),
-                                               state, engine.abstract_advantages(), order)
-  return out
+def lower(progs, steps=None) -> dict[str, Any]:
+  """``progs.table``'s entries named in ``steps`` (default: all) lowered at their abstract
+  arguments: jax.stages.Lowered, what ``jaxrl_ga.plan`` and ``jaxrl_ga.fit`` compile."""
+  return {k: v.lower() for k, v in progs.table.items() if steps is None or k in steps}
+
+
+def _fit_lowerings(progs):
+  """fit's lowerings of ``progs``: the steps the memory knobs change, with their names."""
+  return lambda: [(STEP_NAMES[k], v) for k, v in lower(progs, FIT_STEPS).items()]
 
 
 def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
@@ -193,19 +348,18 @@ def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param
                          graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
                          say: Callable[[str], None] = fit.say, **roles) -> GRPOPrograms:
   """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
-  every step (learner, rollout, reorder) compiled and checked before the first runs (ConfigError
-  when explicit knobs do not fit); the trainer's steps then find their executables compiled.
-  ``roles``: build_grpo_programs' rollout and reference meshes and shardings."""
+  every step they change (``FIT_STEPS``: learner, rollout, reorder, the reference step on a mesh
+  of its own) compiled and checked before the first runs (ConfigError when explicit knobs do not
+  fit); the trainer's steps then find their executables compiled. ``roles``:
+  build_grpo_programs' rollout and reference meshes and shardings."""
   g = cfg.grpo if grpo is None else grpo
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
-  params = abstract_params(model_cfg, param_shardings)
 
   def build(remat, chunk):
     progs = build_grpo_programs(with_memory_knobs(cfg, remat, chunk), model_cfg, mesh,
                                 param_shardings, eos_id=eos_id, pad_id=pad_id, grpo=g,
                                 graphdef=graphdef, table=table, **roles)
-    return progs, lambda: [(STEP_NAMES[k], v) for k, v in
-                           lower_grpo_steps(progs, params, g, model_cfg).items()]
+    return progs, _fit_lowerings(progs)
 
   return fit.choose(cfg.model, build, memory_limit(cfg, mesh), stage='grpo',
                     positions=g.sampling.max_completion_length,
@@ -213,50 +367,135 @@ def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param
                     accum_setting='grpo.schedule.grad_accum_steps', say=say)[0]
 
 
-def _fitted_learner(cfg: RunConfig, build: Callable[[RunConfig], learner_lib.Learner],
-                    model_cfg, mesh, param_shardings, example: dict, *, stage: str,
-                    positions: int, say: Callable[[str], None]) -> learner_lib.Learner:
-  """``build(cfg)`` with the memory knobs fit chooses for its micro-step on ``example`` (a
-  micro-batch, real or abstract)."""
+def _row_example(shapes: Mapping[str, tuple[int, Any]], rows: int, mesh) -> dict:
+  """A micro-batch's shapes: {key: (its length, 0 for one value per row; dtype)}, ``rows`` rows
+  over the mesh's data axes (as ``placement.place_rows`` puts them)."""
+  out = {}
+  for key, (length, dtype) in shapes.items():
+    shape = (rows, length) if length else (rows,)
+    out[key] = jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=sharding.batch_sharding(mesh, len(shape)))
+  return out
+
+
+def sft_example(sft: SFTConfig, mesh) -> dict:
+  """SFT's micro-batch (``trainers.sft.micro_batch``): tokens, attention_mask, loss_mask
+  [micro_batch_size, max_length] int32."""
+  return _row_example({k: (sft.max_length, jnp.int32)
+                       for k in ('tokens', 'attention_mask', 'loss_mask')},
+                      sft.micro_batch_size, mesh)
+
+
+def dpo_example(dpo: DPOConfig, mesh) -> dict:
+  """DPO's micro-batch (``trainers.dpo.PairStream.batch_at``): each side's tokens,
+  attention_mask, loss_mask [micro_batch_size, max_length] int32 and reference log-probs
+  (float32), ref_is_policy, and with rpo_alpha rpo_scale."""
+  shapes = {f'{side}_{k}': (dpo.max_length, jnp.int32) for side in ('chosen', 'rejected')
+            for k in ('tokens', 'attention_mask', 'loss_mask')}
+  shapes.update({'ref_chosen_logps': (0, jnp.float32), 'ref_rejected_logps': (0, jnp.float32),
+                 'ref_is_policy': (0, jnp.bool_)})
+  if dpo.loss.rpo_alpha:
+    shapes['rpo_scale'] = (0, jnp.float32)
+  return _row_example(shapes, dpo.micro_batch_size, mesh)
+
+
+def _learner_programs(learner: learner_lib.Learner, model_cfg, param_shardings, example: dict,
+                      entries: dict[str, Program]) -> LearnerPrograms:
   params = abstract_params(model_cfg, param_shardings)
-  example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         example)
+  progs = LearnerPrograms(learner=learner, model_cfg=model_cfg, params=params, example=example,
+                          table={})
+  state = progs.abstract_state()  # (also builds the learner's jitted step)
+  frozen = lora.partition(params, model_cfg)[1]
+  learner_entry = Program(learner.step_fn,
+                          (state, example, *([] if frozen is None else [frozen])))
+  return dataclasses.replace(progs, table={'learner': learner_entry, **entries})
+
+
+def build_sft_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
+                       graphdef, sft: Optional[SFTConfig] = None, *, eos_id: int,
+                       pad_id: int) -> LearnerPrograms:
+  """SFT's programs (``sft``: the stage config, default ``cfg.sft``): the learner and the
+  evaluation's generation (prompts of sft.max_length tokens)."""
+  s = cfg.sft if sft is None else sft
+  params = abstract_params(model_cfg, param_shardings)
+  evaluation = evaluation_program(cfg, graphdef, mesh, param_shardings, params, eos_id=eos_id,
+                                  pad_id=pad_id, max_prompt_length=s.max_length,
+                                  attention=forward_options(cfg.model).attention)
+  return _learner_programs(build_sft_learner(cfg, model_cfg, mesh, param_shardings, graphdef, s),
+                           model_cfg, param_shardings, sft_example(s, mesh),
+                           {'evaluation': evaluation})
+
+
+def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
+                       graphdef, dpo: Optional[DPOConfig] = None, *, eos_id: int, pad_id: int,
+                       reference: Optional[tuple[Any, tfm.ModelConfig, Any]] = None,
+                       reference_spec: Optional[ModelSpec] = None) -> LearnerPrograms:
+  """DPO's programs (``dpo``: the stage config, default ``cfg.dpo``): the learner, the
+  evaluation's generation, the reference pass (``build_reference_logps``: micro_batch_size
+  pairs' sides, rounded up to the data-parallel size) and with sampled pairs their generation
+  (``DPO_GENERATION_PROMPTS`` prompts x samples_per_prompt rows). ``reference``: (graphdef,
+  model config, param shardings) of ``dpo.ref_model``; default the policy's. ``reference_spec``:
+  the model settings of the reference pass (default ``cfg.model``; fit's candidates keep the
+  run's own: the pass runs before the knobs are chosen)."""
+  d = cfg.dpo if dpo is None else dpo
+  params = abstract_params(model_cfg, param_shardings)
+  options = forward_options(cfg.model)
+  entries = {'evaluation': evaluation_program(
+      cfg, graphdef, mesh, param_shardings, params, eos_id=eos_id, pad_id=pad_id,
+      max_prompt_length=d.sampling.max_prompt_length, attention=options.attention)}
+  ref_graphdef, ref_params = graphdef, params
+  if reference is not None:
+    ref_graphdef, ref_model_cfg, ref_shardings = reference
+    ref_params = abstract_params(ref_model_cfg, ref_shardings)
+  rows = jax.ShapeDtypeStruct((placement.padded_batch_size(d.micro_batch_size, mesh),
+                               d.max_length), jnp.int32, sharding=sharding.batch_sharding(mesh, 2))
+  ref_cfg = cfg if reference_spec is None else dataclasses.replace(cfg, model=reference_spec)
+  entries['reference'] = Program(build_reference_logps(ref_cfg, ref_graphdef),
+                                 (ref_params, rows, rows, rows))
+  if d.pairs != 'dataset':
+    sampler = sampling.Sampler.from_config(d.sampling, eos_id=eos_id, pad_id=pad_id,
+                                           attention=options.attention,
+                                           fuse_weights=_fuse_weights(mesh))
+    entries['generation'] = _generation_program(
+        graphdef, sampler, mesh, param_shardings, params,
+        DPO_GENERATION_PROMPTS * d.samples_per_prompt, d.sampling.max_prompt_length,
+        greedy=False)
+  return _learner_programs(build_dpo_learner(cfg, model_cfg, mesh, param_shardings, graphdef, d),
+                           model_cfg, param_shardings, dpo_example(d, mesh), entries)
+
+
+def _fitted(cfg: RunConfig, build: Callable[[RunConfig], LearnerPrograms], mesh, *, stage: str,
+            positions: int, say: Callable[[str], None]) -> LearnerPrograms:
+  """``build(cfg)`` with the memory knobs fit chooses for its learner micro-step."""
 
   def built(remat, chunk):
-    lrn = build(with_memory_knobs(cfg, remat, chunk))
-
-    def lower():
-      trained, frozen = lora.partition(params, model_cfg)
-      state = lrn.abstract_init(trained, example, frozen)
-      return [(STEP_NAMES['learner'],
-               lrn.step_fn.lower(state, example, *([] if frozen is None else [frozen])))]
-    return lrn, lower
+    progs = build(with_memory_knobs(cfg, remat, chunk))
+    return progs, _fit_lowerings(progs)
 
   return fit.choose(cfg.model, built, memory_limit(cfg, mesh), stage=stage, positions=positions,
                     batch_setting=f'{stage}.micro_batch_size',
                     accum_setting=f'{stage}.grad_accum_steps', say=say)[0]
 
 
-def fitted_sft_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                       sft: SFTConfig, example: dict, say: Callable[[str], None] = fit.say
-                       ) -> learner_lib.Learner:
-  """``build_sft_learner`` with the memory knobs fit chooses for its micro-step on
-  ``example`` (the first micro-batch)."""
-  return _fitted_learner(
-      cfg, lambda c: build_sft_learner(c, model_cfg, mesh, param_shardings, graphdef, sft),
-      model_cfg, mesh, param_shardings, example, stage='sft', positions=sft.max_length,
-      say=say)
+def fitted_sft_programs(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
+                        sft: SFTConfig, *, eos_id: int, pad_id: int,
+                        say: Callable[[str], None] = fit.say) -> LearnerPrograms:
+  """``build_sft_programs`` with the memory knobs fit chooses for its micro-step."""
+  return _fitted(cfg, lambda c: build_sft_programs(c, model_cfg, mesh, param_shardings, graphdef,
+                                                   sft, eos_id=eos_id, pad_id=pad_id),
+                 mesh, stage='sft', positions=sft.max_length, say=say)
 
 
-def fitted_dpo_learner(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                       dpo: DPOConfig, example: dict, say: Callable[[str], None] = fit.say
-                       ) -> learner_lib.Learner:
-  """``build_dpo_learner`` with the memory knobs fit chooses for its micro-step on ``example``
-  (the first micro-batch)."""
-  return _fitted_learner(
-      cfg, lambda c: build_dpo_learner(c, model_cfg, mesh, param_shardings, graphdef, dpo),
-      model_cfg, mesh, param_shardings, example, stage='dpo', positions=dpo.max_length,
-      say=say)
+def fitted_dpo_programs(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
+                        dpo: DPOConfig, *, eos_id: int, pad_id: int,
+                        reference: Optional[tuple[Any, tfm.ModelConfig, Any]] = None,
+                        say: Callable[[str], None] = fit.say) -> LearnerPrograms:
+  """``build_dpo_programs`` with the memory knobs fit chooses for its micro-step (the reference
+  pass keeps ``cfg.model``'s: it runs before, as fit's choice without a limit)."""
+  return _fitted(cfg, lambda c: build_dpo_programs(
+      c, model_cfg, mesh, param_shardings, graphdef, dpo, eos_id=eos_id, pad_id=pad_id,
+      reference=reference, reference_spec=cfg.model),
+                 mesh, stage='dpo', positions=dpo.max_length, say=say)
 
 
 def _learner(graphdef, task_loss, opt: OptimizerConfig, mesh, param_shardings, model_cfg,

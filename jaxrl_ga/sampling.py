@@ -302,9 +302,10 @@ def _write(state: SamplingState, sampled, logp, sampler: Sampler) -> SamplingSta
       logps=put(state.logps, jnp.where(active, logp, 0.0)))
 
 
-def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
-                   temperature, top_p, greedy: bool, share: int) -> Completions:
-  """All rows at once: prefill (each prompt once), first token, then the while-loop decode."""
+def _rows_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                temperature, top_p, greedy: bool, share: int):
+  """The batched decode loop's start: prefill (each prompt once) and token 0. -> (the loop's
+  weights, ``decode_layers``; its carry, a SamplingState)."""
   n, tp = prompt_tokens.shape
   b = n * share
   length = sampler.max_completion_length
@@ -319,11 +320,6 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   # Sliced, fused and cast once here, not at every token inside the loop
   # (Transformer.unstacked_layers, decode_layers).
   layers, cache = sampler.decode_layers(model), cache.per_layer()
-
-  def choose(logits, step):
-    return _choose(logits, jax.random.fold_in(rng, step), temperature, top_p, sampler.top_k,
-                   greedy)
-
   state = SamplingState(
       step=jnp.zeros((), jnp.int32),
       last_token=jnp.full((b,), sampler.pad_id, jnp.int32),
@@ -332,15 +328,33 @@ def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
       mask=jnp.zeros((b, length), jnp.int32),
       logps=jnp.zeros((b, length), jnp.float32),
       cache=cache)
-  state = _write(state, *choose(logits, 0), sampler)
+  token, logp = _choose(logits, jax.random.fold_in(rng, 0), temperature, top_p, sampler.top_k,
+                        greedy)
+  return layers, _write(state, token, logp, sampler)
+
+
+def _rows_step(model: tfm.Transformer, layers, state: SamplingState, rng, sampler: Sampler,
+               temperature, top_p, greedy: bool) -> SamplingState:
+  """One iteration of the batched decode loop: decode the last tokens, draw and write the next."""
+  logits, cache = model.decode(state.last_token, state.cache, layers,
+                               sampler.decode_block)  # [B, V]
+  token, logp = _choose(logits, jax.random.fold_in(rng, state.step), temperature, top_p,
+                        sampler.top_k, greedy)
+  return _write(state.replace(cache=cache), token, logp, sampler)
+
+
+def _generate_rows(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                   temperature, top_p, greedy: bool, share: int) -> Completions:
+  """All rows at once: prefill (each prompt once), first token, then the while-loop decode."""
+  length = sampler.max_completion_length
+  layers, state = _rows_carry(model, prompt_tokens, prompt_mask, rng, sampler, temperature,
+                              top_p, greedy, share)
 
   def cond(state: SamplingState):
     return (state.step < length) & ~jnp.all(state.done)
 
   def body(state: SamplingState):
-    logits, cache = model.decode(state.last_token, state.cache, layers,
-                                 sampler.decode_block)  # [B, V]
-    return _write(state.replace(cache=cache), *choose(logits, state.step), sampler)
+    return _rows_step(model, layers, state, rng, sampler, temperature, top_p, greedy)
 
   state = jax.lax.while_loop(cond, body, state)
   return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.done,
@@ -370,9 +384,19 @@ def row_keys(rng: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array
   return jax.vmap(lambda i, s: jax.random.fold_in(jax.random.fold_in(rng, i), s))(rows, positions)
 
 
-def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
-                   temperature, top_p, greedy: bool, share: int) -> Completions:
-  """Rows 0 .. N-1 decoded by a pool of ``sampler.slots`` slots, refilled from the queue."""
+@flax.struct.dataclass
+class PoolQueue:
+  """What the slot pool's refills read, fixed for a call: every prompt's KV (stacked, Tp slots)
+  and each row's token 0 and whether it needs decode steps. N rows, N / share prompts."""
+  prompt_cache: attn_lib.KVCache
+  token0: jax.Array  # [N] int32
+  decodes: jax.Array  # [N] bool
+
+
+def _pool_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                temperature, top_p, greedy: bool, share: int):
+  """The slot pool's start: every prompt prefilled once, every row's token 0 drawn, the first
+  slots filled. -> (the loop's weights, ``decode_layers``; the queue; the carry, a PoolState)."""
   n_prompts, tp = prompt_tokens.shape
   n, length = n_prompts * share, sampler.max_completion_length
   slots = min(sampler.slots, n)
@@ -383,73 +407,14 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
   layers = sampler.decode_layers(model)
-  slot_ids = jnp.arange(slots)
   # Token 0 of every row, drawn once here from its prompt's logits with the row's own key; a slot
   # that takes a row starts from it (decode feeds it back), and a row ended by it never decodes.
   rows = jnp.arange(n)
   token0, logp0 = _choose(first_logits[rows // share], row_keys(rng, rows, jnp.zeros_like(rows)),
                           temperature, top_p, sampler.top_k, greedy)
   ended0 = token0 == sampler.eos_id
-  decodes = ~ended0 & (length > 1)  # [N]: the row needs decode steps
-
-  def emit(state: PoolState, logits) -> PoolState:
-    """Draws each active slot's next token from ``logits`` [P, V] and writes it to its row."""
-    live = state.active
-    row = jnp.where(live, state.row, n)  # rows out of range: the scatters drop them
-    token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
-                          sampler.top_k, greedy)
-    at = (row, state.position)
-    position = state.position + live
-    stop = live & ((token == sampler.eos_id) | (position >= length))
-    return state.replace(
-        position=position, active=live & ~stop,
-        last_token=jnp.where(live, token, sampler.pad_id),
-        tokens=state.tokens.at[at].set(token, mode='drop'),
-        mask=state.mask.at[at].set(1, mode='drop'),
-        logps=state.logps.at[at].set(logp, mode='drop'),
-        ended=state.ended.at[row].set(token == sampler.eos_id, mode='drop'))
-
-  def refill(state: PoolState) -> PoolState:
-    """Free slots take the next rows of the queue (in slot order), from their token 0."""
-    free = ~state.active
-    row = state.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1
-    start = free & (row < n)
-
-    def begin(state: PoolState) -> PoolState:
-      new_row = jnp.where(start, row, 0)
-      prompt = new_row // share
-      target = jnp.where(start, slot_ids, slots)  # slots not starting: dropped
-
-      def put(buf, new):  # the starting slots' first Tp cache slots <- their prompt's
-        return buf.at[target, :, :tp].set(new[prompt].astype(buf.dtype), mode='drop')
-
-      c = state.cache
-      valid = jnp.zeros((slots, c.valid.shape[1]), bool).at[:, :tp].set(prompt_cache.valid[prompt])
-      c = c.replace(
-          k=tuple(put(k, prompt_cache.k[i]) for i, k in enumerate(c.k)),
-          v=tuple(put(v, prompt_cache.v[i]) for i, v in enumerate(c.v)),
-          valid=jnp.where(start[:, None], valid, c.valid),
-          index=jnp.where(start, tp, c.index),
-          positions=jnp.where(start, prompt_cache.positions[prompt], c.positions))
-      keep = lambda new, old: jnp.where(start, new, old)  # the running slots are untouched
-      return state.replace(cache=c, row=keep(row, state.row), position=keep(1, state.position),
-                           active=keep(decodes[new_row], state.active),
-                           last_token=keep(token0[new_row], state.last_token),
-                           next_row=state.next_row + jnp.sum(start.astype(jnp.int32)))
-
-    return jax.lax.cond(jnp.any(start), begin, lambda s: s, state)
-
-  def cond(state: PoolState):
-    return jnp.any(state.active) | (state.next_row < n)
-
-  def body(state: PoolState):
-    logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block)
-    state = emit(state.replace(cache=cache, steps=state.steps + 1), logits)
-    # A free slot writes its (discarded) steps at slot Tp, which a refill masks out again: its
-    # index must not hold the attention's reach at the longest row it ever held.
-    return refill(state.replace(cache=state.cache.replace(
-        index=jnp.where(state.active, state.cache.index, tp))))
-
+  queue = PoolQueue(prompt_cache=prompt_cache, token0=token0,
+                    decodes=~ended0 & (length > 1))  # [N]: the row needs decode steps
   state = PoolState(
       steps=jnp.zeros((), jnp.int32), next_row=jnp.zeros((), jnp.int32),
       row=jnp.full((slots,), n, jnp.int32), position=jnp.zeros((slots,), jnp.int32),
@@ -458,7 +423,93 @@ def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, samp
       mask=jnp.zeros((n, length), jnp.int32).at[:, 0].set(1),
       logps=jnp.zeros((n, length), jnp.float32).at[:, 0].set(logp0),
       ended=ended0, cache=cache)
-  state = jax.lax.while_loop(cond, body, refill(state))
+  return layers, queue, _pool_refill(state, queue)
+
+
+def _pool_emit(state: PoolState, logits, rng, sampler: Sampler, temperature, top_p,
+               greedy: bool) -> PoolState:
+  """Draws each active slot's next token from ``logits`` [P, V] and writes it to its row."""
+  n, length = state.tokens.shape
+  live = state.active
+  row = jnp.where(live, state.row, n)  # rows out of range: the scatters drop them
+  token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
+                        sampler.top_k, greedy)
+  at = (row, state.position)
+  position = state.position + live
+  stop = live & ((token == sampler.eos_id) | (position >= length))
+  return state.replace(
+      position=position, active=live & ~stop,
+      last_token=jnp.where(live, token, sampler.pad_id),
+      tokens=state.tokens.at[at].set(token, mode='drop'),
+      mask=state.mask.at[at].set(1, mode='drop'),
+      logps=state.logps.at[at].set(logp, mode='drop'),
+      ended=state.ended.at[row].set(token == sampler.eos_id, mode='drop'))
+
+
+def _pool_refill(state: PoolState, queue: PoolQueue) -> PoolState:
+  """Free slots take the next rows of the queue (in slot order), from their token 0."""
+  n = state.tokens.shape[0]
+  slots = state.row.shape[0]
+  prompt_cache = queue.prompt_cache
+  share = n // prompt_cache.valid.shape[0]
+  tp = prompt_cache.valid.shape[1]
+  slot_ids = jnp.arange(slots)
+  free = ~state.active
+  row = state.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1
+  start = free & (row < n)
+
+  def begin(state: PoolState) -> PoolState:
+    new_row = jnp.where(start, row, 0)
+    prompt = new_row // share
+    target = jnp.where(start, slot_ids, slots)  # slots not starting: dropped
+
+    def put(buf, new):  # the starting slots' first Tp cache slots <- their prompt's
+      return buf.at[target, :, :tp].set(new[prompt].astype(buf.dtype), mode='drop')
+
+    c = state.cache
+    valid = jnp.zeros((slots, c.valid.shape[1]), bool).at[:, :tp].set(prompt_cache.valid[prompt])
+    c = c.replace(
+        k=tuple(put(k, prompt_cache.k[i]) for i, k in enumerate(c.k)),
+        v=tuple(put(v, prompt_cache.v[i]) for i, v in enumerate(c.v)),
+        valid=jnp.where(start[:, None], valid, c.valid),
+        index=jnp.where(start, tp, c.index),
+        positions=jnp.where(start, prompt_cache.positions[prompt], c.positions))
+    keep = lambda new, old: jnp.where(start, new, old)  # the running slots are untouched
+    return state.replace(cache=c, row=keep(row, state.row), position=keep(1, state.position),
+                         active=keep(queue.decodes[new_row], state.active),
+                         last_token=keep(queue.token0[new_row], state.last_token),
+                         next_row=state.next_row + jnp.sum(start.astype(jnp.int32)))
+
+  return jax.lax.cond(jnp.any(start), begin, lambda s: s, state)
+
+
+def _pool_step(model: tfm.Transformer, layers, state: PoolState, queue: PoolQueue, rng,
+               sampler: Sampler, temperature, top_p, greedy: bool) -> PoolState:
+  """One iteration of the slot pool: decode every slot's last token, write the draws, refill."""
+  tp = queue.prompt_cache.valid.shape[1]
+  logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block)
+  state = _pool_emit(state.replace(cache=cache, steps=state.steps + 1), logits, rng, sampler,
+                     temperature, top_p, greedy)
+  # A free slot writes its (discarded) steps at slot Tp, which a refill masks out again: its
+  # index must not hold the attention's reach at the longest row it ever held.
+  return _pool_refill(state.replace(cache=state.cache.replace(
+      index=jnp.where(state.active, state.cache.index, tp))), queue)
+
+
+def _generate_pool(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler: Sampler,
+                   temperature, top_p, greedy: bool, share: int) -> Completions:
+  """Rows 0 .. N-1 decoded by a pool of ``sampler.slots`` slots, refilled from the queue."""
+  n = prompt_tokens.shape[0] * share
+  layers, queue, state = _pool_carry(model, prompt_tokens, prompt_mask, rng, sampler,
+                                     temperature, top_p, greedy, share)
+
+  def cond(state: PoolState):
+    return jnp.any(state.active) | (state.next_row < n)
+
+  def body(state: PoolState):
+    return _pool_step(model, layers, state, queue, rng, sampler, temperature, top_p, greedy)
+
+  state = jax.lax.while_loop(cond, body, state)
   return Completions(tokens=state.tokens, mask=state.mask, ended_with_eos=state.ended,
                      logps=state.logps, num_decode_steps=state.steps + 1)
 
@@ -521,6 +572,62 @@ def generate(model: tfm.Transformer, prompt_tokens: jax.Array, prompt_mask: jax.
                      ended_with_eos=from_chunks(out.ended_with_eos),
                      logps=from_chunks(out.logps),
                      num_decode_steps=jnp.max(out.num_decode_steps))
+
+
+# -- one iteration of the decode loop, as a program of its own ------------------------------------
+def make_decode_step(graphdef, sampler: Sampler, params, prompt_tokens, prompt_mask, *,
+                     greedy: bool = False, share: int = 1, mesh: Mesh):
+  """One iteration of ``generate``'s decode loop (``_rows_step``, or the pool's ``_pool_step``:
+  the function the loop runs) jitted alone, for its cost (``jaxrl_ga.plan``) and for lowering
+  (``programs``' table): -> (jitted ``(params, layers, state, queue, rng, temperature, top_p)
+  -> state``, its abstract arguments). ``params``, ``prompt_tokens`` / ``prompt_mask`` ([N /
+  share, Tp]: one generation call's, a chunk's under ``chunk_size``): ShapeDtypeStructs with
+  their shardings; the loop's carry after the prefill (``_rows_carry``, ``_pool_carry``) is
+  their abstract image, its rows over the mesh's batch axes, the loop's per-layer weights
+  (``decode_layers``) sharded as the stacked params they come from. ``queue``: the pool's
+  (``PoolQueue``), None for the batched loop."""
+  pool = bool(sampler.slots)
+
+  def carry(params, tokens, mask, rng):
+    model = tfm.merge(graphdef, params)
+    start = _pool_carry if pool else _rows_carry
+    out = start(model, tokens, mask, rng, sampler, 1.0, 1.0, greedy, share)
+    return out if pool else (out[0], None, out[1])
+
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=shd.replicated(mesh))
+  key = jax.eval_shape(lambda: jax.random.key(0))  # the rollout's typed key
+  rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=shd.replicated(mesh))
+  layers, queue, state = jax.eval_shape(carry, params, prompt_tokens, prompt_mask, rng)
+  stacked = params['layers']
+  source = lambda k: tfm.FUSED[k][0] if k in tfm.FUSED else k  # a fused weight: its first part's
+  layers = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+      mesh, P(*stacked[source(k)].sharding.spec[1:])) if source(k) in stacked
+      else shd.replicated(mesh)) for k, v in layer.items()} for layer in layers]
+
+  def rows(x, leading=0):  # [..., rows, (heads,) ...]: rows over the batch axes
+    axes = [None] * leading + ['activation_batch'] + (
+        ['activation_heads'] if x.ndim - leading == 4 else []) + [None] * x.ndim
+    spec = shd.logical_to_spec(axes[:x.ndim], x.shape, mesh)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  place = lambda x: scalar(x.dtype) if not x.ndim else rows(x)
+  state = jax.tree.map(place, state)
+  if queue is not None:  # the prompts' stacked KV: [L, N / share, K, Tp, H]
+    queue = queue.replace(prompt_cache=queue.prompt_cache.replace(
+        k=rows(queue.prompt_cache.k, 1), v=rows(queue.prompt_cache.v, 1),
+        valid=rows(queue.prompt_cache.valid), index=place(queue.prompt_cache.index),
+        positions=rows(queue.prompt_cache.positions)), token0=rows(queue.token0),
+        decodes=rows(queue.decodes))
+
+  def step(params, layers, state, queue, rng, temperature, top_p):
+    model = tfm.merge(graphdef, params)
+    if pool:
+      return _pool_step(model, layers, state, queue, rng, sampler, temperature, top_p, greedy)
+    return _rows_step(model, layers, state, rng, sampler, temperature, top_p, greedy)
+
+  fn = jax.jit(shd.with_activation_sharding(step, mesh),
+               compiler_options=compiler_options(mesh.devices.flat))
+  return fn, (params, layers, state, queue, rng, scalar(jnp.float32), scalar(jnp.float32))
 
 
 # XLA:GPU command buffers (CUDA graphs) for every kind of op the decode loop runs, loops and

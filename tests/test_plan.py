@@ -167,43 +167,131 @@ def test_cli_bad_input_is_one_line_exit_2():
      'grpo.sampling.decode_slots': 8},  # the slot pool's decode loop
 ])
 def test_plan_lowers_the_program_the_trainer_runs(tmp_path, overrides):
-  """The rollout and learner steps ``plan`` lowers for a config are the trainer's: the same
-  StableHLO text, lowered from the trainer's own jitted steps and state and from the plan's
-  abstract ones (``plan.lower_grpo``; here on the 8 CPU devices instead of a TPU topology). The
-  config shares each prompt's forward between R = 2 rows (B = 16 over 8 devices, G = 4) with the
-  layers unrolled; a plan that rebuilt the steps without those settings lowers other programs."""
+  """Every program ``plan`` lowers for a config is the trainer's: for every entry of the GRPO
+  programs' table (learner, rollout, reorder, evaluation, decode) the same StableHLO text,
+  lowered from the trainer's own jitted steps at the arguments it calls them with (its starting
+  state, a micro-batch of its buffer, the evaluator's prompt batch) and from the plan's abstract
+  ones (``plan.lower_grpo``, a build of its own; here on the 8 CPU devices instead of a TPU
+  topology). The config shares each prompt's forward between R = 2 rows (B = 16 over 8
+  devices, G = 4) with the layers unrolled; a plan that rebuilt the steps without those
+  settings lowers other programs."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
   import smoke_configs  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import context, grpo  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import lora, placement  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import evaluation, grpo, text  # pylint: disable=g-import-not-at-top
   cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
       'grpo.schedule.micro_batch_size': 16, **overrides})
   assert not cfg.model.scan_layers and cfg.model.share_prompt_prefix
   ctx, params = api.build_context(cfg, str(tmp_path))
   trainer = grpo.GRPOLoop(ctx, cfg.grpo)
   assert trainer.engine.share_prompts == 2
-  trainer.part = context.TrainedPart(ctx, params)
-  state = trainer._fresh_state(params)  # what run() starts from  pylint: disable=protected-access
+  progs = trainer.programs
+  state = progs.init_state(params)  # what run() starts from
+  frozen = lora.partition(params, ctx.model_cfg)[1]
   prompts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding),
                          trainer.engine.abstract_prompts())
-  learner_args = (state['learner'], trainer.engine.micro_batch(
-      state['buffer'], 0, state['advantages'])) + (
-          () if trainer.part.frozen is None else (trainer.part.frozen,))
+  evaluator = evaluation.Evaluator(ctx, progs.table['evaluation'])
+  eval_tokens, eval_mask = placement.place_rows(text.left_pad(
+      [[1, 2, 3]] * evaluator.batch_size, evaluator.max_prompt_length, ctx.pad_id, 'test'),
+      evaluator.batch_size, ctx.mesh)
   trained = {
-      'learner': trainer.learner.step_fn.lower(*learner_args).as_text(),
+      'learner': trainer.learner.step_fn.lower(
+          state['learner'], trainer.engine.micro_batch(state['buffer'], 0, state['advantages']),
+          *([] if frozen is None else [frozen])),
       'rollout': trainer.engine.step_fn.lower(params, state['ref_params'], state['rollout'],
-                                              prompts, prompts).as_text()}
+                                              prompts, prompts),
+      'evaluation': evaluator._generate.lower(  # pylint: disable=protected-access
+          params, eval_tokens, eval_mask, jax.random.PRNGKey(0), np.float32(1.0),
+          np.float32(1.0)),
+      # one iteration of the rollout's decode loop: no call of the trainer's runs it alone (the
+      # rollout step does, inside its loop); the trainer's table entry at its own arguments
+      'decode': progs.table['decode'].lower()}
+  if cfg.grpo.advantage.order_by_advantage_sign:
+    order = jnp.zeros((trainer.table.config.completions_per_rollout,), jnp.int32)
+    trained['reorder'] = trainer.engine.reorder_fn.lower(
+        params, state['buffer'], state['rollout'], state['advantages'], order)
+  assert set(trained) == set(progs.table)  # every entry of the table
   planned = plan.lower_grpo(cfg, ctx.model_cfg, list(ctx.mesh.devices.flat),
                             eos_id=ctx.eos_id, pad_id=ctx.pad_id)
-  assert planned.learner.as_text() == trained['learner']
-  assert planned.rollout.as_text() == trained['rollout']
+  lowered = {'learner': planned.learner, 'rollout': planned.rollout,
+             **({'reorder': planned.reorder} if planned.reorder is not None else {}),
+             **planned.others}
+  assert set(lowered) == set(trained)
+  for name, program in trained.items():
+    assert lowered[name].as_text() == program.as_text(), name
   # The pool's KV cache, [P, K, Tp + Tc - 1, H] per layer, is in the rollout iff it has a pool.
   m, sp = ctx.model_cfg, cfg.grpo.sampling
   pool_cache = (f'tensor<8x{m.num_key_value_heads}x'
                 f'{sp.max_prompt_length + sp.max_completion_length - 1}x{m.head_size}x')
-  assert (pool_cache in trained['rollout']) == bool(sp.decode_slots)
+  assert (pool_cache in trained['rollout'].as_text()) == bool(sp.decode_slots)
+  assert (pool_cache in trained['decode'].as_text()) == bool(sp.decode_slots)
   assert (planned.decode_rows, planned.decode is not None) == (
       sp.decode_slots or trainer.table.config.completions_per_rollout, True)
-  if cfg.grpo.advantage.order_by_advantage_sign:
-    order = jnp.zeros((trainer.table.config.completions_per_rollout,), jnp.int32)
-    assert planned.reorder.as_text() == trainer.engine.reorder_fn.lower(
-        params, state['buffer'], state['rollout'], state['advantages'], order).as_text()
+
+
+@pytest.mark.parametrize('lora_rank', [0, 4])
+def test_sft_and_dpo_tables_are_the_calls_their_trainers_make(tmp_path, lora_rank):
+  """Every entry of the SFT and DPO programs' tables (learner, evaluation; DPO's reference pass
+  and the generation of its sampled pairs) at its abstract arguments lowers to the StableHLO of
+  the call its trainer makes: at the starting state ``init_state`` puts together, SFT's first
+  micro-batch (trainers/sft.py's rows of the task), DPO's (``PairStream.batch_at`` over pairs
+  laid out as trainers/dpo.py lays them out), the evaluator's and the pairs' prompt batches and
+  the reference pass's rows, built here from text. A table whose shapes, dtypes or shardings
+  were not the trainer's would lower another program (or a second one at run time)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, lora, placement, programs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import dpo, evaluation, sft, text  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('dpo_arith', **{'model.lora.rank': lora_rank})
+  ctx, params = api.build_context(cfg, str(tmp_path))
+  frozen = lora.partition(params, ctx.model_cfg)[1]
+  extra = [] if frozen is None else [frozen]
+  prompts = lambda n, width: placement.shard_batch(text.left_pad(
+      [text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, 0).prompt) for i in range(n)],
+      width, ctx.pad_id, 'test'), ctx.mesh)
+  key, one = jax.random.PRNGKey(0), np.float32(1.0)
+
+  def evaluator_call(program):
+    ev = evaluation.Evaluator(ctx, program)
+    generate = ev._generate  # pylint: disable=protected-access
+    return generate.lower(params, *prompts(ev.batch_size, ev.max_prompt_length), key, one, one)
+
+  s = ctx.cfg.sft
+  progs = programs.build_sft_programs(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                      ctx.graphdef, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
+  rows = placement.batch_rows(s.micro_batch_size, ctx.mesh)
+  batch = placement.place_rows(sft.micro_batch(ctx, s, 0, 0, rows)[0], s.micro_batch_size,
+                               ctx.mesh)
+  calls = {'learner': progs.learner.step_fn.lower(progs.init_state(params), batch, *extra),
+           'evaluation': evaluator_call(progs.table['evaluation'])}
+  assert set(calls) == set(progs.table)
+  for name, lowered in calls.items():
+    assert progs.table[name].lower().as_text() == lowered.as_text(), ('sft', name)
+
+  d = ctx.cfg.dpo
+  progs = dpo.DPOStage().programs(ctx, d, fitted=False)
+  assert d.pairs != 'dataset' and d.loss.rpo_alpha
+  n = 2 * d.micro_batch_size
+  ids = [text.encode_prompt(ctx.tokenizer, ctx.task.train_example(i, 0).prompt)
+         for i in range(n)]
+  pairs = {}
+  for side, reply in (('chosen', [5, ctx.eos_id]), ('rejected', [6, 7, ctx.eos_id])):
+    rows = text.right_padded_rows(ids, [reply] * n, d.max_length, ctx.pad_id, 'test')
+    pairs.update({f'{side}_{k}': v for k, v in rows.items()})
+    pairs[f'ref_{side}_logps'] = np.zeros(n, np.float32)  # as add_reference_logps keeps them
+  reference_rows = placement.shard_batch(
+      [pairs[f'chosen_{k}'][:progs.table['reference'].args[1].shape[0]]
+       for k in ('tokens', 'attention_mask', 'loss_mask')], ctx.mesh)
+  generation_rows = dpo.GENERATION_PROMPTS * d.samples_per_prompt
+  stream = dpo.PairStream(pairs, d, 0, ctx.mesh)
+  calls = {'learner': progs.learner.step_fn.lower(progs.init_state(params), stream.batch_at(0),
+                                                  *extra),
+           'evaluation': evaluator_call(progs.table['evaluation']),
+           'reference': progs.table['reference'].fn.lower(params, *reference_rows),
+           'generation': progs.table['generation'].fn.lower(
+               params, *prompts(generation_rows, d.sampling.max_prompt_length),
+               key, np.float32(d.sampling.temperature), np.float32(d.sampling.top_p))}
+  assert set(calls) == set(progs.table)
+  for name, lowered in calls.items():
+    assert progs.table[name].lower().as_text() == lowered.as_text(), ('dpo', name)

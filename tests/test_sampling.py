@@ -654,6 +654,45 @@ def test_slot_pool_on_mesh_equals_the_batched_sampler(tiny, greedy):
   np.testing.assert_allclose(np.asarray(out.logps), np.asarray(ref.logps), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize('slots', [0, 4])
+def test_decode_step_program_is_the_loops_own_body(tiny, greedy, slots):
+  """``sampling.make_decode_step`` (the GRPO programs' 'decode' entry, the program ``plan``
+  costs the decode loop by), called step by step on the (2, 2, 2) mesh from the loop's carry
+  after the prefill until the loop's condition ends it, gives the sampler's greedy completions,
+  every token the full forward's argmax: it is one iteration of the loop, batched or the slot
+  pool's, at the abstract arguments it was built for."""
+  mesh, graphdef = tiny['mesh'], tiny['graphdef']
+  sampler = sampling.Sampler(L, eos_id=tiny['eos'], pad_id=PAD, slots=slots, decode_block=BLOCK)
+  rows = sharding.batch_sharding(mesh)
+  tokens, mask = [jax.device_put(x, rows) for x in tiny['prompts']]
+  abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  fn, args = sampling.make_decode_step(
+      graphdef, sampler, jax.tree.map(abstract, tiny['mesh_params']), abstract(tokens),
+      abstract(mask), greedy=True, mesh=mesh)
+  rng = jax.random.key(0)
+  # pylint: disable-next=protected-access
+  start = sampling._pool_carry if slots else sampling._rows_carry
+  carry = jax.jit(lambda p, t, m: start(tfm.merge(graphdef, p), t, m, rng, sampler, 1.0, 1.0,
+                                        True, 1))(tiny['mesh_params'], tokens, mask)
+  layers, queue, state = carry if slots else (carry[0], None, carry[1])
+  put = lambda x, a: jax.device_put(x, a.sharding)
+  layers, state = jax.tree.map(put, layers, args[1]), jax.tree.map(put, state, args[2])
+  queue = jax.tree.map(put, queue, args[3])
+  assert jax.tree.map(abstract, (layers, state, queue)) == (args[1], args[2], args[3])
+  running = (lambda s: bool(np.asarray(s.active).any() or int(s.next_row) < N)) if slots else (
+      lambda s: int(s.step) < L and not np.asarray(s.done).all())
+  steps = 0
+  while running(state) and steps < N * L:
+    state = fn(tiny['mesh_params'], layers, state, queue, rng, np.float32(1.0), np.float32(1.0))
+    steps += 1
+  out, ref = greedy['mixed'], dict(tokens=state.tokens, mask=state.mask,
+                                   ended_with_eos=state.ended if slots else state.done)
+  for name, value in ref.items():
+    np.testing.assert_array_equal(np.asarray(value), np.asarray(getattr(out, name)))
+  _assert_greedy_argmax(tiny['fwd'], tiny['params'], *tiny['prompts'], out)
+  assert steps == (int(state.steps) if slots else L - 1)
+
+
 def _fsdp_generate(graphdef, sampler, mesh, shardings):
   """The sampler as the rollout step runs it: jitted under the mesh's activation sharding
   (``sharding.with_activation_sharding``), params sharded by the rules, rows over the data axes."""

@@ -23,7 +23,7 @@ from jaxrl_ga import losses
 from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import programs
-from jaxrl_ga import sampling
+from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOConfig, LoRAConfig, RunConfig
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
@@ -34,16 +34,15 @@ from jaxrl_ga.trainers import reporting
 from jaxrl_ga.trainers import stage
 from jaxrl_ga.trainers import text
 
-GENERATION_PROMPTS = 32  # prompts per generation call (fixed shape: one compile)
+GENERATION_PROMPTS = programs.DPO_GENERATION_PROMPTS  # prompts per generation call
 _LOG_KEYS = ('loss', 'rewards/accuracies', 'rewards/margins', 'grad_norm')
 
 
-def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
-  """Samples completions, pairs a correct with an incorrect one per prompt, adds ref log-probs."""
+def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs) -> dict[str, np.ndarray]:
+  """Samples completions, pairs a correct with an incorrect one per prompt, adds ref log-probs.
+  ``progs``: the stage's programs (its 'generation' and 'reference' entries)."""
   spp = cfg.samples_per_prompt
-  sampler = sampling.Sampler.from_config(cfg.sampling, eos_id=ctx.eos_id, pad_id=ctx.pad_id)
-  generate = sampling.make_generate_fn(ctx.graphdef, sampler, mesh=ctx.mesh,
-                                       param_shardings=ctx.param_shardings)
+  generate = progs.table['generation'].fn
   seed = ctx.cfg.seed
   examples = [ctx.task.train_example(i, seed + 1) for i in range(cfg.num_prompts)]
   chosen, rejected, prompts = [], [], []
@@ -54,8 +53,8 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
     tokens, mask = text.left_pad(ids, cfg.sampling.max_prompt_length, ctx.pad_id,
                                    'dpo.sampling.max_prompt_length')
     out = generate(params, *placement.shard_batch((tokens, mask), ctx.mesh),
-                   jax.random.PRNGKey(seed * 1000 + start), cfg.sampling.temperature,
-                   cfg.sampling.top_p)
+                   jax.random.PRNGKey(seed * 1000 + start),
+                   np.float32(cfg.sampling.temperature), np.float32(cfg.sampling.top_p))
     c_tok, c_mask = placement.to_host(out.tokens), placement.to_host(out.mask)
     texts = text.decode_completions(ctx.tokenizer, c_tok, c_mask)
     for j, ex in enumerate(chunk[:len(examples[start:start + GENERATION_PROMPTS])]):
@@ -80,21 +79,19 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np
   for side, comps in (('chosen', chosen), ('rejected', rejected)):
     rows = text.right_padded_rows(prompts, comps, cfg.max_length, ctx.pad_id, 'dpo.max_length')
     pairs.update({f'{side}_{key}': value for key, value in rows.items()})
-  return add_reference_logps(ctx, cfg, params, pairs)
+  return add_reference_logps(ctx, cfg, params, pairs, progs)
 
 
 def add_reference_logps(ctx: context.RunContext, cfg: DPOConfig, params,
-                        pairs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+                        pairs: dict[str, np.ndarray], progs) -> dict[str, np.ndarray]:
   """``pairs`` with ``ref_chosen_logps`` and ``ref_rejected_logps`` [N] (float32): the summed
   completion log-probs under ``params`` (the policy at the start of the stage) or under
   ``dpo.ref_model``, computed once."""
-  graphdef = ctx.graphdef
   if cfg.ref_model:
     ref_cfg = reference_config(ctx.cfg, cfg)
-    model_cfg = policy.model_config(ref_cfg, len(ctx.tokenizer))
-    graphdef, params, _ = policy.build_model(ref_cfg, model_cfg, ctx.mesh)
-  ref_fn = programs.build_reference_logps(ctx.cfg, graphdef)
-  bs = placement.padded_batch_size(cfg.micro_batch_size, ctx.mesh)
+    params = policy.build_model(ref_cfg, reference_model_config(ctx, cfg), ctx.mesh)[1]
+  ref_fn, args = progs.table['reference']
+  bs = args[1].shape[0]
   n = len(pairs['chosen_tokens'])
   pairs = dict(pairs)
   for side in ('chosen', 'rejected'):
@@ -113,6 +110,21 @@ def reference_config(run_cfg: RunConfig, cfg: DPOConfig) -> RunConfig:
   return dataclasses.replace(run_cfg, model=model)
 
 
+def reference_model_config(ctx: context.RunContext, cfg: DPOConfig):
+  """``dpo.ref_model``'s architecture (its vocabulary the tokenizer's)."""
+  return policy.model_config(reference_config(ctx.cfg, cfg), len(ctx.tokenizer))
+
+
+def reference_programs_args(ctx: context.RunContext, cfg: DPOConfig):
+  """``programs.build_dpo_programs``' ``reference``: (graphdef, model config, param
+  shardings) of ``dpo.ref_model``, abstractly; None without one (the policy is the reference)."""
+  if not cfg.ref_model:
+    return None
+  model_cfg = reference_model_config(ctx, cfg)
+  graphdef, shapes, axes = sharding.abstract_model(model_cfg)
+  return graphdef, model_cfg, sharding.param_shardings(shapes, axes, ctx.mesh)
+
+
 def check_reference(run_cfg: RunConfig, cfg: DPOConfig, model_cfg) -> None:
   """Before anything compiles: ``dpo.ref_model`` exists and has the policy's vocabulary."""
   if not cfg.ref_model:
@@ -125,19 +137,23 @@ def check_reference(run_cfg: RunConfig, cfg: DPOConfig, model_cfg) -> None:
                       f'policy\'s tokenizer.')
 
 
-def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params) -> dict[str, np.ndarray]:
+def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs=None
+                        ) -> dict[str, np.ndarray]:
   """The stage's pairs with their reference log-probs, from the workdir's cache when there is
   one: sampled ones (``dpo_pairs.npz``), or a preference dataset's (``dpo_dataset_pairs.npz``,
-  with the dataset's fingerprint; api.build_context has refused a cache of other rows)."""
+  with the dataset's fingerprint; api.build_context has refused a cache of other rows).
+  ``progs``: the stage's programs (default: built here, ``DPOStage.programs``)."""
+  if progs is None:
+    progs = DPOStage().programs(ctx, cfg, fitted=False)
   if cfg.pairs == 'dataset':
     path = preference.cache_path(ctx.workdir)
     cached = preference.load_cache(ctx.workdir, ctx.task)
-    build = lambda: add_reference_logps(ctx, cfg, params, ctx.task.pairs)
+    build = lambda: add_reference_logps(ctx, cfg, params, ctx.task.pairs, progs)
     stamp = {'fingerprint': np.asarray(ctx.task.fingerprint)}
   else:
     path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
     cached = fileio.load_npz(path) if fileio.exists(path) else None
-    build, stamp = lambda: build_pairs(ctx, cfg, params), {}
+    build, stamp = lambda: build_pairs(ctx, cfg, params, progs), {}
   if cached is not None:
     return cached
   pairs = build()
@@ -237,19 +253,25 @@ class DPOStage(stage.Stage):
   def check_inputs(self, cfg: RunConfig, task, model_cfg) -> None:
     check_reference(cfg, cfg.dpo, model_cfg)
 
-  def programs(self, ctx: context.RunContext, stage_cfg: DPOConfig, example=None):
-    """The learner, compiled for ``example`` (the first micro-batch) and checked against the
-    device's memory (jaxrl_ga.fit), 'auto' knobs chosen; the pairs' reference pass before it
-    runs fit's choice without a limit (remat does not apply)."""
-    return programs.fitted_dpo_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                       ctx.graphdef, stage_cfg, example)
+  def programs(self, ctx: context.RunContext, stage_cfg: DPOConfig, fitted: bool = True):
+    """The stage's programs (programs.LearnerPrograms: the learner, the held-out evaluation,
+    the pairs' generation and reference pass); ``fitted``: with the memory knobs
+    ``jaxrl_ga.fit`` chooses for the learner, compiled and checked against the device's memory
+    ('auto' knobs chosen; the generation and reference pass run fit's choice without a limit:
+    remat does not apply), else ``programs.build_dpo_programs``'s."""
+    build = programs.fitted_dpo_programs if fitted else programs.build_dpo_programs
+    return build(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, ctx.graphdef, stage_cfg,
+                 eos_id=ctx.eos_id, pad_id=ctx.pad_id,
+                 reference=reference_programs_args(ctx, stage_cfg))
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
     cfg = ctx.cfg.dpo  # lengths of 0: those chosen from the data (api.build_context)
     # dpo.micro_batch_size is checked against the mesh before anything is built (validate).
     part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
-    evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
-    pairs = load_or_build_pairs(ctx, cfg, params)
+    progs = self.programs(ctx, cfg)
+    learner = progs.learner
+    evaluator = evaluation.Evaluator(ctx, progs.table['evaluation'])
+    pairs = load_or_build_pairs(ctx, cfg, params, progs)
     shuffle = ctx.task.shuffle if cfg.pairs == 'dataset' else True  # the task's data.shuffle
     stream = PairStream(pairs, cfg, ctx.cfg.seed, ctx.mesh, shuffle=shuffle)
     n_pairs, b = stream.num_pairs, cfg.micro_batch_size
@@ -257,10 +279,7 @@ class DPOStage(stage.Stage):
 
     ckpt = ctx.checkpointer('dpo')
     k = cfg.grad_accum_steps
-    first = batch_at(0)
-    learner = self.programs(ctx, cfg, first)
-    fresh = learner.init(part.trained, first, part.frozen)
-    state, meta = stage.restore(ctx, ckpt, 'dpo', fresh, k)
+    state, meta = stage.restore(ctx, ckpt, 'dpo', progs.init_state(params), k)
     if not stage.trains_on('dpo', meta, cfg.num_steps, k):
       return part.policy(state.params), meta['summary']
     summary = meta['summary']

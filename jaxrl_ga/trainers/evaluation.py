@@ -14,7 +14,6 @@ import numpy as np
 from jaxrl_ga import checkpoint
 from jaxrl_ga import placement
 from jaxrl_ga import rewards as rewards_lib
-from jaxrl_ga import sampling
 from jaxrl_ga.tasks import base as task_base
 from jaxrl_ga.trainers import text
 
@@ -22,20 +21,18 @@ from jaxrl_ga.trainers import text
 class Evaluator:
   """Greedy held-out evaluation; one compile for the run (fixed batch shape)."""
 
-  def __init__(self, ctx, max_prompt_length: int, examples=None):
-    """examples: default the task's held-out set (eval.num_examples of it)."""
+  def __init__(self, ctx, program, examples=None):
+    """program: the stage's 'evaluation' entry of its programs' table
+    (``programs.evaluation_program``: the greedy generation, its batch and prompt width);
+    examples: default the task's held-out set (eval.num_examples of it)."""
     self.ctx = ctx
     ecfg = ctx.cfg.eval
     if examples is None:
       examples = ctx.task.eval_examples()
       examples = examples[:ecfg.num_examples] if ecfg.num_examples else examples
     self.examples = list(examples)
-    self.max_prompt_length = max_prompt_length
-    sampler = sampling.Sampler(max_completion_length=ecfg.max_completion_length,
-                               eos_id=ctx.eos_id, pad_id=ctx.pad_id)
-    self._generate = sampling.make_generate_fn(ctx.graphdef, sampler, greedy=True, mesh=ctx.mesh,
-                                               param_shardings=ctx.param_shardings)
-    self.batch_size = placement.padded_batch_size(ecfg.batch_size, ctx.mesh)
+    self._generate = program.fn
+    self.batch_size, self.max_prompt_length = program.args[1].shape
     # Your data is scored by its rewards; a built-in task by its own exact match.
     self.rewards = (ctx.task.reward_functions() if getattr(ctx.task, 'name', '') == 'data'
                     else [])
@@ -63,7 +60,8 @@ class Evaluator:
       tokens, mask = placement.place_rows(text.left_pad(
           [text.encode_prompt(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length,
           ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
-      out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), 1.0, 1.0)
+      out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), np.float32(1.0),
+                           np.float32(1.0))
       texts = text.decode_completions(ctx.tokenizer, placement.local_part(out.tokens)[1],
                                       placement.local_part(out.mask)[1])
       valid = np.asarray(rows) < n

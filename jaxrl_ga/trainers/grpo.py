@@ -178,8 +178,11 @@ class GRPOLoop:
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
     # The schedule is validated against the mesh by GRPOStage.validate (api.validate_against_mesh).
-    programs = GRPOStage().programs(ctx, cfg, table)
-    self.table, self.engine, self.learner = programs.table, programs.engine, programs.learner
+    # The stage's programs (programs.GRPOPrograms): its steps, its starting state, its table;
+    # every step compiled and checked against the device's memory (jaxrl_ga.fit).
+    self.programs = GRPOStage().programs(ctx, cfg, table)
+    self.table = self.programs.schedule
+    self.engine, self.learner = self.programs.engine, self.programs.learner
     self.part = None  # context.TrainedPart of the params being trained (set by run)
     self.rewards = ctx.task.reward_functions()
     self.prompts_per_rollout = cfg.schedule.prompts_per_rollout
@@ -195,16 +198,6 @@ class GRPOLoop:
     """The policy's params: the learner's, with the frozen base weights under LoRA."""
     return self.part.policy(state['learner'].params)
 
-  def _fresh_state(self, params) -> dict[str, Any]:
-    ref = params if self.cfg.loss.beta > 0 and not self.engine.ref_is_base else None
-    # Before the first rollout the buffer slots hold zeros of the right shapes and shardings.
-    zeros = lambda a: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
-    example = self.engine.abstract_micro_batch(params, ref)
-    return {'learner': self.learner.init(self.part.trained, example, self.part.frozen),
-            'rollout': self.engine.init_state(self.ctx.cfg.seed),
-            'buffer': jax.tree.map(zeros, self.engine.abstract_buffer(params, ref)),
-            'advantages': zeros(self.engine.abstract_advantages()), 'ref_params': ref}
-
   def run(self, params, stop_at_micro_step: Optional[int] = None
           ) -> tuple[Any, dict[str, Any]]:
     """Trains from ``params`` (or resumes). -> (params, summary).
@@ -219,14 +212,14 @@ class GRPOLoop:
     self.part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
     self._slice_widths = None  # set by each rollout; from the restored buffer on a resume
     self._policy_version = None  # likewise
-    state, meta = stage.restore(ctx, ckpt, 'grpo', self._fresh_state(params), k)
+    state, meta = stage.restore(ctx, ckpt, 'grpo', self.programs.init_state(params), k)
     # The reference never changes during a run: on its role once.
     self._ref_on_role = sharding.sync_weights(state['ref_params'], ctx.roles['reference'])
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
     resumed_from = meta['micro_step']
-    evaluator = evaluation.Evaluator(ctx, cfg.sampling.max_prompt_length)
+    evaluator = evaluation.Evaluator(ctx, self.programs.table['evaluation'])
     evaluate = lambda st: evaluator.evaluate(self.policy(st))
     if 'eval/accuracy_before' not in summary:
       results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)

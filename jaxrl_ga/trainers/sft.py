@@ -87,11 +87,13 @@ class SFTStage(stage.Stage):
             [('sft.max_length + eval.max_completion_length',
               cfg.sft.max_length + cfg.eval.max_completion_length)])
 
-  def programs(self, ctx: context.RunContext, stage_cfg: SFTConfig, example=None):
-    """The learner, compiled for ``example`` (the first micro-batch) and checked against the
-    device's memory (jaxrl_ga.fit), 'auto' knobs chosen."""
-    return programs.fitted_sft_learner(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                       ctx.graphdef, stage_cfg, example)
+  def programs(self, ctx: context.RunContext, stage_cfg: SFTConfig):
+    """The stage's programs (programs.LearnerPrograms: the learner and the held-out
+    evaluation), compiled and checked against the device's memory (jaxrl_ga.fit), 'auto'
+    knobs chosen."""
+    return programs.fitted_sft_programs(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
+                                        ctx.graphdef, stage_cfg, eos_id=ctx.eos_id,
+                                        pad_id=ctx.pad_id)
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
     cfg = ctx.cfg.sft  # sft.max_length=0: the one chosen from the data (api.build_context)
@@ -103,17 +105,16 @@ class SFTStage(stage.Stage):
       batch, consumed = micro_batch(ctx, cfg, position, seed, placement.batch_rows(b, ctx.mesh))
       return placement.place_rows(batch, b, ctx.mesh), consumed
 
-    first = batch_at(0)[0]
-    learner = self.programs(ctx, cfg, first)
+    progs = self.programs(ctx, cfg)
+    learner = progs.learner
     ckpt = ctx.checkpointer('sft')
-    fresh = learner.init(part.trained, first, part.frozen)
-    state, meta = stage.restore(ctx, ckpt, 'sft', fresh, k)
+    state, meta = stage.restore(ctx, ckpt, 'sft', progs.init_state(params), k)
     if not stage.trains_on('sft', meta, cfg.num_steps, k):
       return part.policy(state.params), meta['summary']
-    evaluator = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length)
+    evaluator = evaluation.Evaluator(ctx, progs.table['evaluation'])
     # With sft.target_accuracy: training problems from a stream the run never trains on (seed +
     # 7919), checked every probe_every steps; the warm start ends when they are solved.
-    probe = evaluation.Evaluator(ctx, max_prompt_length=cfg.max_length, examples=[
+    probe = evaluation.Evaluator(ctx, progs.table['evaluation'], examples=[
         ctx.task.train_example(i, seed + 7919) for i in range(cfg.probe_examples)]) \
         if cfg.target_accuracy else None
 
