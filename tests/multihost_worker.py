@@ -11,6 +11,7 @@ WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads onl
 With JAXRL_GA_TEST_DATA=<file.jsonl>: GRPO alone on those rows (jaxrl_ga.data), scored by
 ``length_and_answer``, every completion of process 0's rows logged to completions.jsonl, and the
 file's lines this process parsed (1-based, each time) written to WORKDIR/parsed_<PROCESS_ID>.json.
+With JAXRL_GA_TEST_STAGES=grpo: no SFT before GRPO.
 """
 
 import json
@@ -103,7 +104,8 @@ if os.environ.get('JAXRL_GA_TEST_REWARD_RAISES_ON') == str(pid):
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to_dict()
-d['stages'] = 'sft,grpo'
+# JAXRL_GA_TEST_STAGES=grpo: GRPO alone (the tests of how GRPO stops need no SFT before it).
+d['stages'] = os.environ.get('JAXRL_GA_TEST_STAGES', 'sft,grpo')
 d['sft']['num_steps'] = 2
 d['grpo']['num_steps'] = int(os.environ.get('JAXRL_GA_TEST_GRPO_STEPS', 3))
 d['checkpoint']['every_steps'] = 0

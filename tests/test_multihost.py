@@ -125,7 +125,7 @@ def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
   """Process 1's reward function raises at the second rollout: without care process 0 would wait
   in the reward gather forever. Both must exit non-zero, quickly, each saying why."""
   port = _free_port()
-  extra = {'JAXRL_GA_TEST_REWARD_RAISES_ON': '1'}
+  extra = {'JAXRL_GA_TEST_REWARD_RAISES_ON': '1', 'JAXRL_GA_TEST_STAGES': 'grpo'}
   procs = [_start(i, 2, port, tmp_path, 4, **extra) for i in (0, 1)]
   outs, ends = [None, None], [None, None]
 
@@ -152,7 +152,7 @@ def test_sigterm_to_one_host_stops_every_host_at_the_same_step(tmp_path):
   """The training loop asks jax's preemption service, with no collective per micro-step; SIGTERM
   to one process stops both at one agreed micro-step, with one checkpoint and status 143."""
   port = _free_port()
-  extra = {'JAXRL_GA_TEST_GRPO_STEPS': '400'}
+  extra = {'JAXRL_GA_TEST_GRPO_STEPS': '400', 'JAXRL_GA_TEST_STAGES': 'grpo'}
   procs = [_start(i, 2, port, tmp_path, 4, **extra) for i in (0, 1)]
   metrics = tmp_path / 'run' / 'metrics.jsonl'
   deadline = time.time() + 300
