@@ -173,12 +173,17 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   cfg, _ = programs_lib.resolve_attention(cfg, model_cfg, devices[0])
   g = cfg.grpo
   sched = g.schedule
-  mesh = sharding.role_meshes(cfg.mesh, devices)['actor']  # every step on it (mesh.rollout too)
-  schedule.validate(sched, sharding.data_parallel_size(mesh))  # as main.validate_against_mesh
+  # Each role's mesh (mesh.rollout / mesh.reference: slices of ``devices``), as the run builds them.
+  meshes = sharding.role_meshes(cfg.mesh, devices)
+  mesh = meshes['actor']
+  for m in dict.fromkeys(meshes.values()):  # as GRPOStage.validate / validate_roles
+    schedule.validate(sched, sharding.data_parallel_size(m))
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
-  pshard = sharding.param_shardings(shapes, axes, mesh)
-  progs = programs_lib.build_grpo_programs(cfg, model_cfg, mesh, pshard, eos_id=eos_id,
-                                           pad_id=pad_id, graphdef=graphdef)
+  on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
+  progs = programs_lib.build_grpo_programs(
+      cfg, model_cfg, mesh, on[id(mesh)], eos_id=eos_id, pad_id=pad_id, graphdef=graphdef,
+      rollout_mesh=meshes['rollout'], rollout_shardings=on[id(meshes['rollout'])],
+      reference_mesh=meshes['reference'], reference_shardings=on[id(meshes['reference'])])
   engine = progs.engine
   if steps is None:
     steps = tuple(progs.table)

@@ -170,3 +170,26 @@ def test_mesh_rollout_settings_are_validated_where_they_are_read():
   meshes = sharding.role_meshes(MeshConfig())  # the default: every role on one mesh
   assert meshes['rollout'] is meshes['actor'] and meshes['reference'] is meshes['actor']
   assert meshes['actor'].devices.size == 8
+
+
+def test_plan_lowers_each_step_on_its_roles_devices():
+  """``plan.lower_grpo`` builds the run's role meshes from the devices it plans for: with the
+  learner on 0..3, the rollout on 4..7 and the reference step on 2..3, each lowered step takes
+  its params on its own role's devices (what the trainer runs, test above)."""
+  from jaxrl_ga import plan  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.loss.beta': 0.04, 'mesh.devices': '0:4', 'mesh.data': 4,
+      'mesh.rollout.devices': '4:8', 'mesh.rollout.data': 4,
+      'mesh.reference.devices': '2:4', 'mesh.reference.data': 2})
+  model_cfg = tfm.ModelConfig(**{k: getattr(cfg.model, k) for k in (
+      'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+      'num_key_value_heads')}, vocab_size=64)
+  steps = plan.lower_grpo(cfg, model_cfg, jax.devices())
+  params_on = lambda lowered: {  # the devices of the step's first argument (params or state)
+      d.id for s in jax.tree.leaves(lowered.compile().input_shardings[0][0])
+      for d in s.device_set}
+  assert params_on(steps.learner) == {0, 1, 2, 3}
+  assert params_on(steps.rollout) == {4, 5, 6, 7}
+  assert params_on(steps.decode) == {4, 5, 6, 7}
+  assert set(steps.others) >= {'reference', 'evaluation'}
+  assert params_on(steps.others['reference']) == {2, 3}
