@@ -25,7 +25,9 @@ import io
 import logging
 import os
 import re
+import socket
 import tempfile
+import urllib.parse
 import time
 import uuid
 from typing import Callable, Optional
@@ -107,6 +109,23 @@ def makedirs(p) -> None:
 
 def exists(p) -> bool:
   return path(p).exists()
+
+
+def check_endpoint(p) -> None:
+  """For a gs:// path: that the Cloud Storage endpoint's name resolves (``STORAGE_EMULATOR_HOST``
+  where set, else storage.googleapis.com), so that a host without a route to it is told at once;
+  gcsfs would retry a failed connection for about a minute before saying so. OSError (naming the
+  host) where it does not resolve; nothing for other paths."""
+  if not os.fspath(p).startswith(('gs://', 'gcs://')):
+    return
+  emulator = os.environ.get('STORAGE_EMULATOR_HOST', '')
+  url = urllib.parse.urlsplit(emulator if '://' in emulator else f'http://{emulator}')
+  host, port = (url.hostname, url.port or 80) if emulator else ('storage.googleapis.com', 443)
+  try:
+    socket.getaddrinfo(host, port)
+  except OSError as e:
+    raise OSError(f'cannot resolve the Cloud Storage endpoint {host} ({e}); '
+                  'is this machine on a network that reaches it?') from None
 
 
 def write_bytes(p, data: bytes) -> None:

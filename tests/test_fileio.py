@@ -108,3 +108,15 @@ def test_local_write_is_atomic(tmp_path, monkeypatch):
     fileio.write_text(target, 'new')
   assert target.read_text() == 'old'  # the old content survives a failed write
   assert os.listdir(tmp_path / 'sub') == ['summary.json']  # and no temporary file is left
+
+
+def test_an_unresolvable_storage_endpoint_is_told_at_once(monkeypatch):
+  """gs:// on a host that cannot resolve the Cloud Storage endpoint: an OSError naming the host
+  before any request (gcsfs would retry for about a minute); a resolvable one (an emulator on
+  127.0.0.1) and local paths pass."""
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://no-such-host.invalid:9')
+  with pytest.raises(OSError, match='no-such-host.invalid'):
+    fileio.check_endpoint('gs://bucket/model')
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:9')
+  fileio.check_endpoint('gs://bucket/model')
+  fileio.check_endpoint('/no/such/local/dir')

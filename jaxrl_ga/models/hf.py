@@ -502,6 +502,7 @@ def check_model_source(source: str, setting: str = 'model.hf_path') -> None:
            '(org/name)')
   if source.startswith(_REMOTE_SCHEMES):
     try:
+      fileio.check_endpoint(source)  # at once, not after gcsfs's retries
       found = fileio.exists(fileio.join(source, 'config.json'))
     except ImportError as e:
       raise ConfigError(f'{setting}={source}: reading gs:// needs gcsfs ({e}); pip install '
