@@ -386,6 +386,9 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
     out['attn_implementation'] = trainer.model.config._attn_implementation  # pylint: disable=protected-access
     out['params'] = sum(p.numel() for p in trainer.model.parameters())
     out['param_dtypes'] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    # TRL 1.16 has no public hook that splits a step into generation and learning (its
+    # profiling_context reports only to wandb/mlflow), so the peer's own method is wrapped, as
+    # benchmarks/end_to_end.py does; this touches TRL's internals, never jaxrl_ga's.
     generate_and_score = trainer._generate_and_score_completions  # pylint: disable=protected-access
     training_step = trainer.training_step
 
