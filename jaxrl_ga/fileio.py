@@ -115,8 +115,16 @@ def check_endpoint(p) -> None:
   """For a gs:// path: that the Cloud Storage endpoint's name resolves (``STORAGE_EMULATOR_HOST``
   where set, else storage.googleapis.com), so that a host without a route to it is told at once;
   gcsfs would retry a failed connection for about a minute before saying so. OSError (naming the
-  host) where it does not resolve; nothing for other paths."""
-  if not os.fspath(p).startswith(('gs://', 'gcs://')):
+  host) where it does not resolve; nothing for other paths, nor where gs:// is served by another
+  fsspec filesystem than gcsfs's (an in-memory test bucket)."""
+  protocol = os.fspath(p).split('://', 1)[0] if '://' in os.fspath(p) else ''
+  if protocol not in ('gs', 'gcs'):
+    return
+  try:
+    served_by = fsspec.get_filesystem_class(protocol)
+  except (ImportError, ValueError):
+    return  # no gcsfs: reading the path says so, with its pip command
+  if not served_by.__module__.startswith('gcsfs'):
     return
   emulator = os.environ.get('STORAGE_EMULATOR_HOST', '')
   url = urllib.parse.urlsplit(emulator if '://' in emulator else f'http://{emulator}')

@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices and cheap compiles, set before jax is imported anywhere."""
 
 import os
+import sys
 
 os.environ['JAX_PLATFORMS'] = 'cpu'
 # Smoke-size programs are compile-bound: XLA:CPU's cheap backend passes (no expensive LLVM
@@ -70,8 +71,12 @@ def fake_gcs(monkeypatch):
   import helpers  # pylint: disable=g-import-not-at-top
   helpers.FakeGCS.store.clear()
   helpers.FakeGCS.uploaded.clear()
+  # Set as monkeypatch items so that the real gcsfs serves gs:// again after the test (a test that
+  # checks gcsfs's own behaviour may run next in the same worker); register_implementation writes
+  # this same dict and has no undo.
+  registry = sys.modules[fsspec.get_filesystem_class.__module__]._registry
   for name in ('gcs', 'gs'):
-    fsspec.register_implementation(name, helpers.FakeGCS, clobber=True)
+    monkeypatch.setitem(registry, name, helpers.FakeGCS)
   monkeypatch.setenv('EPATH_USE_TF', 'false')
   yield helpers.FakeGCS.store
   helpers.FakeGCS.store.clear()
