@@ -154,7 +154,8 @@ class RewardModel:
     names = list(getattr(config, 'architectures', None) or [])
     if len(names) != 1 or names[0] not in by_class:
       raise ConfigError(f'{self.setting}={self.source}: architecture {names or None} is not a '
-                        f'supported sequence classifier ({", ".join(by_class)}).')
+                        f'supported sequence classifier; give a reward model of one of '
+                        f'{", ".join(by_class)} (TRL\'s RewardTrainer saves one).')
     config.architectures = [by_class[names[0]].hf_class]  # the decoder it wraps
     cfg = hf.model_config_from_hf(config, dtype=dtype, param_dtype=dtype)
     return cfg, hf.tensor_shape(self._path, families.HF_SCORE_TENSOR)
