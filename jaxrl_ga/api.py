@@ -34,6 +34,7 @@ from jaxrl_ga import fileio
 from jaxrl_ga import placement
 from jaxrl_ga import preference
 from jaxrl_ga import programs
+from jaxrl_ga import reward_model
 from jaxrl_ga import rewards
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
@@ -210,6 +211,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   mesh = meshes['actor']
   validate_against_mesh(cfg, mesh, meshes)
   task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
+  reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
@@ -404,7 +406,9 @@ class Trainer:
       model: what ``model.hf_path`` takes (an HF directory, a .gguf file, pkg:<package>, a hub
         id); None: the config's (a fresh model of the ``model.*`` fields when empty).
       reward_funcs: callables fn(prompts, completions, **columns), (callable, weight) pairs,
-        import strings 'module:function[=weight]' or built-in names (``jaxrl_ga.rewards``); None:
+        import strings 'module:function[=weight]', built-in names (``jaxrl_ga.rewards``) or reward
+        models: a sequence classifier's HF directory, .gguf file or pkg: source
+        (``jaxrl_ga.reward_model``); None:
         ``grpo.reward_funcs``.
       train_dataset, eval_dataset: a path or hub id (as ``data.train``), a list of dicts or a
         ``datasets.Dataset``; None: ``data.train`` / ``data.eval`` (or the built-in task).

@@ -749,8 +749,10 @@ class GRPOConfig:
     advantage: how rewards become advantages.
     optimizer: AdamW, schedule and clipping of this stage.
     log_every: log metrics every this many optimizer steps.
-    reward_funcs: reward functions, 'module:function[=weight],...' or built-in names
-      (``jaxrl_ga.rewards``); '' keeps the task's own. Required with ``data.train``.
+    reward_funcs: reward functions, 'module:function[=weight],...', built-in names
+      (``jaxrl_ga.rewards``) or reward models, 'path[=weight]': a sequence classifier's HF
+      directory (local or gs://), .gguf file or pkg: source (``jaxrl_ga.reward_model``); '' keeps
+      the task's own. Required with ``data.train``.
     completions_every: every this many rollouts, ``completions_logged`` of the rollout's prompts,
       completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
       (process 0's rows; 0: never).

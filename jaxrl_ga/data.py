@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxrl_ga import preference
+from jaxrl_ga import reward_model
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rows as rows_lib
 from jaxrl_ga import sft_data
@@ -52,8 +53,8 @@ from jaxrl_ga.tasks import base
 def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
                owns: Callable[[int], bool] = lambda position: True) -> base.Task:
   """The run's task: ``data.train`` (or ``train_dataset``) as a DataTask, else the built-in task
-  ``task.name``. ``reward_funcs`` (callables, pairs or import strings; default
-  ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO).
+  ``task.name``. ``reward_funcs`` (callables, pairs, import strings or reward-model sources,
+  ``jaxrl_ga.reward_model``; default ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO).
 
   Of GRPO's rows, those at the data positions of the first epoch that ``owns`` (default all;
   ``api.build_context``: this process's, ``rollout.local_prompts``) are parsed and checked here;
@@ -61,7 +62,7 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
   spec = cfg.data
   if reward_funcs is None:
     reward_funcs = cfg.grpo.reward_funcs
-  rewards = rewards_lib.resolve(reward_funcs)
+  rewards = rewards_lib.resolve(reward_model.expand(reward_funcs))
   train_source = train_dataset if train_dataset is not None else (spec.train or None)
   eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
   if train_source is None and cfg.dpo.pairs == 'dataset' and 'dpo' in cfg.stages:

@@ -15,7 +15,9 @@ with placeholder completions), then at any call in training.
 
 Where rewards come from (``resolve``): import strings ``module:function[=weight]``, comma
 separated (``grpo.reward_funcs``; the module must be importable: on ``sys.path`` or
-``PYTHONPATH``), callables, ``(callable, weight)`` pairs, or the built-ins below by name:
+``PYTHONPATH``), callables, ``(callable, weight)`` pairs, reward models (a sequence classifier's
+HF directory, .gguf file or pkg: source, ``path[=weight]``: ``jaxrl_ga.reward_model``, which
+``data.build_task`` expands first) or the built-ins below by name:
 
   final_answer    1.0 iff the completion's final number (``\\boxed{42}``, else after the last
                   ``#### ``, else its last number) equals the row's ``answer`` column (a number, or
@@ -226,10 +228,8 @@ def resolve(reward_funcs, what: str = 'grpo.reward_funcs') -> list[WeightedRewar
   built-in name, ``final_answer=1.0``), or a list of such strings, callables, ``(callable,
   weight)`` pairs and WeightedRewards. A string that does not import, or names something not
   callable, raises ConfigError naming it. Names must be unique."""
-  if isinstance(reward_funcs, str):
-    reward_funcs = [s for s in (p.strip() for p in reward_funcs.split(',')) if s]
   out: list[WeightedReward] = []
-  for item in reward_funcs or ():
+  for item in split_specs(reward_funcs):
     if isinstance(item, WeightedReward):
       out.append(item)
     elif isinstance(item, str):
@@ -247,6 +247,13 @@ def resolve(reward_funcs, what: str = 'grpo.reward_funcs') -> list[WeightedRewar
     raise ConfigError(f'{what}: reward function name(s) {", ".join(twice)} given twice; each '
                       f'reward needs its own name (wrap one in rewards.WeightedReward(name, fn)).')
   return out
+
+
+def split_specs(reward_funcs) -> list:
+  """``reward_funcs`` as a list: a comma-separated string split into its stripped parts."""
+  if isinstance(reward_funcs, str):
+    return [s for s in (p.strip() for p in reward_funcs.split(',')) if s]
+  return list(reward_funcs or ())
 
 
 def _name_of(fn) -> str:

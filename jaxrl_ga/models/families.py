@@ -35,6 +35,9 @@ HF_TOP_TENSORS = {
     'final_norm': ('model.norm.weight', False),
     'lm_head': ('lm_head.weight', True),
 }
+# A sequence classifier's score head [num_labels, D] (``Family.hf_score_class``; read by
+# ``jaxrl_ga.reward_model``, row 0 is the reward).
+HF_SCORE_TENSOR = 'score.weight'
 # Llama's names: our name under ``layers`` -> (HF name after ``model.layers.{i}.``, transposed).
 HF_LAYER_TENSORS = {
     'attn_norm': ('input_layernorm.weight', False),
@@ -67,7 +70,8 @@ GGUF_LAYER_NAMES = {
 }
 GGUF_TOP_NAMES = {'token_embd.weight': 'model.embed_tokens.weight',
                   'output_norm.weight': 'model.norm.weight',
-                  'output.weight': 'lm_head.weight'}
+                  'output.weight': 'lm_head.weight',
+                  'cls.output.weight': HF_SCORE_TENSOR}  # llama.cpp's classifier head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Family:
       config reads one only when it differs).
     gguf_architecture: the GGUF ``general.architecture`` read as this family ('' none;
       ``models/gguf.py``, llama.cpp's names GGUF_LAYER_NAMES).
+    hf_score_class: the HF sequence-classification class on this decoder (a reward model,
+      ``jaxrl_ga.reward_model``: the decoder's tensors plus HF_SCORE_TENSOR); '' none.
   """
   name: str
   hf_class: str
@@ -123,6 +129,7 @@ class Family:
   hf_export: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   hf_head_dim_always: bool = True
   gguf_architecture: str = ''
+  hf_score_class: str = ''
 
   def __post_init__(self):
     if self.activation not in ACTIVATIONS:
@@ -132,13 +139,16 @@ class Family:
 # Every family, by ``ModelConfig.architecture`` (the order error messages list them in).
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family('qwen2', 'Qwen2ForCausalLM', 'Qwen2Config', ('qwen2',), attention_bias=True,
-           hf_refused=('use_sliding_window',), hf_head_dim_always=False),
+           hf_refused=('use_sliding_window',), hf_head_dim_always=False,
+           hf_score_class='Qwen2ForSequenceClassification'),
     Family('llama', 'LlamaForCausalLM', 'LlamaConfig', ('llama',),
            hf_refused=('attention_bias', 'mlp_bias'),
-           hf_export={'attention_bias': False, 'mlp_bias': False}, gguf_architecture='llama'),
+           hf_export={'attention_bias': False, 'mlp_bias': False}, gguf_architecture='llama',
+           hf_score_class='LlamaForSequenceClassification'),
     Family('qwen3', 'Qwen3ForCausalLM', 'Qwen3Config', ('qwen3',), qk_norm=True,
            hf_refused=('use_sliding_window', 'attention_bias', 'mlp_bias'),
-           hf_export={'attention_bias': False, 'use_sliding_window': False}),
+           hf_export={'attention_bias': False, 'use_sliding_window': False},
+           hf_score_class='Qwen3ForSequenceClassification'),
     Family('gemma3', 'Gemma3ForCausalLM', 'Gemma3TextConfig', ('gemma3', 'gemma3_text'),
            qk_norm=True, norm_plus_one=True, post_norms=True, scale_embeddings=True,
            activation='gelu_tanh',
@@ -154,7 +164,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        'use_bidirectional_attention'),
            hf_export={'attention_bias': False, 'attn_logit_softcapping': None}),
     Family('mistral', 'MistralForCausalLM', 'MistralConfig', ('mistral',),
-           settings=('sliding_window',), hf_refused=('attention_bias', 'mlp_bias')),
+           settings=('sliding_window',), hf_refused=('attention_bias', 'mlp_bias'),
+           hf_score_class='MistralForSequenceClassification'),
 )}
 
 # The ModelConfig fields only some families read (each family's ``settings``).

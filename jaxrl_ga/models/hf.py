@@ -262,6 +262,26 @@ def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
   return huggingface_hub.snapshot_download(path, allow_patterns=list(_HUB_PATTERNS))
 
 
+local_dir = _local_dir  # public: jaxrl_ga.reward_model reads a checkpoint's files from it
+
+
+def tensor_shape(model_dir: str, name: str) -> tuple[int, ...]:
+  """The shape of tensor ``name`` of a local checkpoint dir, its data unread (KeyError naming it
+  when absent)."""
+  files = _weight_files(model_dir)
+  if name not in files:
+    raise KeyError(f'{model_dir} has no tensor {name}')
+  with _open_safetensors(files[name]) as f:
+    return f.get_slice(name).shape
+
+
+def read_tensor(model_dir: str, name: str) -> np.ndarray:
+  """Tensor ``name`` of a local checkpoint dir, in HF's layout."""
+  files = _weight_files(model_dir)
+  with _open_safetensors(files[name]) as f:
+    return f.get_tensor(name)
+
+
 def _weight_files(model_dir: str) -> dict[str, str]:
   """HF tensor name -> safetensors file that holds it."""
   index = os.path.join(model_dir, _INDEX_FILE)
@@ -353,7 +373,7 @@ def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
 
 
 def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfig, *,
-                shardings: Optional[dict] = None) -> dict:
+                shardings: Optional[dict] = None, ignore: tuple[str, ...] = ()) -> dict:
   """Reads a safetensors checkpoint into the params pure dict of ``Transformer(cfg)``.
 
   One param at a time: its per-layer tensors are read, transposed to [in, out], stacked, cast to
@@ -366,6 +386,7 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
     cfg: the model config (usually ``model_config_from_hf`` of the same checkpoint).
     shardings: optional pytree of ``jax.sharding.Sharding`` with the params' structure; without
       it every array goes to the default device.
+    ignore: HF tensor names the caller reads itself (a reward model's score head): not warned of.
 
   Returns:
     The params as a nested dict of jax arrays (``transformer.split``'s layout).
@@ -379,7 +400,8 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
   with contextlib.ExitStack() as stack:
     handles = {file: stack.enter_context(_open_safetensors(file))
                for file in sorted(set(files.values()))}
-    return params_from_tensors(lambda name: handles[files[name]].get_tensor(name), files.keys(),
+    return params_from_tensors(lambda name: handles[files[name]].get_tensor(name),
+                               set(files) - set(ignore),
                                cfg, source=model_dir, shardings=shardings,
                                get_slice=lambda name: handles[files[name]].get_slice(name))
 
