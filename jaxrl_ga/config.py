@@ -92,10 +92,16 @@ def or_join(values: list[int]) -> str:
 
 
 UPDATE_MODES = ('accumulate', 'sequential')
-GRPO_AGGREGATIONS = ('token', 'sequence', 'constant', 'microbatch_token')
+GRPO_AGGREGATIONS = ('token', 'sequence', 'constant', 'microbatch_token', 'sequence_sum')
 # TRL's loss_type names for the same aggregations (docs/design, "Loss normalization").
 TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'constant',
-                         'bnpo': 'microbatch_token'}
+                         'bnpo': 'microbatch_token', 'luspo': 'sequence_sum'}
+# The per-token objective: 'clip' is the clipped surrogate of TRL's grpo, dapo, dr_grpo, bnpo and
+# luspo; the others are TRL 1.16's loss_type of the same name, each with the aggregation TRL
+# normalizes it by (docs/design.md, "Loss peers").
+GRPO_OBJECTIVES = ('clip', 'cispo', 'sapo', 'vespo')
+TRL_OBJECTIVE_AGGREGATION = {'cispo': 'token', 'sapo': 'sequence', 'vespo': 'token'}
+MULTI_OBJECTIVE_AGGREGATIONS = ('sum_then_normalize', 'normalize_then_sum')
 DPO_AGGREGATIONS = ('pair', 'token', 'microbatch_token')
 DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
 DPO_PAIRS = ('sampled', 'dataset')
@@ -187,6 +193,18 @@ class GRPOLossConfig:
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
     beta: weight of the k3 KL estimate to the reference policy (0 disables the reference).
     entropy_coef: weight of an entropy bonus (0 disables).
+    objective: the per-token policy term (losses.grpo_loss): 'clip' (the clipped surrogate),
+      or TRL 1.16's 'cispo' (ratio capped at epsilon_high, stop-gradient, times A log pi),
+      'sapo' (soft sigmoid gate) or 'vespo' (a Gamma weight of the sequence ratio). TRL's
+      loss_type='cispo'/'vespo' is this with aggregation 'token', 'sapo' with 'sequence', and
+      'luspo' is objective 'clip' with aggregation 'sequence_sum'.
+    sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for A > 0 and A <= 0.
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weight
+      phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 and A < 0.
+    top_entropy_quantile: rho: only tokens whose entropy is at or above the (1 - rho) quantile of
+      the micro-batch's completion tokens train the policy term (TRL's; 1 keeps every token).
+    use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's, whose default is
+      True; False here so that nothing changes by default).
   """
   aggregation: str = 'token'
   epsilon_low: float = 0.2
@@ -195,10 +213,48 @@ class GRPOLossConfig:
   importance_level: str = 'token'
   beta: float = 0.0
   entropy_coef: float = 0.0
+  objective: str = 'clip'
+  sapo_temperature_pos: float = 1.0
+  sapo_temperature_neg: float = 1.05
+  vespo_k_pos: float = 2.0
+  vespo_lambda_pos: float = 3.0
+  vespo_k_neg: float = 3.0
+  vespo_lambda_neg: float = 2.0
+  top_entropy_quantile: float = 1.0
+  use_bias_correction_kl: bool = False
 
   def __post_init__(self):
     p = 'loss.'
+    # TRL's loss_type names both; say which pair of ours it is.
+    trl = ({'aggregation': self.aggregation} if self.aggregation in TRL_OBJECTIVE_AGGREGATION
+           else {'objective': self.objective} if self.objective in TRL_AGGREGATION_NAMES else {})
+    for name, value in trl.items():
+      objective = value if value in TRL_OBJECTIVE_AGGREGATION else 'clip'
+      aggregation = {**TRL_AGGREGATION_NAMES, **TRL_OBJECTIVE_AGGREGATION}[value]
+      raise ConfigError(f"{p}{name}={value!r} is TRL's loss_type {value!r}; here set "
+                        f'{p}objective={objective!r} and {p}aggregation={aggregation!r}.')
     _one_of(self, 'aggregation', GRPO_AGGREGATIONS, p, aliases=TRL_AGGREGATION_NAMES)
+    _one_of(self, 'objective', GRPO_OBJECTIVES, p)
+    for name in ('sapo_temperature_pos', 'sapo_temperature_neg', 'vespo_lambda_pos',
+                 'vespo_lambda_neg'):
+      value = getattr(self, name)
+      _require(isinstance(value, numbers.Real) and math.isfinite(value) and value > 0,
+               f'{p}{name} must be a finite number > 0, got {value!r}.')
+    for name in ('vespo_k_pos', 'vespo_k_neg'):
+      value = getattr(self, name)
+      _require(isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0,
+               f'{p}{name} must be a finite number >= 0, got {value!r}.')
+    q = self.top_entropy_quantile
+    _require(isinstance(q, numbers.Real) and 0 <= q <= 1,
+             f'{p}top_entropy_quantile must be in [0, 1] (1 keeps every token; the paper uses '
+             f'0.2), got {q!r}.')
+    _require(isinstance(self.use_bias_correction_kl, bool),
+             f'{p}use_bias_correction_kl must be True or False, got '
+             f'{self.use_bias_correction_kl!r}.')
+    _require(self.objective != 'cispo' or self.epsilon_high >= 1,
+             f"{p}epsilon_high={self.epsilon_high} with {p}objective='cispo' is the cap of the "
+             f'importance ratio (epsilon_max) and must be >= 1; set {p}epsilon_high=5.0 '
+             '(ScaleRL\'s, TRL\'s recommendation).')
     _one_of(self, 'importance_level', IMPORTANCE_LEVELS, p)
     _require(self.epsilon_low >= 0 and self.epsilon_high >= 0,
              f'{p}epsilon_low/epsilon_high must be >= 0, got {self.epsilon_low}, '
@@ -452,13 +508,19 @@ class AdvantageConfig:
       from the loss (DAPO).
     order_by_advantage_sign: reorder each rollout so that positive-advantage completions come
       first and negative ones last (the sequential study, docs/design "Implicit bias").
+    multi_objective_aggregation: how several reward functions combine, TRL 1.16's
+      (rewards.group_advantages): 'sum_then_normalize' (the weighted sum, then scale_rewards) or
+      'normalize_then_sum' (GDPO: each function group-normalized, the weighted sum normalized
+      over the rollout; scale_rewards is not used).
   """
   scale_rewards: str = 'group'
   mask_truncated_completions: bool = False
   order_by_advantage_sign: bool = False
+  multi_objective_aggregation: str = 'sum_then_normalize'
 
   def __post_init__(self):
     _one_of(self, 'scale_rewards', SCALE_REWARDS, 'advantage.')
+    _one_of(self, 'multi_objective_aggregation', MULTI_OBJECTIVE_AGGREGATIONS, 'advantage.')
 
 
 REMAT = ('none', 'save_dots', 'full')  # least recompute first (jaxrl_ga.fit's order)

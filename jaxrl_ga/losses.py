@@ -14,12 +14,15 @@ loss of the design doc's table, whatever K and wherever the micro-batch boundari
   token               sum m*l                             sum m
   sequence            sum_i [sum_t m*l / max(sum_t m, 1)] B (every row, empty ones too)
   constant            sum m*l                             B * max_completion_length
+  sequence_sum        sum m*l                             B (every row)
   microbatch_token    sum m*l / sum m                     1   (the K-dependent bug; docs/design)
 
 Each name means what TRL 1.16's GRPOTrainer means by its loss_type (docs/design.md, "Loss
 peers"): 'token' is dapo (at K = S, where TRL's normalizer is the window's token count),
 'sequence' is grpo and 'constant' is dr_grpo, both counting a row whose completion mask is all
-zero (mask_truncated_completions) as a sequence, and 'microbatch_token' is bnpo (one process).
+zero (mask_truncated_completions) as a sequence, 'sequence_sum' is luspo (each sequence's
+summed loss, averaged over rows) and 'microbatch_token' is bnpo (one process). TRL's cispo and
+vespo normalize as dapo does, sapo as grpo does (GRPOLossConfig.objective).
 TRL's per-micro-batch formula is applied to the whole window: normalizers are summed over the
 K micro-batches instead of averaging K separately normalized losses.
 
@@ -219,8 +222,58 @@ def aggregate(per_token_loss: Array, mask: Array, aggregation: str,
     return jnp.sum(seq_mean), jnp.asarray(num_rows, jnp.float32)
   if aggregation == 'constant':
     return jnp.sum(masked), jnp.asarray(num_rows * float(max_completion_length), jnp.float32)
+  if aggregation == 'sequence_sum':
+    return jnp.sum(masked), jnp.asarray(num_rows, jnp.float32)
   raise ValueError(f'unknown aggregation {aggregation!r}; choose one of token, sequence, '
-                   'constant, microbatch_token.')
+                   'constant, microbatch_token, sequence_sum.')
+
+
+def entropy_threshold(entropy: Array, mask: Array, top_quantile: float) -> Array:
+  """The (1 - top_quantile) quantile of the entropies of the valid tokens, TRL 1.16's
+  (GRPOTrainer.get_high_entropy_mask: torch.quantile, linear interpolation between the two
+  nearest ranks). Scalar float32; +inf when no token is valid (then no token is kept).
+
+  Args:
+    entropy: [..., T] per-token entropies (values at masked positions are ignored).
+    mask: the same shape, in {0, 1}.
+    top_quantile: rho in [0, 1], the share of tokens (by entropy) to keep.
+  """
+  valid = (mask > 0).reshape(-1)
+  values = jnp.sort(jnp.where(valid, _f32(entropy).reshape(-1), jnp.inf))  # valid ones first
+  n = jnp.sum(valid.astype(jnp.int32))
+  rank = jnp.float32(1.0 - top_quantile) * jnp.maximum(n - 1, 0).astype(jnp.float32)
+  lo = jnp.floor(rank)
+  hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0).astype(jnp.float32))
+  a, b = values[lo.astype(jnp.int32)], values[hi.astype(jnp.int32)]
+  w = rank - lo
+  threshold = jnp.where(w < 0.5, a + w * (b - a), b - (b - a) * (1.0 - w))  # torch.lerp
+  return jax.lax.stop_gradient(jnp.where(n > 0, threshold, jnp.inf))
+
+
+def vespo_weights(token_log_ratio: Array, mask: Array, advantages: Array,
+                  cfg: GRPOLossConfig) -> Array:
+  """VESPO's per-sequence Gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), with w
+  the sequence's importance ratio exp(sum_t m * (logp - old)), as TRL 1.16 computes it
+  (GRPOTrainer.get_gamma_weights: token log-ratios clipped to +-20, log w to [log 1e-8, 20],
+  k and lambda by the sign of A (A >= 0: the _pos pair), non-finite phi -> 0). No gradient.
+
+  Args:
+    token_log_ratio: [B, T] logp - old (0 at masked positions).
+    mask: [B, T] in {0, 1}.
+    advantages: [B].
+    cfg: the loss configuration (vespo_k_pos, ...).
+
+  Returns:
+    [B, 1] float32 weights.
+  """
+  token_log_ratio = jax.lax.stop_gradient(token_log_ratio)
+  seq = jnp.sum(jnp.clip(token_log_ratio, -20.0, 20.0) * mask, axis=-1, keepdims=True)  # [B, 1]
+  log_w = jnp.clip(seq, np.log(1e-8), 20.0)
+  nonneg = advantages[:, None] >= 0  # [B, 1]
+  k = jnp.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
+  lam = jnp.maximum(jnp.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
+  phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))  # [B, 1]
+  return jnp.where(jnp.isfinite(phi), phi, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,19 +316,33 @@ def grpo_loss(logps: Array,
               cfg: GRPOLossConfig,
               max_completion_length: int,
               ref_logps: Optional[Array] = None,
-              entropy: Optional[Array] = None) -> LossTerms:
-  """Clipped-surrogate GRPO loss of one micro-batch (TRL semantics), aggregated by cfg.
+              entropy: Optional[Array] = None,
+              entropy_threshold_value: Optional[Array] = None) -> LossTerms:
+  """GRPO loss of one micro-batch (TRL 1.16 semantics): cfg.objective, aggregated by cfg.
 
   Per token, with r the importance ratio (token level: exp(logp - old); sequence level, GSPO:
   exp of the masked mean over t of (logp - old), broadcast to the sequence's tokens, with the
-  gradient flowing through the mean):
+  gradient flowing through the mean), sg = stop_gradient:
 
-    l = -min(r~ * A, clip(r, 1 - eps_low, 1 + eps_high) * A)      r~ = min(r, delta) or r
-        + beta * (exp(ref - logp) - (ref - logp) - 1)              if beta > 0
-        - entropy_coef * entropy                                   if entropy_coef > 0
+    p = -min(r~ * A, clip(r, 1 - eps_low, 1 + eps_high) * A)   'clip', r~ = min(r, delta) or r
+        -sg(min(r, eps_high)) * A * logp                       'cispo' (MiniMax-M1, ScaleRL)
+        -sigmoid(tau (r - 1)) * 4 / tau * A                    'sapo', tau = tau_pos if A > 0
+                                                               else tau_neg
+        -phi(w) * A * logp                                     'vespo' (vespo_weights; no
+                                                               gradient through phi)
+    l = e * p                                e = 1[entropy >= threshold] if top_entropy_quantile
+                                             < 1 (else 1)
+        + beta * c * (exp(ref - logp) - (ref - logp) - 1)    if beta > 0; c = r with
+                                                             use_bias_correction_kl, else 1
+        - e * entropy_coef * entropy                           if entropy_coef > 0
 
-  On-policy (old = stop_gradient(logp)) r == 1 and the gradient is the plain policy gradient
-  -A * grad logp under the chosen aggregation.
+  The threshold is :func:`entropy_threshold` of this micro-batch's valid tokens (TRL's
+  per-micro-batch quantile), or ``entropy_threshold_value`` when given (e.g. the window's, which
+  makes the token selection independent of the micro-batch split). Masked-out tokens still count
+  in every denominator, as in TRL.
+
+  On-policy (old = stop_gradient(logp)) r == 1 and the gradient of 'clip' is the plain policy
+  gradient -A * grad logp under the chosen aggregation.
 
   Args:
     logps: [B, T] current policy log-probs of the completion tokens (differentiated).
@@ -285,21 +352,27 @@ def grpo_loss(logps: Array,
     cfg: the loss configuration.
     max_completion_length: L, the per-sequence normalizer of aggregation 'constant'.
     ref_logps: [B, T] reference-policy log-probs; required when cfg.beta > 0.
-    entropy: [B, T] per-token policy entropy; required when cfg.entropy_coef > 0, reported as a
-      metric whenever given.
+    entropy: [B, T] per-token policy entropy; required when cfg.entropy_coef > 0 or
+      cfg.top_entropy_quantile < 1, reported as a metric whenever given.
+    entropy_threshold_value: scalar, the top_entropy_quantile threshold to use instead of this
+      micro-batch's.
 
   Returns:
-    LossTerms. mean_metrics (token-weighted): 'loss' (the window objective), 'clip_ratio/low_mean'
-    (r < 1 - eps_low and A < 0), 'clip_ratio/high_mean' (r > 1 + eps_high and A > 0),
-    'clip_ratio/region_mean' (either), 'ratio/mean', 'kl' (beta > 0), 'entropy' (if given);
-    min_metrics 'ratio/min'; max_metrics 'ratio/max'.
+    LossTerms. mean_metrics (token-weighted): 'loss' (the window objective), 'ratio/mean', 'kl'
+    (beta > 0; times r with use_bias_correction_kl, as TRL logs it), 'entropy' (if given); for
+    'clip': 'clip_ratio/low_mean' (r < 1 - eps_low and A < 0), 'clip_ratio/high_mean'
+    (r > 1 + eps_high and A > 0), 'clip_ratio/region_mean' (either); for 'cispo':
+    'cispo_clip_ratio' (r > eps_high and A > 0); for 'vespo': 'vespo/phi_seq_mean' (the mean of
+    phi over the rows, every row counted, as TRL's); min_metrics 'ratio/min'; max_metrics
+    'ratio/max'.
   """
   if cfg.beta > 0 and ref_logps is None:
     raise ValueError(f'grpo_loss: loss.beta={cfg.beta} > 0 needs ref_logps (the reference '
                      'policy log-probs); pass them or set loss.beta=0.')
-  if cfg.entropy_coef > 0 and entropy is None:
-    raise ValueError(f'grpo_loss: loss.entropy_coef={cfg.entropy_coef} > 0 needs entropy; pass '
-                     'the per-token entropy or set loss.entropy_coef=0.')
+  if (cfg.entropy_coef > 0 or cfg.top_entropy_quantile < 1) and entropy is None:
+    raise ValueError(f'grpo_loss: loss.entropy_coef={cfg.entropy_coef} > 0 or '
+                     f'loss.top_entropy_quantile={cfg.top_entropy_quantile} < 1 needs entropy; '
+                     'pass the per-token entropy or set them to 0 and 1.')
   logps, old_logps, mask = _f32(logps), _f32(old_logps), _f32(mask)
   advantages = _f32(advantages)
   if logps.ndim != 2:
@@ -309,9 +382,13 @@ def grpo_loss(logps: Array,
   _check_shape('mask', mask, shape)
   _check_shape('advantages', advantages, shape[:1])
   valid = mask > 0  # [B, T]
+  if entropy is not None:
+    entropy = _f32(entropy)
+    _check_shape('entropy', entropy, shape)
+    entropy = jnp.where(valid, entropy, 0.0)  # [B, T]
 
   # Masked entries are replaced before any arithmetic: no inf/nan reaches a sum or a gradient.
-  log_ratio = jnp.where(valid, logps - old_logps, 0.0)  # [B, T]
+  log_ratio = token_log_ratio = jnp.where(valid, logps - old_logps, 0.0)  # [B, T]
   if cfg.importance_level == 'sequence':
     seq_tokens = jnp.sum(mask, axis=-1, keepdims=True)  # [B, 1]
     seq_log_ratio = (jnp.sum(mask * log_ratio, axis=-1, keepdims=True) /
@@ -323,35 +400,59 @@ def grpo_loss(logps: Array,
   ratio = jnp.exp(log_ratio)  # [B, T]
   adv = jnp.where(valid, advantages[:, None], 0.0)  # [B, T]
 
-  clipped = jnp.clip(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)  # [B, T]
-  capped = ratio if cfg.delta is None else jnp.minimum(ratio, cfg.delta)  # [B, T]
-  per_token = -jnp.minimum(capped * adv, clipped * adv)  # [B, T]
-
   mean_metrics = {}
+  sg = jax.lax.stop_gradient
+  if cfg.objective == 'clip':
+    clipped = jnp.clip(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high)  # [B, T]
+    capped = ratio if cfg.delta is None else jnp.minimum(ratio, cfg.delta)  # [B, T]
+    per_token = -jnp.minimum(capped * adv, clipped * adv)  # [B, T]
+    is_low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)  # [B, T]
+    is_high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)  # [B, T]
+    mean_metrics.update({
+        'clip_ratio/low_mean': _masked_pair(is_low.astype(jnp.float32), mask),
+        'clip_ratio/high_mean': _masked_pair(is_high.astype(jnp.float32), mask),
+        'clip_ratio/region_mean': _masked_pair((is_low | is_high).astype(jnp.float32), mask),
+    })
+  elif cfg.objective == 'cispo':
+    per_token = -sg(jnp.minimum(ratio, cfg.epsilon_high)) * adv * jnp.where(valid, logps, 0.0)
+    is_clipped = (ratio > cfg.epsilon_high) & (adv > 0)  # [B, T]
+    mean_metrics['cispo_clip_ratio'] = _masked_pair(is_clipped.astype(jnp.float32), mask)
+  elif cfg.objective == 'sapo':
+    tau = jnp.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, T]
+    per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+  elif cfg.objective == 'vespo':
+    phi = vespo_weights(token_log_ratio, mask, advantages, cfg)  # [B, 1]
+    per_token = -phi * adv * jnp.where(valid, logps, 0.0)
+    mean_metrics['vespo/phi_seq_mean'] = (jnp.sum(phi), jnp.asarray(shape[0], jnp.float32))
+  else:
+    raise ValueError(f'unknown objective {cfg.objective!r}; choose clip, cispo, sapo or vespo.')
+
+  keep = None  # top_entropy_quantile: the tokens that train the policy term
+  if cfg.top_entropy_quantile < 1:
+    threshold = (entropy_threshold(entropy, mask, cfg.top_entropy_quantile)
+                 if entropy_threshold_value is None else sg(_f32(entropy_threshold_value)))
+    keep = (valid & (sg(entropy) >= threshold)).astype(jnp.float32)  # [B, T]
+    per_token = per_token * keep
+
   if cfg.beta > 0:
     ref_logps = _f32(ref_logps)
     _check_shape('ref_logps', ref_logps, shape)
     ref_diff = jnp.where(valid, ref_logps - logps, 0.0)  # [B, T]
     kl = jnp.exp(ref_diff) - ref_diff - 1.0  # [B, T]
+    if cfg.use_bias_correction_kl:
+      kl = kl * ratio
     per_token = per_token + cfg.beta * kl
     mean_metrics['kl'] = _masked_pair(kl, mask)
   if entropy is not None:
-    entropy = _f32(entropy)
-    _check_shape('entropy', entropy, shape)
-    entropy = jnp.where(valid, entropy, 0.0)  # [B, T]
     if cfg.entropy_coef > 0:
-      per_token = per_token - cfg.entropy_coef * entropy
+      bonus = entropy if keep is None else entropy * keep
+      per_token = per_token - cfg.entropy_coef * bonus
     mean_metrics['entropy'] = _masked_pair(entropy, mask)
 
   num, den = aggregate(per_token, mask, cfg.aggregation, max_completion_length)
 
-  is_low = (ratio < 1.0 - cfg.epsilon_low) & (adv < 0)  # [B, T]
-  is_high = (ratio > 1.0 + cfg.epsilon_high) & (adv > 0)  # [B, T]
   mean_metrics.update({
       'loss': (jax.lax.stop_gradient(num), den),
-      'clip_ratio/low_mean': _masked_pair(is_low.astype(jnp.float32), mask),
-      'clip_ratio/high_mean': _masked_pair(is_high.astype(jnp.float32), mask),
-      'clip_ratio/region_mean': _masked_pair((is_low | is_high).astype(jnp.float32), mask),
       'ratio/mean': _masked_pair(ratio, mask),
   })
   return LossTerms(

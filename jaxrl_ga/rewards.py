@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import logging
@@ -175,6 +176,53 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
   # Exactly zero for all-equal groups (the centered values are already exact zeros).
   adv = np.where(np.all(groups == groups[:, :1], axis=1, keepdims=True), 0.0, adv)
   return adv.reshape(-1).astype(np.float32)
+
+
+def _nanstd(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
+  """Sample std ignoring NaN; NaN where fewer than 2 values (TRL 1.16's trainer.utils.nanstd)."""
+  count = np.sum(~np.isnan(x), axis=axis, keepdims=keepdims)
+  with np.errstate(invalid='ignore', divide='ignore'), warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # all-NaN slices: NaN, as in torch
+    mean = np.nanmean(x, axis=axis, keepdims=True)
+    var = np.nansum((x - mean)**2, axis=axis, keepdims=keepdims) / (count - 1)
+  return np.where(count > 1, np.sqrt(np.maximum(var, 0.0)), np.nan)
+
+
+def normalize_then_sum_advantages(per_function: np.ndarray, weights: Sequence[float],
+                                  num_generations: int, eps: float = 1e-4) -> np.ndarray:
+  """Advantages of several reward functions by GDPO's decoupled normalization (arXiv 2601.05242;
+  TRL 1.16's ``multi_objective_aggregation='normalize_then_sum'``): each function's rewards are
+  normalized within each group, (r_k - mean) / (std + eps); their weighted sum is normalized over
+  the whole rollout the same way. NaN (the function returned None) counts in no mean or std and
+  adds 0 to the sum; a completion no function applies to, or a function with fewer than 2
+  values in a group, gets 0 there (TRL's NaN rules); ``advantage.scale_rewards`` does not apply.
+
+  Args:
+    per_function: [N, F] rewards of F functions, NaN where a function returned None.
+    weights: [F] the functions' weights.
+    num_generations: G; N is a multiple of it, groups consecutive.
+
+  Returns:
+    [N] float32 advantages.
+  """
+  r = np.asarray(per_function, np.float64)
+  if r.ndim != 2 or r.shape[0] % num_generations or r.shape[1] != len(weights):
+    raise ValueError(f'{r.shape} rewards do not form groups of num_generations='
+                     f'{num_generations} for {len(weights)} functions.')
+  grouped = r.reshape(-1, num_generations, r.shape[1])  # [groups, G, F]
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # all-NaN slices: NaN, as in torch
+    mean_k = np.nanmean(grouped, axis=1, keepdims=True)
+  std_k = (_nanstd(grouped, axis=1, keepdims=True) if num_generations > 1
+           else np.zeros_like(mean_k))
+  normalized = ((grouped - mean_k) / (std_k + eps)).reshape(r.shape)  # [N, F]
+  total = np.nansum(normalized * np.asarray(weights, np.float64)[None], axis=1)  # [N]
+  total[np.isnan(r).all(axis=1)] = np.nan  # unscorable: in no statistic, advantage 0
+  std = _nanstd(total) if total.size > 1 else np.float64(0.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)
+    adv = (total - np.nanmean(total)) / (std + eps)
+  return np.nan_to_num(adv, nan=0.0).astype(np.float32)
 
 
 # -- built-in rewards -----------------------------------------------------------------------------

@@ -28,9 +28,43 @@ def ref_ratios(logps, old, mask, level):
   return out
 
 
-def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None):
-  """[B, T] per-token GRPO loss (0 at masked positions)."""
+def ref_vespo_phi(logps, old, mask, adv, cfg):
+  """[B] VESPO's Gamma weight of each sequence (VESPO paper, arXiv 2602.10693, with TRL 1.16's
+  clipping, GRPOTrainer.get_gamma_weights): phi(w) = exp(lambda + k log w - lambda w), w the
+  product of the token ratios, k and lambda those of the advantage's sign (A >= 0: _pos)."""
+  out = np.zeros(logps.shape[0])
+  for i in range(logps.shape[0]):
+    s = sum(min(max(float(logps[i, t]) - float(old[i, t]), -20.0), 20.0)
+            for t in range(logps.shape[1]) if mask[i, t] > 0)
+    log_w = min(max(s, math.log(1e-8)), 20.0)
+    pos = float(adv[i]) >= 0
+    k = cfg.vespo_k_pos if pos else cfg.vespo_k_neg
+    lam = max(cfg.vespo_lambda_pos if pos else cfg.vespo_lambda_neg, 1e-4)
+    out[i] = math.exp(lam + k * log_w - lam * math.exp(log_w))
+  return out
+
+
+def ref_entropy_keep(ent, mask, rho):
+  """[B, T] 1 where a valid token's entropy is at or above the (1 - rho) quantile of the valid
+  tokens' entropies (numpy's linear quantile; 'Beyond the 80/20 rule', arXiv 2506.01939)."""
+  e = np.asarray(ent, np.float64)
+  threshold = np.quantile(e[mask > 0], 1.0 - rho)
+  return ((mask > 0) & (np.where(mask > 0, e, -np.inf) >= threshold)).astype(np.float64)
+
+
+def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, keep=None):
+  """[B, T] per-token GRPO loss (0 at masked positions), cfg.objective written out per paper:
+  clip (PPO/GRPO), cispo (MiniMax-M1, arXiv 2506.13585), sapo (arXiv 2511.20347), vespo
+  (arXiv 2602.10693). ``frozen``: the log-probs of the stop-gradient factors (CISPO's capped
+  ratio, VESPO's phi), held fixed when finite differences move ``logps``; default ``logps``.
+  ``keep``: top_entropy_quantile's token selection (ref_entropy_keep), on the policy term and
+  the entropy bonus, not the KL."""
+  frozen = logps if frozen is None else frozen
   ratios = ref_ratios(logps, old, mask, cfg.importance_level)
+  frozen_ratios = ref_ratios(frozen, old, mask, cfg.importance_level)
+  objective = getattr(cfg, 'objective', 'clip')
+  if objective == 'vespo':
+    phi = ref_vespo_phi(frozen, old, mask, adv, cfg)
   out = np.zeros(logps.shape)
   for i in range(logps.shape[0]):
     a = float(adv[i])
@@ -38,14 +72,26 @@ def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None):
       if mask[i, t] == 0:
         continue
       r = ratios[i, t]
-      r_clip = min(max(r, 1 - cfg.epsilon_low), 1 + cfg.epsilon_high)
-      r_cap = r if cfg.delta is None else min(r, cfg.delta)
-      value = -min(r_cap * a, r_clip * a)
+      lp = float(logps[i, t])
+      if objective == 'clip':
+        r_clip = min(max(r, 1 - cfg.epsilon_low), 1 + cfg.epsilon_high)
+        r_cap = r if cfg.delta is None else min(r, cfg.delta)
+        value = -min(r_cap * a, r_clip * a)
+      elif objective == 'cispo':
+        value = -min(frozen_ratios[i, t], cfg.epsilon_high) * a * lp
+      elif objective == 'sapo':
+        tau = cfg.sapo_temperature_pos if a > 0 else cfg.sapo_temperature_neg
+        value = -4 / tau / (1 + math.exp(-tau * (r - 1))) * a
+      else:
+        value = -phi[i] * a * lp
+      k = 1.0 if keep is None else float(keep[i, t])
+      value *= k
       if cfg.beta > 0:
-        d = float(ref[i, t]) - float(logps[i, t])
-        value += cfg.beta * (math.exp(d) - d - 1)
+        d = float(ref[i, t]) - lp
+        value += cfg.beta * (math.exp(d) - d - 1) * (
+            r if getattr(cfg, 'use_bias_correction_kl', False) else 1.0)
       if cfg.entropy_coef > 0:
-        value -= cfg.entropy_coef * float(ent[i, t])
+        value -= cfg.entropy_coef * float(ent[i, t]) * k
       out[i, t] = value
   return out
 
@@ -65,6 +111,8 @@ def ref_window_loss(per_token, mask, aggregation, bounds=None):
     return sum(sum(per_token[i, t] for t in cells(i)) / len(cells(i)) for i in seqs) / n_rows
   if aggregation == 'constant':
     return total / (n_rows * L_MAX)
+  if aggregation == 'sequence_sum':  # TRL's luspo: (ptl * mask).sum(-1).mean()
+    return total / n_rows
   assert aggregation == 'microbatch_token'
   means = []
   for lo, hi in bounds:

@@ -407,6 +407,8 @@ class GRPOLoop:
           f'the reward computation failed on process(es) {hosts} (their log has the error); '
           f'every process stops.')
     total, correct = fields[0].reshape(-1), fields[1]
+    # [S*B, F] every function's rewards, for advantage.multi_objective_aggregation
+    self._rewards_per_function = fields[2:2 + len(names)].reshape(len(names), -1).T
     return total, {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
                    'reward/accuracy': float(correct.mean()),
                    **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
@@ -442,8 +444,12 @@ class GRPOLoop:
     their old log-probs (state['rollout'] counts those passes)."""
     cfg = self.cfg
     sched = cfg.schedule
-    adv = rewards_lib.group_advantages(rewards, sched.num_generations,
-                                       cfg.advantage.scale_rewards)
+    if cfg.advantage.multi_objective_aggregation == 'normalize_then_sum':
+      adv = rewards_lib.normalize_then_sum_advantages(
+          self._rewards_per_function, [r.weight for r in self.rewards], sched.num_generations)
+    else:
+      adv = rewards_lib.group_advantages(rewards, sched.num_generations,
+                                         cfg.advantage.scale_rewards)
     adv_dev = placement.put(adv.reshape(sched.steps_per_generation, sched.micro_batch_size),
                             self.engine.advantage_sharding)
     if not cfg.advantage.order_by_advantage_sign:
