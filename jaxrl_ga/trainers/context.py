@@ -54,6 +54,9 @@ class RunContext:
   # name -> Role. The rollout's is by default the actor's (``mesh``, ``param_shardings``), the
   # reference's the rollout's (the rollout step then computes the reference log-probs).
   own_meshes: dict[str, Role] = dataclasses.field(default_factory=dict)
+  # The run's tools and environments (grpo.tools, grpo.environment, or the Python API's;
+  # jaxrl_ga.tools.ToolSetup); None: single-turn rollouts.
+  tool_setup: Any = None
 
   @property
   def roles(self) -> dict[str, Role]:
