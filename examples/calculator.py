@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 from typing import Optional
 
@@ -65,7 +66,6 @@ def correct(prompts, completions, answer, **unused_columns):
   """1.0 iff the completion's final number is the row's answer (its last assistant turn's text;
   docs/your_data.md, "Tools and environments")."""
   del prompts, unused_columns
-  import re  # pylint: disable=import-outside-toplevel
   out = []
   for text, want in zip(completions, answer):
     numbers = re.findall(r'-?\d+', str(text).replace(',', ''))
@@ -88,7 +88,7 @@ def rows(n: int, seed: int = 0) -> list[dict]:
 
 def sft_rows(n: int, seed: int = 1) -> list[dict]:
   """n tool-use conversations (``messages`` rows for stages=sft) in the plain format."""
-  from jaxrl_ga import tools  # pylint: disable=import-outside-toplevel
+  from jaxrl_ga import tools  # pylint: disable=import-outside-toplevel  # lazy: the example's class imports nothing of the package, as TRL runs it
   env = Calculator()
   block = tools.PLAIN_TOOLS_PROMPT.format(tools='\n'.join(
       json.dumps(tools.tool_schema(getattr(env, m))) for m in ('add', 'multiply')))

@@ -64,11 +64,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import logging
 import numpy as np
+from transformers.utils import get_json_schema
 
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga.errors import ConfigError
 
-__all__ = ['ToolSetup', 'Episodes', 'build', 'tool_schema', 'parse_plain_tool_calls',
+__all__ = ['ToolSetup', 'Episodes', 'build', 'make_interaction', 'add_rewards', 'tool_schema',
+           'parse_plain_tool_calls',
            'template_renders_tools', 'PLAIN_TOOLS_PROMPT']
 
 # Qwen2.5's chat template's words for the tools it is given (the plain format's system block).
@@ -89,7 +91,6 @@ def tool_schema(fn: Callable[..., Any], what: str = 'grpo.tools') -> dict:
   """The JSON schema the chat template announces ``fn`` with (transformers' get_json_schema:
   type hints and a Google-style docstring with an ``Args:`` entry per parameter). Without them:
   ConfigError naming ``fn``."""
-  from transformers.utils import get_json_schema  # pylint: disable=import-outside-toplevel
   try:
     return get_json_schema(fn)
   except Exception as e:  # pylint: disable=broad-except  (TypeHint/DocstringParsingException)
@@ -610,3 +611,13 @@ def add_rewards(task, setup: ToolSetup) -> None:
     raise ConfigError(f'grpo.environment: the reward of environment {", ".join(clash)} has the '
                       f'name of a reward of grpo.reward_funcs; rename the class or the function.')
   task.reward_functions = lambda *args, **kwargs: list(own(*args, **kwargs)) + list(extra)
+
+
+def make_interaction(ctx) -> Optional[Callable[[Sequence[Any]], Episodes]]:
+  """GRPOLoop's ``make_interaction`` hook of a run (``ctx``: trainers.context.RunContext):
+  ``examples`` (the rollout's rows, [S*B] slice-major) -> their :class:`Episodes`; None when the
+  run has no tools (``ctx.tool_setup`` is None: single-turn rollouts, as before)."""
+  setup = getattr(ctx, 'tool_setup', None)
+  if setup is None:
+    return None
+  return lambda examples: setup.episodes(ctx.tokenizer, examples)
