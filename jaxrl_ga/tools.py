@@ -383,6 +383,8 @@ class Episodes:
       self._prompts.append(self._reset(ex, env))
     self._lock = threading.Lock()
     self._completion: list[list[dict]] = [[] for _ in self.examples]
+    # Each row's tokens so far (prompt, turns, tool turns): the prefix parse_response reads.
+    self._history: list[Optional[list[int]]] = [None] * len(self.examples)
     self._tool_turns = np.zeros(len(self.examples), np.int64)  # assistant turns with calls run
     self._calls = np.zeros(len(self.examples), np.int64)
     self._failures = np.zeros(len(self.examples), np.int64)
@@ -391,14 +393,15 @@ class Episodes:
 
   def _reset(self, example, env) -> list[dict]:
     """The row's prompt messages: its prompt (a string: one user message) with ``reset``'s text
-    appended to the last message's content (TRL's), the row's columns as reset's keywords (but
-    ``environment`` with a dict of environments)."""
+    appended to the last message's content (TRL's); reset's keywords are the row's, as TRL
+    passes them: ``prompt`` (as in the data, before the text is appended) and the other columns
+    (but ``environment`` with a dict of environments)."""
     prompt = example.prompt
     messages = ([{'role': 'user', 'content': prompt}] if isinstance(prompt, str)
                 else [dict(m) for m in prompt])
     if env is None:
       return messages
-    kwargs = dict(example.fields)
+    kwargs = {'prompt': example.prompt, **example.fields}  # TRL passes the whole row
     if self.setup.multi:
       kwargs.pop('environment', None)
     observation = env.reset(**kwargs)
@@ -449,7 +452,7 @@ class Episodes:
     tok = self.tokenizer
     ended = bool(ids) and ids[-1] == tok.eos_token_id
     text = tok.decode(ids, skip_special_tokens=True)
-    calls = self._parse(ids, text) if ended else []
+    calls = self._parse(row, ids, text) if ended else []
     message = {'role': 'assistant', 'content': text}
     if calls:
       message['tool_calls'] = [{'type': 'function', 'function': {
@@ -482,7 +485,10 @@ class Episodes:
         try:
           with self._lock:
             self._completion[row].extend(results)
-          out.set_result(np.asarray(self._tool_turn_ids(results), np.int32))
+          ids = self._tool_turn_ids(results)
+          with self._lock:
+            self._history[row].extend(ids)
+          out.set_result(np.asarray(ids, np.int32))
         except Exception as e:  # pylint: disable=broad-except
           logging.exception('tools: row %d: rendering the tool turn failed (%s); its episode '
                             'ends.', row, e)
@@ -525,13 +531,24 @@ class Episodes:
       return
     future.add_done_callback(done)
 
-  def _parse(self, ids: list[int], text: str) -> list[dict]:
+  def _parse(self, row: int, ids: list[int], text: str) -> list[dict]:
     """The turn's calls: transformers' parse_response where the tokenizer has a parser (a turn it
-    cannot parse has none, as in TRL), else the plain format."""
+    cannot parse has none, as in TRL's parse_response), else the plain format. A
+    ``response_template`` parser reads the row's tokens before the turn (``prefix``) and the
+    row's tools (TRL's call)."""
+    with self._lock:
+      if self._history[row] is None:
+        self._history[row] = self.prompt_ids(row)
+      prefix = list(self._history[row])
+      self._history[row].extend(ids)
     if not self.parse_with_template:
       return parse_plain_tool_calls(text)
+    tok = self.tokenizer
     try:
-      parsed = self.tokenizer.parse_response(ids)
+      if getattr(tok, 'response_template', None) is not None:
+        parsed = tok.parse_response(ids, prefix=prefix, tools=self._schemas[row] or None)
+      else:  # a legacy response_schema: no prefix
+        parsed = tok.parse_response(ids)
     except (ValueError, TypeError):
       return []
     return [_checked_call(c) for c in (parsed or {}).get('tool_calls') or []]

@@ -235,7 +235,8 @@ def test_reset_text_is_appended_to_the_last_message_and_tools_announced(tok):
   setup = _setup(tools=[multiply], environment=Calc)
   chat = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Add 2 and 3.'}]
   ep = setup.episodes(tok, [Example('What is 2+3?', '5', {'level': 1}), Example(chat, None)])
-  assert ep.environments[0].seen == {'level': 1, 'answer': '5'}  # the row's columns
+  # The row as TRL passes it: its prompt and columns.
+  assert ep.environments[0].seen == {'prompt': 'What is 2+3?', 'level': 1, 'answer': '5'}
   assert ep.environments[0] is not ep.environments[1]  # one instance per row
   schemas = '\n'.join(__import__('json').dumps(tools.tool_schema(f))
                       for f in (multiply, ep.environments[0].add))
@@ -277,7 +278,7 @@ def test_environment_column_selects_each_rows_environment(tok):
   ep = setup.episodes(tok, rows)
   assert [type(e) for e in ep.environments] == [Echo, Calc, Echo]
   assert ep.environments[0] is not ep.environments[2]
-  assert ep.environments[1].seen == {'k': 2}  # environment is not passed to reset
+  assert ep.environments[1].seen == {'prompt': 'b', 'k': 2}  # environment is not passed
   assert 'Think step by step' not in ep.prompt_text(0) and '"echo"' in ep.prompt_text(0)
   assert '"add"' not in ep.prompt_text(0)  # only its environment's tools are announced
   ep.submit(0, _turn(tok, _call('add', a=1, b=1))).result(5)  # not a tool of row 0
@@ -328,3 +329,33 @@ def test_cli_refuses_a_bad_tool_in_one_line():
                     "(Cannot generate JSON schema for no_docstring because it has no docstring!); "
                     "give it type hints and a docstring with an Args: line per parameter."]
   assert 'Traceback' not in done.stderr and 'Compiling' not in done.stderr
+
+
+# TRL 1.16's response template for Qwen2.5/Qwen3's <tool_call> format
+# (trl.chat_template_utils.qwen3_template), the new-style parser transformers >= 5.13 reads.
+QWEN3_RESPONSE_TEMPLATE = {
+    'defaults': {'role': 'assistant'}, 'start_anchor': '<|im_start|>assistant\n',
+    'fields': {
+        'reasoning_content': {'open': '<think>', 'close_pattern': '</think>\\s*',
+                              'content': 'text'},
+        'tool_calls': {'open': '<tool_call>', 'close_pattern': '</tool_call>\\s*',
+                       'repeats': True, 'content': 'json',
+                       'transform': {'type': 'function', 'function': '{content}'}},
+        'content': {'close_pattern': '<\\|im_end\\|>\\s*', 'content': 'text'}}}
+
+
+def test_a_tokenizer_with_a_response_parser_has_its_turns_parsed_by_transformers(tok):
+  import copy  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  parsing = copy.deepcopy(tok)
+  parsing.response_template = QWEN3_RESPONSE_TEMPLATE
+  ep = _setup(tools=[multiply]).episodes(parsing, [Example('q', None)])
+  assert ep.parse_with_template
+  turn = 'Let me compute.' + _call('multiply', a=6, b=7) + _call('multiply', a=2, b=3)
+  assert ep.submit(0, _turn(parsing, turn)).result(5).tolist() == _tool_turns(tok, '42', '6')
+  calls = ep.completion_messages(0)[0]['tool_calls']
+  assert [c['function'] for c in calls] == [{'name': 'multiply', 'arguments': {'a': 6, 'b': 7}},
+                                            {'name': 'multiply', 'arguments': {'a': 2, 'b': 3}}]
+  # A turn the parser cannot read has no calls (TRL's parse_response falls back to text).
+  bad = '<tool_call>\n{"name": "multiply", "arguments": {a: 1}}\n</tool_call>'
+  assert ep.submit(0, _turn(parsing, bad)).result(5) is None
+  assert ep.metrics()['tools/calls_per_episode'] == 2
