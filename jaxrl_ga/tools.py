@@ -231,6 +231,25 @@ class ToolSetup:
     return [rewards_lib.WeightedReward(cls.__name__, _env_reward(cls)) for cls in
             self._reward_types]
 
+  def dry_call_fields(self, examples: Sequence[Any], completions: Sequence[str]
+                      ) -> dict[str, list]:
+    """The episode columns of the reward functions' dry call (GRPOStage.check_inputs; each
+    example once per completion, in a row): ``completions_messages`` (each placeholder completion
+    as one assistant turn) and ``environments`` (an instance per row, reset with it)."""
+    fields = {'completions_messages': [[{'role': 'assistant', 'content': c}]
+                                       for _ in examples for c in completions]}
+    if self.factories is not None:
+      names = [self.environment_name(ex.fields) for ex in examples]
+      instances = self._instances([n for n in names for _ in completions])
+      rows = [ex for ex in examples for _ in completions]
+      for ex, env in zip(rows, instances):
+        kwargs = {'prompt': ex.prompt, **ex.fields}
+        if self.multi:
+          kwargs.pop('environment', None)
+        env.reset(**kwargs)
+      fields['environments'] = instances
+    return fields
+
   def episodes(self, tokenizer, examples: Sequence[Any]) -> 'Episodes':
     """The interaction of one rollout whose rows have ``examples`` (jaxrl_ga.tasks.base.Example,
     row j*B+i at index j*B+i): an environment per row, reset with the row's columns."""
@@ -617,8 +636,10 @@ class Episodes:
 
 def add_rewards(task, setup: ToolSetup) -> None:
   """Appends ``setup``'s environment rewards (:meth:`ToolSetup.reward_functions`) to
-  ``task.reward_functions()`` (on this instance only). A name clash with the task's rewards is a
-  ConfigError."""
+  ``task.reward_functions()`` and gives the reward functions' dry call the episode columns
+  (``task.dry_call_fields``, :meth:`ToolSetup.dry_call_fields`), on this instance only. A name
+  clash with the task's rewards is a ConfigError."""
+  task.dry_call_fields = setup.dry_call_fields
   extra = setup.reward_functions()
   if not extra:
     return

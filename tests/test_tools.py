@@ -359,3 +359,54 @@ def test_a_tokenizer_with_a_response_parser_has_its_turns_parsed_by_transformers
   bad = '<tool_call>\n{"name": "multiply", "arguments": {a: 1}}\n</tool_call>'
   assert ep.submit(0, _turn(parsing, bad)).result(5) is None
   assert ep.metrics()['tools/calls_per_episode'] == 2
+
+
+def test_environment_rewards_join_the_tasks_and_its_dry_call_gets_episode_columns():
+  setup = _setup(environment=Calc)
+
+  def uses_episodes(prompts, completions, completions_messages, environments, **unused):
+    del prompts, unused
+    assert [m[-1]['content'] for m in completions_messages] == list(completions)
+    return [float(e.seen['k']) for e in environments]  # reset with the row before the call
+
+  class Task:
+    def reward_functions(self):
+      return [rewards_lib.WeightedReward('uses_episodes', uses_episodes)]
+
+  task = Task()
+  tools.add_rewards(task, setup)
+  assert [r.name for r in task.reward_functions()] == ['uses_episodes', 'Calc']
+  rows = [Example('a', None, {'k': 1}), Example('b', None, {'k': 2})]
+  k = len(rewards_lib.DRY_COMPLETIONS)
+  from jaxrl_ga.tasks import base  # pylint: disable=import-outside-toplevel  # lazy: this test
+  fields = base.reward_fields(rows, k) | task.dry_call_fields(rows, rewards_lib.DRY_COMPLETIONS)
+  assert [e.seen['k'] for e in fields['environments']] == [1] * k + [2] * k
+  rewards_lib.check_on_dry_call(task.reward_functions(), [e.prompt for e in rows for _ in
+                                                          range(k)], fields)
+
+  class Clash:
+    def reward_functions(self):
+      return [rewards_lib.WeightedReward('Calc', uses_episodes)]
+
+  with pytest.raises(ConfigError, match='environment Calc has the name of a reward'):
+    tools.add_rewards(Clash(), setup)
+
+
+def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):
+  sys.path.insert(0, os.path.join(ROOT, 'examples'))
+  try:
+    import calculator  # pylint: disable=import-outside-toplevel  # lazy: from examples/
+  finally:
+    sys.path.remove(os.path.join(ROOT, 'examples'))
+  (sft,) = calculator.sft_rows(1, seed=3)
+  system, user, call, result, final = sft['messages']
+  setup = _setup(environment=calculator.Calculator)
+  (row,) = [r for r in calculator.rows(1, seed=3)]
+  ep = setup.episodes(tok, [Example(row['prompt'], row['answer'])])
+  # The warm start's prompt is the episode's prompt, its tool turn the episode's tool turn.
+  assert ep.prompt_text(0) == tok.apply_chat_template([system, user], add_generation_prompt=True,
+                                                      tokenize=False)
+  got = ep.submit(0, _turn(tok, call['content'])).result(5)
+  assert got.tolist() == _tool_turns(tok, result['content'])
+  assert result['content'] == row['answer'] and ep.environments[0].get_reward() == 1.0
+  assert calculator.correct([user], [final['content']], [row['answer']]) == [1.0]
