@@ -83,7 +83,6 @@ PLAIN_TOOLS_PROMPT = (
 
 _TOOL_CALL = re.compile(r'<tool_call>(.*?)(</tool_call>|$)', re.DOTALL)
 _RESERVED = ('reset', 'get_reward')
-_WORKERS = 64  # threads of the tool pool: a hung tool holds one until it returns
 
 
 # -- specs ----------------------------------------------------------------------------------------
@@ -192,7 +191,6 @@ class ToolSetup:
     if not self.standalone and not self._env_tools:
       raise ConfigError(f'{what_tools} and {what_environment} are both empty; give tools or an '
                         f'environment.')
-    self._executor = concurrent.futures.ThreadPoolExecutor(_WORKERS, 'jaxrl_ga-tool')
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._loop_lock = threading.Lock()
 
@@ -225,6 +223,14 @@ class ToolSetup:
       raise ConfigError('grpo.tools / grpo.environment need a tokenizer with a chat template '
                         '(an instruct model, model.hf_path); this one has none.')
 
+  def reset_kwargs(self, example) -> dict[str, Any]:
+    """``reset``'s keywords for a row, as TRL passes them: ``prompt`` (as in the data) and the
+    other columns, but ``environment`` with a dict of environments."""
+    kwargs = {'prompt': example.prompt, **example.fields}
+    if self.multi:
+      kwargs.pop('environment', None)
+    return kwargs
+
   def reward_functions(self) -> list[rewards_lib.WeightedReward]:
     """One reward per environment class with get_reward, named after the class, weight 1: the
     row's ``get_reward()`` when its environment is exactly that class, else None (TRL's)."""
@@ -243,10 +249,7 @@ class ToolSetup:
       instances = self._instances([n for n in names for _ in completions])
       rows = [ex for ex in examples for _ in completions]
       for ex, env in zip(rows, instances):
-        kwargs = {'prompt': ex.prompt, **ex.fields}
-        if self.multi:
-          kwargs.pop('environment', None)
-        env.reset(**kwargs)
+        env.reset(**self.reset_kwargs(ex))
       fields['environments'] = instances
     return fields
 
@@ -280,16 +283,30 @@ class ToolSetup:
       return self._loop
 
   def call(self, fn: Callable[..., Any], arguments: dict) -> concurrent.futures.Future:
-    """``fn(**arguments)`` on the pool (a coroutine function: awaited on the event loop)."""
+    """``fn(**arguments)`` on a daemon thread of its own (a coroutine function: awaited on the
+    event loop), so that the calls of a rollout run at once and a hung tool holds neither the
+    others nor the process's exit (a ThreadPoolExecutor's workers are joined at exit)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
     if inspect.iscoroutinefunction(fn):
       try:
         coro = fn(**arguments)
       except Exception as e:  # pylint: disable=broad-except  (bad arguments)
-        failed = concurrent.futures.Future()
-        failed.set_exception(e)
-        return failed
+        future.set_exception(e)
+        return future
       return asyncio.run_coroutine_threadsafe(coro, self._event_loop())
-    return self._executor.submit(fn, **arguments)
+
+    def run() -> None:
+      if not future.set_running_or_notify_cancel():  # running: cancel() leaves it be
+        return  # timed out before it started
+      try:
+        result = fn(**arguments)
+      except BaseException as e:  # pylint: disable=broad-except  (the call's failure)
+        future.set_exception(e)
+      else:
+        future.set_result(result)
+
+    threading.Thread(target=run, name=f'jaxrl_ga-tool-{fn.__name__}', daemon=True).start()
+    return future
 
 
 def _env_reward(cls: type) -> Callable[..., list]:
@@ -420,10 +437,7 @@ class Episodes:
                 else [dict(m) for m in prompt])
     if env is None:
       return messages
-    kwargs = {'prompt': example.prompt, **example.fields}  # TRL passes the whole row
-    if self.setup.multi:
-      kwargs.pop('environment', None)
-    observation = env.reset(**kwargs)
+    observation = env.reset(**self.setup.reset_kwargs(example))
     if observation is not None:
       messages[-1] = {**messages[-1], 'content': messages[-1]['content'] + observation}
     return messages
@@ -527,13 +541,21 @@ class Episodes:
       finish(i, error(f'Tool {call["name"]} not found.'), True)  # TRL's message
       return
     timeout = self.setup.timeout_s
-    timer = threading.Timer(timeout, lambda: finish(
-        i, error(f'Tool {call["name"]} timed out after {timeout:g} s (grpo.tool_timeout_s).'),
-        True))
+    running: list[concurrent.futures.Future] = []
+
+    def timed_out() -> None:
+      finish(i, error(f'Tool {call["name"]} timed out after {timeout:g} s '
+                      '(grpo.tool_timeout_s).'), True)
+      for f in running:
+        f.cancel()  # an async tool's task is cancelled; a thread runs on, unheard
+
+    timer = threading.Timer(timeout, timed_out)
     timer.daemon = True
 
     def done(future: concurrent.futures.Future) -> None:
       timer.cancel()
+      if future.cancelled():
+        return  # timed out: its turn is already the timeout's
       e = future.exception()
       if e is not None:
         finish(i, error(str(e)), True)
@@ -548,6 +570,7 @@ class Episodes:
       timer.cancel()
       finish(i, error(str(e)), True)
       return
+    running.append(future)
     future.add_done_callback(done)
 
   def _parse(self, row: int, ids: list[int], text: str) -> list[dict]:

@@ -410,3 +410,26 @@ def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):
   assert got.tolist() == _tool_turns(tok, result['content'])
   assert result['content'] == row['answer'] and ep.environments[0].get_reward() == 1.0
   assert calculator.correct([user], [final['content']], [row['answer']]) == [1.0]
+
+
+def test_a_hung_async_tool_times_out_and_is_cancelled(tok):
+  cancelled = threading.Event()
+
+  async def stuck(x: int) -> int:
+    """Never returns in time.
+
+    Args:
+      x: ignored.
+    """
+    try:
+      await asyncio.sleep(30)
+    except asyncio.CancelledError:
+      cancelled.set()
+      raise
+    return x
+
+  ep = _setup(tools=[stuck, multiply], tool_timeout_s=0.2).episodes(tok, [Example('q', None)])
+  got = ep.submit(0, _turn(tok, _call('stuck', x=1) + _call('multiply', a=2, b=2))).result(5)
+  assert got.tolist() == _tool_turns(
+      tok, "{'error': 'Tool stuck timed out after 0.2 s (grpo.tool_timeout_s).'}", '4')
+  assert cancelled.wait(5) and ep.metrics()['tools/failures'] == 1
