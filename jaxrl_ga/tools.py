@@ -68,6 +68,7 @@ from transformers.utils import get_json_schema
 
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.trainers import text
 
 __all__ = ['ToolSetup', 'Episodes', 'build', 'make_interaction', 'add_rewards', 'tool_schema',
            'parse_plain_tool_calls',
@@ -465,6 +466,13 @@ class Episodes:
     """Token ids of :meth:`prompt_text` (no special tokens added beyond the template's): what
     replaces ``text.encode_prompt`` for the row."""
     return list(self.tokenizer(self.prompt_text(row), add_special_tokens=False)['input_ids'])
+
+  def padded_prompts(self, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's :meth:`prompt_ids`, left-padded: tokens, mask [N, length] int32 (what
+    GRPOLoop._prompt_rows makes of the rows' prompts without tools; too long: ConfigError
+    naming grpo.sampling.max_prompt_length)."""
+    return text.left_pad([self.prompt_ids(r) for r in range(len(self.examples))], length, pad_id,
+                         'grpo.sampling.max_prompt_length')
 
   # -- turns --------------------------------------------------------------------------------------
   def submit(self, row: int, turn_tokens) -> concurrent.futures.Future:

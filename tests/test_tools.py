@@ -433,3 +433,16 @@ def test_a_hung_async_tool_times_out_and_is_cancelled(tok):
   assert got.tolist() == _tool_turns(
       tok, "{'error': 'Tool stuck timed out after 0.2 s (grpo.tool_timeout_s).'}", '4')
   assert cancelled.wait(5) and ep.metrics()['tools/failures'] == 1
+
+
+def test_padded_prompts_are_the_rows_prompts_left_padded(tok):
+  ep = _setup(tools=[multiply]).episodes(tok, [Example('What is 2*3?', None),
+                                               Example('What is 20*30?', None)])
+  ids = [ep.prompt_ids(0), ep.prompt_ids(1)]
+  width = max(map(len, ids)) + 3
+  tokens, mask = ep.padded_prompts(width, tok.pad_token_id)
+  for r, row in enumerate(ids):
+    assert tokens[r].tolist() == [tok.pad_token_id] * (width - len(row)) + row
+    assert mask[r].tolist() == [0] * (width - len(row)) + [1] * len(row)
+  with pytest.raises(ConfigError, match='grpo.sampling.max_prompt_length'):
+    ep.padded_prompts(len(ids[0]) - 1, tok.pad_token_id)
