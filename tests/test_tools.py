@@ -446,3 +446,19 @@ def test_padded_prompts_are_the_rows_prompts_left_padded(tok):
     assert mask[r].tolist() == [0] * (width - len(row)) + [1] * len(row)
   with pytest.raises(ConfigError, match='grpo.sampling.max_prompt_length'):
     ep.padded_prompts(len(ids[0]) - 1, tok.pad_token_id)
+
+
+def test_the_checkpoint_fingerprint_is_unchanged_without_tools():
+  import dataclasses  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  from jaxrl_ga.models import transformer  # pylint: disable=import-outside-toplevel  # lazy
+  from jaxrl_ga.trainers import context  # pylint: disable=import-outside-toplevel  # lazy
+  fields = {f.name: None for f in dataclasses.fields(context.RunContext) if
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+  make = lambda cfg: context.RunContext(**(fields | {
+      'cfg': cfg, 'model_cfg': transformer.ModelConfig(8, 4, 8, 1, 1, 1)})).fingerprint('grpo')
+  plain = make(config_lib.RunConfig())
+  assert not {'tools', 'environment', 'max_tool_calls', 'tool_timeout_s'} & set(plain['grpo'])
+  grpo = config_lib.GRPOConfig(tools='m:f', max_tool_calls=2, tool_timeout_s=5)
+  tooled = make(dataclasses.replace(config_lib.RunConfig(), grpo=grpo))['grpo']
+  assert (tooled['tools'], tooled['max_tool_calls']) == ('m:f', 2)
+  assert 'tool_timeout_s' not in tooled  # may change on a resume
