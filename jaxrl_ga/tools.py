@@ -419,6 +419,9 @@ class Episodes:
       self._schemas.append([tool_schema(f) for f in fns])
       self._prompts.append(self._reset(ex, env))
     self._lock = threading.Lock()
+    # The tokenizer from one thread at a time (a fast tokenizer's state is not for concurrent
+    # use); never held while taking _lock.
+    self._tok_lock = threading.RLock()
     self._completion: list[list[dict]] = [[] for _ in self.examples]
     # Each row's tokens so far (prompt, turns, tool turns): the prefix parse_response reads.
     self._history: list[Optional[list[int]]] = [None] * len(self.examples)
@@ -465,7 +468,8 @@ class Episodes:
   def prompt_ids(self, row: int) -> list[int]:
     """Token ids of :meth:`prompt_text` (no special tokens added beyond the template's): what
     replaces ``text.encode_prompt`` for the row."""
-    return list(self.tokenizer(self.prompt_text(row), add_special_tokens=False)['input_ids'])
+    with self._tok_lock:
+      return list(self.tokenizer(self.prompt_text(row), add_special_tokens=False)['input_ids'])
 
   def padded_prompts(self, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Every row's :meth:`prompt_ids`, left-padded: tokens, mask [N, length] int32 (what
@@ -492,7 +496,8 @@ class Episodes:
   def _submit(self, row: int, ids: list[int], out: concurrent.futures.Future) -> None:
     tok = self.tokenizer
     ended = bool(ids) and ids[-1] == tok.eos_token_id
-    text = tok.decode(ids, skip_special_tokens=True)
+    with self._tok_lock:
+      text = tok.decode(ids, skip_special_tokens=True)
     calls = self._parse(row, ids, text) if ended else []
     message = {'role': 'assistant', 'content': text}
     if calls:
@@ -586,19 +591,21 @@ class Episodes:
     cannot parse has none, as in TRL's parse_response), else the plain format. A
     ``response_template`` parser reads the row's tokens before the turn (``prefix``) and the
     row's tools (TRL's call)."""
+    prompt = self.prompt_ids(row) if self._history[row] is None else None
     with self._lock:
       if self._history[row] is None:
-        self._history[row] = self.prompt_ids(row)
+        self._history[row] = prompt
       prefix = list(self._history[row])
       self._history[row].extend(ids)
     if not self.parse_with_template:
       return parse_plain_tool_calls(text)
     tok = self.tokenizer
     try:
-      if getattr(tok, 'response_template', None) is not None:
-        parsed = tok.parse_response(ids, prefix=prefix, tools=self._schemas[row] or None)
-      else:  # a legacy response_schema: no prefix
-        parsed = tok.parse_response(ids)
+      with self._tok_lock:
+        if getattr(tok, 'response_template', None) is not None:
+          parsed = tok.parse_response(ids, prefix=prefix, tools=self._schemas[row] or None)
+        else:  # a legacy response_schema: no prefix
+          parsed = tok.parse_response(ids)
     except (ValueError, TypeError):
       return []
     return [_checked_call(c) for c in (parsed or {}).get('tool_calls') or []]
@@ -606,6 +613,10 @@ class Episodes:
   def _tool_turn_ids(self, tool_messages: list[dict]) -> list[int]:
     """The tool turns plus the next assistant header as the template renders them after the
     model's eos (TRL's ``_get_tool_suffix_ids``, in text)."""
+    with self._tok_lock:
+      return self._tool_turn_ids_locked(tool_messages)
+
+  def _tool_turn_ids_locked(self, tool_messages: list[dict]) -> list[int]:
     tok = self.tokenizer
     dummy = [{'role': 'user', 'content': 'dummy'},
              {'role': 'assistant', 'content': '', 'tool_calls': [{'type': 'function', 'function': {
