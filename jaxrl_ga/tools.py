@@ -44,7 +44,14 @@ template and cut after the model's eos (TRL's ``_get_tool_suffix_ids``); for Smo
 
 Failures never crash a run: a tool that raises, times out, a name the model invents, a call that
 is not JSON or whose arguments are not an object: the tool turn is ``str({'error': message})``
-(TRL's) and the call counts in ``tools/failures``.
+(TRL's) and the call counts in ``tools/failures``. (TRL drops a turn its parser cannot read to
+plain text, ending the episode; so does a response-template tokenizer here. The plain format's
+unreadable blocks are failed calls instead: the model reads why.)
+
+Concurrency: every call of a rollout (all its rows, all calls of a turn) runs at once, a sync
+tool on a daemon thread of its own, an async one on one event loop thread; the engine keeps
+decoding the other rows meanwhile. A call past its timeout is answered with the timeout's tool
+turn; an async one is cancelled, a sync one's thread runs on unheard.
 
 Rewards of an episode (docs/your_data.md, "Tools and environments"): ``completions`` holds each
 row's final assistant turn's text; the column ``completions_messages`` its whole completion as
@@ -429,7 +436,6 @@ class Episodes:
     self._calls = np.zeros(len(self.examples), np.int64)
     self._failures = np.zeros(len(self.examples), np.int64)
     self._calls_of: dict[str, int] = {}
-    self._suffix_check: dict[str, bool] = {}
 
   def _reset(self, example, env) -> list[dict]:
     """The row's prompt messages: its prompt (a string: one user message) with ``reset``'s text
