@@ -38,6 +38,7 @@ from jaxrl_ga import reward_model
 from jaxrl_ga import rewards
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
+from jaxrl_ga import tools as tools_lib
 from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file, settings_dict
 from jaxrl_ga.errors import ConfigError
@@ -199,19 +200,25 @@ def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
-                  reward_funcs=None, metric=None):
+                  reward_funcs=None, metric=None, tools=None, environment_factory=None):
   """Mesh, task (or your data: ``data.train``/``train_dataset``), tokenizer (saved to
   workdir/tokenizer), model and metric writer of a run, checked against the mesh and against the
   workdir's checkpoints (stage.check_resume) before any weight is read or anything compiles.
   ``train_dataset``/``eval_dataset`` (a list of dicts, a ``datasets.Dataset`` or a path) and
   ``reward_funcs`` (callables, (callable, weight) pairs or import strings) override
   ``data.train``/``data.eval`` and ``grpo.reward_funcs`` (``jaxrl_ga.data.build_task``);
-  ``metric`` (a callable) ``eval.metric``. -> (RunContext, initial params)."""
+  ``metric`` (a callable) ``eval.metric``; ``tools`` and ``environment_factory`` (TRL's:
+  callables and a class, or a dict of them; ``jaxrl_ga.tools``) ``grpo.tools`` and
+  ``grpo.environment``. -> (RunContext, initial params)."""
   meshes = sharding.role_meshes(cfg.mesh)
   mesh = meshes['actor']
   validate_against_mesh(cfg, mesh, meshes)
   task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
   reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
+  tool_setup = (tools_lib.build(cfg.grpo, tools, environment_factory)
+                if 'grpo' in cfg.stages else None)
+  if tool_setup is not None:  # each environment's get_reward: a reward named after its class
+    tools_lib.add_rewards(task, tool_setup)
   if metric is None and cfg.eval.metric:
     metric = rewards.import_callable(cfg.eval.metric, 'eval.metric')
   try:  # a task's data (e.g. a local .jsonl file) is read here: its errors are bad input
@@ -236,6 +243,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
+  if tool_setup is not None:
+    tool_setup.check_tokenizer(tokenizer)
   fileio.makedirs(workdir)
   if jax.process_index() == 0:
     fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
@@ -268,7 +277,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
                           model_cfg=model_cfg, graphdef=graphdef,
                           param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
-                          widths_from_data=chosen_widths, own_meshes={
+                          widths_from_data=chosen_widths, tool_setup=tool_setup, own_meshes={
                               role: context.Role(role, meshes[role], shardings_on[id(meshes[role])])
                               for role in ('rollout', 'reference')
                               if getattr(cfg.mesh, role).devices})
@@ -321,9 +330,10 @@ def check_workdir(workdir: str) -> None:
 
 
 def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
-        reward_funcs=None, metric=None) -> dict:
+        reward_funcs=None, metric=None, tools=None, environment_factory=None) -> dict:
   """Runs every stage of ``cfg``; returns the summary (also written to workdir/summary.json).
-  ``train_dataset``, ``eval_dataset``, ``reward_funcs``, ``metric``: as :func:`build_context`.
+  ``train_dataset``, ``eval_dataset``, ``reward_funcs``, ``metric``, ``tools``,
+  ``environment_factory``: as :func:`build_context`.
 
   SIGTERM or SIGINT at any point checkpoints the running stage and raises
   checkpoint.Preempted; summary.json then says where the run stopped (``stopped_early``).
@@ -332,7 +342,8 @@ def run(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
   check_workdir(workdir)
   # One run per workdir (held until summary.json is written), before any other work.
   with checkpoint.PreemptionGuard() as guard, workdir_lock.held(workdir):
-    ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric)
+    ctx, params = build_context(cfg, workdir, train_dataset, eval_dataset, reward_funcs, metric,
+                                tools, environment_factory)
     ctx.guard = guard
     cfg = ctx.cfg  # its widths chosen from the data (max_prompt_length=0)
     writer, mesh = ctx.writer, ctx.mesh
@@ -441,8 +452,20 @@ class Trainer:
 
 
 class GRPOTrainer(Trainer):
-  """GRPO on your data and rewards; see :class:`Trainer`."""
+  """GRPO on your data and rewards; see :class:`Trainer`. ``tools`` (functions with type hints
+  and docstrings, or import strings) and ``environment_factory`` (a class with ``reset(**row)``
+  whose methods are tools, or a dict of them chosen by the ``environment`` column): TRL's
+  multi-turn episodes (``jaxrl_ga.tools``); None: ``grpo.tools`` / ``grpo.environment``."""
   stage = registry.GRPO.name
+
+  def __init__(self, *args, tools: Optional[Sequence[Any]] = None, environment_factory=None,
+               **kwargs):
+    super().__init__(*args, **kwargs)
+    self.tools, self.environment_factory = tools, environment_factory
+
+  def train(self) -> dict:
+    return run(self.config, self.workdir, self.train_dataset, self.eval_dataset,
+               self.reward_funcs, self.metric, self.tools, self.environment_factory)
 
 
 class SFTTrainer(Trainer):

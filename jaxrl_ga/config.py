@@ -819,6 +819,15 @@ class GRPOConfig:
       completions, rewards and advantages go to WORKDIR/completions.jsonl and TensorBoard text
       (process 0's rows; 0: never).
     completions_logged: completions logged per logged rollout (see ``completions_every``).
+    tools: tools the model may call in multi-turn episodes, 'module:function,...' (TRL's
+      ``tools``; each with type hints and a docstring; ``jaxrl_ga.tools``). '' (default): none.
+    environment: an environment class, 'module:Class' (TRL's ``environment_factory``: its
+      methods are tools, ``reset(**row)`` text is appended to the prompt, an optional
+      ``get_reward()`` is a reward named after it), or 'name=module:Class,...' chosen per row by
+      the ``environment`` column. '' (default): none.
+    max_tool_calls: assistant turns whose tool calls are run, per episode (TRL's
+      ``max_tool_calling_iterations``); 0: no limit but ``sampling.max_completion_length``.
+    tool_timeout_s: a tool call running longer fails (its message is the tool turn).
     length_buckets: the learner computes each micro-batch's completions up to its longest one
       only, padded to the shortest of this many widths (evenly spaced up to
       ``sampling.max_completion_length``, multiples of 8) that holds it, so that its cost follows
@@ -840,10 +849,18 @@ class GRPOConfig:
   completions_every: int = 0
   completions_logged: int = 8
   length_buckets: int = 1
+  tools: str = ''
+  environment: str = ''
+  max_tool_calls: int = 0
+  tool_timeout_s: float = 30.0
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'log_every', 'completions_logged', 'length_buckets',
                   prefix='grpo.')
+    _require(self.max_tool_calls >= 0, 'grpo.max_tool_calls must be >= 0 (0: no limit but '
+             'grpo.sampling.max_completion_length).')
+    _require(self.tool_timeout_s > 0, f'grpo.tool_timeout_s={self.tool_timeout_s} must be > 0 '
+             '(seconds a tool call may run).')
     _require(self.completions_every >= 0, 'grpo.completions_every must be >= 0 (0: never).')
     _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
 

@@ -54,6 +54,9 @@ class RunContext:
   # name -> Role. The rollout's is by default the actor's (``mesh``, ``param_shardings``), the
   # reference's the rollout's (the rollout step then computes the reference log-probs).
   own_meshes: dict[str, Role] = dataclasses.field(default_factory=dict)
+  # The run's tools and environments (grpo.tools, grpo.environment, or the Python API's;
+  # jaxrl_ga.tools.ToolSetup); None: single-turn rollouts.
+  tool_setup: Any = None
 
   @property
   def roles(self) -> dict[str, Role]:
@@ -100,6 +103,9 @@ class RunContext:
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
     if not stage_cfg.get('reward_funcs', True):
       del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
+    for name in _LATER_STAGE_SETTINGS:  # unset: as before the settings existed
+      if not stage_cfg.get(name, True):
+        del stage_cfg[name]
     data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     model = dataclasses.asdict(self.model_cfg)
     for name in _LATER_MODEL_FIELDS:  # unset: as before the fields existed (older runs resume)
@@ -115,10 +121,14 @@ class RunContext:
 # read (Gemma 3's, Mistral's; models/families.py); left out of the fingerprint while unset.
 _LATER_MODEL_FIELDS = families.FAMILY_SETTINGS
 
+# GRPO's settings added after checkpoints were first written (jaxrl_ga.tools); left out of the
+# fingerprint while unset, so that older runs resume.
+_LATER_STAGE_SETTINGS = ('tools', 'environment', 'max_tool_calls')
+
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
 RESUMABLE_SETTINGS = ('num_steps', 'log_every', 'eval_every', 'target_accuracy', 'probe_every',
-                      'probe_examples', 'completions_every', 'completions_logged')
+                      'probe_examples', 'completions_every', 'completions_logged', 'tool_timeout_s')
 
 
 def _filled(node, chosen, path: list[str]):

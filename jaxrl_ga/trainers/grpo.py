@@ -134,9 +134,12 @@ class GRPOStage(stage.Stage):
                   for i in range(DRY_CALL_ROWS)]
 
     def dry_call():
+      fields = task_base.reward_fields(examples, k)
+      if getattr(task, 'dry_call_fields', None):  # episodes' columns (jaxrl_ga.tools)
+        fields |= task.dry_call_fields(examples, rewards_lib.DRY_COMPLETIONS)
       try:
         rewards_lib.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
-                                      task_base.reward_fields(examples, k))
+                                      fields)
       except rewards_lib.RewardError as e:
         raise ConfigError(str(e)) from None
 

