@@ -213,7 +213,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                         graphdef: Any = None,
                         table: Optional[schedule.ScheduleTable] = None,
                         rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
-                        reference_shardings=None) -> GRPOPrograms:
+                        reference_shardings=None, lazy_inner: bool = True) -> GRPOPrograms:
   """The GRPO programs of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
   ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
   adapters; the learner trains the adapters, the base is a frozen step argument);
@@ -222,7 +222,9 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   ``reference_shardings``: the reference role's (default: the rollout's);
   ``graphdef``: the model's (default: from ``model_cfg``); ``table``: the schedule table
   (default: ``schedule.build_table(grpo.schedule)``; benchmarks/recompute.py passes another rule's
-  marks). The schedule must already be valid for the mesh (``schedule.validate``)."""
+  marks); ``lazy_inner``: the learner's (``learner.Learner``; False, plain ``MultiSteps.update``,
+  is benchmarks/multisteps_overhead.py's eager arm). The schedule must already be valid for the
+  mesh (``schedule.validate``)."""
   g = cfg.grpo if grpo is None else grpo
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
@@ -242,7 +244,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                                            g.sampling.temperature, engine.learner_options),
       g.optimizer, mesh, param_shardings, model_cfg, sched.optimizer_every,
       lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
-      align_diagnostic=g.align_diagnostic)
+      align_diagnostic=g.align_diagnostic, lazy_inner=lazy_inner)
   params = abstract_params(model_cfg, param_shardings)
   progs = GRPOPrograms(engine=engine, learner=learner, schedule=sched_table,
                        model_cfg=model_cfg, params=params, seed=cfg.seed, table={})
