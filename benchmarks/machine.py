@@ -156,11 +156,11 @@ def grpo_programs(model, mesh, param_shardings, *, micro_batch_size: int, prompt
       'grpo.schedule.steps_per_generation': 1, 'grpo.schedule.num_iterations': 1,
       'grpo.schedule.grad_accum_steps': grad_accum_steps,
       'grpo.sampling.max_prompt_length': prompt_length,
-      'grpo.sampling.max_completion_length': completion_length, 'grpo.loss.beta': 0.0}
+      'grpo.sampling.max_completion_length': completion_length}
   for key, value in (('grpo.loss', loss), ('grpo.optimizer', optimizer)):
     if value is not None:
       overrides[key] = config.settings_dict(value)
-  overrides.update(settings)
+  overrides.update({'grpo.loss.beta': 0.0, **settings})  # no reference log-probs in the batch
   cfg = api.make_config(None, **overrides)
   return programs.build_grpo_programs(cfg, model, mesh, param_shardings,
                                       eos_id=model.vocab_size, pad_id=0, lazy_inner=lazy_inner)
