@@ -51,7 +51,8 @@ from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.config import (DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig,
+                             SamplingConfig, SFTConfig)
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
@@ -321,6 +322,19 @@ def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, 
                              max_prompt_length, greedy=True)
 
 
+def sampled_generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings,
+                               params, rows: int, *, eos_id: int, pad_id: int,
+                               attention: str) -> Program:
+  """Sampled generation (``sampling.make_generate_fn``, not greedy) by ``sampling_cfg``: ``rows``
+  prompts of ``sampling_cfg.max_prompt_length`` tokens, prefilled with ``attention``. DPO's
+  'generation' entry (``DPO_GENERATION_PROMPTS`` x samples_per_prompt rows); with
+  ``evaluation_program`` (greedy) what benchmarks/decode.py times at its own batch."""
+  sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id,
+                                         attention=attention, fuse_weights=_fuse_weights(mesh))
+  return _generation_program(graphdef, sampler, mesh, param_shardings, params, rows,
+                             sampling_cfg.max_prompt_length, greedy=False)
+
+
 def _fuse_weights(mesh) -> bool:
   """The decode loop's fused projections off the CPU (``Sampler.fuse_weights``), as the
   rollout's."""
@@ -455,13 +469,10 @@ def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_s
   entries['reference'] = Program(build_reference_logps(ref_cfg, ref_graphdef),
                                  (ref_params, rows, rows, rows))
   if d.pairs != 'dataset':
-    sampler = sampling.Sampler.from_config(d.sampling, eos_id=eos_id, pad_id=pad_id,
-                                           attention=options.attention,
-                                           fuse_weights=_fuse_weights(mesh))
-    entries['generation'] = _generation_program(
-        graphdef, sampler, mesh, param_shardings, params,
-        DPO_GENERATION_PROMPTS * d.samples_per_prompt, d.sampling.max_prompt_length,
-        greedy=False)
+    entries['generation'] = sampled_generation_program(
+        d.sampling, graphdef, mesh, param_shardings, params,
+        DPO_GENERATION_PROMPTS * d.samples_per_prompt, eos_id=eos_id, pad_id=pad_id,
+        attention=options.attention)
   return _learner_programs(build_dpo_learner(cfg, model_cfg, mesh, param_shardings, graphdef, d),
                            model_cfg, param_shardings, dpo_example(d, mesh), entries)
 
