@@ -11,7 +11,7 @@ lengths), the same number of new tokens:
 
   * ours: the trainer's generation programs (prefill + ``lax.while_loop`` decode, one jit):
     greedy is the held-out evaluation's (``programs.evaluation_program``, the table's
-    'evaluation' entry), sampled is DPO's sampled pairs' (``programs.sampled_generation_program``,
+    'evaluation' entry), sampled is DPO's sampled pairs' (``programs.generation_program``,
     the table's 'generation' entry), both built for this batch (``eval.batch_size`` /
     rows = ``batch_size``), ``model.attention`` resolved as the run resolves it, on a one-device
     mesh, each compiled at its abstract arguments; eos_id is an id outside the vocabulary, so no
@@ -113,7 +113,6 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
-from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
@@ -193,29 +192,22 @@ class Ours:
   """The jitted sampler on params loaded from the exported directory."""
 
   def __init__(self, model_dir: str, size: Size):
-    mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    held = {}
-
-    def shardings_fn(shapes, axes):
-      held['shardings'] = sharding.param_shardings(shapes, axes, mesh)
-      return held['shardings']
-
-    model_cfg, self.graphdef, self.params = policy.load_model(model_dir, shardings_fn=shardings_fn)
+    model_cfg, self.graphdef, self.params, mesh, shardings = machine.load_on_one_device(model_dir)
     cfg = api.make_config(None, **{
         'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'eval.batch_size': size.batch_size,
         'eval.max_completion_length': size.new_tokens,
         'dpo.sampling.max_prompt_length': size.prompt_length,
         'dpo.sampling.max_completion_length': size.new_tokens})
-    abstract = programs.abstract_params(model_cfg, held["shardings"])
+    abstract = programs.abstract_params(model_cfg, shardings)
     # An eos id outside the vocabulary is never sampled: every row runs all new_tokens steps.
     ids = dict(eos_id=size.model.vocab_size, pad_id=PAD_ID,
                attention=programs.forward_options(cfg.model).attention)
     self.programs = {
         'greedy': programs.evaluation_program(
-            cfg, self.graphdef, mesh, held['shardings'], abstract,
+            cfg, self.graphdef, mesh, shardings, abstract,
             max_prompt_length=size.prompt_length, **ids),
-        'sampled': programs.sampled_generation_program(
-            cfg.dpo.sampling, self.graphdef, mesh, held['shardings'], abstract,
+        'sampled': programs.generation_program(
+            cfg.dpo.sampling, self.graphdef, mesh, shardings, abstract,
             size.batch_size, **ids)}
     # mode -> its compiled program (compiled at the first call; the profile reads its HLO text).
     self.compiled = {}

@@ -166,6 +166,24 @@ def grpo_programs(model, mesh, param_shardings, *, micro_batch_size: int, prompt
                                       eos_id=model.vocab_size, pad_id=0, lazy_inner=lazy_inner)
 
 
+def load_on_one_device(source: str):
+  """``policy.load_model(source)`` placed on a one-device mesh with the trainer's param shardings
+  (what the programs' builders take). -> (model config, graphdef, params, mesh, shardings)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import MeshConfig  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  held = {}
+
+  def shardings_fn(shapes, axes):
+    held['shardings'] = sharding.param_shardings(shapes, axes, mesh)
+    return held['shardings']
+
+  model_cfg, graphdef, params = policy.load_model(source, shardings_fn=shardings_fn)
+  return model_cfg, graphdef, params, mesh, held['shardings']
+
+
 @dataclasses.dataclass(frozen=True)
 class Size:
   """A model and the learner micro-batch shape a script times it at (B x (prompt + completion)),

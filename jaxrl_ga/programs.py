@@ -322,17 +322,21 @@ def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, 
                              max_prompt_length, greedy=True)
 
 
-def sampled_generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings,
-                               params, rows: int, *, eos_id: int, pad_id: int,
-                               attention: str) -> Program:
-  """Sampled generation (``sampling.make_generate_fn``, not greedy) by ``sampling_cfg``: ``rows``
-  prompts of ``sampling_cfg.max_prompt_length`` tokens, prefilled with ``attention``. DPO's
-  'generation' entry (``DPO_GENERATION_PROMPTS`` x samples_per_prompt rows); with
-  ``evaluation_program`` (greedy) what benchmarks/decode.py times at its own batch."""
+def generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings, params,
+                       rows: int, *, eos_id: int, pad_id: int, attention: str,
+                       greedy: bool = False, block: Optional[int] = None) -> Program:
+  """Generation (``sampling.make_generate_fn``) by ``sampling_cfg``'s sampler: ``rows`` prompts
+  of ``sampling_cfg.max_prompt_length`` tokens, prefilled with ``attention``, sampled (or
+  ``greedy``). DPO's 'generation' entry (``DPO_GENERATION_PROMPTS`` x samples_per_prompt rows);
+  benchmarks/decode.py and benchmarks/uneven_rollout.py build it at their own batch. ``block``:
+  as ``decode_program``'s, the sampler's decode_block replaced (0: every decode step attends
+  over the whole cache, the sampler before issue 36)."""
   sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id,
                                          attention=attention, fuse_weights=_fuse_weights(mesh))
+  if block is not None:
+    sampler = dataclasses.replace(sampler, decode_block=block)
   return _generation_program(graphdef, sampler, mesh, param_shardings, params, rows,
-                             sampling_cfg.max_prompt_length, greedy=False)
+                             sampling_cfg.max_prompt_length, greedy=greedy)
 
 
 def _fuse_weights(mesh) -> bool:
@@ -469,7 +473,7 @@ def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_s
   entries['reference'] = Program(build_reference_logps(ref_cfg, ref_graphdef),
                                  (ref_params, rows, rows, rows))
   if d.pairs != 'dataset':
-    entries['generation'] = sampled_generation_program(
+    entries['generation'] = generation_program(
         d.sampling, graphdef, mesh, param_shardings, params,
         DPO_GENERATION_PROMPTS * d.samples_per_prompt, eos_id=eos_id, pad_id=pad_id,
         attention=options.attention)
