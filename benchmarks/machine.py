@@ -143,8 +143,8 @@ def grpo_programs(model, mesh, param_shardings, *, micro_batch_size: int, prompt
   ``grad_accum_steps``, S = mu = 1, G = 1 (no rows share a prompt), no KL term, the forward's
   knobs fixed (layers scanned, remat 'none', no log-prob chunks, einsum attention, no shared
   prompt forward). ``loss``, ``optimizer``: a ``GRPOLossConfig``, an ``OptimizerConfig`` (default:
-  the config's); ``lazy_inner``: build_grpo_programs'; ``settings``: dotted config overrides on top (``'model.scan_layers': False``,
-  ``'grpo.loss.aggregation': 'token'``). A benchmark takes its jitted steps from ``.table``
+  the config's); ``lazy_inner``: build_grpo_programs'; ``settings``: dotted config overrides on
+  top (``'model.scan_layers': False``). A benchmark takes its jitted steps from ``.table``
   ('learner': the micro-step, its abstract arguments) and its starting state from
   ``.init_state(params)``."""
   from jaxrl_ga import api, config, programs  # pylint: disable=g-import-not-at-top
