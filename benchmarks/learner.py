@@ -11,8 +11,8 @@ micro-batches (ragged left-padded prompts, ragged right-padded completions), one
 Timed side by side, in interleaved rounds (medians reported; compile times apart;
 ``--warmup_rounds`` untimed rounds first):
 
-  * step: the table's learner step, one K-micro-step window per round; *accumulate* = the micro-steps that
-    only accumulate, *emit* = the one that also steps AdamW;
+  * step: the table's learner step, one K-micro-step window per round; *accumulate* = the
+    micro-steps that only accumulate, *emit* = the one that also steps AdamW;
   * fwd: the loss alone (forward, jitted);  fwd+bwd: ``value_and_grad`` of the loss numerator
     (jitted, no accumulator, no optimizer). Both jit the table learner's own task loss
     (``progs.learner.task_loss``) here: they are pieces of the step taken apart for the

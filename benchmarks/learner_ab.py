@@ -11,7 +11,8 @@ micro-step as the trainer runs it: the 'learner' entry of ``programs.build_grpo_
 arguments (the defaults the table's learner has at this config: lr scale 1, the default forward
 options): another checkout's code cannot come from this checkout's table, so that arm is built
 here, through the loaded module's public constructor. Both run on the same random-init model and
-micro-batches, K-micro-step windows of the two timed in alternating order. Reported per side: XLA's temp memory of the compiled micro-step, the median
+micro-batches, K-micro-step windows of the two timed in alternating order. Reported per side:
+XLA's temp memory of the compiled micro-step, the median
 accumulating and emitting (optimizer-step) micro-step, and the emit step's before/after ratio
 paired per round. Both sides consume the same micro-batches from the same initial state, so the
 script also reports whether their train states end bitwise equal (a change meant to keep the

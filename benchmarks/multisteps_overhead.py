@@ -9,7 +9,8 @@ a step fires; ``lazy_inner=False`` ("eager") is plain ``MultiSteps.update``.
 This script builds the GRPO (token aggregation) programs on a random-init model for each variant
 (``programs.build_grpo_programs``' table, ``machine.grpo_programs``, with ``lazy_inner`` True or
 False: the trainer's learner micro-step and the same step with plain ``MultiSteps.update``),
-compiles both table 'learner' entries, then times micro-steps with ``jax.block_until_ready``, one K-micro-step window of
+compiles both table 'learner' entries, then times micro-steps with ``jax.block_until_ready``,
+one K-micro-step window of
 each variant per round in alternating order (eager, lazy / lazy, eager / ...), and reports medians:
 
   * non-emit: micro-steps that only accumulate; emit: the micro-step that fires the optimizer;

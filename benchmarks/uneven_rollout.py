@@ -34,7 +34,8 @@ mismatch can only come from a near-tie).
 Decode step against the filled length: jitted ``Transformer.decode`` steps with the sampler's
 weights (a reference jitted here, not the program table's 'decode' entry: that one is one
 iteration of the rollout's loop, whose filled length advances with every step, while this table
-holds the filled length fixed to time the step as a function of it) (``Transformer.decode_layers``, unfused as on CPU, prepared once per call) on
+holds the filled length fixed to time the step as a function of it)
+(``Transformer.decode_layers``, unfused as on CPU, prepared once per call) on
 ``--slots`` rows with a cache of Tp + M slots for each M in ``--max_lengths``, its rows filled to
 each length in ``--filled`` (the cache's ``index``), the filled-cache attention and the
 whole-cache one
