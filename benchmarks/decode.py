@@ -9,8 +9,13 @@ PyTorch with ``transformers.AutoModelForCausalLM.from_pretrained`` (float32, eva
 unless set: see below). Both generate from the same left-padded batch of random prompts (ragged
 lengths), the same number of new tokens:
 
-  * ours: ``sampling.make_generate_fn`` (prefill + ``lax.while_loop`` decode, one jit); eos_id is
-    an id outside the vocabulary, so no row stops and the loop runs all ``new_tokens`` steps;
+  * ours: the trainer's generation programs (prefill + ``lax.while_loop`` decode, one jit):
+    greedy is the held-out evaluation's (``programs.evaluation_program``, the table's
+    'evaluation' entry), sampled is DPO's sampled pairs' (``programs.generation_program``,
+    the table's 'generation' entry), both built for this batch (``eval.batch_size`` /
+    rows = ``batch_size``), ``model.attention`` resolved as the run resolves it, on a one-device
+    mesh, each compiled at its abstract arguments; eos_id is an id outside the vocabulary, so no
+    row stops and the loop runs all ``new_tokens`` steps;
   * HF: ``model.generate(max_new_tokens=new_tokens)`` with the default dynamic KV cache; the
     exported config has no eos_token_id, so generation cannot stop early (checked: every row comes
     back with exactly ``new_tokens`` new tokens).
@@ -101,13 +106,13 @@ import numpy as np
 import torch
 import transformers
 
+from jaxrl_ga import api
 from jaxrl_ga import flops
-from jaxrl_ga import sampling
+from jaxrl_ga import programs
 from jaxrl_ga import sharding
 from jaxrl_ga.config import MeshConfig
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
-from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
 
 _SIZES = flags.DEFINE_list('sizes', ['tiny', 'big'], 'Which model sizes to run: tiny, big, '
@@ -187,21 +192,32 @@ class Ours:
   """The jitted sampler on params loaded from the exported directory."""
 
   def __init__(self, model_dir: str, size: Size):
-    _, self.graphdef, self.params = policy.load_model(model_dir)
+    model_cfg, self.graphdef, self.params, mesh, shardings = machine.load_on_one_device(model_dir)
+    cfg = api.make_config(None, **{
+        'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'eval.batch_size': size.batch_size,
+        'eval.max_completion_length': size.new_tokens,
+        'dpo.sampling.max_prompt_length': size.prompt_length,
+        'dpo.sampling.max_completion_length': size.new_tokens})
+    abstract = programs.abstract_params(model_cfg, shardings)
     # An eos id outside the vocabulary is never sampled: every row runs all new_tokens steps.
-    sampler = sampling.Sampler(max_completion_length=size.new_tokens,
-                               eos_id=size.model.vocab_size, pad_id=PAD_ID)
-    self.fns = {mode: sampling.make_generate_fn(self.graphdef, sampler,
-                                                greedy=(mode == 'greedy'))
-                for mode in ('greedy', 'sampled')}
+    ids = dict(eos_id=size.model.vocab_size, pad_id=PAD_ID,
+               attention=programs.forward_options(cfg.model).attention)
+    self.programs = {
+        'greedy': programs.evaluation_program(
+            cfg, self.graphdef, mesh, shardings, abstract,
+            max_prompt_length=size.prompt_length, **ids),
+        'sampled': programs.generation_program(
+            cfg.dpo.sampling, self.graphdef, mesh, shardings, abstract,
+            size.batch_size, **ids)}
     # mode -> its compiled program (compiled at the first call; the profile reads its HLO text).
     self.compiled = {}
 
   def __call__(self, mode: str, tokens, mask, seed: int) -> np.ndarray:
     top_p = _TOP_P.value if mode == 'sampled' else 1.0
-    args = (self.params, tokens, mask, jax.random.key(seed), 1.0, top_p)
+    args = (self.params, tokens, mask, jax.random.PRNGKey(seed), jnp.float32(1.0),
+            jnp.float32(top_p))
     if mode not in self.compiled:
-      self.compiled[mode] = self.fns[mode].lower(*args).compile()
+      self.compiled[mode] = self.programs[mode].lower().compile()
     out = jax.block_until_ready(self.compiled[mode](*args))
     assert int(out.num_decode_steps) == out.tokens.shape[1], 'the decode loop stopped early'
     return np.asarray(out.tokens)

@@ -2,18 +2,21 @@ r"""Learner micro-step throughput, and its FLOP/s as a fraction of the machine's
 
   python benchmarks/learner.py --out=benchmarks/results/learner.json
 
-One micro-step of ``jaxrl_ga.learner.Learner`` (GRPO loss, token aggregation): forward, backward
-and the gradient added to the accumulator (``optax.MultiSteps``, K micro-steps per optimizer
-step; the K-th also runs the inner optimizer, AdamW). Random-init models, random on-policy
+One micro-step of the GRPO learner (token aggregation), the trainer's own program: the 'learner'
+entry of ``jaxrl_ga.programs.build_grpo_programs``' table (``machine.grpo_programs``): forward,
+backward and the gradient added to the accumulator (``optax.MultiSteps``, K micro-steps per
+optimizer step; the K-th also runs the inner optimizer, AdamW). Random-init models, random on-policy
 micro-batches (ragged left-padded prompts, ragged right-padded completions), one CPU device.
 
 Timed side by side, in interleaved rounds (medians reported; compile times apart;
 ``--warmup_rounds`` untimed rounds first):
 
-  * step: ``Learner.step``, one K-micro-step window per round; *accumulate* = the micro-steps that
-    only accumulate, *emit* = the one that also steps AdamW;
+  * step: the table's learner step, one K-micro-step window per round; *accumulate* = the
+    micro-steps that only accumulate, *emit* = the one that also steps AdamW;
   * fwd: the loss alone (forward, jitted);  fwd+bwd: ``value_and_grad`` of the loss numerator
-    (jitted, no accumulator, no optimizer);
+    (jitted, no accumulator, no optimizer). Both jit the table learner's own task loss
+    (``progs.learner.task_loss``) here: they are pieces of the step taken apart for the
+    comparison, not programs the trainer runs, so the table has no entry for them;
   * matmul chain: only the model's matrix products, with the step's exact shapes, three per
     forward product (forward, input gradient, weight gradient; six for the two attention
     products): what the matmuls alone cost at these shapes, i.e. the best the step could do;
@@ -36,9 +39,9 @@ FLOPs of a micro-step, counted two ways:
     score and value products forward and backward (the full T x T matrix is computed and masked);
   * XLA: ``cost_analysis()['flops']`` of the lowered step, all HLO ops (elementwise included).
     XLA counts a while-loop body once, not once per iteration, so for this count the layer scan
-    is lowered unrolled (a learner with ``ForwardOptions(scan_layers=False)``, and other scans
-    with ``lax.scan(..., unroll=True)`` patched in while lowering; the timed step is the real,
-    rolled one).
+    is lowered unrolled (the table of the same config with ``model.scan_layers=False``, its
+    learner's ``traced_step``, and other scans with ``lax.scan(..., unroll=True)`` patched in
+    while lowering; the timed step is the real, rolled one).
 
 Utilization = model FLOPs / median time / median peak FLOP/s; also paired per round (the step
 against the peak matmul of the same round).
@@ -95,10 +98,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga import flops as flop_model
-from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
-from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
 
@@ -182,7 +184,7 @@ def model_flops(size: Size) -> dict:
 def unrolled_scans():
   """lax.scan with unroll=True while lowering: XLA's cost analysis counts a while body once. The
   model's layer scan passes its own ``unroll`` (which a patched default cannot override), so the
-  model's layers are unrolled by the learner's own options (``ForwardOptions(scan_layers=False)``,
+  model's layers are unrolled by the learner's own options (``model.scan_layers=False``,
   ``run_size``)."""
   original = jax.lax.scan
   jax.lax.scan = functools.partial(original, unroll=True)
@@ -304,9 +306,6 @@ def op_profile(run, reps: int) -> dict:
 
 def run_size(size: Size, mesh) -> dict:
   k = _K.value
-  sched = ScheduleConfig(micro_batch_size=size.micro_batch_size, num_generations=4,
-                         steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
-  task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
   host_batches = [machine.random_grpo_batch(
       rng, size.micro_batch_size, size.prompt_length, size.completion_length,
@@ -314,8 +313,12 @@ def run_size(size: Size, mesh) -> dict:
   batches = [placement.shard_batch(b, mesh) for b in host_batches]
   graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
-                            optimizer_every=sched.optimizer_every)
+  shape = dict(micro_batch_size=size.micro_batch_size, prompt_length=size.prompt_length,
+               completion_length=size.completion_length, grad_accum_steps=k, loss=LOSS,
+               optimizer=OPT)
+  progs = machine.grpo_programs(size.model, mesh, shardings, **shape)
+  step = progs.table['learner'].fn  # the trainer's micro-step
+  task = progs.learner.task_loss
   # A copy for fwd / fwd+bwd: the learner's params are donated at every step.
   fixed_params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
   peer = (TorchPeer(fixed_params, size.model, host_batches[0])
@@ -330,12 +333,11 @@ def run_size(size: Size, mesh) -> dict:
   peak, peak_args, peak_flops = machine.peak_matmul_fn(_PEAK_N.value)
 
   counts = model_flops(size)
-  state = lrn.init(params, batches[0])
+  state = progs.init_state(params)['learner']
   # The same step with the layers unrolled, for XLA's count (it counts a loop body once).
-  unrolled = learner_lib.grpo_task_loss(LOSS, size.completion_length,
-                                        options=tfm.ForwardOptions(scan_layers=False))
-  counting = learner_lib.Learner(graphdef, unrolled, OPT, mesh, shardings,
-                                 optimizer_every=sched.optimizer_every)
+  counting = machine.grpo_programs(size.model, mesh, shardings, **shape,
+                                   **{'model.scan_layers': False}).learner
+  unrolled = counting.task_loss
   unrolled_loss = lambda p, batch: unrolled(tfm.merge(graphdef, p), batch).numerator
   flops = {
       'model_fwd_bwd': counts['model'], 'model_fwd': counts['forward'],
@@ -348,7 +350,7 @@ def run_size(size: Size, mesh) -> dict:
 
   compile_s = {}
   # The first call is trace + compile + one step.
-  (state, _), compile_s['step'] = machine.timed(lrn.step, state, batches[0])
+  (state, _), compile_s['step'] = machine.timed(step, state, batches[0])
   _, compile_s['fwd'] = machine.timed(fwd, fixed_params, batches[0])
   _, compile_s['fwd_bwd'] = machine.timed(fwd_bwd, fixed_params, batches[0])
   _, compile_s['matmul_chain'] = machine.timed(chain, *chain_args)
@@ -356,7 +358,7 @@ def run_size(size: Size, mesh) -> dict:
   if peer is not None:  # torch's first call (warm-up), reported with the compiles
     _, compile_s['torch_fwd_bwd'] = machine.timed(peer)
   for i in range(1, k):  # finish the first window: rounds start at mini-step 0
-    state, _ = lrn.step(state, batches[i])
+    state, _ = step(state, batches[i])
 
   n_steps = k
   variants = [v for v in VARIANTS if v != 'torch_fwd_bwd' or peer is not None]
@@ -377,7 +379,7 @@ def run_size(size: Size, mesh) -> dict:
         window, faults_window = [], []
         for _ in range(k):
           faults = minor_faults()
-          (state, out), dt = machine.timed(lrn.step, state, batches[n_steps % len(batches)])
+          (state, out), dt = machine.timed(step, state, batches[n_steps % len(batches)])
           faults_window.append(minor_faults() - faults)
           n_steps += 1
           window.append(dt)
@@ -403,7 +405,7 @@ def run_size(size: Size, mesh) -> dict:
 
     def one_step():
       holder['state'], _ = jax.block_until_ready(
-          lrn.step(holder['state'], batches[holder['n'] % len(batches)]))
+          step(holder['state'], batches[holder['n'] % len(batches)]))
       holder['n'] += 1
 
     profile = {'step': op_profile(one_step, k * _PROFILE_REPS.value),

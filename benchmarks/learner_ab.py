@@ -5,9 +5,14 @@ r"""Before/after of a learner change in one process: another checkout's learner 
       --out=benchmarks/results/learner_ab.json
 
 Loads ``<before_root>/jaxrl_ga/learner.py`` as a separate module (everything else — model, losses,
-sharding, optax — is this checkout's), builds one GRPO (token aggregation) ``Learner`` from each
-module on the same random-init model and micro-batches, and times K-micro-step windows of the two
-in alternating order. Reported per side: XLA's temp memory of the compiled micro-step, the median
+sharding, optax — is this checkout's). "after" is this checkout's GRPO (token aggregation) learner
+micro-step as the trainer runs it: the 'learner' entry of ``programs.build_grpo_programs``' table
+(``machine.grpo_programs``). "before" builds a ``Learner`` from the loaded module with the same
+arguments (the defaults the table's learner has at this config: lr scale 1, the default forward
+options): another checkout's code cannot come from this checkout's table, so that arm is built
+here, through the loaded module's public constructor. Both run on the same random-init model and
+micro-batches, K-micro-step windows of the two timed in alternating order. Reported per side:
+XLA's temp memory of the compiled micro-step, the median
 accumulating and emitting (optimizer-step) micro-step, and the emit step's before/after ratio
 paired per round. Both sides consume the same micro-batches from the same initial state, so the
 script also reports whether their train states end bitwise equal (a change meant to keep the
@@ -28,10 +33,9 @@ from absl import flags
 import jax
 import numpy as np
 
-from jaxrl_ga import learner as after_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
-from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
@@ -48,6 +52,7 @@ MODEL = tfm.ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=153
                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                         max_position_embeddings=128)
 OPT = OptimizerConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0)
+LOSS = GRPOLossConfig(aggregation='token')
 SIDES = ('before', 'after')
 
 
@@ -73,23 +78,29 @@ def main(argv):
   del argv
   if not _BEFORE.value:
     raise SystemExit('--before_root is required (a checkout of the "before" commit).')
-  modules = {'before': load_before(_BEFORE.value), 'after': after_lib}
+  before_lib = load_before(_BEFORE.value)
   k = _K.value
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-  sched = ScheduleConfig(micro_batch_size=_BATCH.value, num_generations=1, steps_per_generation=1,
-                         grad_accum_steps=k)
   batches = micro_batches(np.random.default_rng(0), k, mesh)
   learners, states, temp = {}, {}, {}
-  for side, mod in modules.items():
+  for side in SIDES:
     graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
-    task = mod.grpo_task_loss(GRPOLossConfig(aggregation='token'), _COMPLETION.value)
-    lrn = mod.Learner(graphdef, task, OPT, mesh, shardings, optimizer_every=sched.optimizer_every)
-    state = lrn.init(params, batches[0])
-    temp[side] = lrn.step_fn.lower(state, batches[0]).compile().memory_analysis() \
+    if side == 'after':  # the trainer's step, from the program table
+      progs = machine.grpo_programs(MODEL, mesh, shardings, micro_batch_size=_BATCH.value,
+                                    prompt_length=_PROMPT.value,
+                                    completion_length=_COMPLETION.value, grad_accum_steps=k,
+                                    loss=LOSS, optimizer=OPT)
+      step, state = progs.table['learner'].fn, progs.init_state(params)['learner']
+    else:  # the other checkout's Learner, the same arguments
+      task = before_lib.grpo_task_loss(LOSS, _COMPLETION.value)
+      lrn = before_lib.Learner(graphdef, task, OPT, mesh, shardings, optimizer_every=k)
+      state = lrn.init(params, batches[0])
+      step = lrn.step_fn
+    temp[side] = step.lower(state, batches[0]).compile().memory_analysis() \
         .temp_size_in_bytes / 2**20
     for b in batches:  # compile + one untimed window
-      state, _ = lrn.step(state, b)
-    learners[side], states[side] = lrn, jax.block_until_ready(state)
+      state, _ = step(state, b)
+    learners[side], states[side] = step, jax.block_until_ready(state)
     print(f'{side}: compiled; XLA temp {temp[side]:.0f} MiB', flush=True)
 
   times = {s: {'accumulate': [], 'emit': []} for s in SIDES}
@@ -99,7 +110,7 @@ def main(argv):
       state = states[side]
       for i, b in enumerate(batches):
         t0 = time.perf_counter()
-        state, _ = learners[side].step(state, b)
+        state, _ = learners[side](state, b)
         jax.block_until_ready(state)
         times[side]['emit' if i == k - 1 else 'accumulate'].append(time.perf_counter() - t0)
       states[side] = state

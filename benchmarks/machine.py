@@ -133,6 +133,57 @@ def random_grpo_batch(rng, b: int, tp: int, tc: int, vocab: int, nonfinite: bool
   return batch
 
 
+def grpo_programs(model, mesh, param_shardings, *, micro_batch_size: int, prompt_length: int,
+                  completion_length: int, grad_accum_steps: int, loss=None, optimizer=None,
+                  lazy_inner: bool = True, **settings):
+  """The GRPO stage's programs (``jaxrl_ga.programs.build_grpo_programs``, the trainer's) for
+  ``model`` (a ``ModelConfig``) on ``mesh`` with ``param_shardings`` (``sharding.init_params``'
+  third value): micro-batches of ``micro_batch_size`` rows of
+  ``prompt_length`` + ``completion_length`` tokens (``random_grpo_batch``'s shapes), K =
+  ``grad_accum_steps``, S = mu = 1, G = 1 (no rows share a prompt), no KL term, the forward's
+  knobs fixed (layers scanned, remat 'none', no log-prob chunks, einsum attention, no shared
+  prompt forward). ``loss``, ``optimizer``: a ``GRPOLossConfig``, an ``OptimizerConfig`` (default:
+  the config's); ``lazy_inner``: build_grpo_programs'; ``settings``: dotted config overrides on
+  top (``'model.scan_layers': False``). A benchmark takes its jitted steps from ``.table``
+  ('learner': the micro-step, its abstract arguments) and its starting state from
+  ``.init_state(params)``."""
+  from jaxrl_ga import api, config, programs  # pylint: disable=g-import-not-at-top
+  overrides = {
+      'stages': 'grpo', 'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 1,
+      'model.scan_layers': True, 'model.remat': 'none', 'model.logprob_chunk_size': 0,
+      'model.attention': 'einsum', 'model.share_prompt_prefix': False,
+      'grpo.schedule.micro_batch_size': micro_batch_size, 'grpo.schedule.num_generations': 1,
+      'grpo.schedule.steps_per_generation': 1, 'grpo.schedule.num_iterations': 1,
+      'grpo.schedule.grad_accum_steps': grad_accum_steps,
+      'grpo.sampling.max_prompt_length': prompt_length,
+      'grpo.sampling.max_completion_length': completion_length}
+  for key, value in (('grpo.loss', loss), ('grpo.optimizer', optimizer)):
+    if value is not None:
+      overrides[key] = config.settings_dict(value)
+  overrides.update({'grpo.loss.beta': 0.0, **settings})  # no reference log-probs in the batch
+  cfg = api.make_config(None, **overrides)
+  return programs.build_grpo_programs(cfg, model, mesh, param_shardings,
+                                      eos_id=model.vocab_size, pad_id=0, lazy_inner=lazy_inner)
+
+
+def load_on_one_device(source: str):
+  """``policy.load_model(source)`` placed on a one-device mesh with the trainer's param shardings
+  (what the programs' builders take). -> (model config, graphdef, params, mesh, shardings)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import MeshConfig  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  held = {}
+
+  def shardings_fn(shapes, axes):
+    held['shardings'] = sharding.param_shardings(shapes, axes, mesh)
+    return held['shardings']
+
+  model_cfg, graphdef, params = policy.load_model(source, shardings_fn=shardings_fn)
+  return model_cfg, graphdef, params, mesh, held['shardings']
+
+
 @dataclasses.dataclass(frozen=True)
 class Size:
   """A model and the learner micro-batch shape a script times it at (B x (prompt + completion)),

@@ -8,10 +8,12 @@ would be asked of device memory. Each configuration runs in a fresh subprocess (
 
   1. imports jax, initializes the params (random, one CPU device) and records RSS: the
      *baseline*;
-  2. builds ``Learner`` (GRPO, token aggregation, K micro-steps per optimizer step; its state
+  2. builds the GRPO programs (``programs.build_grpo_programs``, ``machine.grpo_programs``;
+     K micro-steps per optimizer step), makes the learner's starting state (``init_state``; it
      holds the params, AdamW's two moments and MultiSteps' float32 accumulator), compiles the
-     micro-step ahead of time and records XLA's ``memory_analysis()`` of it (temp, argument,
-     output and aliased bytes: deterministic);
+     table's 'learner' entry (the trainer's micro-step at its abstract arguments) ahead of time
+     and records XLA's ``memory_analysis()`` of it (temp, argument, output and aliased bytes:
+     deterministic);
   3. runs one micro-step, then resets the peak (``/proc/self/clear_refs``), then runs K more
      micro-steps (so the window's optimizer step is among them), each on a micro-batch moved
      from host numpy arrays to the device just before its step, as a trainer streams slices;
@@ -21,7 +23,8 @@ would be asked of device memory. Each configuration runs in a fresh subprocess (
 RSS readings wait 0.5 s first: PjRt frees some buffers on another thread after a computation.
 A last table (computed in this process, deterministic) is XLA's temp memory of the optimizer
 update alone on the same params, donated: plain AdamW, then clip, apply_if_finite and MultiSteps
-added one at a time, to attribute the step's temp memory.
+added one at a time, to attribute the step's temp memory (optax's transformations jitted here,
+not programs the trainer runs: the program table has no entry for them).
 
 glibc returns large blocks to the system only if they were mmapped, and raises its mmap
 threshold as blocks are freed; the child runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB
@@ -111,16 +114,15 @@ def _model_config():
 def run_child(cfg: Config) -> dict:
   import jax  # pylint: disable=g-import-not-at-top  (child only)
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import learner as learner_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import placement, sharding  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
-  from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
+  from jaxrl_ga.config import MeshConfig, OptimizerConfig
 
   tp, tc, b, k = _PROMPT.value, _COMPLETION.value, cfg.micro_batch_size, cfg.grad_accum_steps
   model = _model_config()
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
   rss = {'after_import': _rss_mib()}
-  graphdef, params, shardings = sharding.init_params(model, seed=0, mesh=mesh)
+  _, params, shardings = sharding.init_params(model, seed=0, mesh=mesh)
   jax.block_until_ready(params)
   rss['baseline_after_params'] = _rss_mib()
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -131,18 +133,15 @@ def run_child(cfg: Config) -> dict:
     return machine.random_grpo_batch(rng, b, tp, tc, model.vocab_size)
 
   host_batches = [host_batch() for _ in range(k + 1)]
-  sched = ScheduleConfig(micro_batch_size=b, num_generations=1, steps_per_generation=1,
-                         num_iterations=1, grad_accum_steps=k)
-  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), tc),
-                            OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0), mesh,
-                            shardings, optimizer_every=sched.optimizer_every)
-  example = placement.shard_batch(host_batches[0], mesh)
-  state = lrn.init(params, example)
-  del params, example  # the state holds the params now
+  progs = machine.grpo_programs(
+      model, mesh, shardings, micro_batch_size=b, prompt_length=tp, completion_length=tc,
+      grad_accum_steps=k, optimizer=OptimizerConfig(learning_rate=1e-4, max_grad_norm=1.0))
+  state = progs.init_state(params)['learner']
+  del params  # the state holds the params now
   jax.block_until_ready(state)
   rss['after_learner_init'] = _rss_mib()
   t0 = time.perf_counter()
-  compiled = lrn.step_fn.lower(state, placement.shard_batch(host_batches[0], mesh)).compile()
+  compiled = progs.table['learner'].lower().compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   xla = {name: int(getattr(mem, name)) for name in (

@@ -6,15 +6,19 @@ r"""What optax.MultiSteps' eager inner optimizer costs per micro-step, and what 
 apply_if_finite) at every micro-step and keeps the result only on the last micro-step of a window.
 ``Learner(..., lazy_inner=True)`` (the default; "lazy" below) runs it under a ``lax.cond`` only when
 a step fires; ``lazy_inner=False`` ("eager") is plain ``MultiSteps.update``.
-This script builds a GRPO (token aggregation) Learner on a random-init model for each variant,
-compiles both, then times micro-steps with ``jax.block_until_ready``, one K-micro-step window of
+This script builds the GRPO (token aggregation) programs on a random-init model for each variant
+(``programs.build_grpo_programs``' table, ``machine.grpo_programs``, with ``lazy_inner`` True or
+False: the trainer's learner micro-step and the same step with plain ``MultiSteps.update``),
+compiles both table 'learner' entries, then times micro-steps with ``jax.block_until_ready``,
+one K-micro-step window of
 each variant per round in alternating order (eager, lazy / lazy, eager / ...), and reports medians:
 
   * non-emit: micro-steps that only accumulate; emit: the micro-step that fires the optimizer;
   * mean/step: the mean micro-step over one window (the cost of an optimizer step divided by K);
   * overhead = (eager - lazy) / eager of mean/step, from the medians and paired per round;
   * inner alone: the inner optimizer's update on the params tree, jitted on its own (the learner's
-    exact inner transformation, and a plain clip + AdamW), as a sanity reference for the overhead.
+    exact inner transformation, ``progs.learner.optimizer.inner_opt``, and a plain clip + AdamW),
+    as a sanity reference for the overhead: optax alone, not a trainer program, so jitted here.
 
 Both variants consume the same micro-batches, so at the end their whole train states must agree;
 the script checks that (bitwise, else the max abs difference), after a window made non-finite on
@@ -44,10 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
-from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig, ScheduleConfig
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig
 from jaxrl_ga.models import transformer as tfm
 import machine  # benchmarks/machine.py
 
@@ -95,33 +98,34 @@ def random_batch(rng, size: Size, nonfinite: bool = False) -> dict:
 
 def run_size(size: Size, mesh) -> dict:
   k = _K.value
-  sched = ScheduleConfig(micro_batch_size=size.micro_batch_size, num_generations=4,
-                         steps_per_generation=1, num_iterations=1, grad_accum_steps=k)
-  task = learner_lib.grpo_task_loss(LOSS, size.completion_length)
   rng = np.random.default_rng(0)
   put = lambda tree: placement.shard_batch(tree, mesh)
   batches = [put(random_batch(rng, size)) for _ in range(2 * k + 1)]
 
-  learners, states, compile_s, n_params = {}, {}, {}, 0
+  learners, states, optimizers, compile_s, n_params = {}, {}, {}, {}, 0
   for variant in VARIANTS:
     # Same seed: identical initial params, born separately (each state is donated on step).
-    graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
+    _, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
     n_params = machine.param_count(params)
-    lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings,
-                              optimizer_every=sched.optimizer_every, lazy_inner=(variant == 'lazy'))
-    state = lrn.init(params, batches[0])
+    progs = machine.grpo_programs(
+        size.model, mesh, shardings, micro_batch_size=size.micro_batch_size,
+        prompt_length=size.prompt_length, completion_length=size.completion_length,
+        grad_accum_steps=k, loss=LOSS, optimizer=OPT, lazy_inner=(variant == 'lazy'))
+    step = progs.table['learner'].fn
+    state = progs.init_state(params)['learner']
     # The first call is trace + compile + one step.
-    (state, _), compile_s[variant] = machine.timed(lrn.step, state, batches[0])
-    learners[variant], states[variant] = lrn, state
+    (state, _), compile_s[variant] = machine.timed(step, state, batches[0])
+    learners[variant], states[variant] = step, state
+    optimizers[variant] = progs.learner.optimizer
   initial_params = jax.device_get(sharding.init_params(size.model, seed=0, mesh=mesh)[1])
   n_steps = {v: 1 for v in VARIANTS}
 
   def window(variant):
     """Runs the next k micro-steps of `variant`; returns their wall times [k] in seconds."""
-    lrn, times = learners[variant], []
+    step, times = learners[variant], []
     for _ in range(k):
       batch = batches[n_steps[variant] % len(batches)]
-      (states[variant], out), dt = machine.timed(lrn.step, states[variant], batch)
+      (states[variant], out), dt = machine.timed(step, states[variant], batch)
       times.append(dt)
       n_steps[variant] += 1
     assert bool(out['stepped']), 'windows must end on the emitting micro-step'
@@ -129,13 +133,13 @@ def run_size(size: Size, mesh) -> dict:
 
   for variant in VARIANTS:  # finish the first window, then warm up
     for _ in range(k - 1):
-      states[variant], _ = learners[variant].step(states[variant], batches[n_steps[variant]])
+      states[variant], _ = learners[variant](states[variant], batches[n_steps[variant]])
       n_steps[variant] += 1
     for _ in range(_WARMUP.value):
       window(variant)
 
   # Inner optimizer alone, on a gradient-like tree the size of the params.
-  inner_fns = inner_optimizer_fns(learners['lazy'], states['lazy'].params)
+  inner_fns = inner_optimizer_fns(optimizers['lazy'], states['lazy'].params)
   for fn, args in inner_fns.values():
     machine.timed(fn, *args)  # compile
 
@@ -160,11 +164,12 @@ def run_size(size: Size, mesh) -> dict:
   return result
 
 
-def inner_optimizer_fns(lrn: learner_lib.Learner, params) -> dict:
-  """name -> (jitted update, args): the learner's inner transformation and a plain clip+AdamW."""
+def inner_optimizer_fns(optimizer: optax.MultiSteps, params) -> dict:
+  """name -> (jitted update, args): the learner's inner transformation (``optimizer``: its
+  MultiSteps) and a plain clip+AdamW."""
   params = jax.tree.map(lambda p: jnp.array(p, copy=True), params)  # the learner's are donated
   grads = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p, jnp.float32), params)
-  inner = lrn.optimizer.inner_opt
+  inner = optimizer.inner_opt
   plain = optax.chain(optax.clip_by_global_norm(OPT.max_grad_norm),
                       optax.adamw(OPT.learning_rate, weight_decay=OPT.weight_decay))
 
@@ -183,7 +188,7 @@ def check_same_state(size, learners, states, batches, n_steps, rng, put, initial
   for variant in VARIANTS:
     for i in range((1 + _CHECK_WINDOWS.value) * k):
       batch = bad if i == 1 else batches[n_steps[variant] % len(batches)]
-      states[variant], out = learners[variant].step(states[variant], batch)
+      states[variant], out = learners[variant](states[variant], batch)
       n_steps[variant] += 1
     assert bool(out['stepped'])
   eager, lazy = (jax.device_get(states[v]) for v in VARIANTS)

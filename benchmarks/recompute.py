@@ -28,7 +28,11 @@ Checks: the forward passes counted by the rollout state (in slice units) equal, 
 ``periods x`` that rule's count from the table; and the slice rule's equal the minimum found by an
 independent brute-force walk of the micro-steps (count the slices that some micro-step trains with a
 policy version other than the generating one; no formula shared with ``schedule.py``). The cost of
-one forward pass over one slice is timed on its own, to predict the differences between rules.
+one forward pass over one slice is timed on its own, to predict the differences between rules:
+``logprobs.completion_logps`` with the run's engine's learner options (remat off), jitted here.
+That pass is a reference, not a program of the table (``programs.build_grpo_programs``): the
+trainer computes old log-probs only inside its 'rollout' step (the marked slices, with
+generation) or its 'reorder' step (the whole buffer), neither of which runs one slice alone.
 
 Sizes: ``tiny`` is configs/grpo_arith.py's model (hidden 128, 2 layers; B=64, G=8, 8+5 tokens);
 ``big`` is hidden 512, 8 layers, MLP 1536, 8 heads (B=8, same lengths), char vocabulary (17).
@@ -207,7 +211,8 @@ def run_rule(size: Size, sched: ScheduleConfig, table: schedule.ScheduleTable, r
 
 def one_pass_seconds(run: dict, b: int, reps: int) -> float:
   """Median time of one old-log-prob forward pass over one slice of B completions alone, with
-  the engine's own forward options."""
+  the engine's own forward options (a reference jitted here: no table entry runs one slice alone;
+  module docstring)."""
   ctx, engine = run['ctx'], run['trainer'].engine
   task = ctx.task
   g = engine.sched.num_generations

