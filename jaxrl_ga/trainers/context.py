@@ -100,6 +100,7 @@ class RunContext:
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
     if not stage_cfg.get('reward_funcs', True):
       del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
+    _drop_later_defaults(stage_cfg, dataclasses.asdict(type(getattr(self.cfg, stage))()))
     data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     model = dataclasses.asdict(self.model_cfg)
     for name in _LATER_MODEL_FIELDS:  # unset: as before the fields existed (older runs resume)
@@ -114,6 +115,25 @@ class RunContext:
 # ModelConfig fields added after checkpoints were first written: the settings only some families
 # read (Gemma 3's, Mistral's; models/families.py); left out of the fingerprint while unset.
 _LATER_MODEL_FIELDS = families.FAMILY_SETTINGS
+
+# Stage settings added after checkpoints were first written: left out of the fingerprint at their
+# defaults, as before they existed (older runs resume); any other value is in it, so a resume that
+# changes one is refused.
+LATER_STAGE_SETTINGS = ('sync_ref_model', 'ref_model_sync_steps', 'ref_model_mixup_alpha',
+                        'loss.sampler_is_correction', 'loss.sampler_is_mode',
+                        'loss.sampler_is_clip_min', 'loss.sampler_is_clip_max',
+                        'loss.off_policy_mask_threshold')
+
+
+def _drop_later_defaults(stage_cfg: dict, defaults: dict) -> None:
+  for name in LATER_STAGE_SETTINGS:
+    *path, last = name.split('.')
+    node, default = stage_cfg, defaults
+    for key in path:
+      node, default = node.get(key, {}), default.get(key, {})
+    if last in node and node[last] == default.get(last):
+      del node[last]
+
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.
