@@ -107,6 +107,8 @@ DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
 DPO_PAIRS = ('sampled', 'dataset')
 DPO_LONG_PROMPTS = ('error', 'drop', 'truncate')
 IMPORTANCE_LEVELS = ('token', 'sequence')
+# TRL 1.16's vllm_importance_sampling_mode values (GRPOLossConfig.sampler_is_mode).
+SAMPLER_IS_MODES = ('token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask')
 SCALE_REWARDS = ('group', 'batch', 'none')
 OLD_LOGPROB_SOURCES = ('recompute', 'sampler')
 LR_SCHEDULES = ('constant', 'cosine', 'linear')
@@ -177,6 +179,30 @@ class ScheduleConfig:
     return self.completions_per_rollout // self.num_generations
 
 
+def _check_sampler_is(cfg: 'GRPOLossConfig', p: str) -> None:
+  """The sampler-side importance-sampling settings (TRL 1.16's ranges)."""
+  _one_of(cfg, 'sampler_is_mode', SAMPLER_IS_MODES, p)
+  lo, hi = cfg.sampler_is_clip_min, cfg.sampler_is_clip_max
+  _require(lo is None or (_is_number(lo) and lo >= 0),
+           f'{p}sampler_is_clip_min={lo!r} must be None or a number >= 0 (C_min).')
+  _require(hi is None or (_is_number(hi) and hi > 0),
+           f'{p}sampler_is_clip_max={hi!r} must be None or a number > 0 (C_max).')
+  _require(lo is None or hi is None or lo < hi,
+           f'{p}sampler_is_clip_min={lo!r} must be below {p}sampler_is_clip_max={hi!r}.')
+  _require(not (cfg.sampler_is_correction and cfg.sampler_is_mode.endswith('_truncate')
+                and lo is None and hi is None),
+           f'{p}sampler_is_mode={cfg.sampler_is_mode!r} needs {p}sampler_is_clip_min or '
+           f'{p}sampler_is_clip_max; set one (TRL\'s default C_max is 3.0).')
+  t = cfg.off_policy_mask_threshold
+  _require(t is None or (_is_number(t) and t >= 0),
+           f'{p}off_policy_mask_threshold={t!r} must be None or a number >= 0 (a mean KL in '
+           'nats, e.g. 0.5).')
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOLossConfig:
   """The GRPO per-token objective and its aggregation over an optimizer-step window.
@@ -191,6 +217,19 @@ class GRPOLossConfig:
     epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high]
     delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
+    sampler_is_correction: TRL 1.16's vllm_importance_sampling_correction (off by default): the
+      policy term of each token is multiplied by w = pi_old / pi_sampler, the learner's old
+      log-probs against the sampler's, per token or per sequence (the sum of the token log-ratios),
+      truncated or masked by ``sampler_is_mode`` (docs/design.md, "Sampler-side importance
+      sampling"). Needs sampling.old_logprob_source='recompute' (with 'sampler' w would be 1).
+    sampler_is_mode: TRL's vllm_importance_sampling_mode: 'token_truncate' (w clipped to
+      [clip_min, clip_max]), 'token_mask' (w set to 0 outside it), 'sequence_truncate',
+      'sequence_mask' (TRL's default); the masked tokens still count in the normalizer, as in TRL.
+    sampler_is_clip_min, sampler_is_clip_max: TRL's vllm_importance_sampling_clip_min/max, the
+      bounds C_min / C_max (None: unbounded on that side; TRL's defaults None, 3.0).
+    off_policy_mask_threshold: TRL's (DeepSeek-V3.2's off-policy sequence mask, Eq. 9): a row
+      with a negative advantage whose mean over its tokens of (sampler - current) log-probs
+      exceeds this is left out of the policy term (None disables).
     beta: weight of the k3 KL estimate to the reference policy (0 disables the reference).
     entropy_coef: weight of an entropy bonus (0 disables).
     objective: the per-token policy term (losses.grpo_loss): 'clip' (the clipped surrogate),
@@ -211,6 +250,11 @@ class GRPOLossConfig:
   epsilon_high: float = 0.2
   delta: Optional[float] = None
   importance_level: str = 'token'
+  sampler_is_correction: bool = False
+  sampler_is_mode: str = 'sequence_mask'
+  sampler_is_clip_min: Optional[float] = None
+  sampler_is_clip_max: Optional[float] = 3.0
+  off_policy_mask_threshold: Optional[float] = None
   beta: float = 0.0
   entropy_coef: float = 0.0
   objective: str = 'clip'
@@ -256,6 +300,7 @@ class GRPOLossConfig:
              f'importance ratio (epsilon_max) and must be >= 1; set {p}epsilon_high=5.0 '
              '(ScaleRL\'s, TRL\'s recommendation).')
     _one_of(self, 'importance_level', IMPORTANCE_LEVELS, p)
+    _check_sampler_is(self, p)
     _require(self.epsilon_low >= 0 and self.epsilon_high >= 0,
              f'{p}epsilon_low/epsilon_high must be >= 0, got {self.epsilon_low}, '
              f'{self.epsilon_high}.')
@@ -835,6 +880,12 @@ class GRPOConfig:
       "Learner width"). Every width's learner step is compiled before the first rollout (the
       trainer prints how long it took): worth it for runs with long, uneven completions.
       1 (default): always the full width, one compile.
+    sync_ref_model: TRL's (TR-DPO): every ``ref_model_sync_steps`` optimizer steps the reference
+      becomes ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference (TRL's
+      SyncRefModelCallback); the reference params are in every checkpoint. Needs loss.beta > 0
+      and no LoRA (whose reference is the base weights).
+    ref_model_sync_steps: TRL's tau (default 512), optimizer steps between syncs.
+    ref_model_mixup_alpha: TRL's alpha in [0, 1] (default 0.6).
   """
   num_steps: int = 60
   schedule: ScheduleConfig = ScheduleConfig()
@@ -853,14 +904,28 @@ class GRPOConfig:
   environment: str = ''
   max_tool_calls: int = 0
   tool_timeout_s: float = 30.0
+  sync_ref_model: bool = False
+  ref_model_sync_steps: int = 512
+  ref_model_mixup_alpha: float = 0.6
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'log_every', 'completions_logged', 'length_buckets',
-                  prefix='grpo.')
+                  'ref_model_sync_steps', prefix='grpo.')
+    alpha = self.ref_model_mixup_alpha
+    _require(_is_number(alpha) and 0 <= alpha <= 1,
+             f'grpo.ref_model_mixup_alpha={alpha!r} must be in [0, 1].')
+    _require(not self.sync_ref_model or self.loss.beta > 0,
+             f'grpo.sync_ref_model=True with grpo.loss.beta={self.loss.beta}: there is no '
+             'reference to sync; set grpo.loss.beta > 0 or grpo.sync_ref_model=False.')
     _require(self.max_tool_calls >= 0, 'grpo.max_tool_calls must be >= 0 (0: no limit but '
              'grpo.sampling.max_completion_length).')
     _require(self.tool_timeout_s > 0, f'grpo.tool_timeout_s={self.tool_timeout_s} must be > 0 '
              '(seconds a tool call may run).')
+    _require(not (self.loss.sampler_is_correction
+                  and self.sampling.old_logprob_source == 'sampler'),
+             "grpo.loss.sampler_is_correction=True with grpo.sampling.old_logprob_source="
+             "'sampler': the old log-probs are then the sampler's and the ratio is 1; set "
+             "old_logprob_source='recompute'.")
     _require(self.completions_every >= 0, 'grpo.completions_every must be >= 0 (0: never).')
     _require(self.eval_every >= 0, 'grpo.eval_every must be >= 0 (0: before and after only).')
 

@@ -80,7 +80,8 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
                    **fields) -> TaskLoss:
   """Batch: prompt_tokens/prompt_mask [B, Tp], completion_tokens/completion_mask [B, Tc],
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
-  their "old" is stop_gradient(current), ratio 1), and ref_logps [B, Tc] when beta > 0.
+  their "old" is stop_gradient(current), ratio 1), ref_logps [B, Tc] when beta > 0, and
+  sampler_logps [B, Tc] with loss.sampler_is_correction or loss.off_policy_mask_threshold.
   ``options``: the forward's (``ForwardOptions``, or its fields as keywords); with
   ``share_prompts`` = R, rows ``i*R .. i*R+R-1`` of every micro-batch share their prompt."""
   options = _options(options, fields)
@@ -94,7 +95,8 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
     return losses.grpo_loss(
         logps, old, batch['advantages'], batch['completion_mask'].astype(jnp.float32), cfg,
-        max_completion_length, ref_logps=batch.get('ref_logps'), entropy=entropy)
+        max_completion_length, ref_logps=batch.get('ref_logps'), entropy=entropy,
+        sampler_logps=batch.get('sampler_logps'))
 
   return task_loss
 

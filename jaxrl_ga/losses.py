@@ -309,6 +309,76 @@ def sft_loss(logps: Array, mask: Array) -> LossTerms:
 # ---------------------------------------------------------------------------------------------
 
 
+def sampler_weights(logps: Array, old_logps: Array, sampler_logps: Array, advantages: Array,
+                    mask: Array, cfg: GRPOLossConfig):
+  """The weight of each token's policy term from the sampler's log-probs (TRL 1.16's
+  vllm_importance_sampling_correction and off_policy_mask_threshold; docs/design.md,
+  "Sampler-side importance sampling"). Data, not params: no gradient flows through it.
+
+  Importance sampling (cfg.sampler_is_correction): with d = old - sampler per valid token, the
+  ratio is exp(d) per token ('token_*' modes) or exp(sum_t d) per row ('sequence_*'), then
+  clipped to [C_min, C_max] ('*_truncate') or set to 0 outside it ('*_mask'). Off-policy mask
+  (cfg.off_policy_mask_threshold = delta): a row is kept when its advantage is >= 0 or the mean
+  over its tokens of (sampler - logps) is <= delta, and dropped (weight 0) otherwise. Neither
+  changes the mask: a token weighted 0 still counts in the normalizer, as in TRL.
+
+  Args:
+    logps: [B, T] current log-probs (only their value is read).
+    old_logps: [B, T] the learner's old log-probs (stop_gradient of logps where on-policy).
+    sampler_logps: [B, T] the sampler's log-probs of the same tokens.
+    advantages: [B].
+    mask: [B, T] loss mask in {0, 1}.
+    cfg: the loss configuration.
+
+  Returns:
+    (weight [B, T], mean_metrics, min_metrics, max_metrics): TRL's metric names
+    'sampling/importance_sampling_ratio/{min,mean,max}' (over tokens, or over every row in the
+    sequence modes, after truncation or masking), 'sampling/sampling_logp_difference/{mean,max}'
+    (|old - sampler| over tokens), and ours 'sampling/importance_sampling_masked_fraction' (the
+    *_mask modes: tokens or rows set to 0) and 'sampling/off_policy_masked_fraction' (rows).
+  """
+  sg = jax.lax.stop_gradient
+  valid = mask > 0  # [B, T]
+  weight = jnp.ones(logps.shape, jnp.float32)
+  means, mins, maxes = {}, {}, {}
+  if cfg.off_policy_mask_threshold is not None:
+    kl = jnp.where(valid, sampler_logps - sg(logps), 0.0)  # [B, T]
+    seq_kl = jnp.sum(kl, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)  # [B]
+    keep = (advantages >= 0) | (seq_kl <= cfg.off_policy_mask_threshold)  # [B]
+    weight = weight * keep[:, None]
+    rows = jnp.ones(keep.shape, jnp.float32)
+    means['sampling/off_policy_masked_fraction'] = _masked_pair(1.0 - keep, rows)
+  if cfg.sampler_is_correction:
+    diff = jnp.where(valid, sg(old_logps) - sampler_logps, 0.0)  # [B, T]
+    sequence = cfg.sampler_is_mode.startswith('sequence')
+    log_ratio = jnp.sum(diff, axis=-1, keepdims=True) if sequence else diff  # [B, 1] or [B, T]
+    ratio = jnp.exp(log_ratio)
+    lo, hi = cfg.sampler_is_clip_min, cfg.sampler_is_clip_max
+    lo = -jnp.inf if lo is None else lo
+    hi = jnp.inf if hi is None else hi
+    if cfg.sampler_is_mode.endswith('_truncate'):
+      ratio = jnp.clip(ratio, lo, hi)
+    else:
+      out = (ratio < lo) | (ratio > hi)
+      ratio = jnp.where(out, 0.0, ratio)
+    # TRL's metrics: over the valid tokens, or over every row in the sequence modes.
+    over = jnp.ones(ratio.shape, jnp.float32) if sequence else mask
+    if cfg.sampler_is_mode.endswith('_mask'):
+      means['sampling/importance_sampling_masked_fraction'] = _masked_pair(
+          out.astype(jnp.float32), over)
+    name = 'sampling/importance_sampling_ratio/'
+    means[name + 'mean'] = _masked_pair(ratio, over)
+    mins[name + 'min'] = _masked_min(ratio, over)
+    maxes[name + 'max'] = _masked_max(ratio, over)
+    name = 'sampling/sampling_logp_difference/'
+    means[name + 'mean'] = _masked_pair(jnp.abs(diff), mask)
+    maxes[name + 'max'] = _masked_max(jnp.abs(diff), mask)
+    weight = weight * sg(ratio)
+  # 0 off the mask: a sequence ratio broadcast there may be inf, and 0 * inf is nan, also in
+  # the backward of the masked sums.
+  return jnp.where(valid, weight, 0.0), means, mins, maxes
+
+
 def grpo_loss(logps: Array,
               old_logps: Array,
               advantages: Array,
@@ -317,7 +387,8 @@ def grpo_loss(logps: Array,
               max_completion_length: int,
               ref_logps: Optional[Array] = None,
               entropy: Optional[Array] = None,
-              entropy_threshold_value: Optional[Array] = None) -> LossTerms:
+              entropy_threshold_value: Optional[Array] = None,
+              sampler_logps: Optional[Array] = None) -> LossTerms:
   """GRPO loss of one micro-batch (TRL 1.16 semantics): cfg.objective, aggregated by cfg.
 
   Per token, with r the importance ratio (token level: exp(logp - old); sequence level, GSPO:
@@ -335,6 +406,10 @@ def grpo_loss(logps: Array,
         + beta * c * (exp(ref - logp) - (ref - logp) - 1)    if beta > 0; c = r with
                                                              use_bias_correction_kl, else 1
         - e * entropy_coef * entropy                           if entropy_coef > 0
+
+  where the policy term p is multiplied by w: 1, or with loss.sampler_is_correction /
+  loss.off_policy_mask_threshold the sampler-side weight of :func:`sampler_weights` (no
+  gradient), applied where TRL applies it.
 
   The threshold is :func:`entropy_threshold` of this micro-batch's valid tokens (TRL's
   per-micro-batch quantile), or ``entropy_threshold_value`` when given (e.g. the window's, which
@@ -356,6 +431,8 @@ def grpo_loss(logps: Array,
       cfg.top_entropy_quantile < 1, reported as a metric whenever given.
     entropy_threshold_value: scalar, the top_entropy_quantile threshold to use instead of this
       micro-batch's.
+    sampler_logps: [B, T] the sampler's log-probs; required by cfg.sampler_is_correction and
+      cfg.off_policy_mask_threshold (their metrics: :func:`sampler_weights`).
 
   Returns:
     LossTerms. mean_metrics (token-weighted): 'loss' (the window objective), 'ratio/mean', 'kl'
@@ -434,6 +511,17 @@ def grpo_loss(logps: Array,
     keep = (valid & (sg(entropy) >= threshold)).astype(jnp.float32)  # [B, T]
     per_token = per_token * keep
 
+  min_metrics, max_metrics = {}, {}
+  if cfg.sampler_is_correction or cfg.off_policy_mask_threshold is not None:
+    if sampler_logps is None:
+      raise ValueError('grpo_loss: loss.sampler_is_correction / loss.off_policy_mask_threshold '
+                       'need sampler_logps (the sampler\'s log-probs).')
+    sampler_logps = _f32(sampler_logps)
+    _check_shape('sampler_logps', sampler_logps, shape)
+    weight, is_mean, min_metrics, max_metrics = sampler_weights(
+        logps, old_logps, sampler_logps, advantages, mask, cfg)
+    per_token = per_token * weight
+    mean_metrics.update(is_mean)
   if cfg.beta > 0:
     ref_logps = _f32(ref_logps)
     _check_shape('ref_logps', ref_logps, shape)
@@ -459,8 +547,8 @@ def grpo_loss(logps: Array,
       numerator=num,
       denominator=den,
       mean_metrics=mean_metrics,
-      min_metrics={'ratio/min': _masked_min(ratio, mask)},
-      max_metrics={'ratio/max': _masked_max(ratio, mask)},
+      min_metrics={'ratio/min': _masked_min(ratio, mask), **min_metrics},
+      max_metrics={'ratio/max': _masked_max(ratio, mask), **max_metrics},
   )
 
 

@@ -101,6 +101,9 @@ class RolloutEngine:
     self.sched: ScheduleConfig = table.config
     self.sampling_cfg = sampling_cfg
     self.use_ref = loss_cfg.beta > 0
+    # The learner's micro-batches carry the sampler's log-probs (losses.sampler_weights).
+    self.use_sampler_logps = (loss_cfg.sampler_is_correction
+                              or loss_cfg.off_policy_mask_threshold is not None)
     # LoRA (adapters among the params): the reference is the policy with its adapters disabled,
     # the frozen base weights themselves; the step takes no ref_params (pass None).
     self.ref_is_base = self.use_ref and bool(lora.split(param_shardings)[0])
@@ -171,7 +174,8 @@ class RolloutEngine:
     self._slice = jax.jit(self._micro_batch, static_argnames='width', out_shardings=dict(
         prompt_tokens=per_token, prompt_mask=per_token, completion_tokens=per_token,
         completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
-        **({'ref_logps': per_token} if self.use_ref else {})))
+        **({'ref_logps': per_token} if self.use_ref else {}),
+        **({'sampler_logps': per_token} if self.use_sampler_logps else {})))
     self._slice_lengths = jax.jit(self._longest, out_shardings=rep)
     self._reorder_fn = jax.jit(
         sharding.with_activation_sharding(self._reorder, mesh),
@@ -485,6 +489,8 @@ class RolloutEngine:
                  has_old=take(buffer.has_old), advantages=take(advantages))
     if buffer.ref_logps is not None:
       batch['ref_logps'] = cut(buffer.ref_logps)
+    if self.use_sampler_logps:
+      batch['sampler_logps'] = cut(buffer.sampler_logps)
     return batch
 
 

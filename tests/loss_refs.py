@@ -52,13 +52,15 @@ def ref_entropy_keep(ent, mask, rho):
   return ((mask > 0) & (np.where(mask > 0, e, -np.inf) >= threshold)).astype(np.float64)
 
 
-def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, keep=None):
+def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, keep=None,
+                  weights=None):
   """[B, T] per-token GRPO loss (0 at masked positions), cfg.objective written out per paper:
   clip (PPO/GRPO), cispo (MiniMax-M1, arXiv 2506.13585), sapo (arXiv 2511.20347), vespo
   (arXiv 2602.10693). ``frozen``: the log-probs of the stop-gradient factors (CISPO's capped
   ratio, VESPO's phi), held fixed when finite differences move ``logps``; default ``logps``.
   ``keep``: top_entropy_quantile's token selection (ref_entropy_keep), on the policy term and
-  the entropy bonus, not the KL."""
+  the entropy bonus, not the KL. ``weights`` [B, T] multiply the policy term only (the
+  sampler-side weights of ref_sampler_weights)."""
   frozen = logps if frozen is None else frozen
   ratios = ref_ratios(logps, old, mask, cfg.importance_level)
   frozen_ratios = ref_ratios(frozen, old, mask, cfg.importance_level)
@@ -86,6 +88,8 @@ def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, k
         value = -phi[i] * a * lp
       k = 1.0 if keep is None else float(keep[i, t])
       value *= k
+      if weights is not None:
+        value *= float(weights[i, t])
       if cfg.beta > 0:
         d = float(ref[i, t]) - lp
         value += cfg.beta * (math.exp(d) - d - 1) * (
@@ -94,6 +98,53 @@ def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, k
         value -= cfg.entropy_coef * float(ent[i, t]) * k
       out[i, t] = value
   return out
+
+
+def ref_sampler_weights(logps, old, sampler, adv, mask, cfg):
+  """[B, T] weights of the policy term, TRL 1.16's vLLM importance sampling and off-policy
+  sequence mask written out (GRPOTrainer._generate_and_score_completions, _compute_loss).
+  -> (weights, {metric: value}) with the metrics over this whole batch."""
+  b_size, t_size = logps.shape
+  w = np.ones((b_size, t_size))
+  metrics = {}
+  cells = lambda i: [t for t in range(t_size) if mask[i, t] > 0]
+  if cfg.off_policy_mask_threshold is not None:
+    dropped = 0
+    for i in range(b_size):
+      kl = sum(float(sampler[i, t]) - float(logps[i, t]) for t in cells(i)) / max(len(cells(i)), 1)
+      if not (adv[i] >= 0 or kl <= cfg.off_policy_mask_threshold):
+        w[i, :] = 0.0
+        dropped += 1
+    metrics['sampling/off_policy_masked_fraction'] = dropped / b_size
+  if cfg.sampler_is_correction:
+    lo = -math.inf if cfg.sampler_is_clip_min is None else cfg.sampler_is_clip_min
+    hi = math.inf if cfg.sampler_is_clip_max is None else cfg.sampler_is_clip_max
+    sequence = cfg.sampler_is_mode.startswith('sequence')
+    truncate = cfg.sampler_is_mode.endswith('truncate')
+    values, masked, diffs = [], 0, []
+    for i in range(b_size):
+      d = {t: float(old[i, t]) - float(sampler[i, t]) for t in cells(i)}
+      diffs += [abs(v) for v in d.values()]
+      units = [sum(d.values())] if sequence else [d[t] for t in cells(i)]
+      rs = []
+      for lr in units:
+        r = math.exp(lr)
+        if truncate:
+          r = min(max(r, lo), hi)
+        elif r < lo or r > hi:
+          r, masked = 0.0, masked + 1
+        rs.append(r)
+      values += rs
+      for t in range(t_size):
+        w[i, t] *= rs[0] if sequence else (rs[cells(i).index(t)] if t in cells(i) else 1.0)
+    name = 'sampling/importance_sampling_ratio/'
+    metrics.update({name + 'min': min(values), name + 'mean': sum(values) / len(values),
+                    name + 'max': max(values),
+                    'sampling/sampling_logp_difference/mean': sum(diffs) / len(diffs),
+                    'sampling/sampling_logp_difference/max': max(diffs)})
+    if not truncate:
+      metrics['sampling/importance_sampling_masked_fraction'] = masked / len(values)
+  return w, metrics
 
 
 def ref_window_loss(per_token, mask, aggregation, bounds=None):

@@ -103,9 +103,7 @@ class RunContext:
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
     if not stage_cfg.get('reward_funcs', True):
       del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
-    for name in _LATER_STAGE_SETTINGS:  # unset: as before the settings existed
-      if not stage_cfg.get(name, True):
-        del stage_cfg[name]
+    _drop_later_defaults(stage_cfg, dataclasses.asdict(type(getattr(self.cfg, stage))()))
     data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     model = dataclasses.asdict(self.model_cfg)
     for name in _LATER_MODEL_FIELDS:  # unset: as before the fields existed (older runs resume)
@@ -121,9 +119,31 @@ class RunContext:
 # read (Gemma 3's, Mistral's; models/families.py); left out of the fingerprint while unset.
 _LATER_MODEL_FIELDS = families.FAMILY_SETTINGS
 
-# GRPO's settings added after checkpoints were first written (jaxrl_ga.tools); left out of the
-# fingerprint while unset, so that older runs resume.
-_LATER_STAGE_SETTINGS = ('tools', 'environment', 'max_tool_calls')
+# Stage settings added after checkpoints were first written: left out of the fingerprint at their
+# defaults, as before they existed (older runs resume); any other value is in it, so a resume that
+# changes one is refused.
+LATER_STAGE_SETTINGS = ('sync_ref_model', 'ref_model_sync_steps', 'ref_model_mixup_alpha',
+                        'loss.sampler_is_correction', 'loss.sampler_is_mode',
+                        'loss.sampler_is_clip_min', 'loss.sampler_is_clip_max',
+                        'loss.off_policy_mask_threshold',
+                        # jaxrl_ga.tools
+                        'tools', 'environment', 'max_tool_calls',
+                        # TRL 1.16's objectives and options (losses.grpo_loss)
+                        'loss.objective', 'loss.sapo_temperature_pos', 'loss.sapo_temperature_neg',
+                        'loss.vespo_k_pos', 'loss.vespo_lambda_pos', 'loss.vespo_k_neg',
+                        'loss.vespo_lambda_neg', 'loss.top_entropy_quantile',
+                        'loss.use_bias_correction_kl', 'advantage.multi_objective_aggregation')
+
+
+def _drop_later_defaults(stage_cfg: dict, defaults: dict) -> None:
+  for name in LATER_STAGE_SETTINGS:
+    *path, last = name.split('.')
+    node, default = stage_cfg, defaults
+    for key in path:
+      node, default = node.get(key, {}), default.get(key, {})
+    if last in node and node[last] == default.get(last):
+      del node[last]
+
 
 # Stage settings that may change when a run resumes: how long it trains and how often it logs,
 # evaluates and probes. Everything else of the stage is in its checkpoints' fingerprint.

@@ -19,12 +19,15 @@ Roles (docs/design.md, "Roles"): before each rollout the policy's params are syn
 rollout role (``sharding.sync_weights``: nothing moves when it shares the actor's mesh), the
 reference params once per run; the rollout's buffer comes back on the actor's mesh with the
 policy version that generated it, which every micro-step checks (``_check_policy_version``) and
-the log reports (``rollout/policy_version``, ``rollout/policy_lag``).
+the log reports (``rollout/policy_version``, ``rollout/policy_lag``). With grpo.sync_ref_model the
+reference follows the policy every ref_model_sync_steps optimizer steps (``_sync_reference``) and
+is synced to its role again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Optional
 
@@ -80,6 +83,10 @@ class GRPOStage(stage.Stage):
 
   def validate(self, cfg: RunConfig, dp: int) -> None:
     schedule.validate(cfg.grpo.schedule, dp)
+    if cfg.grpo.sync_ref_model and cfg.model.lora.rank:
+      raise ConfigError(f'grpo.sync_ref_model=True with model.lora.rank={cfg.model.lora.rank}: '
+                        'the LoRA reference is the base weights (adapters off), which never '
+                        'train; set grpo.sync_ref_model=False or train without LoRA.')
     stage.check_rollout_chunk(
         self.name, cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
         'the completions of a rollout, steps_per_generation*micro_batch_size')
@@ -195,6 +202,10 @@ class GRPOLoop:
     self._slice_widths = None
     self._policy_version = None  # of the current rollout's buffer (host int)
     self._ref_on_role = None  # the reference params on the reference role (set by run)
+    # grpo.sync_ref_model: the reference's mixing step, (policy, reference) -> reference.
+    self._mix_reference = jax.jit(functools.partial(mix_reference,
+                                                    alpha=cfg.ref_model_mixup_alpha),
+                                  out_shardings=ctx.param_shardings)
 
   # -- the state that a checkpoint holds ---------------------------------------------------------
   def policy(self, state) -> Any:
@@ -216,7 +227,7 @@ class GRPOLoop:
     self._slice_widths = None  # set by each rollout; from the restored buffer on a resume
     self._policy_version = None  # likewise
     state, meta = stage.restore(ctx, ckpt, 'grpo', self.programs.init_state(params), k)
-    # The reference never changes during a run: on its role once.
+    # The reference changes only with grpo.sync_ref_model (_sync_reference): on its role once.
     self._ref_on_role = sharding.sync_weights(state['ref_params'], ctx.roles['reference'])
     if not stage.trains_on('grpo', meta, cfg.num_steps, k):
       return self.policy(state), meta['summary']
@@ -258,6 +269,7 @@ class GRPOLoop:
           self.on_micro_step(s, started, out)
         step = loop.micro_step_done(state, out)
         if step:  # an optimizer step fired
+          self._sync_reference(state, step)
           loop.log(step, out, meta.get('host_stats', {}) | {
               'rollout/forward_passes_total': state['rollout'].forward_passes,
               'rollout/policy_lag': float(lag)})
@@ -288,6 +300,18 @@ class GRPOLoop:
     })
     stage.finish(ckpt, state, meta, summary)
     return params, summary | this_run
+
+  def _sync_reference(self, state, step: int) -> None:
+    """grpo.sync_ref_model: after every ref_model_sync_steps-th optimizer step the reference
+    becomes alpha * policy + (1 - alpha) * reference (TRL's SyncRefModelCallback, at its
+    on_step_end), before that step's checkpoint, which so holds it; rollouts from then on get
+    their reference log-probs from it. A new array: the old reference may be the caller's
+    params, so it is not donated."""
+    cfg = self.cfg
+    if not cfg.sync_ref_model or step % cfg.ref_model_sync_steps:
+      return
+    state['ref_params'] = self._mix_reference(self.policy(state), state['ref_params'])
+    self._ref_on_role = sharding.sync_weights(state['ref_params'], self.ctx.roles['reference'])
 
   def _check_policy_version(self, micro_step: int) -> int:
     """The learner trains micro-step ``micro_step`` on the rollout generated at the start of its
@@ -461,6 +485,15 @@ class GRPOLoop:
     buffer, state['rollout'], adv_dev = self.engine.reorder(
         self.policy(state), buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
     return buffer, adv_dev, adv
+
+
+def mix_reference(policy, reference, alpha: float):
+  """TRL's reference update (SyncRefModelCallback._sync_target_model, TR-DPO):
+  reference * (1 - alpha) + alpha * policy, computed in float32 and stored in the reference's
+  dtype."""
+  mix = lambda p, r: (r.astype(jnp.float32) * (1.0 - alpha)
+                      + alpha * p.astype(jnp.float32)).astype(r.dtype)
+  return jax.tree.map(mix, policy, reference)
 
 
 def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
