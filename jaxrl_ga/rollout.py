@@ -193,14 +193,12 @@ class RolloutEngine:
                                              share=share_prompts)
       self._episode_inputs = jax.jit(self._gen_inputs, out_shardings=(
           rollout_rep, *[sharding.batch_sharding(self.rollout_mesh, 2)] * 2))
-      rows = lambda nd: sharding.batch_sharding(self.rollout_mesh, nd)
       self._score_step = jax.jit(
           sharding.with_activation_sharding(self._score_episodes, self.rollout_mesh),
           in_shardings=(rollout_shardings,
                         rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
                         self._rollout_state_shardings, self.prompt_sharding,
-                        self.prompt_sharding, rows(2), rows(2), rows(1), rows(2), rows(2),
-                        rollout_rep),
+                        self.prompt_sharding, *[None] * 6),  # the episodes' outputs, as are
           out_shardings=(self._rollout_buffer_shardings, self._rollout_state_shardings,
                          rollout_rep))
 
@@ -282,7 +280,7 @@ class RolloutEngine:
     s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
     slab = lambda x: x.reshape(s, b, *x.shape[1:])
     return self._finish(tfm.merge(self.graphdef, params), ref_params, state, p_tok, p_mask,
-                        slab(tokens), slab(mask), slab(logps), slab(ended), decode_steps,
+                        slab(tokens), slab(mask), slab(logps), ended, slab, decode_steps,
                         slab(model_mask))
 
   @property
@@ -461,13 +459,14 @@ class RolloutEngine:
                               jax.random.fold_in(state.rng, state.counter), self.sampler,
                               temperature=cfg.temperature, top_p=cfg.top_p, share=r)
     return self._finish(model, ref_params, state, prompt_tokens, prompt_mask, slab(comps.tokens),
-                        slab(comps.mask), slab(comps.logps), slab(comps.ended_with_eos),
+                        slab(comps.mask), slab(comps.logps), comps.ended_with_eos, slab,
                         comps.num_decode_steps)
 
   def _finish(self, model, ref_params, state: RolloutState, p_tok, p_mask, c_tok, c_mask,
-              c_logps, ended, decode_steps, model_mask=None):
+              c_logps, ended_rows, slab, decode_steps, model_mask=None):
     """A generated rollout's old log-probs (the table's marked slices), reference log-probs,
-    metrics, buffer and next state. Completions [S, B, Tc]; ``model_mask``: multi-turn rows'
+    metrics, buffer and next state. Completions [S, B, Tc]; ``ended_rows`` in generation order
+    and ``slab``, that order -> [S, B, ...]; ``model_mask``: multi-turn rows'
     (``RolloutBuffer.model_mask``; the forwards see every completion token, the agreement
     metric only the model's)."""
     s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
@@ -501,14 +500,14 @@ class RolloutEngine:
         # Real prompt tokens of the rows, against the padded width (max_prompt_length).
         'rollout/prompt_length': jnp.mean(jnp.sum(p_mask, -1).astype(jnp.float32)),
         'rollout/prompt_length_max': jnp.max(jnp.sum(p_mask, -1)).astype(jnp.float32),
-        'rollout/eos_fraction': jnp.mean(ended.astype(jnp.float32)),
+        'rollout/eos_fraction': jnp.mean(ended_rows.astype(jnp.float32)),
         'rollout/decode_steps': decode_steps,
     }
     if model_mask is not None:
       metrics.update(episodes.episode_metrics(c_mask, model_mask))
     buffer = RolloutBuffer(
         prompt_tokens=p_tok, prompt_mask=p_mask, completion_tokens=c_tok,
-        completion_mask=c_mask, ended_with_eos=ended, sampler_logps=c_logps,
+        completion_mask=c_mask, ended_with_eos=slab(ended_rows), sampler_logps=c_logps,
         old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)), ref_logps=ref,
         model_mask=model_mask)
     new_state = RolloutState(counter=state.counter + 1, forward_passes=state.forward_passes +

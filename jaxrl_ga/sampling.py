@@ -437,20 +437,21 @@ def _pool_emit(state: PoolState, logits, rng, sampler: Sampler, temperature, top
   token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
                         sampler.top_k, greedy)
   at = (row, state.position)
-  eos = token == sampler.eos_id
+  eos = lambda: token == sampler.eos_id  # the pool's program as before issue 44 without forced
   if forced is not None:
+    sampled_eos = eos()
     given = state.tokens[jnp.minimum(state.row, n - 1), jnp.minimum(state.position, length - 1)]
     token, logp = jnp.where(forced, given, token), jnp.where(forced, 0.0, logp)
-    eos = ~forced & eos
+    eos = lambda: ~forced & sampled_eos
   position = state.position + live
-  stop = live & (eos | (position >= length))
+  stop = live & (eos() | (position >= length))
   return state.replace(
       position=position, active=live & ~stop,
       last_token=jnp.where(live, token, sampler.pad_id),
       tokens=state.tokens.at[at].set(token, mode='drop'),
       mask=state.mask.at[at].set(1, mode='drop'),
       logps=state.logps.at[at].set(logp, mode='drop'),
-      ended=state.ended.at[row].set(eos, mode='drop'))
+      ended=state.ended.at[row].set(eos(), mode='drop'))
 
 
 def _pool_refill(state: PoolState, queue: PoolQueue, free=None) -> PoolState:
