@@ -304,7 +304,7 @@ class EpisodeRunner:
         wait_s += time.perf_counter() - started
         collect()
       state = self.segment_fn(params, layers, state, queue, rng, temperature, top_p,
-                              inject_tokens, inject_len)
+                              inject_tokens.copy(), inject_len.copy())  # (reused buffers)
       segments += 1
     pool = state.pool
     completions = sampling.Completions(tokens=pool.tokens, mask=pool.mask,

@@ -145,7 +145,7 @@ class GRPOPrograms:
   """The GRPO stage's programs: the rollout engine (generation, old and reference log-probs, the
   reorder by advantage sign) and the learner, the schedule table they follow, and ``table``
   (name -> Program: 'learner', 'rollout', 'reorder' when old log-probs are deferred,
-  'evaluation', 'decode')."""
+  'evaluation', 'decode', 'multi_turn' with an interaction)."""
   engine: rollout_lib.RolloutEngine
   learner: learner_lib.Learner
   schedule: schedule.ScheduleTable

@@ -24,6 +24,12 @@ log-probs are computed by the rollout step, or, with a reference mesh of its own
 (``reference_mesh``), by a reference step there (``reference_fn``) from the rollout's rows. The
 buffer carries the policy version that generated it (``policy_version``: the optimizer steps its
 params had).
+
+Multi-turn rollouts (docs/design.md, "Multi-turn rollouts"; an engine built with
+``multi_turn=True``): ``rollout_rows(..., interaction=...)`` generates the rows as episodes
+(``episodes.EpisodeRunner``), then a scoring step computes the same old and reference log-probs
+over the whole completions; the buffer's ``model_mask`` marks the policy's tokens, the only ones
+the learner's loss mask keeps.
 """
 
 from __future__ import annotations

@@ -245,3 +245,17 @@ def test_multi_turn_grpo_resumes_bitwise_without_calling_the_tool_again(tmp_path
   # Micro-step 3 is in rollout 1 (E = 2): the resumed run trains on the checkpointed buffer and
   # generates rollout 2 only; every tool call of the run happened once.
   assert sorted(map(str, calls)) == sorted(map(str, want_calls))
+
+
+def test_multi_turn_on_several_processes_is_one_config_error(monkeypatch):
+  """Multi-turn rollouts run on one process for now: a GRPOLoop with an interaction on more is
+  refused with one ConfigError line, before any program is built."""
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  ctx = types.SimpleNamespace(with_chosen_lengths=lambda stage, cfg: cfg)
+  with pytest.raises(ConfigError, match='one process') as e:
+    grpo.GRPOLoop(ctx, smoke_configs.smoke('grpo_arith').grpo,
+                  make_interaction=lambda examples: FakeTool())
+  assert '\n' not in str(e.value)
