@@ -82,6 +82,8 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
   advantages [B], old_logps [B, Tc] with has_old [B] (rows without old log-probs are on-policy:
   their "old" is stop_gradient(current), ratio 1), ref_logps [B, Tc] when beta > 0, and
   sampler_logps [B, Tc] with loss.sampler_is_correction or loss.off_policy_mask_threshold.
+  Multi-turn rows also hold loss_mask [B, Tc], the tokens the policy sampled: completion_mask is
+  then the forward's attention mask only and loss_mask the loss's (and its normalizers').
   ``options``: the forward's (``ForwardOptions``, or its fields as keywords); with
   ``share_prompts`` = R, rows ``i*R .. i*R+R-1`` of every micro-batch share their prompt."""
   options = _options(options, fields)
@@ -94,11 +96,16 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
       entropy = jax.lax.stop_gradient(entropy)
     old = jnp.where(batch['has_old'][:, None], batch['old_logps'], jax.lax.stop_gradient(logps))
     return losses.grpo_loss(
-        logps, old, batch['advantages'], batch['completion_mask'].astype(jnp.float32), cfg,
+        logps, old, batch['advantages'], loss_mask(batch).astype(jnp.float32), cfg,
         max_completion_length, ref_logps=batch.get('ref_logps'), entropy=entropy,
         sampler_logps=batch.get('sampler_logps'))
 
   return task_loss
+
+
+def loss_mask(batch: dict) -> jax.Array:
+  """A GRPO micro-batch's loss mask: its loss_mask (multi-turn rows), else completion_mask."""
+  return batch.get('loss_mask', batch['completion_mask'])
 
 
 def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = None,
@@ -448,6 +455,8 @@ class Learner:
     parts = []
     for keep in (adv > 0, adv < 0):
       sub = dict(batch, completion_mask=batch['completion_mask'] * keep[:, None])
+      if 'loss_mask' in batch:
+        sub['loss_mask'] = batch['loss_mask'] * keep[:, None]
       (_, _), g = self._grads(state.params, sub, frozen)
       parts.append(g)
     g_pos = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.align[0], parts[0])

@@ -153,7 +153,7 @@ class Steps:
 
 def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
                logprob_chunk_size: Optional[int] = None, steps=None,
-               eos_id: int = 0, pad_id: int = 0) -> Steps:
+               eos_id: int = 0, pad_id: int = 0, multi_turn: bool = False) -> Steps:
   """Lowers the GRPO programs of ``cfg`` (a RunConfig) on ``devices``: the programs the trainer
   runs, the entries of the same factory's table (``programs.build_grpo_programs``: layers
   scanned or unrolled, remat, the log-prob chunk, the shared prompt forward, deferred old
@@ -161,7 +161,8 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   ``steps``: the entries to lower (default: every one; 'rollout' brings 'reorder', with
   ``grpo.advantage.order_by_advantage_sign``, and the decode estimate). ``remat`` /
   ``logprob_chunk_size`` override ``cfg.model``'s. ``eos_id`` / ``pad_id``: the tokenizer's
-  (constants of the generation steps; they change neither their memory nor their flops)."""
+  (constants of the generation steps; they change neither their memory nor their flops).
+  ``multi_turn``: rollouts are episodes (its 'multi_turn' segment program lands in ``others``)."""
   # lazy: JAX after run() set JAX_PLATFORMS=cpu (jax reads it when imported)
   from jaxrl_ga import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
@@ -183,7 +184,8 @@ def lower_grpo(cfg, model_cfg, devices, *, remat: Optional[str] = None,
   progs = programs_lib.build_grpo_programs(
       cfg, model_cfg, mesh, on[id(mesh)], eos_id=eos_id, pad_id=pad_id, graphdef=graphdef,
       rollout_mesh=meshes['rollout'], rollout_shardings=on[id(meshes['rollout'])],
-      reference_mesh=meshes['reference'], reference_shardings=on[id(meshes['reference'])])
+      reference_mesh=meshes['reference'], reference_shardings=on[id(meshes['reference'])],
+      multi_turn=multi_turn)
   engine = progs.engine
   if steps is None:
     steps = tuple(progs.table)

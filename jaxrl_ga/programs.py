@@ -18,6 +18,9 @@ together: the learner's state, the rollout's, the reference-params rule) and ``t
   * 'rollout', 'reorder' (with ``advantage.order_by_advantage_sign``), 'decode' (GRPO): the
     rollout step, the reorder by advantage sign, and one iteration of the rollout's own decode
     loop jitted alone (``sampling.make_decode_step``);
+  * 'multi_turn' (GRPO with an interaction: ``build_grpo_programs(multi_turn=True)``): the
+    segment program of multi-turn episodes (``episodes.EpisodeRunner.segment_fn``: the host's
+    answers injected, then up to ``episodes.SEGMENT_STEPS`` decode steps of the slot pool);
   * 'evaluation' (every stage): the held-out evaluation's greedy generation;
   * 'reference' and, with sampled pairs, 'generation' (DPO): the reference pass and the sampling
     of the pairs.
@@ -129,6 +132,7 @@ STEP_NAMES = {'learner': 'learner micro-step',
               'rollout': 'rollout step (generation, old and reference log-probs)',
               'reorder': 'reorder step (old log-probs)',
               'decode': 'decode step (one iteration of the rollout\'s decode loop)',
+              'multi_turn': 'multi-turn segment (injection, then decode steps)',
               'evaluation': 'evaluation (greedy generation)',
               'generation': 'DPO generation (sampled pairs)',
               'reference': 'reference pass (reference log-probs; GRPO: on a mesh of its own)'}
@@ -142,7 +146,7 @@ class GRPOPrograms:
   """The GRPO stage's programs: the rollout engine (generation, old and reference log-probs, the
   reorder by advantage sign) and the learner, the schedule table they follow, and ``table``
   (name -> Program: 'learner', 'rollout', 'reorder' when old log-probs are deferred,
-  'evaluation', 'decode')."""
+  'evaluation', 'decode', 'multi_turn' with an interaction)."""
   engine: rollout_lib.RolloutEngine
   learner: learner_lib.Learner
   schedule: schedule.ScheduleTable
@@ -214,7 +218,8 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
                         graphdef: Any = None,
                         table: Optional[schedule.ScheduleTable] = None,
                         rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
-                        reference_shardings=None, lazy_inner: bool = True) -> GRPOPrograms:
+                        reference_shardings=None, lazy_inner: bool = True,
+                        multi_turn: bool = False) -> GRPOPrograms:
   """The GRPO programs of ``cfg`` (``grpo``: its stage config, default ``cfg.grpo``) for
   ``model_cfg`` on ``mesh``. ``param_shardings``: the whole policy's (with LoRA: base and
   adapters; the learner trains the adapters, the base is a frozen step argument);
@@ -225,7 +230,9 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   (default: ``schedule.build_table(grpo.schedule)``; benchmarks/recompute.py passes another rule's
   marks); ``lazy_inner``: the learner's (``learner.Learner``; False, plain ``MultiSteps.update``,
   is benchmarks/multisteps_overhead.py's eager arm). The schedule must already be valid for the
-  mesh (``schedule.validate``)."""
+  mesh (``schedule.validate``).
+  ``multi_turn``: rollouts are episodes with a host interaction (docs/design.md, "Multi-turn
+  rollouts"): the engine's buffer carries a model mask and the table a 'multi_turn' entry."""
   g = cfg.grpo if grpo is None else grpo
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
@@ -239,7 +246,8 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
       pad_id=pad_id, mask_truncated_completions=g.advantage.mask_truncated_completions,
       defer_old_logps=g.advantage.order_by_advantage_sign, options=options,
       rollout_mesh=rollout_mesh, rollout_shardings=rollout_shardings,
-      reference_mesh=reference_mesh, reference_shardings=reference_shardings)
+      reference_mesh=reference_mesh, reference_shardings=reference_shardings,
+      multi_turn=multi_turn)
   learner = _learner(
       graphdef, learner_lib.grpo_task_loss(g.loss, g.sampling.max_completion_length,
                                            g.sampling.temperature, engine.learner_options),
@@ -264,6 +272,13 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
     entries['reorder'] = Program(engine.reorder_fn, (params, state['buffer'], state['rollout'],
                                                      state['advantages'], order))
   entries['decode'] = decode_program(engine, params)
+  if multi_turn:
+    rows = sched.completions_per_rollout // engine.share_prompts
+    prompts = jax.ShapeDtypeStruct((rows, g.sampling.max_prompt_length), jnp.int32,
+                                   sharding=sharding.batch_sharding(engine.rollout_mesh, 2))
+    entries['multi_turn'] = Program(engine.episodes.segment_fn,
+                                    engine.episodes.abstract_segment_args(
+                                        engine.abstract_step_args(params)[0], prompts))
   entries['evaluation'] = evaluation_program(
       cfg, graphdef, mesh, param_shardings, params, eos_id=eos_id, pad_id=pad_id,
       max_prompt_length=g.sampling.max_prompt_length, attention=options.attention)
@@ -366,7 +381,8 @@ def _fit_lowerings(progs):
 def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
                          eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
                          graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
-                         say: Callable[[str], None] = fit.say, **roles) -> GRPOPrograms:
+                         say: Callable[[str], None] = fit.say, multi_turn: bool = False,
+                         **roles) -> GRPOPrograms:
   """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
   every step they change (``FIT_STEPS``: learner, rollout, reorder, the reference step on a mesh
   of its own) compiled and checked before the first runs (ConfigError when explicit knobs do not
@@ -378,7 +394,8 @@ def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param
   def build(remat, chunk):
     progs = build_grpo_programs(with_memory_knobs(cfg, remat, chunk), model_cfg, mesh,
                                 param_shardings, eos_id=eos_id, pad_id=pad_id, grpo=g,
-                                graphdef=graphdef, table=table, **roles)
+                                graphdef=graphdef, table=table, multi_turn=multi_turn,
+                                **roles)
     return progs, _fit_lowerings(progs)
 
   return fit.choose(cfg.model, build, memory_limit(cfg, mesh), stage='grpo',

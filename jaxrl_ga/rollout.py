@@ -24,6 +24,12 @@ log-probs are computed by the rollout step, or, with a reference mesh of its own
 (``reference_mesh``), by a reference step there (``reference_fn``) from the rollout's rows. The
 buffer carries the policy version that generated it (``policy_version``: the optimizer steps its
 params had).
+
+Multi-turn rollouts (docs/design.md, "Multi-turn rollouts"; an engine built with
+``multi_turn=True``): ``rollout_rows(..., interaction=...)`` generates the rows as episodes
+(``episodes.EpisodeRunner``), then a scoring step computes the same old and reference log-probs
+over the whole completions; the buffer's ``model_mask`` marks the policy's tokens, the only ones
+the learner's loss mask keeps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
+from jaxrl_ga import episodes
 from jaxrl_ga import logprobs
 from jaxrl_ga import lora
 from jaxrl_ga import sampling
@@ -71,6 +78,10 @@ class RolloutBuffer:
   # [] int32 on the actor's mesh: the optimizer steps of the params that generated the rollout
   # (``rollout_rows``' policy_version); None in the rollout step's own output.
   policy_version: Optional[jax.Array] = None
+  # [S, B, Tc] int32, multi-turn rollouts only (None otherwise): 1 where the policy sampled the
+  # token, 0 at tokens the host inserted (TRL's tool_mask). Those are context for every forward
+  # (completion_mask 1) but never trained or counted (docs/design.md, "Multi-turn rollouts").
+  model_mask: Optional[jax.Array] = None
 
 
 class RolloutEngine:
@@ -82,7 +93,7 @@ class RolloutEngine:
                defer_old_logps: bool = False,
                options: tfm.ForwardOptions = tfm.ForwardOptions(),
                rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
-               reference_shardings=None):
+               reference_shardings=None, multi_turn: bool = False):
     """``table``: schedule.build_table(sched); its ``config`` is the schedule (B, G, S, ...).
     ``mesh``, ``param_shardings``: the actor's (the reorder step, the learner's micro-batches);
     ``rollout_mesh``, ``rollout_shardings``: the rollout role's, where the rollout step runs
@@ -93,7 +104,8 @@ class RolloutEngine:
     and reference-log-prob passes run it without remat). Its ``share_prompts`` is R from
     ``prompt_share`` (model.share_prompt_prefix; 1: off): the rollout prefills each prompt once
     and the old- and reference-log-prob passes run each prompt's forward once per R rows
-    (``micro_batch_share``)."""
+    (``micro_batch_share``). ``multi_turn``: rollouts are episodes (``rollout_rows(...,
+    interaction=...)``, ``jaxrl_ga.episodes``); the buffer carries a ``model_mask``."""
     if not sampling_cfg.max_prompt_length:  # 0: api.validate_lengths chooses it from the data
       raise ValueError('sampling.max_prompt_length=0: choose the width first '
                        '(api.build_context, whose ctx.cfg holds it).')
@@ -119,6 +131,7 @@ class RolloutEngine:
       raise ValueError('with LoRA the reference is the base weights of the rollout\'s params: '
                        'no reference_mesh of its own.')
     self.mask_truncated = mask_truncated_completions
+    self.multi_turn = multi_turn
     self.defer_old_logps = defer_old_logps
     self.options = options
     share_prompts = options.share_prompts
@@ -175,7 +188,8 @@ class RolloutEngine:
         prompt_tokens=per_token, prompt_mask=per_token, completion_tokens=per_token,
         completion_mask=per_token, old_logps=per_token, has_old=rows, advantages=rows,
         **({'ref_logps': per_token} if self.use_ref else {}),
-        **({'sampler_logps': per_token} if self.use_sampler_logps else {})))
+        **({'sampler_logps': per_token} if self.use_sampler_logps else {}),
+        **({'loss_mask': per_token} if multi_turn else {})))
     self._slice_lengths = jax.jit(self._longest, out_shardings=rep)
     self._reorder_fn = jax.jit(
         sharding.with_activation_sharding(self._reorder, mesh),
@@ -183,6 +197,20 @@ class RolloutEngine:
                       self._buffer_shardings.has_old, rep),
         out_shardings=(self._buffer_shardings, self._state_shardings,
                        self._buffer_shardings.has_old))
+    self.episodes = None  # multi-turn: the episode programs and the scoring step
+    if multi_turn:
+      self.episodes = episodes.EpisodeRunner(graphdef, self.sampler, self.rollout_mesh,
+                                             share=share_prompts)
+      self._episode_inputs = jax.jit(self._gen_inputs, out_shardings=(
+          rollout_rep, *[sharding.batch_sharding(self.rollout_mesh, 2)] * 2))
+      self._score_step = jax.jit(
+          sharding.with_activation_sharding(self._score_episodes, self.rollout_mesh),
+          in_shardings=(rollout_shardings,
+                        rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
+                        self._rollout_state_shardings, self.prompt_sharding,
+                        self.prompt_sharding, *[None] * 6),  # the episodes' outputs, as are
+          out_shardings=(self._rollout_buffer_shardings, self._rollout_state_shardings,
+                         rollout_rep))
 
   def _buffers_on(self, mesh, with_ref: bool) -> RolloutBuffer:
     """A buffer's NamedShardings on ``mesh`` (rows over its data axes), as the rollout step
@@ -191,7 +219,8 @@ class RolloutEngine:
     return RolloutBuffer(
         prompt_tokens=slab(3), prompt_mask=slab(3), completion_tokens=slab(3),
         completion_mask=slab(3), ended_with_eos=slab(2), sampler_logps=slab(3),
-        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if with_ref else None)
+        old_logps=slab(3), has_old=slab(2), ref_logps=slab(3) if with_ref else None,
+        model_mask=slab(3) if self.multi_turn else None)
 
   def init_state(self, seed: int) -> RolloutState:
     # Built by a jitted function: on several processes each places only its own shards.
@@ -208,16 +237,33 @@ class RolloutEngine:
                              policy_version)
 
   def rollout_rows(self, params, ref_params, state: RolloutState, prompt_tokens, prompt_mask,
-                   policy_version: int = 0):
+                   policy_version: int = 0, interaction: Optional[episodes.Interaction] = None):
     """One rollout by the rollout role's ``params`` (and the reference's ``ref_params``, each on
     its role's shardings: ``sharding.sync_weights``), the version of the policy they are (its
     optimizer steps). The prompts are laid out per row: [S, B, Tp] global arrays on
     ``prompt_sharding``, row (j, i) holding prompt ``prompt_index[j, i]``; each process builds
     only its own rows (``placement.local_indices(..., axis=1)``, ``from_local``). ``state``: on
-    the actor's mesh. -> (buffer and state on the actor's mesh, metrics)."""
-    buffer, state, metrics = self._step(
-        params, ref_params if self.ref_in_step else None,
-        sharding.reshard(state, self._rollout_state_shardings), prompt_tokens, prompt_mask)
+    the actor's mesh. ``interaction``: a multi-turn engine's host side (``episodes.Interaction``;
+    required there, refused elsewhere): the rows are episodes, generated by segments
+    (``episodes.EpisodeRunner``), then scored by one program (old and reference log-probs over
+    the whole completion). -> (buffer and state on the actor's mesh, metrics)."""
+    if (interaction is not None) != self.multi_turn:
+      raise ValueError('rollout_rows: pass an interaction exactly when the engine is multi_turn '
+                       f'(multi_turn={self.multi_turn}).')
+    state = sharding.reshard(state, self._rollout_state_shardings)
+    ref_in = ref_params if self.ref_in_step else None
+    if interaction is None:
+      buffer, state, metrics = self._step(params, ref_in, state, prompt_tokens, prompt_mask)
+    else:
+      rng, tokens, mask = self._episode_inputs(state, prompt_tokens, prompt_mask)
+      cfg = self.sampling_cfg
+      out = self.episodes.run(params, tokens, mask, rng, interaction,
+                              temperature=cfg.temperature, top_p=cfg.top_p)
+      c = out.completions
+      buffer, state, metrics = self._score_step(
+          params, ref_in, state, prompt_tokens, prompt_mask, c.tokens, c.mask, c.ended_with_eos,
+          c.logps, out.model_mask, c.num_decode_steps)
+      metrics = dict(metrics, **out.stats)
     if self._ref_step is not None:  # on the reference's mesh, from the rollout's rows
       rows = row_sharding(self.reference_mesh, 3)
       ref = self._ref_step(ref_params, *sharding.reshard(
@@ -228,6 +274,24 @@ class RolloutEngine:
                                                          self._buffer_shardings.policy_version))
     return (sharding.reshard(buffer, self._buffer_shardings),
             sharding.reshard(state, self._state_shardings), metrics)
+
+  def _gen_inputs(self, state: RolloutState, prompt_tokens, prompt_mask):
+    """A multi-turn rollout's key and its prompts [S*B/R, Tp] in row order (slice-major; rows
+    ``i*R .. i*R+R-1`` share prompt i, R = share_prompts)."""
+    r = self.share_prompts
+    first = lambda x: x[:, ::r].reshape(-1, x.shape[-1])
+    return (jax.random.fold_in(state.rng, state.counter), first(prompt_tokens),
+            first(prompt_mask))
+
+  def _score_episodes(self, params, ref_params, state: RolloutState, p_tok, p_mask, tokens, mask,
+                      ended, logps, model_mask, decode_steps):
+    """The multi-turn rollout's scoring step: the generated rows ([S*B, ...], slice-major)
+    through ``_finish`` as the rollout step's are."""
+    s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
+    slab = lambda x: x.reshape(s, b, *x.shape[1:])
+    return self._finish(tfm.merge(self.graphdef, params), ref_params, state, p_tok, p_mask,
+                        slab(tokens), slab(mask), slab(logps), ended, slab, decode_steps,
+                        slab(model_mask))
 
   @property
   def prompt_index(self) -> np.ndarray:
@@ -321,6 +385,8 @@ class RolloutEngine:
     """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
     ShapeDtypeStructs."""
     buffer, _, _ = jax.eval_shape(self._rollout, *self.abstract_step_args(params, ref_params))
+    if self.multi_turn:
+      buffer = buffer.replace(model_mask=buffer.completion_mask)
     if self._ref_step is not None:
       buffer = buffer.replace(ref_logps=jax.eval_shape(
           self._reference, *self.abstract_reference_args(ref_params)))
@@ -358,19 +424,23 @@ class RolloutEngine:
     on every process)."""
     if len(widths) == 1:  # one width (the default): nothing to compute or fetch
       return np.full(buffer.has_old.shape[0], widths[0])
-    longest = np.asarray(self._slice_lengths(buffer.completion_mask, buffer.ended_with_eos))
+    longest = np.asarray(self._slice_lengths(buffer.completion_mask, buffer.ended_with_eos,
+                                             buffer.model_mask))
     return np.asarray(widths)[np.searchsorted(np.asarray(widths), longest)]
 
-  def _loss_mask(self, completion_mask, ended_with_eos):
+  def _loss_mask(self, completion_mask, ended_with_eos, model_mask=None):
     """The positions the learner trains on: [..., Tc] mask, [...] flags. Under
-    mask_truncated_completions (DAPO) completions cut at max length do not train."""
+    mask_truncated_completions (DAPO) completions cut at max length do not train. Multi-turn
+    rows (``model_mask``): only the tokens the policy sampled."""
+    if model_mask is not None:
+      completion_mask = completion_mask * model_mask
     if not self.mask_truncated:
       return completion_mask
     return completion_mask * ended_with_eos[..., None].astype(completion_mask.dtype)
 
-  def _longest(self, mask, ended_with_eos):
+  def _longest(self, mask, ended_with_eos, model_mask=None):
     """[S]: per slice, the last position any row trains on, + 1 (the same on every process)."""
-    trained = self._loss_mask(mask, ended_with_eos)
+    trained = self._loss_mask(mask, ended_with_eos, model_mask)
     last = jnp.where(trained > 0, jnp.arange(1, mask.shape[-1] + 1), 0)  # [S, B, Tc]
     return jnp.max(last, axis=(1, 2))
 
@@ -398,8 +468,19 @@ class RolloutEngine:
     comps = sampling.generate(model, gen_prompts(prompt_tokens), gen_prompts(prompt_mask),
                               jax.random.fold_in(state.rng, state.counter), self.sampler,
                               temperature=cfg.temperature, top_p=cfg.top_p, share=r)
-    p_tok, p_mask = prompt_tokens, prompt_mask
-    c_tok, c_mask, c_logps = slab(comps.tokens), slab(comps.mask), slab(comps.logps)
+    return self._finish(model, ref_params, state, prompt_tokens, prompt_mask, slab(comps.tokens),
+                        slab(comps.mask), slab(comps.logps), comps.ended_with_eos, slab,
+                        comps.num_decode_steps)
+
+  def _finish(self, model, ref_params, state: RolloutState, p_tok, p_mask, c_tok, c_mask,
+              c_logps, ended_rows, slab, decode_steps, model_mask=None):
+    """A generated rollout's old log-probs (the table's marked slices), reference log-probs,
+    metrics, buffer and next state. Completions [S, B, Tc]; ``ended_rows`` in generation order
+    and ``slab``, that order -> [S, B, ...]; ``model_mask``: multi-turn rows'
+    (``RolloutBuffer.model_mask``; the forwards see every completion token, the agreement
+    metric only the model's)."""
+    s, b = self.sched.steps_per_generation, self.sched.micro_batch_size
+    cfg = self.sampling_cfg
     marks = jnp.asarray(self.table.slice_recompute)[state.counter % self.table.period_rollouts]
 
     if self.defer_old_logps:  # reorder() computes them once the rows are in their final slices
@@ -414,7 +495,8 @@ class RolloutEngine:
       ref = self._ref_logps(ref_model, p_tok, p_mask, c_tok, c_mask)
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
-    weight = (c_mask * marks[:, None, None]).astype(jnp.float32)
+    sampled = c_mask if model_mask is None else c_mask * model_mask
+    weight = (sampled * marks[:, None, None]).astype(jnp.float32)
     diff = jnp.abs(c_logps - old) * weight
     n = jnp.sum(weight)
     has_recompute = ((n > 0) & (cfg.old_logprob_source == 'recompute')
@@ -428,13 +510,16 @@ class RolloutEngine:
         # Real prompt tokens of the rows, against the padded width (max_prompt_length).
         'rollout/prompt_length': jnp.mean(jnp.sum(p_mask, -1).astype(jnp.float32)),
         'rollout/prompt_length_max': jnp.max(jnp.sum(p_mask, -1)).astype(jnp.float32),
-        'rollout/eos_fraction': jnp.mean(comps.ended_with_eos.astype(jnp.float32)),
-        'rollout/decode_steps': comps.num_decode_steps,
+        'rollout/eos_fraction': jnp.mean(ended_rows.astype(jnp.float32)),
+        'rollout/decode_steps': decode_steps,
     }
+    if model_mask is not None:
+      metrics.update(episodes.episode_metrics(c_mask, model_mask))
     buffer = RolloutBuffer(
         prompt_tokens=p_tok, prompt_mask=p_mask, completion_tokens=c_tok,
-        completion_mask=c_mask, ended_with_eos=slab(comps.ended_with_eos), sampler_logps=c_logps,
-        old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)), ref_logps=ref)
+        completion_mask=c_mask, ended_with_eos=slab(ended_rows), sampler_logps=c_logps,
+        old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)), ref_logps=ref,
+        model_mask=model_mask)
     new_state = RolloutState(counter=state.counter + 1, forward_passes=state.forward_passes +
                              passes, rng=state.rng)
     return buffer, new_state, metrics
@@ -482,11 +567,16 @@ class RolloutEngine:
   def _micro_batch(self, buffer: RolloutBuffer, j, advantages, width=None) -> dict[str, Any]:
     take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)
     cut = lambda x: take(x)[:, :width]  # the completion positions the learner computes
-    loss_mask = self._loss_mask(cut(buffer.completion_mask), take(buffer.ended_with_eos))
+    model_mask = None if buffer.model_mask is None else cut(buffer.model_mask)
+    loss_mask = self._loss_mask(cut(buffer.completion_mask), take(buffer.ended_with_eos),
+                                model_mask)
     batch = dict(prompt_tokens=take(buffer.prompt_tokens), prompt_mask=take(buffer.prompt_mask),
                  completion_tokens=cut(buffer.completion_tokens),
                  completion_mask=loss_mask, old_logps=cut(buffer.old_logps),
                  has_old=take(buffer.has_old), advantages=take(advantages))
+    if model_mask is not None:  # multi-turn: every token is context, the model's are trained
+      batch['completion_mask'] = cut(buffer.completion_mask)
+      batch['loss_mask'] = loss_mask
     if buffer.ref_logps is not None:
       batch['ref_logps'] = cut(buffer.ref_logps)
     if self.use_sampler_logps:

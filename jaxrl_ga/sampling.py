@@ -427,34 +427,44 @@ def _pool_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler
 
 
 def _pool_emit(state: PoolState, logits, rng, sampler: Sampler, temperature, top_p,
-               greedy: bool) -> PoolState:
-  """Draws each active slot's next token from ``logits`` [P, V] and writes it to its row."""
+               greedy: bool, forced=None) -> PoolState:
+  """Draws each active slot's next token from ``logits`` [P, V] and writes it to its row.
+  ``forced`` [P] bool (``jaxrl_ga.episodes``): those slots write the token their row already
+  holds at the position (the host's), log-prob 0, and an EOS there ends nothing."""
   n, length = state.tokens.shape
   live = state.active
   row = jnp.where(live, state.row, n)  # rows out of range: the scatters drop them
   token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
                         sampler.top_k, greedy)
   at = (row, state.position)
+  eos = lambda: token == sampler.eos_id  # the pool's program as before issue 44 without forced
+  if forced is not None:
+    sampled_eos = eos()
+    given = state.tokens[jnp.minimum(state.row, n - 1), jnp.minimum(state.position, length - 1)]
+    token, logp = jnp.where(forced, given, token), jnp.where(forced, 0.0, logp)
+    eos = lambda: ~forced & sampled_eos
   position = state.position + live
-  stop = live & ((token == sampler.eos_id) | (position >= length))
+  stop = live & (eos() | (position >= length))
   return state.replace(
       position=position, active=live & ~stop,
       last_token=jnp.where(live, token, sampler.pad_id),
       tokens=state.tokens.at[at].set(token, mode='drop'),
       mask=state.mask.at[at].set(1, mode='drop'),
       logps=state.logps.at[at].set(logp, mode='drop'),
-      ended=state.ended.at[row].set(token == sampler.eos_id, mode='drop'))
+      ended=state.ended.at[row].set(eos(), mode='drop'))
 
 
-def _pool_refill(state: PoolState, queue: PoolQueue) -> PoolState:
-  """Free slots take the next rows of the queue (in slot order), from their token 0."""
+def _pool_refill(state: PoolState, queue: PoolQueue, free=None) -> PoolState:
+  """Free slots take the next rows of the queue (in slot order), from their token 0. ``free``
+  [P] bool: the slots that may take a row (default: those not active; the multi-turn episodes
+  of ``jaxrl_ga.episodes`` keep a slot whose row waits on the host)."""
   n = state.tokens.shape[0]
   slots = state.row.shape[0]
   prompt_cache = queue.prompt_cache
   share = n // prompt_cache.valid.shape[0]
   tp = prompt_cache.valid.shape[1]
   slot_ids = jnp.arange(slots)
-  free = ~state.active
+  free = ~state.active if free is None else free
   row = state.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1
   start = free & (row < n)
 
@@ -598,6 +608,25 @@ def make_decode_step(graphdef, sampler: Sampler, params, prompt_tokens, prompt_m
   key = jax.eval_shape(lambda: jax.random.key(0))  # the rollout's typed key
   rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=shd.replicated(mesh))
   layers, queue, state = jax.eval_shape(carry, params, prompt_tokens, prompt_mask, rng)
+  layers, queue, state = place_carry(params, layers, queue, state, mesh)
+
+  def step(params, layers, state, queue, rng, temperature, top_p):
+    model = tfm.merge(graphdef, params)
+    if pool:
+      return _pool_step(model, layers, state, queue, rng, sampler, temperature, top_p, greedy)
+    return _rows_step(model, layers, state, rng, sampler, temperature, top_p, greedy)
+
+  fn = jax.jit(shd.with_activation_sharding(step, mesh),
+               compiler_options=compiler_options(mesh.devices.flat))
+  return fn, (params, layers, state, queue, rng, scalar(jnp.float32), scalar(jnp.float32))
+
+
+def place_carry(params, layers, queue, state, mesh: Mesh):
+  """A decode loop's abstract carry (from ``jax.eval_shape``) with the shardings the loop runs
+  it on: its rows over the mesh's batch axes, scalars replicated, the per-layer weights
+  (``decode_layers``) sharded as the stacked ``params`` (ShapeDtypeStructs) they come from, the
+  pool's queue (or None) by rows. -> (layers, queue, state)."""
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=shd.replicated(mesh))
   stacked = params['layers']
   source = lambda k: tfm.FUSED[k][0] if k in tfm.FUSED else k  # a fused weight: its first part's
   layers = [{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
@@ -618,16 +647,7 @@ def make_decode_step(graphdef, sampler: Sampler, params, prompt_tokens, prompt_m
         valid=rows(queue.prompt_cache.valid), index=place(queue.prompt_cache.index),
         positions=rows(queue.prompt_cache.positions)), token0=rows(queue.token0),
         decodes=rows(queue.decodes))
-
-  def step(params, layers, state, queue, rng, temperature, top_p):
-    model = tfm.merge(graphdef, params)
-    if pool:
-      return _pool_step(model, layers, state, queue, rng, sampler, temperature, top_p, greedy)
-    return _rows_step(model, layers, state, rng, sampler, temperature, top_p, greedy)
-
-  fn = jax.jit(shd.with_activation_sharding(step, mesh),
-               compiler_options=compiler_options(mesh.devices.flat))
-  return fn, (params, layers, state, queue, rng, scalar(jnp.float32), scalar(jnp.float32))
+  return layers, queue, state
 
 
 # XLA:GPU command buffers (CUDA graphs) for every kind of op the decode loop runs, loops and

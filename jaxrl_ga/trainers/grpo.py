@@ -153,13 +153,16 @@ class GRPOStage(stage.Stage):
     stage.on_every_process('a reward function is refused', dry_call)
 
   def programs(self, ctx: context.RunContext, stage_cfg: GRPOConfig,
-               table: Optional[schedule.ScheduleTable] = None) -> programs_lib.GRPOPrograms:
+               table: Optional[schedule.ScheduleTable] = None,
+               multi_turn: bool = False) -> programs_lib.GRPOPrograms:
     """The engine and learner, every step compiled and checked against the device's memory
     (jaxrl_ga.fit), 'auto' knobs chosen; ``table``: the schedule table (default
-    ``schedule.build_table(stage_cfg.schedule)``)."""
+    ``schedule.build_table(stage_cfg.schedule)``); ``multi_turn``: rollouts are episodes
+    (``GRPOLoop(make_interaction=...)``)."""
     return programs_lib.fitted_grpo_programs(
         ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
         pad_id=ctx.pad_id, grpo=stage_cfg, graphdef=ctx.graphdef, table=table,
+        multi_turn=multi_turn,
         rollout_mesh=ctx.roles['rollout'].mesh,
         rollout_shardings=ctx.roles['rollout'].param_shardings,
         reference_mesh=ctx.roles['reference'].mesh,
@@ -178,19 +181,30 @@ class GRPOLoop:
   it; ``out``: the step's device outputs, not waited for). ``table``: the schedule table, by
   default ``schedule.build_table(cfg.schedule)`` (benchmarks/recompute.py runs other recompute
   rules' marks).
+
+  Multi-turn rollouts (docs/design.md, "Multi-turn rollouts"): ``make_interaction(examples) ->
+  episodes.Interaction`` builds the host side of each rollout from its examples (the rollout's
+  rows in [S, B] slice-major order, row j*B+i: ``Interaction.submit``'s row); with it every
+  rollout is a batch of episodes and only the policy's tokens train. One process only.
   """
 
   def __init__(self, ctx: context.RunContext, cfg: GRPOConfig,
                on_rollout: Optional[Callable[[RolloutEvent], None]] = None,
                on_micro_step: Optional[Callable[[int, float, dict], None]] = None,
-               table: Optional[schedule.ScheduleTable] = None):
+               table: Optional[schedule.ScheduleTable] = None,
+               make_interaction: Optional[Callable[[list], Any]] = None):
     cfg = ctx.with_chosen_lengths('grpo', cfg)  # a prompt width of 0: the one chosen
     self.ctx, self.cfg = ctx, cfg
     self.on_rollout, self.on_micro_step = on_rollout, on_micro_step
+    self.make_interaction = make_interaction
+    if make_interaction is not None and jax.process_count() > 1:
+      raise ConfigError(f'multi-turn rollouts (tools, environments) run on one process for now; '
+                        f'this run has {jax.process_count()} processes: run it on one host.')
     # The schedule is validated against the mesh by GRPOStage.validate (api.validate_against_mesh).
     # The stage's programs (programs.GRPOPrograms): its steps, its starting state, its table;
     # every step compiled and checked against the device's memory (jaxrl_ga.fit).
-    self.programs = GRPOStage().programs(ctx, cfg, table)
+    self.programs = GRPOStage().programs(ctx, cfg, table,
+                                         multi_turn=make_interaction is not None)
     self.table = self.programs.schedule
     self.engine, self.learner = self.programs.engine, self.programs.learner
     self.part = None  # context.TrainedPart of the params being trained (set by run)
@@ -353,9 +367,11 @@ class GRPOLoop:
     meta['data_position'] += self.prompts_per_rollout
     t_start = time.perf_counter()
     self._policy_version = meta['micro_step'] // self.cfg.schedule.optimizer_every
+    interaction = None if self.make_interaction is None else self.make_interaction(examples)
     buffer, state['rollout'], rollout_metrics = self.engine.rollout_rows(
         sharding.sync_weights(self.policy(state), self.ctx.roles['rollout']),
-        self._ref_on_role, state['rollout'], tokens, mask, self._policy_version)
+        self._ref_on_role, state['rollout'], tokens, mask, self._policy_version,
+        interaction=interaction)
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()

@@ -1,0 +1,262 @@
+"""Multi-turn rollouts (jaxrl_ga/episodes.py; docs/design.md, "Multi-turn rollouts") against
+independent references:
+
+* greedy episodes with a fake tool equal a reference that never uses a KV cache: a full forward
+  pass over prompt + the whole history for every token, the tool's tokens appended at each turn
+  end; with one slot per row and with a pool of 3 slots, the tool answering at once or from
+  threads after delays (rows wait while the others decode): the same arrays;
+* the learner trains only the policy's tokens: its accumulated gradient (K = 1 and 3) on a
+  multi-turn batch equals the one-pass loss written with mask = model tokens, and differs from
+  the one that also trains the inserted tokens;
+* a GRPO run with multi-turn rollouts stopped mid-rollout and resumed is bitwise the
+  uninterrupted run, and calls the tool for no row already in the checkpointed buffer.
+"""
+
+import concurrent.futures
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import smoke_configs
+from learner_refs import MODEL, OPT, TC, TP, applied_grad_err, make_mesh
+from test_sampling import CFG, SHARPEN, _completion_logits, _forward, _prompts, _random_params
+
+from jaxrl_ga import episodes
+from jaxrl_ga import learner as learner_lib
+from jaxrl_ga import rollout as rollout_lib
+from jaxrl_ga import sampling
+from jaxrl_ga import schedule
+from jaxrl_ga import sharding
+from jaxrl_ga.config import GRPOLossConfig, MeshConfig, SamplingConfig, ScheduleConfig
+
+N, L = 8, 24  # rows (tests/test_sampling.py's 8 prompts of up to 6 tokens), completion length
+EOS = 36  # a token the tiny model's greedy continuations reach in most rows, at various steps
+CALLS = 2  # tool calls per episode; then the episode ends
+
+
+class FakeTool:
+  """An Interaction: a row's k-th turn (k < CALLS) is answered with the first 1 + (row + k) % 4
+  of TOOL_TOKENS, then None. ``delays``: answers from a thread pool after a few ms (varied per
+  row and turn), else at once. Records every call (row, turn tokens)."""
+  TOOL_TOKENS = (5, 9, 13, 7)
+
+  def __init__(self, delays: bool = False, tokens=TOOL_TOKENS):
+    self.calls = []
+    self.tokens = tokens
+    self.pool = concurrent.futures.ThreadPoolExecutor(4) if delays else None
+
+  def answer(self, row: int, k: int):
+    return None if k >= CALLS else np.asarray(self.tokens[:1 + (row + k) % 4], np.int32)
+
+  def submit(self, row, turn_tokens):
+    row = int(row)
+    k = sum(1 for r, _ in self.calls if r == row)
+    self.calls.append((row, np.asarray(turn_tokens).tolist()))
+    if self.pool is None:
+      future = concurrent.futures.Future()
+      future.set_result(self.answer(row, k))
+      return future
+
+    def later():
+      time.sleep(0.002 * ((row * 7 + k) % 5))
+      return self.answer(row, k)
+
+    return self.pool.submit(later)
+
+
+def _reprefill_reference(fwd, params, prompt_tokens, prompt_mask, tool: FakeTool):
+  """Greedy episodes without a cache: every token is the argmax of a full forward over the
+  prompt and the whole completion so far; a turn that ends at EOS gets the tool's tokens
+  appended (or ends the episode), as docs/design.md says. -> (tokens, model mask, ended)."""
+  tokens = np.zeros((N, L), np.int32)
+  model = np.zeros((N, L), np.int32)
+  length = np.zeros(N, int)
+  ended = np.zeros(N, bool)
+  over = np.zeros(N, bool)
+  turn_start = np.zeros(N, int)
+  while not over.all():
+    mask = (np.arange(L)[None] < length[:, None]).astype(np.int32)
+    logits = _completion_logits(fwd, params, prompt_tokens, prompt_mask, tokens, mask)
+    for r in np.flatnonzero(~over):
+      t = int(logits[r, length[r]].argmax())
+      tokens[r, length[r]], model[r, length[r]] = t, 1
+      length[r] += 1
+      if t != EOS:
+        over[r] = length[r] == L
+        continue
+      ended[r] = True
+      if length[r] == L:
+        over[r] = True
+        continue
+      answer = tool.submit(r, tokens[r, turn_start[r]:length[r]]).result()
+      if answer is None or length[r] + len(answer) >= L:
+        over[r], ended[r] = True, answer is None
+        continue
+      tokens[r, length[r]:length[r] + len(answer)] = answer
+      length[r] += len(answer)
+      turn_start[r] = length[r]
+      ended[r] = False
+  return tokens, model, ended, length
+
+
+@pytest.fixture(scope='module')
+def tiny():
+  graphdef, params, _ = _random_params(CFG, seed=0, lm_head_scale=SHARPEN)
+  prompt_tokens, prompt_mask = _prompts(1, CFG.vocab_size)
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  tool = FakeTool()
+  want = _reprefill_reference(_forward(graphdef), params, prompt_tokens, prompt_mask, tool)
+  return dict(graphdef=graphdef, params=params, prompts=(prompt_tokens, prompt_mask), mesh=mesh,
+              want=want, want_calls=sorted(map(str, tool.calls)))
+
+
+@pytest.mark.parametrize('slots,delays', [(0, False), (3, True)], ids=['row-per-slot', 'pool'])
+def test_greedy_episodes_equal_a_reference_that_reprefills_the_history(tiny, slots, delays):
+  sampler = sampling.Sampler(L, eos_id=EOS, pad_id=0, slots=slots, decode_block=4)
+  runner = episodes.EpisodeRunner(tiny['graphdef'], sampler, tiny['mesh'], greedy=True,
+                                  segment_steps=5)
+  tool = FakeTool(delays)
+  out = runner.run(tiny['params'], *tiny['prompts'], jax.random.key(0), tool)
+  tokens, model, ended, length = tiny['want']
+  c = jax.device_get(out.completions)
+  np.testing.assert_array_equal(np.asarray(c.mask).sum(1), length)
+  np.testing.assert_array_equal(c.tokens, tokens)
+  np.testing.assert_array_equal(out.model_mask, model * np.asarray(c.mask))
+  np.testing.assert_array_equal(c.ended_with_eos, ended)
+  assert (np.asarray(c.logps)[model == 0] == 0).all()  # host tokens: no sampler log-prob
+  assert (np.asarray(c.logps)[model == 1] < 0).all()
+  assert sorted(map(str, tool.calls)) == tiny['want_calls']  # the same turns, each once
+  # The case is not degenerate: tools answered in most rows, some episodes truncated.
+  assert len(tool.calls) >= N and (model[:, 1:] < model[:, :-1]).any() and not ended.all()
+  if slots:
+    assert out.stats['rollout/segments'] > 1
+
+
+# -- the loss mask ------------------------------------------------------------------------------
+def _multi_turn_rollout(rng, s, b):
+  """A synthetic multi-turn rollout [S, B, ...]: completions with host-inserted runs
+  (model_mask 0) between model turns, on-policy (no old log-probs)."""
+  n = s * b
+  comp_len = rng.integers(3, TC + 1, size=n)
+  prompt_len = rng.integers(1, TP + 1, size=n)
+  cm = (np.arange(TC)[None] < comp_len[:, None]).astype(np.int32)
+  model = cm.copy()
+  for i in range(n):  # one inserted run of 1-2 tokens after the first model token
+    model[i, 1:1 + rng.integers(1, 3)] = 0
+  model[:, 0] = 1
+  model *= cm
+  pm = (np.arange(TP)[None] >= TP - prompt_len[:, None]).astype(np.int32)
+  r = lambda x: x.reshape(s, b, *x.shape[1:])
+  zeros = np.zeros((n, TC), np.float32)
+  buf = rollout_lib.RolloutBuffer(
+      prompt_tokens=r(rng.integers(0, MODEL.vocab_size, (n, TP)).astype(np.int32) * pm),
+      prompt_mask=r(pm),
+      completion_tokens=r(rng.integers(0, MODEL.vocab_size, (n, TC)).astype(np.int32) * cm),
+      completion_mask=r(cm), ended_with_eos=r(np.ones(n, bool)), sampler_logps=r(zeros),
+      old_logps=r(zeros), has_old=r(np.zeros(n, bool)), ref_logps=None,
+      policy_version=np.zeros((), np.int32), model_mask=r(model))
+  return buf, r(rng.normal(size=n).astype(np.float32))
+
+
+def _one_pass_loss(graphdef, params, full, mask):
+  """The token-aggregated GRPO loss on-policy (ratio 1: -A per token) over the concatenated
+  window, written out: the forward sees every completion token, ``mask`` weighs the loss."""
+  from learner_refs import ref_completion_logps  # pylint: disable=g-import-not-at-top
+  logp = ref_completion_logps(graphdef, params, full)
+  ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))
+  m = mask.astype(jnp.float32)
+  return jnp.sum(m * -ratio * full['advantages'][:, None]) / jnp.sum(m)
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_learner_trains_only_the_model_tokens(k):
+  mesh = make_mesh((1, 1, 1))
+  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  sched = ScheduleConfig(micro_batch_size=4, num_generations=2, steps_per_generation=k,
+                         num_iterations=1, grad_accum_steps=k)
+  loss_cfg = GRPOLossConfig(aggregation='token')
+  engine = rollout_lib.RolloutEngine(
+      graphdef, schedule.build_table(sched),
+      SamplingConfig(max_prompt_length=TP, max_completion_length=TC), loss_cfg, mesh, shardings,
+      eos_id=1, pad_id=0, multi_turn=True)
+  lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(loss_cfg, TC), OPT, mesh,
+                            shardings, optimizer_every=k)
+  buf, adv = _multi_turn_rollout(np.random.default_rng(k), k, 4)
+  buf = jax.device_put(buf, engine.buffer_shardings)
+  adv = jax.device_put(adv, engine.advantage_sharding)
+  state, window = None, []
+  for j in range(k):
+    mb = engine.micro_batch(buf, j, adv)
+    assert 'loss_mask' in mb
+    state = lrn.init(params, mb) if state is None else state
+    state, out = lrn.step(state, mb)
+    window.append(jax.device_get(mb))
+  assert bool(out['stepped'])
+  full = {key: np.concatenate([w[key] for w in window]) for key in window[0]}
+  model_tokens = full['loss_mask']
+  np.testing.assert_array_equal(
+      model_tokens, np.asarray(buf.model_mask).reshape(-1, TC) * full['completion_mask'])
+  assert (model_tokens < full['completion_mask']).any()  # inserted tokens are context only
+  one_pass = jax.jit(jax.grad(lambda p, b, m: _one_pass_loss(graphdef, p, b, m)))
+  grad = lambda mask: one_pass(params, full, mask)
+  assert applied_grad_err(state, grad(model_tokens), OPT) <= 1e-5
+  # Had the inserted tokens been trained (or counted in the normalizer), the gradient differs.
+  assert applied_grad_err(state, grad(full['completion_mask']), OPT) > 1e-2
+
+
+# -- GRPO: a resume mid-run ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_multi_turn_grpo_resumes_bitwise_without_calling_the_tool_again(tmp_path):
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.num_steps': 2, 'checkpoint.every_steps': 0, 'grpo.completions_every': 0,
+      'grpo.sampling.max_completion_length': 10})
+  calls, rollouts = [], []
+
+  def make_interaction(examples):
+    assert len(examples) == cfg.grpo.schedule.completions_per_rollout
+    tool = FakeTool(tokens=(3, 4, 5, 6))
+    tool.calls = calls  # one count over the whole run
+    return tool
+
+  def make_trainer(workdir):
+    ctx, params = api.build_context(cfg, str(workdir))
+    trainer = grpo.GRPOLoop(ctx, cfg.grpo, make_interaction=make_interaction,
+                            on_rollout=lambda e: rollouts.append(jax.device_get(e.buffer)))
+    assert 'multi_turn' in trainer.programs.table
+    if workdir.name == 'a':  # what plan lowers: the segment program at its abstract arguments
+      trainer.programs.table['multi_turn'].lower()
+    return trainer, params
+
+  trainer, params = make_trainer(tmp_path / 'a')
+  want, _ = trainer.run(params)
+  want_calls, want_rollouts = list(calls), list(rollouts)
+  assert len(want_rollouts) == 3 and want_calls
+  assert all((b.model_mask < b.completion_mask).any() for b in want_rollouts)  # tools answered
+  del calls[:], rollouts[:]
+  got, _ = helpers.run_grpo_in_pieces(make_trainer, tmp_path / 'b', (3,), total_micro_steps=6)
+  helpers.assert_trees_equal(got, want)
+  helpers.assert_trees_equal(rollouts, want_rollouts)
+  # Micro-step 3 is in rollout 1 (E = 2): the resumed run trains on the checkpointed buffer and
+  # generates rollout 2 only; every tool call of the run happened once.
+  assert sorted(map(str, calls)) == sorted(map(str, want_calls))
+
+
+def test_multi_turn_on_several_processes_is_one_config_error(monkeypatch):
+  """Multi-turn rollouts run on one process for now: a GRPOLoop with an interaction on more is
+  refused with one ConfigError line, before any program is built."""
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import ConfigError  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  ctx = types.SimpleNamespace(with_chosen_lengths=lambda stage, cfg: cfg)
+  with pytest.raises(ConfigError, match='one process') as e:
+    grpo.GRPOLoop(ctx, smoke_configs.smoke('grpo_arith').grpo,
+                  make_interaction=lambda examples: FakeTool())
+  assert '\n' not in str(e.value)
