@@ -3,9 +3,13 @@
 The same class and reward run under this project's GRPO and under TRL 1.16's
 ``GRPOTrainer(environment_factory=Calculator, reward_funcs=[correct])``:
 
+  python examples/calculator.py /tmp/calc
   PYTHONPATH=.:examples python -m jaxrl_ga.main --config=configs/grpo_smollm2.py \\
-      --set data.train=/tmp/calc/train.jsonl --set grpo.reward_funcs=calculator:correct \\
-      --set grpo.environment=calculator:Calculator --set grpo.max_tool_calls=2
+      --workdir=/tmp/calc_run --config.data.train=/tmp/calc/train.jsonl \\
+      --config.grpo.reward_funcs=calculator:correct \\
+      --config.grpo.environment=calculator:Calculator --config.grpo.max_tool_calls=2 \\
+      --config.grpo.sampling.max_completion_length=64 \\
+      --config.grpo.sampling.max_prompt_length=320
 
 ``python examples/calculator.py OUT_DIR`` writes OUT_DIR/train.jsonl (GRPO rows: prompt, answer)
 and OUT_DIR/sft.jsonl (tool-use conversations for an SFT warm start, ``stages=sft``: each a

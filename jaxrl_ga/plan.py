@@ -220,8 +220,9 @@ def fitted_steps(cfg, model_cfg, devices, limit: float, chip: str):
   built = {}
 
   def build(remat, chunk):
-    st = built.setdefault((remat, chunk), lower_grpo(cfg, model_cfg, devices, remat=remat,
-                                                     logprob_chunk_size=chunk))
+    st = built.setdefault((remat, chunk), lower_grpo(
+        cfg, model_cfg, devices, remat=remat, logprob_chunk_size=chunk,
+        multi_turn=bool(cfg.grpo.tools or cfg.grpo.environment)))  # episodes: jaxrl_ga.tools
     return st, lambda: [(programs_lib.STEP_NAMES[k], v) for k, v in (
         ('learner', st.learner), ('rollout', st.rollout), ('reorder', st.reorder)) if v is not None]
 

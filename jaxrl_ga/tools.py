@@ -641,6 +641,18 @@ class Episodes:
     return list(tok(suffix, add_special_tokens=False)['input_ids'])
 
   # -- after the rollout --------------------------------------------------------------------------
+  def finish(self, row: int, turns: Sequence[np.ndarray]) -> None:
+    """Records the row's turns that were never submitted (``turns``: every assistant turn of
+    the episode, as the buffer holds them): a last turn cut at the length limit ends the episode
+    without reaching :meth:`submit`, but it is the row's completion all the same."""
+    with self._lock:
+      seen = sum(m['role'] == 'assistant' for m in self._completion[row])
+    for ids in turns[seen:]:
+      with self._tok_lock:
+        content = self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
+      with self._lock:
+        self._completion[row].append({'role': 'assistant', 'content': content})
+
   def messages(self, row: int) -> list[dict]:
     """The row's whole conversation, each turn with its role (prompt, assistant and tool turns):
     what completions.jsonl logs."""

@@ -40,6 +40,7 @@ from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
 from jaxrl_ga import sharding
+from jaxrl_ga import tools as tools_lib
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga import rollout as rollout_lib
 from jaxrl_ga.config import GRPOConfig, RunConfig
@@ -169,7 +170,7 @@ class GRPOStage(stage.Stage):
         reference_shardings=ctx.roles['reference'].param_shardings)
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
-    return GRPOLoop(ctx, ctx.cfg.grpo).run(params)
+    return GRPOLoop(ctx, ctx.cfg.grpo, make_interaction=tools_lib.make_interaction(ctx)).run(params)
 
 
 class GRPOLoop:
@@ -363,11 +364,10 @@ class GRPOLoop:
     Each process loads, encodes, decodes and scores only the rows its devices hold (on one
     process: all of them); only the per-row rewards are gathered, for the group advantages.
     """
-    examples, tokens, mask = self._prompt_rows(meta['data_position'])
+    examples, tokens, mask, interaction = self._prompt_rows(meta['data_position'])
     meta['data_position'] += self.prompts_per_rollout
     t_start = time.perf_counter()
     self._policy_version = meta['micro_step'] // self.cfg.schedule.optimizer_every
-    interaction = None if self.make_interaction is None else self.make_interaction(examples)
     buffer, state['rollout'], rollout_metrics = self.engine.rollout_rows(
         sharding.sync_weights(self.policy(state), self.ctx.roles['rollout']),
         self._ref_on_role, state['rollout'], tokens, mask, self._policy_version,
@@ -375,14 +375,17 @@ class GRPOLoop:
     if self.on_rollout is not None:  # decoding below waits for it anyway
       jax.block_until_ready(buffer)
     t_generated = time.perf_counter()
-    rewards, reward_metrics, scored = self._score(buffer, examples)  # [S*B], every process
+    rewards, reward_metrics, scored = self._score(buffer, examples,  # [S*B], every process
+                                                  interaction)
     state['buffer'], state['advantages'], adv = self._advantages(state, buffer, rewards)
     self._slice_widths = self.engine.slice_widths(state['buffer'], self.widths)
     rollout_index = meta['micro_step'] // self.cfg.schedule.micro_steps_per_rollout
     if self.cfg.completions_every and rollout_index % self.cfg.completions_every == 0:
-      self._log_completions(meta['micro_step'], examples, scored, rewards, adv)
+      self._log_completions(meta['micro_step'], examples, scored, rewards, adv, interaction)
     host_stats = reward_metrics | {k: float(np.asarray(v))
                                    for k, v in jax.device_get(rollout_metrics).items()}
+    if hasattr(interaction, 'metrics'):  # tools/*: calls, failures, per tool (jaxrl_ga.tools)
+      host_stats |= interaction.metrics()
     # The completion positions the learner computes per row (grpo.length_buckets).
     host_stats['rollout/learn_width'] = float(np.mean(self._slice_widths))
     host_stats['rollout/policy_version'] = float(self._policy_version)
@@ -396,36 +399,54 @@ class GRPOLoop:
 
   def _prompt_rows(self, position: int):
     """This process's rows of the rollout's prompts (those at data ``position`` onwards). ->
-    (the examples of its rows [S*nb], prompt tokens and mask: global [S, B, Tp] arrays)."""
+    (the examples of its rows [S*nb], prompt tokens and mask: global [S, B, Tp] arrays, the
+    rollout's Interaction or None). Multi-turn: each row's prompt is its episode's (an
+    environment's reset text appended, the tools announced: ``tools.Episodes.padded_prompts``)."""
     ctx, cfg = self.ctx, self.cfg
     s, b = cfg.schedule.steps_per_generation, cfg.schedule.micro_batch_size
     rows = self.engine.local_rows()  # this process's i of [S, B]
     index = self.engine.prompt_index[:, rows].reshape(-1)  # the prompt of each local row
     examples = {int(p): ctx.task.train_example(position + int(p), ctx.cfg.seed)
                 for p in np.unique(index)}
-    ids = {p: text.encode_prompt(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
-    tokens, mask = text.left_pad([ids[int(p)] for p in index], cfg.sampling.max_prompt_length,
-                                 ctx.pad_id, 'grpo.sampling.max_prompt_length')
+    rows_examples = [examples[int(p)] for p in index]
+    interaction = None if self.make_interaction is None else self.make_interaction(rows_examples)
+    if hasattr(interaction, 'padded_prompts'):
+      tokens, mask = interaction.padded_prompts(cfg.sampling.max_prompt_length, ctx.pad_id)
+      _check_shared_prompts(tokens, mask, self.engine.share_prompts)
+    else:
+      ids = {p: text.encode_prompt(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
+      tokens, mask = text.left_pad([ids[int(p)] for p in index], cfg.sampling.max_prompt_length,
+                                   ctx.pad_id, 'grpo.sampling.max_prompt_length')
     place = lambda x: placement.from_local(
         x.reshape(s, len(rows), -1), rows, (s, b, x.shape[-1]),
         self.engine.prompt_sharding, axis=1)
-    return [examples[int(p)] for p in index], place(tokens), place(mask)
+    return rows_examples, place(tokens), place(mask), interaction
 
-  def _score(self, buffer, examples) -> tuple[np.ndarray, dict[str, float]]:
+  def _score(self, buffer, examples, interaction=None) -> tuple[np.ndarray, dict[str, float]]:
     """Decodes and scores this process's completions, then gathers the per-row scores of every
     process. -> (total reward of each row [S*B] in [S, B] order, the reward metrics, (this
-    process's completion texts, {reward name: its values on them}))."""
+    process's completion texts, {reward name: its values on them})). Multi-turn (an
+    ``interaction`` with ``final_text``, jaxrl_ga.tools): a row's text is its last assistant
+    turn, and the rewards also get the episode's columns (``completions_messages``,
+    ``environments``; docs/your_data.md, "Tools and environments")."""
     ctx, sched = self.ctx, self.cfg.schedule
     s, b = sched.steps_per_generation, sched.micro_batch_size
     rows = self.engine.local_rows()
     local = lambda x: placement.local_part(x, axis=1)[1].reshape(s * len(rows), -1)
     texts = text.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
                                     local(buffer.completion_mask))
+    fields = task_base.reward_fields(examples)
+    if hasattr(interaction, 'final_text'):
+      tokens, model = local(buffer.completion_tokens), local(buffer.model_mask)
+      for r in range(len(texts)):  # a turn cut at the length limit was never submitted
+        interaction.finish(r, _model_turns(tokens[r], model[r]))
+      texts = [interaction.final_text(r) for r in range(len(texts))]
+      fields = {**fields, **interaction.reward_fields()}
     names = [r.name for r in self.rewards]
     error, per_fn = None, {}
     try:
       total, per_fn = rewards_lib.compute_rewards(
-          self.rewards, [ex.prompt for ex in examples], texts, task_base.reward_fields(examples))
+          self.rewards, [ex.prompt for ex in examples], texts, fields)
       marked = next((r.name for r in self.rewards if r.marks_correctness), None)
       if marked is not None:  # > 0 counts as correct; NaN (None: does not apply) does not
         correct = np.nan_to_num(per_fn[marked]) > 0
@@ -459,10 +480,11 @@ class GRPOLoop:
                    }, (texts, per_fn)
 
   def _log_completions(self, micro_step: int, examples, scored, rewards: np.ndarray,
-                       adv: np.ndarray) -> None:
+                       adv: np.ndarray, interaction=None) -> None:
     """grpo.completions_logged of process 0's rows of this rollout (each with its prompt,
-    completion, reward functions' values, total reward and advantage) -> completions.jsonl and
-    TensorBoard text, at the optimizer step the rollout starts training."""
+    completion, reward functions' values, total reward and advantage; multi-turn: ``messages``,
+    the whole conversation with each turn's role) -> completions.jsonl and TensorBoard text, at
+    the optimizer step the rollout starts training."""
     if jax.process_index() != 0:
       return
     texts, per_fn = scored
@@ -476,7 +498,8 @@ class GRPOLoop:
       records.append({
           'prompt': examples[j].prompt, 'completion': texts[j],
           **{f'reward/{k}': (None if np.isnan(v[j]) else float(v[j])) for k, v in per_fn.items()},
-          'reward': float(rewards[index[j]]), 'advantage': float(adv[index[j]])})
+          'reward': float(rewards[index[j]]), 'advantage': float(adv[index[j]]),
+          **({'messages': interaction.messages(j)} if hasattr(interaction, 'messages') else {})})
     self.ctx.writer.write_completions('grpo', micro_step // sched.optimizer_every, micro_step,
                                      records)
 
@@ -510,6 +533,30 @@ def mix_reference(policy, reference, alpha: float):
   mix = lambda p, r: (r.astype(jnp.float32) * (1.0 - alpha)
                       + alpha * p.astype(jnp.float32)).astype(r.dtype)
   return jax.tree.map(mix, policy, reference)
+
+
+def _model_turns(tokens: np.ndarray, model_mask: np.ndarray) -> list[np.ndarray]:
+  """A multi-turn row's assistant turns: its runs of policy-sampled tokens (model mask 1), in
+  order."""
+  cuts = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(model_mask) > 0, [0]]).astype(
+      np.int8)))
+  return [np.asarray(tokens)[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
+
+
+def _check_shared_prompts(tokens: np.ndarray, mask: np.ndarray, share: int) -> None:
+  """Rows i*R .. i*R+R-1 share one prompt forward (model.share_prompt_prefix: R = ``share``):
+  an environment's reset text that differs between a prompt's completions would be silently
+  replaced by the first one's. Refused instead."""
+  if share <= 1:
+    return
+  t = np.where(mask > 0, tokens, -1).reshape(-1, share, tokens.shape[-1])
+  differ = np.flatnonzero((t != t[:, :1]).any(axis=(1, 2)))
+  if differ.size:
+    raise ConfigError(
+        f'grpo.environment: reset() gave the completions of one prompt different texts (rows '
+        f'{int(differ[0]) * share}..{int(differ[0]) * share + share - 1}), but they share one '
+        'prompt forward (model.share_prompt_prefix=True): set model.share_prompt_prefix=False, '
+        'or make reset() the same for the rows of one prompt.')
 
 
 def _report_prompt_padding(host_stats: dict[str, float], max_prompt_length: int,
