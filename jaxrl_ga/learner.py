@@ -371,7 +371,8 @@ class Learner:
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
     frozen_in = () if self.frozen_shardings is None else (self.frozen_shardings,)
     if self._step is None:  # one jitted step: what abstract_init's lowering compiled, step runs
-      self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
+      # The activations' sharding constraints: the loss's forward options (activation_mesh).
+      self._step = jax.jit(self._micro_step,
                            in_shardings=(self._state_shardings, None, *frozen_in),
                            out_shardings=(self._state_shardings, None), donate_argnums=(0,))
     return init_fn
