@@ -82,8 +82,7 @@ def forward_options(spec: ModelSpec, share_prompts: int = 1,
   """The training forward's options from ``model.*`` (scan_layers, remat, logprob_chunk_size,
   attention: resolved, ``resolve_attention``); ``share_prompts``: R, from ``rollout.prompt_share``
   (GRPO only); ``mesh``: the mesh the step is jitted over, where 'splash' runs its kernel per
-  shard (``kernel_mesh``: ``sharding.KernelMesh``; None, or another attention: none) and on which
-  the activations get their sharding constraints (``activation_mesh``; None: none). The
+  shard (``kernel_mesh``: ``sharding.KernelMesh``; None, or another attention: none). The
   trainers pass the memory knobs ``jaxrl_ga.fit`` chose (``fitted_*``); an 'auto' knob left here
   (a caller building programs directly) is fit's choice without a memory limit: remat 'none',
   chunk 0; an 'auto' attention, ``attn_lib.resolve``'s for jax's default device (the run itself
@@ -99,7 +98,7 @@ def forward_options(spec: ModelSpec, share_prompts: int = 1,
       logprob_chunk_size=max(spec.logprob_chunk_size, 0),
       share_prompts=share_prompts, attention=attention,
       kernel_mesh=sharding.KernelMesh(mesh) if mesh is not None and attention == 'splash'
-      else None, activation_mesh=None if mesh is None else sharding.KernelMesh(mesh))
+      else None)
 
 
 def with_memory_knobs(cfg: RunConfig, remat: str, chunk: int) -> RunConfig:

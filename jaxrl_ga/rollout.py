@@ -130,10 +130,8 @@ class RolloutEngine:
     # reorder() permutes the rows before the old log-probs and the learner see them: its slices
     # no longer hold runs of rows with one prompt.
     self.micro_batch_share = 1 if defer_old_logps else share_prompts
-    # The learner's forward: the rows of its micro-batches share prompts as the buffer's do; its
-    # activations are constrained on the actor's mesh (each step here: its own, ``_on``).
-    self.learner_options = dataclasses.replace(options, share_prompts=self.micro_batch_share,
-                                               activation_mesh=sharding.KernelMesh(mesh))
+    # The learner's forward: the rows of its micro-batches share prompts as the buffer's do.
+    self.learner_options = dataclasses.replace(options, share_prompts=self.micro_batch_share)
     self._old_options = dataclasses.replace(self.learner_options, remat='none')
     # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)

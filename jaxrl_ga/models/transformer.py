@@ -117,7 +117,8 @@ class ForwardOptions:
     activation_mesh: the mesh (a ``sharding.KernelMesh``: the step's mesh and rules) on which
       the model's named activations get sharding constraints (``activations.constrain``); None:
       none (one device, or a step not jitted over a mesh). They place values and never change
-      them. Set by ``programs.forward_options`` for a step on a mesh.
+      them. Set by the owner of a step jitted over a mesh (the Learner, ``learner.ForwardLoss.on``;
+      the rollout engine's steps; ``Sampler.activation_mesh`` for generation).
   """
   scan_layers: bool = True
   remat: str = 'none'
