@@ -23,7 +23,7 @@ def _import_transformers_quietly() -> None:
   before = _os.environ.get(key)
   _os.environ[key] = '1'
   try:
-    # lazy: imported once with its advisory line silenced (the environment set around it)
+    # lazy: startup order: once, its advisory line silenced (the environment set around it)
     import transformers  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     pass  # reported where it is needed
@@ -42,7 +42,7 @@ _API = ('GRPOTrainer', 'SFTTrainer', 'DPOTrainer')
 
 def __getattr__(name):
   if name in _API:
-    # lazy: api imports JAX; `import jaxrl_ga.config` (configs, --help) stays without it
+    # lazy: startup order: api imports JAX; `import jaxrl_ga` (CLIs, configs) stays without
     from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
     return getattr(api, name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

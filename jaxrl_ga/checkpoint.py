@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -42,7 +43,7 @@ import signal
 import sys
 import warnings
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from absl import logging
 import jax
@@ -152,6 +153,18 @@ def _structure_errors(stored_tree, abstract_state) -> list[str]:
       errors.append(f'{k}: checkpoint {have[1].name}{list(have[0])}, '
                     f'current {want[1].name}{list(want[0])}')
   return sorted(errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddedLeaf:
+  """A leaf of the state that checkpoints written before it existed lack, and how a restore
+  fills it in: ``leaf``, its dotted path (as a mismatch names it, e.g. 'buffer.policy_version');
+  ``without(abstract_state)``, the abstract state as such a checkpoint holds it (the leaf
+  removed); ``fill(state, meta, abstract_state)`` -> (the restored state with the leaf put
+  back, onto the abstract leaf's sharding; one line saying what it was set to)."""
+  leaf: str
+  without: Callable[[Any], Any]
+  fill: Callable[[Any, dict, Any], tuple[Any, str]]
 
 
 class Checkpointer:
@@ -282,10 +295,14 @@ class Checkpointer:
               else '')
       raise CheckpointWriteError(self.directory / str(step), e, note=kept) from e
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+  def restore(self, step: int, abstract_state: Any,
+              added: Sequence[AddedLeaf] = ()) -> tuple[Any, dict]:
     """(state on the shardings of ``abstract_state``, meta) of checkpoint ``step``.
 
     abstract_state: the state's pytree with jax.ShapeDtypeStruct leaves carrying .sharding.
+    added: leaves newer than some checkpoints (``AddedLeaf``): a checkpoint whose only
+    difference from ``abstract_state`` is the lack of one of them is restored without it and
+    the leaf filled in, with one console line saying so.
     Raises CheckpointMismatchError, before reading any array, if the checkpoint was written with
     another fingerprint or holds another tree structure, shape or dtype.
     """
@@ -297,15 +314,24 @@ class Checkpointer:
     self.check_fingerprint(step, fingerprint)
     stored_tree = self._manager.item_metadata(step)['state'].tree
     errors = _structure_errors(stored_tree, abstract_state)
+    older = [a for a in added
+             if errors == [f'{a.leaf}: in the current state, not in the checkpoint']]
+    if older:  # written before that leaf existed: everything else must match, as always
+      without = older[0].without(abstract_state)
+      errors = _structure_errors(stored_tree, without)
     if errors:
       raise CheckpointMismatchError(
           f'checkpoint {where} does not match the state to restore:\n  '
           + '\n  '.join(errors[:20]) + (f'\n  ... {len(errors) - 20} more' if errors[20:] else '')
           + f'\nThe config fingerprints match: the code builds another state than it saved. {fix}')
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
+        state=ocp.args.StandardRestore(without if older else abstract_state)))
     logging.info('Restored checkpoint step %d from %s.', step, self.directory)
-    return restored['state'], meta
+    state = restored['state']
+    if older:
+      state, line = older[0].fill(state, meta, abstract_state)
+      print(f'checkpoint {where} was written before {older[0].leaf} existed: {line}', flush=True)
+    return state, meta
 
   def restore_raw(self, step: int) -> tuple[Any, dict, dict]:
     """(state as stored: nested dicts of host arrays, meta, fingerprint) of checkpoint ``step``.
@@ -347,7 +373,8 @@ class Checkpointer:
         self._set_aside(step, e)
     return None
 
-  def restore_latest(self, abstract_state: Any) -> Optional[tuple[Any, dict]]:
+  def restore_latest(self, abstract_state: Any,
+                     added: Sequence[AddedLeaf] = ()) -> Optional[tuple[Any, dict]]:
     """restore() of the newest readable checkpoint, or None if there is none.
 
     A checkpoint that cannot be read (a truncated or deleted file) is moved aside to
@@ -359,7 +386,7 @@ class Checkpointer:
     steps = self.all_steps()
     for step in reversed(steps):
       try:
-        return self.restore(step, abstract_state)
+        return self.restore(step, abstract_state, added)
       except CheckpointMismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-except

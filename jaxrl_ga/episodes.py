@@ -212,6 +212,8 @@ class EpisodeRunner:
 
   def __init__(self, graphdef, sampler: sampling.Sampler, mesh, *, share: int = 1,
                greedy: bool = False, segment_steps: int = SEGMENT_STEPS):
+    # The programs' activations get their sharding constraints on ``mesh``.
+    sampler = dataclasses.replace(sampler, activation_mesh=shd.KernelMesh(mesh))
     self.graphdef, self.sampler, self.mesh = graphdef, sampler, mesh
     self.share, self.greedy, self.segment_steps = share, greedy, segment_steps
     options = sampling.compiler_options(mesh.devices.flat)
@@ -226,10 +228,8 @@ class EpisodeRunner:
                      temperature, top_p, greedy, inject_tokens, inject_len, segment_steps)
 
     self._start_traced = start_fn
-    self.start_fn = jax.jit(shd.with_activation_sharding(start_fn, mesh),
-                            compiler_options=options)
-    self.segment_fn = jax.jit(shd.with_activation_sharding(segment_fn, mesh),
-                              donate_argnums=(2,), compiler_options=options)
+    self.start_fn = jax.jit(start_fn, compiler_options=options)
+    self.segment_fn = jax.jit(segment_fn, donate_argnums=(2,), compiler_options=options)
 
   def abstract_segment_args(self, params, prompt_tokens) -> tuple:
     """``segment_fn``'s arguments as ShapeDtypeStructs with their shardings (the program

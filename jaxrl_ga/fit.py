@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Optional, Sequence
 
+import jax
+
 from jaxrl_ga.config import AUTO_CHUNK, REMAT, ModelSpec
 from jaxrl_ga.errors import ConfigError
 
@@ -95,8 +97,6 @@ def device_limit(device_memory_gib: float, devices: Optional[Sequence[Any]] = No
   if device_memory_gib:
     return int(device_memory_gib * GIB), f'mesh.device_memory_gib={device_memory_gib:g}'
   if devices is None:
-    # lazy: jaxrl_ga.plan imports this module before it sets JAX_PLATFORMS
-    import jax  # pylint: disable=g-import-not-at-top
     devices = jax.local_devices()
   device = devices[0]
   try:

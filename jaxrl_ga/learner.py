@@ -27,6 +27,7 @@ exist for the trainable params only; the accumulation is exact in the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -43,6 +44,24 @@ from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, OptimizerConfig, Sche
 from jaxrl_ga.models import transformer as tfm
 
 TaskLoss = Callable[[tfm.Transformer, dict], losses.LossTerms]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLoss:
+  """A task loss over the model's forward, what ``sft_task_loss``, ``grpo_task_loss`` and
+  ``dpo_task_loss`` return: ``loss(model, batch, options)`` with the forward's ``options``. The
+  Learner runs ``on(its mesh)``: the same loss with the activations' sharding constraints on
+  that mesh (``ForwardOptions.activation_mesh``). A plain ``(model, batch)`` function is a
+  TaskLoss too; its forward is constrained where its own options say."""
+  loss: Callable[[tfm.Transformer, dict, tfm.ForwardOptions], losses.LossTerms]
+  options: tfm.ForwardOptions
+
+  def __call__(self, model, batch):
+    return self.loss(model, batch, self.options)
+
+  def on(self, mesh) -> 'ForwardLoss':
+    return dataclasses.replace(self, options=dataclasses.replace(
+        self.options, activation_mesh=sharding.KernelMesh(mesh)))
 
 
 # -- task losses --------------------------------------------------------------------------------
@@ -68,11 +87,11 @@ def sft_task_loss(options: Optional[tfm.ForwardOptions] = None, **fields) -> Tas
   ``options``: the forward's (``ForwardOptions``, or its fields as keywords)."""
   options = _options(options, fields)
 
-  def task_loss(model, batch):
+  def task_loss(model, batch, options):
     logps = logprobs.token_logps_of(model, batch['tokens'], batch['attention_mask'], options)
     return losses.sft_loss(logps, batch['loss_mask'][:, 1:].astype(jnp.float32))
 
-  return task_loss
+  return ForwardLoss(task_loss, options)
 
 
 def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
@@ -88,7 +107,7 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
   ``share_prompts`` = R, rows ``i*R .. i*R+R-1`` of every micro-batch share their prompt."""
   options = _options(options, fields)
 
-  def task_loss(model, batch):
+  def task_loss(model, batch, options):
     logps, entropy = logprobs.completion_logps(
         model, batch['prompt_tokens'], batch['prompt_mask'], batch['completion_tokens'],
         batch['completion_mask'], options, with_entropy=True, temperature=temperature)
@@ -100,7 +119,7 @@ def grpo_task_loss(cfg: GRPOLossConfig, max_completion_length: int,
         max_completion_length, ref_logps=batch.get('ref_logps'), entropy=entropy,
         sampler_logps=batch.get('sampler_logps'))
 
-  return task_loss
+  return ForwardLoss(task_loss, options)
 
 
 def loss_mask(batch: dict) -> jax.Array:
@@ -126,7 +145,7 @@ def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = No
   ``options``: the forward's (``ForwardOptions``, or its fields as keywords)."""
   options = _options(options, fields)
 
-  def task_loss(model, batch):
+  def task_loss(model, batch, options):
     n = batch['chosen_tokens'].shape[0]
     cat = lambda k: jnp.concatenate([batch[f'chosen_{k}'], batch[f'rejected_{k}']], axis=0)
     logps, counts = logprobs.sequence_logps(model, cat('tokens'), cat('attention_mask'),
@@ -140,7 +159,7 @@ def dpo_task_loss(cfg: DPOLossConfig, options: Optional[tfm.ForwardOptions] = No
                            chosen_lengths=lengths[:n], rejected_lengths=lengths[n:],
                            rpo_scale=batch.get('rpo_scale'))
 
-  return task_loss
+  return ForwardLoss(task_loss, options)
 
 
 # -- optimizer ----------------------------------------------------------------------------------
@@ -318,7 +337,9 @@ class Learner:
                frozen_shardings: Any = None):
     self.graphdef = graphdef
     self.frozen_shardings = frozen_shardings
-    self.task_loss = task_loss
+    # A ForwardLoss's activations constrained on this mesh, where the step is jitted.
+    self.task_loss = task_loss.on(mesh) if isinstance(task_loss, ForwardLoss) and (
+        mesh is not None) else task_loss
     self.mesh = mesh
     self.param_shardings = param_shardings
     self.align_diagnostic = align_diagnostic
@@ -380,7 +401,7 @@ class Learner:
         align=None if abstract.align is None else (self.param_shardings, self.param_shardings))
     frozen_in = () if self.frozen_shardings is None else (self.frozen_shardings,)
     if self._step is None:  # one jitted step: what abstract_init's lowering compiled, step runs
-      self._step = jax.jit(sharding.with_activation_sharding(self._micro_step, self.mesh),
+      self._step = jax.jit(self._micro_step,
                            in_shardings=(self._state_shardings, None, *frozen_in),
                            out_shardings=(self._state_shardings, None), donate_argnums=(0,))
     return init_fn

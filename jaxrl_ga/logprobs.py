@@ -60,7 +60,8 @@ def completion_logps(model: tfm.Transformer, prompt_tokens, prompt_mask, complet
     mask = jnp.concatenate([prompt_mask, completion_mask], axis=1)
     h = model.hidden(tokens, mask, options)[:, tp - 1:-1]  # [B, Tc, D]
   return completion_token_stats(model, h, completion_tokens, temperature=temperature,
-                                chunk_size=options.logprob_chunk_size, with_entropy=with_entropy)
+                                chunk_size=options.logprob_chunk_size, with_entropy=with_entropy,
+                                options=options)
 
 
 def token_logps_of(model: tfm.Transformer, tokens, attention_mask,
@@ -79,7 +80,8 @@ def sequence_logps(model: tfm.Transformer, tokens, attention_mask, loss_mask,
 
 
 def completion_token_stats(model, h: jax.Array, targets: jax.Array, *, temperature=1.0,
-                           chunk_size: int = 0, with_entropy: bool = False
+                           chunk_size: int = 0, with_entropy: bool = False,
+                           options: ForwardOptions = ForwardOptions()
                            ) -> tuple[jax.Array, Optional[jax.Array]]:
   """Log-probs of ``targets`` under softmax(model.logits(h) / temperature), and entropies.
 
@@ -90,6 +92,7 @@ def completion_token_stats(model, h: jax.Array, targets: jax.Array, *, temperatu
     temperature: the policy's softmax temperature.
     chunk_size: positions per chunk; 0 (or >= T) projects all T positions at once.
     with_entropy: also return the entropy of each position's distribution.
+    options: the forward's (``model.logits`` takes its activation_mesh).
 
   Returns:
     (logps [B, T] float32, entropy [B, T] float32 or None).
@@ -97,7 +100,7 @@ def completion_token_stats(model, h: jax.Array, targets: jax.Array, *, temperatu
   def stats(hc, tc):
     # On [B*c] rows: with [B, c, V] logits XLA:CPU wrote the logits' gradient transposed for the
     # output projection's weight gradient (issue 15, BENCHMARKS.md); the reshapes are free.
-    logits = model.logits(hc.reshape(tc.size, -1)) / temperature  # [B*c, V] float32
+    logits = model.logits(hc.reshape(tc.size, -1), options) / temperature  # [B*c, V] float32
     lp = losses.token_logps(logits, tc.reshape(-1)).reshape(tc.shape)
     return lp, (losses.token_entropy(logits).reshape(tc.shape) if with_entropy else None)
 

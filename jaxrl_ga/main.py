@@ -20,27 +20,22 @@ On a CPU host, glibc's malloc is first set to keep freed memory for reuse
 (``--reuse_freed_memory``, ``jaxrl_ga.host_memory``): XLA:CPU's large per-step buffers are then
 not mapped and zero-filled afresh at every step.
 Print the schedule of a config with ``python -m jaxrl_ga.explain --config=...``.
-This module is flags and printing only: building, validating and running a run are
-``jaxrl_ga.api`` (``api.run``, ``api.build_context``, ``GRPOTrainer``), the library's entry point.
+This module is flags only and imports no JAX: after host_memory's settings ``main()`` imports
+``jaxrl_ga.main_body``, which runs the run and turns its errors into exit statuses; building,
+validating and running a run are ``jaxrl_ga.api`` (``api.run``, ``api.build_context``,
+``GRPOTrainer``), the library's entry point.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
-import traceback
-from typing import Optional
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from jaxrl_ga import cli
-from jaxrl_ga import fileio
 from jaxrl_ga import host_memory
-from jaxrl_ga import rewards
-from jaxrl_ga.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Path to an ml_collections config file (get_config()); fields can be '
@@ -69,26 +64,19 @@ _REUSE_FREED_MEMORY = flags.DEFINE_enum(
 _PRINT_CONFIG = cli.define_print_config()
 
 
-def init_distributed(coordinator_address: Optional[str] = None,
-                     num_processes: Optional[int] = None, process_id: Optional[int] = None,
-                     pci_root: str = '/sys/bus/pci/devices') -> str:
-  """jax.distributed: explicit with a coordinator address, automatic on a Cloud TPU VM.
-  -> 'explicit', 'tpu_vm' or 'none' (one process)."""
-  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
-  import jax  # pylint: disable=g-import-not-at-top
-  if coordinator_address:
-    if num_processes is None or process_id is None:
-      raise app.UsageError('--coordinator_address needs --num_processes and --process_id.')
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU hosts only
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-    return 'explicit'
-  if num_processes is not None or process_id is not None:
-    raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
-  if host_memory.on_tpu_vm(pci_root):
-    jax.distributed.initialize()  # jax reads the slice's workers from the VM metadata
-    return 'tpu_vm'
-  return 'none'
+def _library():
+  """``jaxrl_ga.main_body``, which imports the library (JAX, orbax, the trainers): the one import
+  site of this command, so that ``main()`` applies host_memory's settings first."""
+  # lazy: startup order: the library only after main()'s host_memory settings (JAX starts threads)
+  from jaxrl_ga import main_body  # pylint: disable=g-import-not-at-top
+  return main_body
+
+
+def __getattr__(name):
+  """``main.init_distributed``: the body's (``jaxrl_ga.main_body``), imported on first use."""
+  if name == 'init_distributed':
+    return getattr(_library(), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -108,38 +96,8 @@ def main(argv):
     sys.exit(2)
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(_REUSE_FREED_MEMORY.value)  # before JAX's backend starts its threads
-  # lazy: the library (JAX, orbax, the trainers) only after that: it starts threads
-  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers.stage import NonFiniteError  # pylint: disable=g-import-not-at-top
-  try:
-    cfg = api.load_run_config(_CONFIG.value)
-    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    summary = api.run(cfg, _WORKDIR.value)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-  except checkpoint.Preempted as e:
-    print(f'stopped early ({e}); the checkpoint is saved: re-run the same command to resume.',
-          flush=True)
-    sys.exit(128 + (e.signum or signal.SIGTERM))  # "not finished" for a job scheduler
-  except (NonFiniteError, checkpoint.CheckpointUnreadableError) as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(1)
-  except rewards.RewardError as e:  # a reward function's bad output, or its own exception
-    if e.__cause__ is not None:  # the user's code failed: its traceback, as Python prints it
-      traceback.print_exception(e.__cause__)
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-  except fileio.WriteError as e:  # a full disk, a quota, a lost mount
-    print(f'error: {e}. Free space (or fix the storage), then re-run the same command: it '
-          f'resumes from the last complete checkpoint.', file=sys.stderr)
-    sys.exit(1)
-  logging.info('done: %s', summary)
-  keys = [k for k in sorted(summary) if k.startswith('eval/')] + ['wall_time_s']
-  print('summary: ' + ', '.join(f'{k}={summary[k]:.3f}' if isinstance(summary[k], float)
-                                else f'{k}={summary[k]}' for k in keys if k in summary))
-
+  _library().run(_CONFIG.value, _WORKDIR.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                 _PROCESS_ID.value)
 
 if __name__ == '__main__':
   app.run(main, flags_parser=parse_flags)

@@ -59,7 +59,8 @@ def plot_run(workdir: str, out: Optional[str] = None,
   # lazy: optional dependency (matplotlib)
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  # lazy: after use('Agg')
+  # lazy: optional dependency (matplotlib), after use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   path = fileio.join(workdir, 'metrics.jsonl')
   if not fileio.exists(path):

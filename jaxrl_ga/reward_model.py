@@ -188,7 +188,8 @@ class RewardModel:
     pad_id = int(self.tokenizer.pad_token_id)
 
     def forward(params, score, tokens, mask):
-      h = tfm.merge(graphdef, params).hidden(tokens, mask)  # [B, T, D]
+      h = tfm.merge(graphdef, params).hidden(  # [B, T, D], activations constrained on the mesh
+          tokens, mask, tfm.ForwardOptions(activation_mesh=sharding.KernelMesh(mesh)))
       positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
       last = jnp.argmax(positions * (tokens != pad_id), axis=-1)  # HF's pooling index
       pooled = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
@@ -196,7 +197,7 @@ class RewardModel:
 
     batch = sharding.batch_sharding(mesh)
     self._loaded = _Loaded(mesh, params, score, jax.jit(
-        sharding.with_activation_sharding(forward, mesh),
+        forward,
         in_shardings=(shardings, sharding.replicated(mesh), batch, batch),
         out_shardings=sharding.batch_sharding(mesh, 1)))
     return self._loaded

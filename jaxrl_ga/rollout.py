@@ -153,7 +153,8 @@ class RolloutEngine:
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
     self.sampler = sampling.Sampler.from_config(  # the prefill's attention is the forward's
         sampling_cfg, eos_id=eos_id, pad_id=pad_id, attention=options.attention,
-        fuse_weights=self.rollout_mesh.devices.flat[0].platform != 'cpu')
+        fuse_weights=self.rollout_mesh.devices.flat[0].platform != 'cpu',
+        activation_mesh=sharding.KernelMesh(self.rollout_mesh))
     rep = sharding.replicated(mesh)
     # The buffer's and the state's shardings on the actor's mesh, and on the rollout's (equal to
     # them when the roles share a mesh).
@@ -165,7 +166,7 @@ class RolloutEngine:
                                                  rng=rollout_rep)
     self._rollout_param_shardings = rollout_shardings
     self._step = jax.jit(
-        sharding.with_activation_sharding(self._rollout, self.rollout_mesh),
+        self._rollout,
         in_shardings=(rollout_shardings,
                       rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
                       self._rollout_state_shardings, self.prompt_sharding,
@@ -179,7 +180,7 @@ class RolloutEngine:
     if self.use_ref and not self.ref_in_step:
       ref_rows = row_sharding(self.reference_mesh, 3)
       self._ref_step = jax.jit(
-          sharding.with_activation_sharding(self._reference, self.reference_mesh),
+          self._reference,
           in_shardings=(reference_shardings, *[ref_rows] * 4), out_shardings=ref_rows)
     # The learner's micro-batch: rows over the data axes, as ``abstract_micro_batch`` says.
     rows = sharding.batch_sharding(mesh, 1)
@@ -192,7 +193,7 @@ class RolloutEngine:
         **({'loss_mask': per_token} if multi_turn else {})))
     self._slice_lengths = jax.jit(self._longest, out_shardings=rep)
     self._reorder_fn = jax.jit(
-        sharding.with_activation_sharding(self._reorder, mesh),
+        self._reorder,
         in_shardings=(param_shardings, self._buffer_shardings, self._state_shardings,
                       self._buffer_shardings.has_old, rep),
         out_shardings=(self._buffer_shardings, self._state_shardings,
@@ -204,7 +205,7 @@ class RolloutEngine:
       self._episode_inputs = jax.jit(self._gen_inputs, out_shardings=(
           rollout_rep, *[sharding.batch_sharding(self.rollout_mesh, 2)] * 2))
       self._score_step = jax.jit(
-          sharding.with_activation_sharding(self._score_episodes, self.rollout_mesh),
+          self._score_episodes,
           in_shardings=(rollout_shardings,
                         rollout_shardings if self.ref_in_step and not self.ref_is_base else None,
                         self._rollout_state_shardings, self.prompt_sharding,
@@ -487,12 +488,13 @@ class RolloutEngine:
       old = jnp.zeros(c_logps.shape, jnp.float32)
       passes = jnp.zeros((), jnp.int32)
     else:
-      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks)
+      old, passes = self._old_logps(model, p_tok, p_mask, c_tok, c_mask, c_logps, marks,
+                                    self.rollout_mesh)
 
     ref = None
     if self.ref_in_step:
       ref_model = model if self.ref_is_base else tfm.merge(self.graphdef, ref_params)
-      ref = self._ref_logps(ref_model, p_tok, p_mask, c_tok, c_mask)
+      ref = self._ref_logps(ref_model, p_tok, p_mask, c_tok, c_mask, mesh=self.rollout_mesh)
 
     # Sampler vs learner log-probs on the recomputed slices (completion tokens only).
     sampled = c_mask if model_mask is None else c_mask * model_mask
@@ -524,27 +526,35 @@ class RolloutEngine:
                              passes, rng=state.rng)
     return buffer, new_state, metrics
 
-  def _ref_logps(self, ref_model, *rows):
+  @staticmethod
+  def _on(options: tfm.ForwardOptions, mesh) -> tfm.ForwardOptions:
+    """``options`` of a step jitted over ``mesh``: its activations constrained there."""
+    return dataclasses.replace(options, activation_mesh=sharding.KernelMesh(mesh))
+
+  def _ref_logps(self, ref_model, *rows, mesh):
     """The reference log-probs [S, B, Tc] of the rows (prompt tokens, mask, completion tokens,
-    mask: [S, B, ...]), one slice at a time."""
-    return jax.lax.map(lambda xs: self._logps_of(ref_model, xs, self._ref_options), rows)
+    mask: [S, B, ...]), one slice at a time, in a step on ``mesh``."""
+    options = self._on(self._ref_options, mesh)
+    return jax.lax.map(lambda xs: self._logps_of(ref_model, xs, options), rows)
 
   def _reference(self, ref_params, *rows):
-    return self._ref_logps(tfm.merge(self.graphdef, ref_params), *rows)
+    return self._ref_logps(tfm.merge(self.graphdef, ref_params), *rows, mesh=self.reference_mesh)
 
   def _logps_of(self, model, xs, options: tfm.ForwardOptions):
     return logprobs.completion_logps(model, *xs, options,
                                      temperature=self.sampling_cfg.temperature)[0]
 
-  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks):
+  def _old_logps(self, model, p_tok, p_mask, c_tok, c_mask, c_logps, marks, mesh):
     """Old log-probs [S, B, Tc] for the marked slices (zeros elsewhere) and the forward passes
-    paid (slice units). Each slice's pass is a lax.cond: an unmarked slice costs nothing."""
+    paid (slice units), in a step on ``mesh``. Each slice's pass is a lax.cond: an unmarked
+    slice costs nothing."""
     if self.sampling_cfg.old_logprob_source == 'sampler':
       return jnp.where(marks[:, None, None], c_logps, 0.0), jnp.zeros((), jnp.int32)
+    options = self._on(self._old_options, mesh)
 
     def one_slice(xs):
       mark, *rest = xs
-      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, self._old_options),
+      return jax.lax.cond(mark, lambda: self._logps_of(model, rest, options),
                           lambda: jnp.zeros(rest[2].shape, jnp.float32))
 
     old = jax.lax.map(one_slice, (marks, p_tok, p_mask, c_tok, c_mask))
@@ -559,7 +569,7 @@ class RolloutEngine:
         (state.counter - 1) % self.table.period_rollouts]  # the rollout just generated
     old, passes = self._old_logps(tfm.merge(self.graphdef, params), buffer.prompt_tokens,
                                   buffer.prompt_mask, buffer.completion_tokens,
-                                  buffer.completion_mask, buffer.sampler_logps, marks)
+                                  buffer.completion_mask, buffer.sampler_logps, marks, self.mesh)
     buffer = buffer.replace(old_logps=old, has_old=jnp.broadcast_to(marks[:, None], (s, b)))
     state = state.replace(forward_passes=state.forward_passes + passes)
     return buffer, state, perm(advantages)

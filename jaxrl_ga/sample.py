@@ -13,12 +13,14 @@ comes from WORKDIR/tokenizer). --chat sends each prompt as a user message throug
 chat template (as the trainers do for a tokenizer that has one). Generation stops at the
 tokenizer's eos or after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
 Decoding is the library's jitted sampler (``jaxrl_ga.sampling``), one compile for all prompts.
+This module is flags only and imports no JAX: ``main()`` imports ``jaxrl_ga.completions``
+(``load``, ``complete``; ``sample.load`` / ``sample.complete`` are the same) after host_memory's
+settings.
 A bad --model prints ``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app
@@ -49,56 +51,20 @@ def _define_flags():
   flags.mark_flags_as_required(['model', 'prompt'])
 
 
-def _is_checkpoint(path: str) -> bool:
-  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
-  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(path):
-    return False
-  path = path.rstrip('/')
-  return (os.path.isdir(os.path.join(path, 'checkpoints')) or bool(checkpoint.all_steps(path))
-          or (os.path.basename(path).isdigit()
-              and bool(checkpoint.all_steps(os.path.dirname(path)))))
+def _library():
+  """``jaxrl_ga.completions``, which imports JAX and the models: the one import site of this
+  command, so that ``main()`` applies host_memory's settings first."""
+  # lazy: startup order: the library only after main()'s host_memory settings (JAX starts threads)
+  from jaxrl_ga import completions  # pylint: disable=g-import-not-at-top
+  return completions
 
 
-def load(model: str, param_dtype: str = 'float32'):
-  """(graphdef, params, tokenizer, description) of any --model source."""
-  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
-  from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sharding  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import hf  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.models import policy  # pylint: disable=g-import-not-at-top
-  if _is_checkpoint(model):
-    cfg, params, tokenizer, src = export.load_checkpoint(model)
-    if tokenizer is None:
-      raise ValueError(f'--model={model}: no tokenizer beside the checkpoint (WORKDIR/tokenizer).')
-    graphdef, _, _ = sharding.abstract_model(cfg)
-    return graphdef, params, tokenizer, f'checkpoint {src}'
-  hf.check_model_source(model, '--model')
-  tokenizer = policy.load_tokenizer(model)
-  _, graphdef, params = policy.load_model(model, param_dtype=param_dtype)
-  return graphdef, params, tokenizer, model
-
-
-def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = False,
-             max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             num_samples: int = 1, seed: int = 0) -> list[list[str]]:
-  """Completions [prompt][sample] (text without eos), decoded by the jitted sampler."""
-  # lazy: after main()'s host_memory settings, which precede JAX's and other threads
-  import jax  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga import sampling  # pylint: disable=g-import-not-at-top
-  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
-  if tokenizer.eos_token_id is None:
-    raise ValueError('the tokenizer has no eos token; set eos_token in its tokenizer_config.json.')
-  eos = int(tokenizer.eos_token_id)
-  pad = eos if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
-  ids = [chat_lib.prompt_ids(tokenizer, p, chat) for p in prompts]
-  rows = [x for x in ids for _ in range(num_samples)]
-  tokens, mask = text.left_pad(rows, max(len(x) for x in rows), pad, 'prompt length')
-  sampler = sampling.Sampler(max_completion_length=max_new_tokens, eos_id=eos, pad_id=pad)
-  generate = sampling.make_generate_fn(graphdef, sampler, greedy=temperature == 0)
-  out = generate(params, tokens, mask, jax.random.PRNGKey(seed), max(temperature, 1e-6), top_p)
-  texts = text.decode_completions(tokenizer, out.tokens, out.mask)
-  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+def __getattr__(name):
+  """``sample.load`` and ``sample.complete``: ``jaxrl_ga.completions``'s, imported on first
+  use."""
+  if name in ('load', 'complete'):
+    return getattr(_library(), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def main(argv):
@@ -117,16 +83,17 @@ def main(argv):
     sys.exit(2)
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(f.reuse_freed_memory)  # before JAX's backend starts its threads
+  lib = _library()
   try:
-    graphdef, params, tokenizer, what = load(f.model, f.param_dtype)
+    graphdef, params, tokenizer, what = lib.load(f.model, f.param_dtype)
     if f.chat and not chat_lib.has_chat_template(tokenizer):
       raise ValueError(f'--chat: the tokenizer of {f.model} has no chat template; drop --chat.')
   except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
-  texts = complete(graphdef, params, tokenizer, list(f.prompt), chat=f.chat,
-                   max_new_tokens=f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
-                   num_samples=f.num_samples, seed=f.seed)
+  texts = lib.complete(graphdef, params, tokenizer, list(f.prompt), chat=f.chat,
+                       max_new_tokens=f.max_new_tokens, temperature=f.temperature,
+                       top_p=f.top_p, num_samples=f.num_samples, seed=f.seed)
   print(f'model: {what}')
   for prompt, samples in zip(f.prompt, texts):
     print(f'prompt: {prompt}')

@@ -113,6 +113,9 @@ class Sampler:
       (``Transformer.decode_layers(fuse=True)``); None: fused unless jax's default backend is
       the CPU, where the fused products measured slower (BENCHMARKS.md, issue 47). The rollout
       engine sets it from its mesh's devices.
+    activation_mesh: the mesh (a ``sharding.KernelMesh``) on which the prefill's and the decode
+      steps' activations get sharding constraints (``ForwardOptions.activation_mesh``); None:
+      none. The rollout engine sets its mesh's; ``make_decode_step`` its own.
   """
   max_completion_length: int
   eos_id: int
@@ -123,11 +126,12 @@ class Sampler:
   decode_block: int = attn_lib.DECODE_BLOCK
   attention: str = 'einsum'
   fuse_weights: Optional[bool] = None
+  activation_mesh: Any = None
 
   def __post_init__(self):
     attn_lib.check_attention(self.attention)
     for name in dataclasses.fields(self):
-      if name.name in ('attention', 'fuse_weights'):
+      if name.name in ('attention', 'fuse_weights', 'activation_mesh'):
         continue
       value = getattr(self, name.name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -149,13 +153,15 @@ class Sampler:
 
   @classmethod
   def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int,
-                  attention: str = 'einsum', fuse_weights: Optional[bool] = None) -> 'Sampler':
+                  attention: str = 'einsum', fuse_weights: Optional[bool] = None,
+                  activation_mesh: Any = None) -> 'Sampler':
     """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time.
-    ``attention``: the prefill's (the forward options'); ``fuse_weights``: as the field."""
+    ``attention``: the prefill's (the forward options'); ``fuse_weights``, ``activation_mesh``:
+    as the fields."""
     return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
                chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots),
-               attention=attention, fuse_weights=fuse_weights)
+               attention=attention, fuse_weights=fuse_weights, activation_mesh=activation_mesh)
 
   def decode_layers(self, model: tfm.Transformer) -> list[dict[str, jax.Array]]:
     """The decode loop's weights (``Transformer.decode_layers``), fused as ``fuse_weights``
@@ -311,7 +317,8 @@ def _rows_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler
   length = sampler.max_completion_length
   # Slots for the prompt and every fed-back token (the last sampled token is never decoded).
   logits, cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp + length - 1,
-                                attention=sampler.attention)
+                                attention=sampler.attention,
+                                activation_mesh=sampler.activation_mesh)
   if share > 1:  # prompt i's logits and cache for rows i*share .. i*share+share-1
     rows = lambda x, axis: jnp.repeat(x, share, axis=axis)
     logits = rows(logits, 0)
@@ -336,8 +343,8 @@ def _rows_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler
 def _rows_step(model: tfm.Transformer, layers, state: SamplingState, rng, sampler: Sampler,
                temperature, top_p, greedy: bool) -> SamplingState:
   """One iteration of the batched decode loop: decode the last tokens, draw and write the next."""
-  logits, cache = model.decode(state.last_token, state.cache, layers,
-                               sampler.decode_block)  # [B, V]
+  logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block,
+                               sampler.activation_mesh)  # [B, V]
   token, logp = _choose(logits, jax.random.fold_in(rng, state.step), temperature, top_p,
                         sampler.top_k, greedy)
   return _write(state.replace(cache=cache), token, logp, sampler)
@@ -403,7 +410,8 @@ def _pool_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler
   # Every prompt once: its KV (Tp slots) and the logits of completion token 0, copied into a
   # slot when one of its rows starts.
   first_logits, prompt_cache = model.prefill(prompt_tokens, prompt_mask, cache_length=tp,
-                                              attention=sampler.attention)
+                                              attention=sampler.attention,
+                                              activation_mesh=sampler.activation_mesh)
   cache = model.init_cache(slots, tp + length - 1)
   cache = cache.replace(index=jnp.full((slots,), tp, jnp.int32)).per_layer()
   layers = sampler.decode_layers(model)
@@ -497,7 +505,8 @@ def _pool_step(model: tfm.Transformer, layers, state: PoolState, queue: PoolQueu
                sampler: Sampler, temperature, top_p, greedy: bool) -> PoolState:
   """One iteration of the slot pool: decode every slot's last token, write the draws, refill."""
   tp = queue.prompt_cache.valid.shape[1]
-  logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block)
+  logits, cache = model.decode(state.last_token, state.cache, layers, sampler.decode_block,
+                               sampler.activation_mesh)
   state = _pool_emit(state.replace(cache=cache, steps=state.steps + 1), logits, rng, sampler,
                      temperature, top_p, greedy)
   # A free slot writes its (discarded) steps at slot Tp, which a refill masks out again: its
@@ -610,14 +619,16 @@ def make_decode_step(graphdef, sampler: Sampler, params, prompt_tokens, prompt_m
   layers, queue, state = jax.eval_shape(carry, params, prompt_tokens, prompt_mask, rng)
   layers, queue, state = place_carry(params, layers, queue, state, mesh)
 
+  # The step's activations get their sharding constraints on its mesh (as the rollout step's).
+  on_mesh = dataclasses.replace(sampler, activation_mesh=shd.KernelMesh(mesh))
+
   def step(params, layers, state, queue, rng, temperature, top_p):
     model = tfm.merge(graphdef, params)
     if pool:
-      return _pool_step(model, layers, state, queue, rng, sampler, temperature, top_p, greedy)
-    return _rows_step(model, layers, state, rng, sampler, temperature, top_p, greedy)
+      return _pool_step(model, layers, state, queue, rng, on_mesh, temperature, top_p, greedy)
+    return _rows_step(model, layers, state, rng, on_mesh, temperature, top_p, greedy)
 
-  fn = jax.jit(shd.with_activation_sharding(step, mesh),
-               compiler_options=compiler_options(mesh.devices.flat))
+  fn = jax.jit(step, compiler_options=compiler_options(mesh.devices.flat))
   return fn, (params, layers, state, queue, rng, scalar(jnp.float32), scalar(jnp.float32))
 
 

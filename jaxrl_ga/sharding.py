@@ -10,7 +10,6 @@ so any mesh shape works for any model, only less efficiently.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -23,7 +22,6 @@ import numpy as np
 
 from jaxrl_ga.config import ROLES, MeshConfig, device_slice
 from jaxrl_ga.errors import ConfigError
-from jaxrl_ga.models import activations
 from jaxrl_ga.models import transformer as tfm
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -158,39 +156,23 @@ def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], mesh
   return P(*spec)
 
 
-def activation_sharding(mesh: Mesh, rules=DEFAULT_RULES):
-  """A context manager under which the model's named activations get sharding constraints on
-  ``mesh`` (``rules`` map their logical axes); enter it while tracing a step, e.g. with
-  ``with_activation_sharding``."""
-  def spec(x, axes):
-    return logical_to_spec(axes, x.shape, mesh, rules)
-
-  def fn(x, axes):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(x, axes)))
-  return activations.constrain_activations_with(fn)
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelMesh:
-  """Where a kernel that the partitioner cannot split (the splash-attention Pallas call,
-  ``attention.splash_attention``) runs per shard under ``shard_map``: ``mesh``, its arrays'
-  specs from their logical axes by ``rules`` (``spec``). The forward's options carry it
-  (``ForwardOptions.kernel_mesh``, set by ``programs.forward_options`` for a step on ``mesh``);
-  None there: the kernel runs as is."""
+  """A step's mesh and the rules that map its arrays' logical axes to it (``spec``). The
+  forward's options carry one for each use (set by ``programs.forward_options`` for a step on
+  ``mesh``; None there: none): ``ForwardOptions.kernel_mesh``, where a kernel that the
+  partitioner cannot split (the splash-attention Pallas call, ``attention.splash_attention``)
+  runs per shard under ``shard_map``; ``ForwardOptions.activation_mesh``, on which the model's
+  named activations get sharding constraints (``constrain``; ``models/activations.py``)."""
   mesh: Mesh
   rules: tuple = DEFAULT_RULES
 
   def spec(self, x, axes) -> P:
     return logical_to_spec(axes, x.shape, self.mesh, self.rules)
 
-
-def with_activation_sharding(f, mesh: Mesh, rules=DEFAULT_RULES):
-  """``f`` traced under ``activation_sharding(mesh)``: wrap a step before ``jax.jit``."""
-  @functools.wraps(f)
-  def wrapped(*args, **kwargs):
-    with activation_sharding(mesh, rules):
-      return f(*args, **kwargs)
-  return wrapped
+  def constrain(self, x, axes):
+    """``x`` constrained to the sharding of its logical ``axes`` (identical values)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.spec(x, axes)))
 
 
 def param_shardings(params_like: Any, axes_tree: dict, mesh: Mesh, rules=DEFAULT_RULES) -> Any:

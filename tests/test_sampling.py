@@ -13,6 +13,7 @@
 Each jitted function is compiled once (module-scoped fixtures, ``functools.cache``).
 """
 
+import dataclasses
 import functools
 import os
 import re
@@ -694,12 +695,13 @@ def test_decode_step_program_is_the_loops_own_body(tiny, greedy, slots):
 
 
 def _fsdp_generate(graphdef, sampler, mesh, shardings):
-  """The sampler as the rollout step runs it: jitted under the mesh's activation sharding
-  (``sharding.with_activation_sharding``), params sharded by the rules, rows over the data axes."""
+  """The sampler as the rollout step runs it: its activations constrained on the mesh
+  (``Sampler.activation_mesh``), params sharded by the rules, rows over the data axes."""
   rows = sharding.batch_sharding(mesh)
+  sampler = dataclasses.replace(sampler, activation_mesh=sharding.KernelMesh(mesh))
   fn = lambda p, t, m: sampling.generate(tfm.merge(graphdef, p), t, m, jax.random.key(0),
                                          sampler, greedy=True)
-  return jax.jit(sharding.with_activation_sharding(fn, mesh),
+  return jax.jit(fn,
                  in_shardings=(shardings, rows, rows))
 
 

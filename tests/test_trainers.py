@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -102,6 +103,64 @@ def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
   assert [r['step'] for r in rows if r['phase'] == 'grpo'] == [
       r['step'] for r in map(json.loads, open(tmp_path / 'a' / 'metrics.jsonl'))
       if r['phase'] == 'grpo']
+
+
+@pytest.mark.slow
+def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, capsys):
+  """A GRPO checkpoint written before the rollout buffer carried ``policy_version`` (rewritten
+  here as that code wrote it: the buffer's dataclass without the field) resumes with the version
+  that generated its buffer, and the run goes on bitwise as an uninterrupted one. Stops at
+  micro-steps 3 and 5 (K=3, E=2): their buffers were generated at micro-steps 2 and 4, versions
+  0 and 1, so neither a constant 0 nor micro_step // K (1 at 3) would pass the learner's check
+  of each micro-step's rollout. The leaf missing and any other difference: refused."""
+  import flax  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import rollout  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2,
+                                               'checkpoint.every_steps': 0})
+  sched = cfg.grpo.schedule
+  assert (sched.optimizer_every, sched.micro_steps_per_rollout) == (3, 2)
+  kept = [f for f in rollout.RolloutBuffer.__dataclass_fields__ if f != 'policy_version']
+  old_buffer = flax.struct.dataclass(type('RolloutBuffer', (), {'__annotations__': {
+      f: Any for f in kept}}))
+  stripped = []
+
+  def trainer(workdir):
+    ctx, params = api.build_context(cfg, str(workdir))
+    t = grpo.GRPOLoop(ctx, cfg.grpo)
+    step = checkpoint.latest_step(str(workdir / 'checkpoints' / 'grpo'))
+    if step is None:
+      return t, params
+    # The stopped run's checkpoint, rewritten as the older code wrote it.
+    abstract = t.programs.abstract_state()
+    with ctx.checkpointer('grpo') as ckpt:
+      state, meta = ckpt.restore(step, abstract)
+      b = state['buffer']
+      ckpt.save(step, {**state, 'buffer': old_buffer(**{f: getattr(b, f) for f in kept})}, meta,
+                replace=True)
+      ckpt.wait()
+      raw, _, _ = ckpt.restore_raw(step)
+      assert 'policy_version' not in raw['buffer'] and 'completion_tokens' in raw['buffer']
+      stripped.append((meta['micro_step'], int(b.policy_version)))
+      adv = abstract['advantages']
+      other = dict(abstract, advantages=jax.ShapeDtypeStruct(adv.shape, np.int32,
+                                                             sharding=adv.sharding))
+      with pytest.raises(checkpoint.CheckpointMismatchError, match='advantages') as e:
+        ckpt.restore(step, other, (grpo._older_buffer_policy_version(sched),))
+      assert 'buffer.policy_version: in the current state, not in the checkpoint' in str(e.value)
+    return t, params
+
+  t, params = trainer(tmp_path / 'a')
+  want, _ = t.run(params)
+  capsys.readouterr()
+  got, _ = helpers.run_grpo_in_pieces(trainer, tmp_path / 'b', (3, 5), total_micro_steps=6)
+  helpers.assert_trees_equal(got, want)
+  assert stripped == [(3, 0), (5, 1)]  # the versions the current code had saved there
+  out = capsys.readouterr().out
+  assert out.count('was written before buffer.policy_version existed: its rollout buffer is '
+                   'given policy version ') == 2, out
+  assert 'policy version 0, ' in out and 'policy version 1, ' in out
 
 
 @pytest.mark.slow

@@ -278,7 +278,7 @@ def _splash_kernel(size: int, window: int, heads: int, interpret: Any):
   """The splash kernel for rows of ``size`` slots, ``heads`` query heads and a causal (or, with
   ``window``, local) mask: built once per shape, not at every trace (its mask info is host
   numpy work over every block)."""
-  # lazy: the TPU Pallas kernel (0.7 s to import), only when splash runs
+  # lazy: import cost: the TPU Pallas kernel (0.7 s to import), only when splash runs
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
   shape = (size, size)
   base = (splash.LocalMask(shape, (window - 1, 0), 0) if window else splash.CausalMask(shape))
@@ -299,7 +299,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Segments,
   to; q is scaled before the kernel (it has no scale of its own). TPU only: Mosaic lowers it for
   TPU, and XLA:CPU has no kernel to run (``interpret``: Pallas' TPU interpreter instead,
   ``pallas.tpu.InterpretParams()``, which runs the kernel's code on CPU: tests)."""
-  # lazy: the TPU Pallas kernel (0.7 s to import), only when splash runs
+  # lazy: import cost: the TPU Pallas kernel (0.7 s to import), only when splash runs
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=g-import-not-at-top
   b, t, n, h = q.shape
   size = -(-t // _SPLASH_BLOCK) * _SPLASH_BLOCK

@@ -224,7 +224,7 @@ def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
 def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerFast:
   """The file's tokenizer with its chat template and bos/eos/unk/pad tokens (see the docstring)."""
   # Torch-free (the package's __init__ and reader import torch, this module does not).
-  # lazy: 3.5 s to import (transformers' GGUF tables), only for a GGUF tokenizer
+  # lazy: import cost: 3.5 s (transformers' GGUF tables), only for a GGUF tokenizer
   # pylint: disable-next=g-import-not-at-top
   from transformers.integrations.gguf import gguf_tokenizer_mapping as tm
   path = resolve(source)

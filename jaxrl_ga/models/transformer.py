@@ -24,10 +24,11 @@ Two paths share one layer function:
 Every param carries ``logical_axes`` metadata (``vocab``, ``embed``, ``q_heads``, ``kv_heads``,
 ``mlp``, ``layers``, ``norm``) that ``jaxrl_ga.sharding`` maps to mesh axes. Activations are named
 too (``activation_batch``, ``activation_length``, ``activation_embed``, ``activation_heads``,
-``activation_mlp``, ``activation_vocab``, as MaxText names them): inside
-``sharding.activation_sharding(mesh)`` the model constrains them, so that the batch is sharded
-over the data-parallel axes (fsdp included) and fsdp gathers weights instead of sharding the
-activations' hidden dimension; outside it (one device, tests) the constraints are no-ops.
+``activation_mlp``, ``activation_vocab``, as MaxText names them): on the mesh its options name
+(``ForwardOptions.activation_mesh``, a ``sharding.KernelMesh``; ``activation_mesh=`` of
+``prefill`` and ``decode``) the model constrains them, so that the batch is sharded over the
+data-parallel axes (fsdp included) and fsdp gathers weights instead of sharding the activations'
+hidden dimension; without one (one device, tests) the constraints are no-ops.
 
 LoRA (``cfg.lora.rank`` > 0; Hu et al. 2021, arXiv:2106.09685): each targeted projection W [L, in,
 out] gets float32 adapters ``<name>_lora_a`` [L, in, r] (PEFT's init: uniform +-1/sqrt(in)) and
@@ -40,8 +41,8 @@ layer scan here runs on stacked arrays, so the adapters are stacked arrays besid
 How the training forward runs is one explicit argument, ``ForwardOptions`` (frozen, hashable):
 the layers scanned or unrolled, the per-layer remat policy, the log-prob chunk, the rows that
 share a prompt's forward, the adapters on or off and the attention's implementation
-(``attention.ATTENTION_IMPLS``). There are no trace-time flags besides the
-sharding-constraint context (``models/activations.py``, MaxText's axis-rules idiom).
+(``attention.ATTENTION_IMPLS``), the meshes of the splash kernel and of the activations'
+sharding constraints. There are no trace-time flags and no module state.
 
 Memory knobs of the training forward (``ForwardOptions.remat``): ``REMAT_POLICIES``, a
 ``jax.checkpoint`` per decoder layer: 'none' keeps every layer's activations for the backward,
@@ -51,7 +52,7 @@ the rest (attention, norms, activations). With 'none' the RMSNorms and the MLP's
 and down projection are still recomputed from their inputs (no matmul; ``_rms_norm``'s comment).
 
 Attention (``ForwardOptions.attention``, model.attention), its masks and the KV cache live in
-``models/attention.py``; the sharding-constraint context in ``models/activations.py``.
+``models/attention.py``; the sharding constraint in ``models/activations.py``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_ga.models.config import ModelConfig, RopeScaling  # pylint: disable=unused-import
-from jaxrl_ga.models import activations
 from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models.activations import constrain
 
@@ -114,6 +114,11 @@ class ForwardOptions:
       ``shard_map`` (a ``sharding.KernelMesh``: the step's mesh and rules); None: one call over
       the whole batch (one device, or a step not jitted over a mesh). Set by
       ``programs.forward_options`` for 'splash' steps on a mesh.
+    activation_mesh: the mesh (a ``sharding.KernelMesh``: the step's mesh and rules) on which
+      the model's named activations get sharding constraints (``activations.constrain``); None:
+      none (one device, or a step not jitted over a mesh). They place values and never change
+      them. Set by the owner of a step jitted over a mesh (the Learner, ``learner.ForwardLoss.on``;
+      the rollout engine's steps; ``Sampler.activation_mesh`` for generation).
   """
   scan_layers: bool = True
   remat: str = 'none'
@@ -122,6 +127,7 @@ class ForwardOptions:
   adapters: bool = True
   attention: str = 'einsum'
   kernel_mesh: Any = None
+  activation_mesh: Any = None
 
   def __post_init__(self):
     check_remat(self.remat)
@@ -313,9 +319,9 @@ _MLP = ('activation_batch', 'activation_length', 'activation_mlp')
 # product (issue 15, BENCHMARKS.md); the reshapes are free (row-major bitcasts). The residual
 # stream and the sharding constraints keep [B, T, ...].
 def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
-         inv_freq: jax.Array):
+         inv_freq: jax.Array, on: Any = None):
   """The attention inputs of one layer. h: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H],
-  rotary embeddings applied to q and k."""
+  rotary embeddings applied to q and k. ``on``: ``ForwardOptions.activation_mesh``."""
   b, t, _ = h.shape
   hs, plus_one = cfg.head_size, cfg.family.norm_plus_one
   x = _rms_norm(h, p['attn_norm'], cfg.rms_norm_eps, plus_one).reshape(b * t, -1)
@@ -325,9 +331,9 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
                         axis=-1)
   else:
     q, k, v = (_proj(cfg, p, x, f'{name}_proj') for name in 'qkv')
-  q = constrain(q.reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
-  k = constrain(k.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
-  v = constrain(v.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  q = constrain(on, q.reshape(b, t, cfg.num_attention_heads, hs), *_HEADS)
+  k = constrain(on, k.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
+  v = constrain(on, v.reshape(b, t, cfg.num_key_value_heads, hs), *_HEADS)
   if cfg.family.qk_norm:
     q = _rms_norm(q, p['q_norm'], cfg.rms_norm_eps, plus_one)
     k = _rms_norm(k, p['k_norm'], cfg.rms_norm_eps, plus_one)
@@ -336,41 +342,41 @@ def _qkv(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax
 
 
 def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
-                     attn: jax.Array) -> jax.Array:
+                     attn: jax.Array, on: Any = None) -> jax.Array:
   """The rest of the layer: the output projection's residual, then the SwiGLU MLP's.
-  h: [B, T, D] (the layer's input); attn: [B, T, N, H]."""
+  h: [B, T, D] (the layer's input); attn: [B, T, N, H]; ``on``: as ``_qkv``'s."""
   b, t, _ = h.shape
   rows = lambda y: y.reshape(b * t, -1)  # [B, T, ...] -> [B*T, features]
   per_token = lambda y: y.reshape(b, t, -1)  # and back, for the residual and the constraints
   eps, family = cfg.rms_norm_eps, cfg.family
   post = lambda y, name: (_rms_norm(y, p[name], eps, family.norm_plus_one) if family.post_norms
                           else y)  # the norms after attention and after the MLP (Gemma 3)
-  h = constrain(h + post(per_token(_proj(cfg, p, rows(attn), 'o_proj')), 'post_attn_norm'),
+  h = constrain(on, h + post(per_token(_proj(cfg, p, rows(attn), 'o_proj')), 'post_attn_norm'),
                 *_EMBED)
   x = rows(_rms_norm(h, p['mlp_norm'], eps, family.norm_plus_one))
   if 'gate_up_proj' in p:  # fused (Transformer.decode_layers): one product
     gate, up = jnp.split(_proj(cfg, p, x, 'gate_up_proj'), 2, axis=-1)
   else:
     gate, up = _proj(cfg, p, x, 'gate_proj'), _proj(cfg, p, x, 'up_proj')
-  gate = rows(constrain(per_token(gate), *_MLP))
-  up = rows(constrain(per_token(up), *_MLP))
+  gate = rows(constrain(on, per_token(gate), *_MLP))
+  up = rows(constrain(on, per_token(up), *_MLP))
 
   def down(gate, up, p):  # recomputed in the backward from gate and up (the comment at _rms_norm)
     return _proj(cfg, p, ACTIVATIONS[family.activation](gate) * up, 'down_proj')
 
   mlp_out = _recomputed(down, gate, up, {k: v for k, v in p.items() if k.startswith('down_')})
-  return constrain(h + post(per_token(mlp_out), 'post_mlp_norm'), *_EMBED)
+  return constrain(on, h + post(per_token(mlp_out), 'post_mlp_norm'), *_EMBED)
 
 
 def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: jax.Array,
            mask: Any, inv_freq: jax.Array, kv: Optional[tuple[jax.Array, jax.Array]],
            write_index: Optional[jax.Array], attend: Any = None, attention: str = 'einsum',
-           kernel_mesh: Any = None):
+           kernel_mesh: Any = None, activation_mesh: Any = None):
   """One pre-norm decoder layer. h: [B, T, D]. Returns (h, updated (k, v) cache or None).
   With a cache, ``attend`` bounds the slots read (``cache_attention``). ``attention``: the
   implementation of the self-attention without a cache and of the prefill's (``attend``);
-  ``kernel_mesh``: ``ForwardOptions.kernel_mesh``."""
-  q, k, v = _qkv(cfg, p, h, positions, inv_freq)
+  ``kernel_mesh``, ``activation_mesh``: ``ForwardOptions``'."""
+  q, k, v = _qkv(cfg, p, h, positions, inv_freq, activation_mesh)
   mask, scale_dim = attn_lib.layer_mask(p, mask), cfg.query_pre_attn_scalar or None
   new_kv = None
   if kv is not None:
@@ -390,7 +396,7 @@ def _layer(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array, positions: j
                                       scale_dim)
   else:
     attn = attn_lib.attend(q, k, v, mask, attention, scale_dim, kernel_mesh)
-  return _after_attention(cfg, p, h, attn), new_kv
+  return _after_attention(cfg, p, h, attn, activation_mesh), new_kv
 
 
 # -- one layer's weights gathered at a time, in the prefill and the decode loop (issue 36) ---------
@@ -434,26 +440,27 @@ def fold_adapter(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.
 
 
 def _gather_layer(p: dict[str, jax.Array], axes: dict[str, tuple], dtype,
-                  anchor: Optional[jax.Array] = None) -> dict[str, jax.Array]:
+                  anchor: Optional[jax.Array] = None, on: Any = None) -> dict[str, jax.Array]:
   """One layer's params ``p`` (``axes``: ``DecoderStack.axes()``; other entries, the layer
-  constants, pass unchanged) constrained at rest, then, after a barrier with ``anchor`` (None:
-  none), those with an embed axis cast to ``dtype`` (the compute dtype) and every one gathered
-  as the activations need them. A no-op outside ``constrain_activations_with``."""
-  if not activations.active():
+  constants, pass unchanged) constrained at rest on ``on`` (``ForwardOptions.activation_mesh``),
+  then, after a barrier with ``anchor`` (None: none), those with an embed axis cast to ``dtype``
+  (the compute dtype) and every one gathered as the activations need them. A no-op without a
+  mesh (``on`` None)."""
+  if on is None:
     return p
   named = {k: v for k, v in p.items() if k in axes}
-  named = {k: constrain(v, *axes[k]) for k, v in named.items()}
+  named = {k: constrain(on, v, *axes[k]) for k, v in named.items()}
   if anchor is not None:
     named, _ = jax.lax.optimization_barrier((named, anchor))
-  named = {k: constrain(v.astype(dtype) if 'embed' in axes[k] else v,
+  named = {k: constrain(on, v.astype(dtype) if 'embed' in axes[k] else v,
                         *(_GATHERED.get(a, a) for a in axes[k])) for k, v in named.items()}
   return {**p, **named}
 
 
 def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array, hs: jax.Array,
                         positions: tuple[jax.Array, jax.Array], masks: tuple[jax.Array, ...],
-                        inv_freq: jax.Array, attention: str = 'einsum', kernel_mesh: Any = None
-                        ) -> tuple[jax.Array, jax.Array]:
+                        inv_freq: jax.Array, attention: str = 'einsum', kernel_mesh: Any = None,
+                        activation_mesh: Any = None) -> tuple[jax.Array, jax.Array]:
   """One decoder layer over P shared prefixes hp [P, Tp, D] and the B = P*R suffixes hs
   [B, Ts, D] that follow them (``Transformer.hidden_after_prefix``). The prefix rows attend to
   themselves as ``_layer`` does (by ``attention``); the suffix rows to their prefix and
@@ -462,12 +469,13 @@ def _layer_after_prefix(cfg: ModelConfig, p: dict[str, jax.Array], hp: jax.Array
   rows))."""
   prefix_mask, prefix_valid, suffix_mask = (attn_lib.layer_mask(p, m) for m in masks)
   scale_dim = cfg.query_pre_attn_scalar or None
-  qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq)
-  qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq)
+  on = activation_mesh
+  qp, kp, vp = _qkv(cfg, p, hp, positions[0], inv_freq, on)
+  qs, ks, vs = _qkv(cfg, p, hs, positions[1], inv_freq, on)
   attn_p = attn_lib.attend(qp, kp, vp, prefix_mask, attention, scale_dim, kernel_mesh)
   attn_s = attn_lib.attention_after_prefix(qs, (kp, vp), prefix_valid, ks, vs, suffix_mask,
                                            scale_dim, attention)
-  return _after_attention(cfg, p, hp, attn_p), _after_attention(cfg, p, hs, attn_s)
+  return _after_attention(cfg, p, hp, attn_p, on), _after_attention(cfg, p, hs, attn_s, on)
 
 
 class Transformer(nnx.Module):
@@ -497,15 +505,16 @@ class Transformer(nnx.Module):
     With ``layers`` (``unstacked_layers()``) and a per-layer cache the layers run unrolled on
     those arrays; otherwise ``_scan_layers`` runs over the stacked params as ``options`` say.
     """
-    cfg = self.cfg
+    cfg, on = self.cfg, options.activation_mesh
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    h = self._embed(tokens)  # [B, T, D]
+    h = self._embed(tokens, on)  # [B, T, D]
     axes = fused_axes(self.layers.axes())
     if layers is not None:  # the decode loop's: each layer gathered in the step (_gather_layer)
       new_k, new_v, anchor = [], [], h
       for p, k, v in zip(layers, *cache_kv):
-        p, anchor = _gather_layer(p, axes, _DTYPES[cfg.dtype], anchor), h
-        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend)
+        p, anchor = _gather_layer(p, axes, _DTYPES[cfg.dtype], anchor, on), h
+        h, (k, v) = _layer(cfg, p, h, positions, mask, inv_freq, (k, v), write_index, attend,
+                           activation_mesh=on)
         new_k.append(k)
         new_v.append(v)
       return self._final_norm(h), (tuple(new_k), tuple(new_v))
@@ -513,9 +522,9 @@ class Transformer(nnx.Module):
     def body(h, xs):
       p, kv = xs
       if kv is not None:  # the prefill: one layer's weights gathered per scan iteration
-        p = _gather_layer(p, axes, _DTYPES[cfg.dtype])
+        p = _gather_layer(p, axes, _DTYPES[cfg.dtype], on=on)
       return _layer(cfg, p, h, positions, mask, inv_freq, kv, write_index, attend,
-                    options.attention, options.kernel_mesh)
+                    options.attention, options.kernel_mesh, on)
 
     h, new_kv = _scan_layers(body, h, (self._layer_arrays(options.adapters), cache_kv), options)
     return self._final_norm(h), new_kv
@@ -525,28 +534,28 @@ class Transformer(nnx.Module):
     return {**self.layers.arrays(adapters),
             **{k: jnp.asarray(v) for k, v in layer_constants(self.cfg).items()}}
 
-  def _embed(self, tokens: jax.Array) -> jax.Array:
-    """[B, T] token ids -> [B, T, D] embeddings in the compute dtype."""
+  def _embed(self, tokens: jax.Array, on: Any = None) -> jax.Array:
+    """[B, T] token ids -> [B, T, D] embeddings in the compute dtype (``on``: as ``_qkv``'s)."""
     h = jnp.take(self.embed[...], tokens, axis=0)
     if self.cfg.family.scale_embeddings:  # times sqrt(D) rounded to the table's dtype, as HF's
       h = h * jnp.asarray(math.sqrt(self.cfg.hidden_size), h.dtype)
     h = h.astype(_DTYPES[self.cfg.dtype])
-    return constrain(h, 'activation_batch', 'activation_length', 'activation_embed')
+    return constrain(on, h, 'activation_batch', 'activation_length', 'activation_embed')
 
   def _final_norm(self, h: jax.Array) -> jax.Array:
     return _rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps,
                      self.cfg.family.norm_plus_one)
 
-  def _logits(self, h: jax.Array) -> jax.Array:
-    """[..., D] -> [..., V] float32."""
+  def _logits(self, h: jax.Array, on: Any = None) -> jax.Array:
+    """[..., D] -> [..., V] float32 (``on``: as ``_qkv``'s)."""
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
     logits = jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
     logits = _softcap(logits, self.cfg.final_logit_softcapping)
     lead = ('activation_batch', 'activation_length')[:logits.ndim - 1]
-    return constrain(logits, *lead, *([None] * (logits.ndim - 1 - len(lead))),
+    return constrain(on, logits, *lead, *([None] * (logits.ndim - 1 - len(lead))),
                      'activation_vocab')
 
-  def _next_token_logits(self, h: jax.Array) -> jax.Array:
+  def _next_token_logits(self, h: jax.Array, on: Any = None) -> jax.Array:
     """[B, D] -> [B, V] float32: ``_logits`` for the prefill's last slot and each decode step.
 
     With tied embeddings the head is ``h @ embed.T``, a product with the [V, D] table transposed.
@@ -562,7 +571,7 @@ class Transformer(nnx.Module):
     rows, v = h.shape[0], self.cfg.vocab_size
     if not (self.cfg.tie_word_embeddings and 2 <= rows <= 64 and v % _HEAD_BLOCKS == 0
             and v >= 16384):
-      return self._logits(h)
+      return self._logits(h, on)
 
     def plain(h, e):
       return jnp.matmul(h, e.T, preferred_element_type=jnp.float32)
@@ -575,7 +584,7 @@ class Transformer(nnx.Module):
     e = self.embed[...].astype(h.dtype)
     logits = jax.lax.platform_dependent(h, e, cpu=blocked, default=plain)
     logits = _softcap(logits, self.cfg.final_logit_softcapping)
-    return constrain(logits, 'activation_batch', 'activation_vocab')
+    return constrain(on, logits, 'activation_batch', 'activation_vocab')
 
   # -- training path -----------------------------------------------------------------------------
   def hidden(self, tokens: jax.Array, attention_mask: jax.Array,
@@ -639,20 +648,22 @@ class Transformer(nnx.Module):
 
     def body(carry, p):
       return _layer_after_prefix(cfg, p, *carry, positions, masks, inv_freq,
-                                 options.attention, options.kernel_mesh), None
+                                 options.attention, options.kernel_mesh,
+                                 options.activation_mesh), None
 
-    (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens), self._embed(tokens)),
+    on = options.activation_mesh
+    (hp, hs), _ = _scan_layers(body, (self._embed(prefix_tokens, on), self._embed(tokens, on)),
                                self._layer_arrays(options.adapters), options)
     return self._final_norm(hp), self._final_norm(hs)
 
-  def logits(self, h: jax.Array) -> jax.Array:
-    """[..., D] hidden states -> [..., V] float32 logits."""
-    return self._logits(h)
+  def logits(self, h: jax.Array, options: ForwardOptions = ForwardOptions()) -> jax.Array:
+    """[..., D] hidden states -> [..., V] float32 logits (``options``: its activation_mesh)."""
+    return self._logits(h, options.activation_mesh)
 
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array,
                options: ForwardOptions = ForwardOptions()) -> jax.Array:
     """Full forward. tokens, attention_mask: [B, T] (left or right padding). -> logits [B, T, V]."""
-    return self._logits(self.hidden(tokens, attention_mask, options))
+    return self._logits(self.hidden(tokens, attention_mask, options), options.activation_mesh)
 
   # -- decoding path -----------------------------------------------------------------------------
   def init_cache(self, batch_size: int, cache_length: int) -> attn_lib.KVCache:
@@ -665,9 +676,11 @@ class Transformer(nnx.Module):
                    index=jnp.zeros((), jnp.int32), positions=jnp.zeros((batch_size,), jnp.int32))
 
   def prefill(self, tokens: jax.Array, attention_mask: jax.Array, cache_length: int,
-              attention: str = 'einsum') -> tuple[jax.Array, attn_lib.KVCache]:
+              attention: str = 'einsum', activation_mesh: Any = None
+              ) -> tuple[jax.Array, attn_lib.KVCache]:
     """Runs left-padded prompts [B, Tp] into a fresh cache of ``cache_length`` slots.
-    ``attention``: the implementation of its attention (attn_lib.ATTENTION_IMPLS).
+    ``attention``: the implementation of its attention (attn_lib.ATTENTION_IMPLS);
+    ``activation_mesh``: ``ForwardOptions.activation_mesh``.
 
     Returns the logits of the last slot [B, V] (the next-token distribution) and the cache.
     'splash' prefills with 'flash': with the kernel the rollout of issue 47's 0.4B shape needed
@@ -685,11 +698,12 @@ class Transformer(nnx.Module):
       mask = attn_lib.window_masks(self.cfg, mask, q_positions, attn_lib.positions_from_mask(valid))
     h, (k, v) = self._trunk(tokens, q_positions, mask, (cache.k, cache.v),
                             jnp.zeros((), jnp.int32), attend=t,
-                            options=ForwardOptions(attention=attention))
+                            options=ForwardOptions(attention=attention,
+                                                   activation_mesh=activation_mesh))
     positions = jnp.sum(attention_mask.astype(jnp.int32), axis=-1)
     cache = attn_lib.KVCache(k=k, v=v, valid=valid, index=jnp.asarray(t, jnp.int32),
                              positions=positions)
-    return self._next_token_logits(h[:, -1]), cache
+    return self._next_token_logits(h[:, -1], activation_mesh), cache
 
   def unstacked_layers(self) -> list[dict[str, jax.Array]]:
     """Each layer's params as its own arrays. A decode loop that takes them (sliced once, before
@@ -738,13 +752,14 @@ class Transformer(nnx.Module):
     return out
 
   def decode(self, tokens: jax.Array, cache: attn_lib.KVCache, layers: Optional[list] = None,
-             block: int = attn_lib.DECODE_BLOCK) -> tuple[jax.Array, attn_lib.KVCache]:
+             block: int = attn_lib.DECODE_BLOCK, activation_mesh: Any = None
+             ) -> tuple[jax.Array, attn_lib.KVCache]:
     """One decoding step. tokens: [B] -> logits [B, V] and the cache with the token written.
     ``layers``: ``unstacked_layers()``, with a ``cache.per_layer()`` cache (faster in a loop).
     ``decode_layers()`` (the sampler's) are such arrays with fused projections.
     The attention reads the cache's filled blocks of ``block`` slots only (up to the largest
     row's written slots; ``block`` 0: every slot). ``cache.index`` [B]: each row writes
-    its own slot."""
+    its own slot. ``activation_mesh``: ``ForwardOptions.activation_mesh``."""
     b = tokens.shape[0]
     if cache.index.ndim == 1:
       valid = cache.valid.at[jnp.arange(b), cache.index].set(True)
@@ -756,10 +771,11 @@ class Transformer(nnx.Module):
     mask = attn_lib.window_masks(self.cfg, valid[:, None, :], cache.positions[:, None],
                         attn_lib.positions_from_mask(valid))  # the new token's position: its count
     h, (k, v) = self._trunk(tokens[:, None], cache.positions[:, None], mask,
-                            (cache.k, cache.v), cache.index, layers, attend=(filled, block))
+                            (cache.k, cache.v), cache.index, layers, attend=(filled, block),
+                            options=ForwardOptions(activation_mesh=activation_mesh))
     cache = attn_lib.KVCache(k=k, v=v, valid=valid, index=cache.index + 1,
                              positions=cache.positions + 1)
-    return self._next_token_logits(h[:, 0]), cache
+    return self._next_token_logits(h[:, 0], activation_mesh), cache
 
 
 def logical_axes(model_or_state) -> dict:

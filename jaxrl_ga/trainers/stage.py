@@ -169,13 +169,15 @@ def fresh_meta() -> dict[str, Any]:
   return {'micro_step': 0, 'data_position': 0, 'done': False, 'summary': {}}
 
 
-def restore(ctx, ckpt, stage: str, state, k: int) -> tuple[Any, dict[str, Any]]:
+def restore(ctx, ckpt, stage: str, state, k: int,
+            added: Sequence[checkpoint.AddedLeaf] = ()) -> tuple[Any, dict[str, Any]]:
   """The latest readable checkpoint of the stage onto ``state``'s shardings, or (state, fresh
   meta). Metrics rows the run logged after that checkpoint are dropped from metrics.jsonl, so a
-  resumed run logs each step once."""
+  resumed run logs each step once. ``added``: leaves older checkpoints lack
+  (``Checkpointer.restore``)."""
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-  restored = ckpt.restore_latest(abstract)
+  restored = ckpt.restore_latest(abstract, added)
   if restored is None:
     ctx.writer.drop_after(stage, 0, 0)
     return state, fresh_meta()
