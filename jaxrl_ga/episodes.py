@@ -39,7 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import flax
 import jax
