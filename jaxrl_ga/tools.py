@@ -679,14 +679,14 @@ class Episodes:
     return fields
 
   def metrics(self) -> dict[str, float]:
-    """tools/calls_per_episode, tools/turns_per_episode (turns with calls run), tools/failures
+    """tools/calls_per_episode, tools/calling_turns_per_episode (assistant turns whose calls ran), tools/failures
     (failed calls, summed), tools/<name>/calls, and TRL's tools/call_frequency (calls per
     completion) and tools/failure_frequency (failures per call)."""
     with self._lock:
       calls, failures = int(self._calls.sum()), int(self._failures.sum())
       n = max(len(self.examples), 1)
       out = {'tools/calls_per_episode': calls / n,
-             'tools/turns_per_episode': float(self._tool_turns.sum()) / n,
+             'tools/calling_turns_per_episode': float(self._tool_turns.sum()) / n,
              'tools/failures': float(failures),
              'tools/call_frequency': calls / n,
              'tools/failure_frequency': failures / calls if calls else 0.0}

@@ -149,7 +149,7 @@ def test_a_tool_turn_is_chatml_and_the_episode_ends_without_a_call(tok):
   m = ep.metrics()
   assert m['tools/calls_per_episode'] == 1 and m['tools/multiply/calls'] == 1
   assert m['tools/failures'] == 0 and m['tools/failure_frequency'] == 0
-  assert m['tools/call_frequency'] == 1 and m['tools/turns_per_episode'] == 1
+  assert m['tools/call_frequency'] == 1 and m['tools/calling_turns_per_episode'] == 1
 
 
 def test_calls_of_a_rollout_run_concurrently(tok):
