@@ -147,7 +147,10 @@ class RolloutEngine:
     # no longer hold runs of rows with one prompt.
     self.micro_batch_share = 1 if defer_old_logps else share_prompts
     # The learner's forward: the rows of its micro-batches share prompts as the buffer's do.
-    self.learner_options = dataclasses.replace(options, share_prompts=self.micro_batch_share)
+    # The learner runs on the actor's mesh: its per-shard kernel too (options may be the
+    # rollout mesh's, with roles of their own).
+    self.learner_options = dataclasses.replace(on_mesh(options, mesh, activations=False),
+                                               share_prompts=self.micro_batch_share)
     self._old_options = dataclasses.replace(self.learner_options, remat='none')
     # LoRA: the reference is the base weights alone (adapters off); a no-op without adapters.
     self._ref_options = dataclasses.replace(options, remat='none', adapters=False)
@@ -528,8 +531,9 @@ class RolloutEngine:
 
   @staticmethod
   def _on(options: tfm.ForwardOptions, mesh) -> tfm.ForwardOptions:
-    """``options`` of a step jitted over ``mesh``: its activations constrained there."""
-    return dataclasses.replace(options, activation_mesh=sharding.KernelMesh(mesh))
+    """``options`` of a step jitted over ``mesh``: its activations constrained there, and a
+    per-shard kernel (splash: ``kernel_mesh``) run over that mesh's shards, not another role's."""
+    return on_mesh(options, mesh)
 
   def _ref_logps(self, ref_model, *rows, mesh):
     """The reference log-probs [S, B, Tc] of the rows (prompt tokens, mask, completion tokens,
@@ -592,6 +596,17 @@ class RolloutEngine:
     if self.use_sampler_logps:
       batch['sampler_logps'] = cut(buffer.sampler_logps)
     return batch
+
+
+def on_mesh(options: tfm.ForwardOptions, mesh, activations: bool = True) -> tfm.ForwardOptions:
+  """``options`` for a step jitted over ``mesh``: its per-shard kernel's mesh (``kernel_mesh``,
+  set only where ``options`` has one: splash) and, with ``activations``, the mesh of its
+  activations' sharding constraints, both ``mesh``."""
+  kernel = None if options.kernel_mesh is None else sharding.KernelMesh(mesh)
+  if not activations:
+    return dataclasses.replace(options, kernel_mesh=kernel)
+  return dataclasses.replace(options, kernel_mesh=kernel,
+                             activation_mesh=sharding.KernelMesh(mesh))
 
 
 def row_sharding(mesh, ndim: int) -> NamedSharding:

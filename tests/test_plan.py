@@ -146,6 +146,24 @@ def test_splash_attention_lowers_for_tpu(attention):
   assert rollout.count('tpu_custom_call') == 1 == rollout.count('sdy.manual_computation')
 
 
+
+def test_splash_with_roles_of_their_own_runs_each_kernel_on_its_steps_mesh():
+  """The learner on chips 0-3 and the rollout on 4-7, model.attention='splash': each step's
+  kernel runs per shard of that step's own mesh (ForwardOptions.kernel_mesh), the learner's on
+  the actor's chips. With the rollout's mesh in the learner's options this lowering was refused
+  ("incompatible devices ... shard_map inside jit"), the learner's params on 0-3 and its kernel
+  on 4-7."""
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  helpers.require_libtpu()
+  plan.quiet_libtpu_env()
+  devices = plan.topology_devices('v5e:2x4')
+  cfg = api.make_config(
+      helpers.tpu_plan_config(attention='splash', share_prompt_prefix=False),
+      **{'mesh.devices': '0:4', 'mesh.data': 1, 'mesh.fsdp': 4, 'mesh.rollout.devices': '4:8',
+         'mesh.rollout.data': 1, 'mesh.rollout.fsdp': 4})
+  steps = plan.lower_grpo(cfg, policy.planned_model_config(cfg), devices, steps=('learner',))
+  assert steps.learner.as_text().count('tpu_custom_call') == 3  # forward, dq, dk/dv
+
 def test_cli_bad_input_is_one_line_exit_2():
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   cases = [['--topology=v5e:2x4'],  # no --config
