@@ -379,18 +379,18 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
         if state.global_step == steps and cuda:
           out['peak_device_bytes'] = torch.cuda.max_memory_allocated()
 
-    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in
+    trl_trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in
                                                              task.reward_functions()],
                               args=args, train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[StepClock()])
-    out['attn_implementation'] = trainer.model.config._attn_implementation  # pylint: disable=protected-access
-    out['params'] = sum(p.numel() for p in trainer.model.parameters())
-    out['param_dtypes'] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    out['attn_implementation'] = trl_trainer.model.config._attn_implementation  # pylint: disable=protected-access
+    out['params'] = sum(p.numel() for p in trl_trainer.model.parameters())
+    out['param_dtypes'] = sorted({str(p.dtype) for p in trl_trainer.model.parameters()})
     # TRL 1.16 has no public hook that splits a step into generation and learning (its
     # profiling_context reports only to wandb/mlflow), so the peer's own method is wrapped, as
     # benchmarks/end_to_end.py does; this touches TRL's internals, never jaxrl_ga's.
-    generate_and_score = trainer._generate_and_score_completions  # pylint: disable=protected-access
-    training_step = trainer.training_step
+    generate_and_score = trl_trainer._generate_and_score_completions  # pylint: disable=protected-access
+    training_step = trl_trainer.training_step
 
     def timed_generate_and_score(inputs):
       sync()
@@ -412,9 +412,9 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
       times['learn'].append(time.perf_counter() - t0 - (clock['scored'] - before))
       return loss
 
-    trainer._generate_and_score_completions = timed_generate_and_score  # pylint: disable=protected-access
-    trainer.training_step = timed_training_step
-    trainer.train()
+    trl_trainer._generate_and_score_completions = timed_generate_and_score  # pylint: disable=protected-access
+    trl_trainer.training_step = timed_training_step
+    trl_trainer.train()
   except Exception as e:  # pylint: disable=broad-except
     out.update(error_row(e))
   out['steps_done'] = len(times['step'])

@@ -76,26 +76,26 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
       per_device_train_batch_size=4, num_generations=4, max_completion_length=24,
       max_steps=steps, logging_steps=1, report_to='none', save_strategy='no',
       max_tool_calling_iterations=2, learning_rate=1e-5, shuffle_dataset=False, seed=0)
-  trainer = trl.GRPOTrainer(model=model, reward_funcs=[calculator.correct], args=args,
+  trl_trainer = trl.GRPOTrainer(model=model, reward_funcs=[calculator.correct], args=args,
                             train_dataset=datasets.Dataset.from_list(rows),
                             processing_class=tok, environment_factory=calculator.Calculator)
   # What TRL renders and parses (its own calls, as _tokenize_prompts and _tool_call_loop make).
   env = calculator.Calculator()
   env.reset(**rows[0])
-  env_tools = trainer._env_tools[None]  # pylint: disable=protected-access
+  env_tools = trl_trainer._env_tools[None]  # pylint: disable=protected-access
   prompt_text = tok.apply_chat_template([rows[0]['prompt']], tools=env_tools,
                                         add_generation_prompt=True, tokenize=False)[0]
   turn_ids = tok(turn_text(rows[0]), add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
   prompt_ids = tok(prompt_text, add_special_tokens=False)['input_ids']
   parsed = chat_template_utils.parse_response(tok, turn_ids, prefix=prompt_ids, tools=env_tools)
-  suffix = trainer._get_tool_suffix_ids(  # pylint: disable=protected-access
+  suffix = trl_trainer._get_tool_suffix_ids(  # pylint: disable=protected-access
       [{'role': 'tool', 'name': 'multiply', 'content': str(env.multiply(*factors(rows[0])))}])
   t0 = time.perf_counter()
-  trainer.train()
-  logs = [h for h in trainer.state.log_history if 'loss' in h]
+  trl_trainer.train()
+  logs = [h for h in trl_trainer.state.log_history if 'loss' in h]
   result = {
       'trl': trl.__version__, 'transformers': transformers.__version__,
-      'chat_template': tok.chat_template, 'reward_func_names': trainer.reward_func_names,
+      'chat_template': tok.chat_template, 'reward_func_names': trl_trainer.reward_func_names,
       'response_template': getattr(tok, 'response_template', None),
       'tool_names': sorted(t.__name__ for t in env_tools),
       'prompt_text': prompt_text, 'turn_parsed': parsed, 'tool_turn_ids': list(suffix),
