@@ -278,10 +278,11 @@ class GRPOLoop:
       return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
     resumed_from = meta['micro_step']
-    # With tools the held-out rows are greedy episodes (the same prompts, tools announced).
+    # With the run's tools (ctx.tool_setup) the held-out rows are greedy episodes, the same
+    # prompts with the tools announced; another make_interaction keeps the single-turn one.
     evaluator = evaluation.Evaluator(ctx, self.programs.table['evaluation'],
                                      runner=self.programs.eval_episodes,
-                                     make_interaction=self.make_interaction)
+                                     make_interaction=tools_lib.make_interaction(ctx))
     evaluate = lambda st: evaluator.evaluate(self.policy(st))
     if 'eval/accuracy_before' not in summary:
       results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
