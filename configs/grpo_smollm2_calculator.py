@@ -24,6 +24,11 @@ Variants: ``:DIR,sft`` and ``:DIR,grpo`` as above; ``:DIR,base`` is the GRPO run
 untrained model with a learning rate of 1e-30 and one step (its evaluation before is the untrained
 model's accuracy with the tool). The model, mesh and layer settings are configs/grpo_smollm2.py's,
 the layers scanned (a shorter compile).
+
+One run (2026-11-27, shared 2-core CPU, 1300 s): held-out accuracy with the tool 0.042 after SFT
+and after GRPO (1.00 calls per episode, every call right; the final turn is cut at 64 tokens
+before its number), 0.000 without it; GRPO's gradients were 0 (equal rewards in every group).
+Short of the +20 points the issue asks for: docs/your_data.md, "Tools and environments".
 """
 
 import os
@@ -45,7 +50,8 @@ def get_config(arg: str = ''):
   c.data.update(eval=os.path.join(directory, 'eval.jsonl'))
   c.grpo.reward_funcs = 'calculator:correct'
   # "What is 988 * 893?": the call (~30 tokens), the tool turn and the answer fit in 64 tokens.
-  c.eval.update(num_examples=48, batch_size=48, max_completion_length=64)
+  # Batches of 16: the prefill of 48 prompts of ~400 tokens held GBs of logits on the CPU.
+  c.eval.update(num_examples=48, batch_size=16, max_completion_length=64)
   c.checkpoint.update(every_steps=0, max_to_keep=1)
   if variant == 'sft':
     c.stages = 'sft'
@@ -59,14 +65,14 @@ def get_config(arg: str = ''):
     return c
   c.stages = 'grpo'
   c.data.train = os.path.join(directory, 'train.jsonl')
-  c.grpo.update(environment='calculator:Calculator', max_tool_calls=2, num_steps=8,
+  c.grpo.update(environment='calculator:Calculator', max_tool_calls=2, num_steps=6,
                 log_every=1, eval_every=0)
   # 2 questions x 4 completions per optimizer step, one micro-batch.
   c.grpo.schedule.update(micro_batch_size=8, num_generations=4, steps_per_generation=1,
                          grad_accum_steps=1)
   # The tools' system block makes every prompt ~300 tokens.
   c.grpo.sampling.update(max_prompt_length=384, max_completion_length=64, temperature=1.0)
-  c.grpo.optimizer.update(learning_rate=5e-6, max_grad_norm=1.0)
+  c.grpo.optimizer.update(learning_rate=1e-5, max_grad_norm=1.0)
   if variant == 'base':
     c.grpo.num_steps = 1
     c.grpo.optimizer.learning_rate = 1e-30  # (> 0 is required): the params do not move
