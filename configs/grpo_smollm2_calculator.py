@@ -25,10 +25,11 @@ untrained model with a learning rate of 1e-30 and one step (its evaluation befor
 model's accuracy with the tool). The model, mesh and layer settings are configs/grpo_smollm2.py's,
 the layers scanned (a shorter compile).
 
-One run (2026-11-27, shared 2-core CPU, 1300 s): held-out accuracy with the tool 0.042 after SFT
-and after GRPO (1.00 calls per episode, every call right; the final turn is cut at 64 tokens
-before its number), 0.000 without it; GRPO's gradients were 0 (equal rewards in every group).
-Short of the +20 points the issue asks for: docs/your_data.md, "Tools and environments".
+Measured (docs/your_data.md, "Tools and environments"; 2026-11-27, shared 2-core CPU): held-out
+accuracy without the tool 0.000 before SFT, after SFT and after GRPO; with the tool after SFT
+0.979 at 96 tokens (1.00 calls per episode). The one full run (SFT + GRPO, 1300 s) had 64
+tokens: 0.042 with the tool after SFT and after GRPO, the final turn cut before its number, and
+GRPO's gradients 0 (equal rewards in every group). GRPO at 96 tokens was not run.
 """
 
 import os
@@ -49,9 +50,11 @@ def get_config(arg: str = ''):
   c.model.scan_layers = True
   c.data.update(eval=os.path.join(directory, 'eval.jsonl'))
   c.grpo.reward_funcs = 'calculator:correct'
-  # "What is 988 * 893?": the call (~30 tokens), the tool turn and the answer fit in 64 tokens.
+  # "What is 988 * 893?": the call (~30 tokens), the tool turn (~12) and the SFT rows' answer
+  # "988 * 893 = 882284. The answer is 882284." (~30) need 96 tokens; at 64 the final turn is
+  # cut before its number (0.042 instead of 0.979 with the tool after SFT).
   # Batches of 16: the prefill of 48 prompts of ~400 tokens held GBs of logits on the CPU.
-  c.eval.update(num_examples=48, batch_size=16, max_completion_length=64)
+  c.eval.update(num_examples=48, batch_size=16, max_completion_length=96)
   c.checkpoint.update(every_steps=0, max_to_keep=1)
   if variant == 'sft':
     c.stages = 'sft'
@@ -71,7 +74,7 @@ def get_config(arg: str = ''):
   c.grpo.schedule.update(micro_batch_size=8, num_generations=4, steps_per_generation=1,
                          grad_accum_steps=1)
   # The tools' system block makes every prompt ~300 tokens.
-  c.grpo.sampling.update(max_prompt_length=384, max_completion_length=64, temperature=1.0)
+  c.grpo.sampling.update(max_prompt_length=384, max_completion_length=96, temperature=1.0)
   c.grpo.optimizer.update(learning_rate=1e-5, max_grad_norm=1.0)
   if variant == 'base':
     c.grpo.num_steps = 1
