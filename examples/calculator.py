@@ -11,8 +11,9 @@ The same class and reward run under this project's GRPO and under TRL 1.16's
       --config.grpo.sampling.max_completion_length=64 \\
       --config.grpo.sampling.max_prompt_length=320
 
-``python examples/calculator.py OUT_DIR`` writes OUT_DIR/train.jsonl (GRPO rows: prompt, answer)
-and OUT_DIR/sft.jsonl (tool-use conversations for an SFT warm start, ``stages=sft``: each a
+``python examples/calculator.py OUT_DIR`` writes OUT_DIR/train.jsonl (GRPO rows: prompt, answer),
+OUT_DIR/eval.jsonl (held-out rows, none of them in train.jsonl: prompt, completion, answer; the
+completion lets an SFT run evaluate on them too) and OUT_DIR/sft.jsonl (tool-use conversations for an SFT warm start, ``stages=sft``: each a
 system turn announcing the tools in the plain format, the question, the assistant's
 ``<tool_call>``, the tool's result and the final answer).
 """
@@ -109,9 +110,18 @@ def sft_rows(n: int, seed: int = 1) -> list[dict]:
   return out
 
 
-def main(out_dir: str, n_train: int = 512, n_sft: int = 64) -> None:
+def eval_rows(n: int, exclude: list[dict], seed: int = 2) -> list[dict]:
+  """n held-out rows (prompt, completion, answer) whose question is not in ``exclude``."""
+  seen = {r['prompt'] for r in exclude}
+  out = [r for r in rows(2 * n + len(seen), seed) if r['prompt'] not in seen][:n]
+  return [{**r, 'completion': f'The answer is {r["answer"]}.'} for r in out]
+
+
+def main(out_dir: str, n_train: int = 512, n_sft: int = 64, n_eval: int = 48) -> None:
   os.makedirs(out_dir, exist_ok=True)
-  for name, data in (('train.jsonl', rows(n_train)), ('sft.jsonl', sft_rows(n_sft))):
+  train, sft = rows(n_train), sft_rows(n_sft)
+  held = eval_rows(n_eval, train + [{'prompt': r['messages'][1]['content']} for r in sft])
+  for name, data in (('train.jsonl', train), ('eval.jsonl', held), ('sft.jsonl', sft)):
     with open(os.path.join(out_dir, name), 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in data)
     print(f'wrote {len(data)} rows to {os.path.join(out_dir, name)}')

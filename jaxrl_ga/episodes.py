@@ -315,6 +315,14 @@ class EpisodeRunner:
                                 'tools/answers': float(answers), 'tools/wait_s': wait_s})
 
 
+def model_turns(tokens: np.ndarray, model_mask: np.ndarray) -> list[np.ndarray]:
+  """A multi-turn row's assistant turns: its runs of policy-sampled tokens (model mask 1), in
+  order (what ``tools.Episodes.finish`` records of turns never submitted)."""
+  cuts = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(model_mask) > 0, [0]]).astype(
+      np.int8)))
+  return [np.asarray(tokens)[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
+
+
 def episode_metrics(completion_mask, model_mask) -> dict[str, jax.Array]:
   """Device metrics of multi-turn rows ([..., L] masks): model turns per episode (runs of
   model tokens) and the share of completion tokens the policy sampled."""

@@ -22,6 +22,9 @@ together: the learner's state, the rollout's, the reference-params rule) and ``t
     segment program of multi-turn episodes (``episodes.EpisodeRunner.segment_fn``: the host's
     answers injected, then up to ``episodes.SEGMENT_STEPS`` decode steps of the slot pool);
   * 'evaluation' (every stage): the held-out evaluation's greedy generation;
+  * 'evaluation_episodes' (GRPO with an interaction): the held-out evaluation's greedy
+    multi-turn episodes (the segment program of ``GRPOPrograms.eval_episodes``, an
+    ``episodes.EpisodeRunner`` with greedy=True, one slot per row);
   * 'reference' and, with sampled pairs, 'generation' (DPO): the reference pass and the sampling
     of the pairs.
 
@@ -45,6 +48,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrl_ga import episodes
 from jaxrl_ga import fit
 from jaxrl_ga import learner as learner_lib
 from jaxrl_ga import logprobs
@@ -134,6 +138,7 @@ STEP_NAMES = {'learner': 'learner micro-step',
               'decode': 'decode step (one iteration of the rollout\'s decode loop)',
               'multi_turn': 'multi-turn segment (injection, then decode steps)',
               'evaluation': 'evaluation (greedy generation)',
+              'evaluation_episodes': 'evaluation with tools (greedy multi-turn segment)',
               'generation': 'DPO generation (sampled pairs)',
               'reference': 'reference pass (reference log-probs; GRPO: on a mesh of its own)'}
 # The steps the memory knobs (model.remat, model.logprob_chunk_size) change: what fit compiles.
@@ -146,7 +151,8 @@ class GRPOPrograms:
   """The GRPO stage's programs: the rollout engine (generation, old and reference log-probs, the
   reorder by advantage sign) and the learner, the schedule table they follow, and ``table``
   (name -> Program: 'learner', 'rollout', 'reorder' when old log-probs are deferred,
-  'evaluation', 'decode', 'multi_turn' with an interaction)."""
+  'evaluation', 'decode', 'multi_turn' and 'evaluation_episodes' with an interaction);
+  ``eval_episodes``: with an interaction, the evaluation's greedy ``episodes.EpisodeRunner``."""
   engine: rollout_lib.RolloutEngine
   learner: learner_lib.Learner
   schedule: schedule.ScheduleTable
@@ -154,6 +160,7 @@ class GRPOPrograms:
   params: Any  # the policy's params as ShapeDtypeStructs (``abstract_params``)
   seed: int  # the rollout state's RNG seed (the run's)
   table: Mapping[str, Program]
+  eval_episodes: Any = None  # episodes.EpisodeRunner of the evaluation (multi_turn only)
 
   @property
   def options(self) -> tfm.ForwardOptions:
@@ -232,7 +239,8 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   is benchmarks/multisteps_overhead.py's eager arm). The schedule must already be valid for the
   mesh (``schedule.validate``).
   ``multi_turn``: rollouts are episodes with a host interaction (docs/design.md, "Multi-turn
-  rollouts"): the engine's buffer carries a model mask and the table a 'multi_turn' entry."""
+  rollouts"): the engine's buffer carries a model mask and the table a 'multi_turn' entry, and
+  the held-out evaluation runs greedy episodes ('evaluation_episodes', ``eval_episodes``)."""
   g = cfg.grpo if grpo is None else grpo
   sched = g.schedule
   graphdef = sharding.abstract_model(model_cfg)[0] if graphdef is None else graphdef
@@ -282,7 +290,12 @@ def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_
   entries['evaluation'] = evaluation_program(
       cfg, graphdef, mesh, param_shardings, params, eos_id=eos_id, pad_id=pad_id,
       max_prompt_length=g.sampling.max_prompt_length, attention=options.attention)
-  return dataclasses.replace(progs, table=entries)
+  runner = None
+  if multi_turn:
+    runner, entries['evaluation_episodes'] = evaluation_episodes_program(
+        cfg, graphdef, mesh, params, eos_id=eos_id, pad_id=pad_id,
+        max_prompt_length=g.sampling.max_prompt_length, attention=options.attention)
+  return dataclasses.replace(progs, table=entries, eval_episodes=runner)
 
 
 def decode_program(engine: rollout_lib.RolloutEngine, params, *,
@@ -335,6 +348,24 @@ def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, 
   return _generation_program(graphdef, sampler, mesh, param_shardings, params,
                              placement.padded_batch_size(cfg.eval.batch_size, mesh),
                              max_prompt_length, greedy=True)
+
+
+def evaluation_episodes_program(cfg: RunConfig, graphdef, mesh, params, *, eos_id: int,
+                                pad_id: int, max_prompt_length: int, attention: str
+                                ) -> tuple[episodes.EpisodeRunner, Program]:
+  """The held-out evaluation's greedy multi-turn episodes (``trainers.evaluation.Evaluator``
+  with tools): an ``episodes.EpisodeRunner`` with greedy=True, one slot per row, over the
+  evaluation program's batch (``eval.batch_size`` rounded up to the data-parallel size, prompts of
+  ``max_prompt_length`` tokens, ``eval.max_completion_length`` tokens per episode in all).
+  -> (the runner, its segment program at its abstract arguments: the table entry)."""
+  sampler = sampling.Sampler(max_completion_length=cfg.eval.max_completion_length,
+                             eos_id=eos_id, pad_id=pad_id, attention=attention,
+                             fuse_weights=_fuse_weights(mesh))
+  runner = episodes.EpisodeRunner(graphdef, sampler, mesh, greedy=True)
+  prompts = jax.ShapeDtypeStruct((placement.padded_batch_size(cfg.eval.batch_size, mesh),
+                                  max_prompt_length), jnp.int32,
+                                 sharding=sharding.batch_sharding(mesh, 2))
+  return runner, Program(runner.segment_fn, runner.abstract_segment_args(params, prompts))
 
 
 def generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings, params,

@@ -9,7 +9,10 @@ independent references:
   multi-turn batch equals the one-pass loss written with mask = model tokens, and differs from
   the one that also trains the inserted tokens;
 * a GRPO run with multi-turn rollouts stopped mid-rollout and resumed is bitwise the
-  uninterrupted run, and calls the tool for no row already in the checkpointed buffer.
+  uninterrupted run, and calls the tool for no row already in the checkpointed buffer;
+* sampled episodes (temperature 1) are the same arrays with one slot per row and with a pool;
+* the held-out evaluation with tools (trainers/evaluation.py) scores the greedy episodes' final
+  turns (the reference's) and counts their calls; its single-turn pass scores the first turn.
 """
 
 import concurrent.futures
@@ -112,7 +115,7 @@ def tiny():
   tool = FakeTool()
   want = _reprefill_reference(_forward(graphdef), params, prompt_tokens, prompt_mask, tool)
   return dict(graphdef=graphdef, params=params, prompts=(prompt_tokens, prompt_mask), mesh=mesh,
-              want=want, want_calls=sorted(map(str, tool.calls)))
+              want=want, want_calls=sorted(map(str, tool.calls)), calls=list(tool.calls))
 
 
 @pytest.mark.parametrize('slots,delays', [(0, False), (3, True)], ids=['row-per-slot', 'pool'])
@@ -135,6 +138,147 @@ def test_greedy_episodes_equal_a_reference_that_reprefills_the_history(tiny, slo
   assert len(tool.calls) >= N and (model[:, 1:] < model[:, :-1]).any() and not ended.all()
   if slots:
     assert out.stats['rollout/segments'] > 1
+
+
+def test_sampled_episodes_are_the_same_with_and_without_the_slot_pool(tiny):
+  """Temperature 1: row i's position s draws with a key of (i, s) only (sampling.row_keys), so
+  the pool (3 slots, tools answering late from threads) samples the same episodes as one slot per
+  row with answers at once."""
+  outs, calls = [], []
+  for slots, delays in ((0, False), (3, True)):
+    sampler = sampling.Sampler(L, eos_id=EOS, pad_id=0, slots=slots, decode_block=4)
+    runner = episodes.EpisodeRunner(tiny['graphdef'], sampler, tiny['mesh'], greedy=False,
+                                    segment_steps=5)
+    tool = FakeTool(delays)
+    outs.append(jax.device_get(runner.run(tiny['params'], *tiny['prompts'], jax.random.key(3),
+                                          tool, temperature=1.0)))
+    calls.append(sorted(map(str, tool.calls)))
+  (a, ma), (b, mb) = [(o.completions, np.asarray(o.model_mask)) for o in outs]
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.mask, b.mask)
+  np.testing.assert_array_equal(ma, mb)
+  np.testing.assert_array_equal(a.ended_with_eos, b.ended_with_eos)
+  np.testing.assert_allclose(a.logps, b.logps, atol=1e-5)
+  assert calls[0] == calls[1]
+  # Not degenerate: sampled, not the greedy episodes; tools answered; turns cut at EOS.
+  assert (np.asarray(a.tokens) != tiny['want'][0]).any()
+  assert (ma < np.asarray(a.mask)).any() and len(calls[0]) >= N // 2
+
+
+def _turn_text(ids) -> str:
+  """The fake tokenizer's text of token ids (EOS dropped, as decode's skip_special_tokens)."""
+  return ' '.join(str(int(t)) for t in ids if int(t) != EOS)
+
+
+class _EvalEpisodes(FakeTool):
+  """The evaluator's interaction (``tools.Episodes``' methods it calls) over FakeTool: prompt
+  row e.prompt of the tiny prompts; the final text is the last model turn's."""
+
+  def __init__(self, chunk, prompts):
+    super().__init__()
+    self.chunk, self.prompts = chunk, prompts
+    self.turns, self.answered = {}, {}
+
+  def padded_prompts(self, length, pad_id):
+    assert (length, pad_id) == (self.prompts[0].shape[1], 0)
+    rows = [int(e.prompt) for e in self.chunk]
+    return self.prompts[0][rows], self.prompts[1][rows]
+
+  def answer(self, row, k):
+    out = super().answer(row, k)
+    self.answered[row] = self.answered.get(row, 0) + (out is not None)
+    return out
+
+  def finish(self, row, turns):
+    self.turns[row] = list(turns)
+
+  def final_text(self, row):
+    return _turn_text(self.turns[row][-1]) if self.turns[row] else ''
+
+  def completion_messages(self, row):
+    return [{'role': 'tool', 'content': ''}] * self.answered.get(row, 0)
+
+  def reward_fields(self):
+    return {'completions_messages': [self.completion_messages(r) for r in range(len(self.chunk))]}
+
+
+class _FakeTokenizer:
+  """Prompt "i" -> the tiny prompts' row i (no chat template); ids -> their numbers."""
+  chat_template, eos_token_id = None, EOS
+
+  def __init__(self, prompts):
+    self.prompts = prompts
+
+  def __call__(self, prompt, add_special_tokens=False):
+    tokens, mask = self.prompts
+    return {'input_ids': tokens[int(prompt)][mask[int(prompt)] > 0].tolist()}
+
+  def decode(self, ids, skip_special_tokens=True):
+    return _turn_text(ids)
+
+
+def test_evaluation_with_tools_scores_the_greedy_episodes(tiny):
+  """The evaluator's episodes are the reference's greedy episodes (re-prefilled, no cache): a
+  row is right iff its final text is the reference's last model turn, which only a row whose
+  tool answered reaches after its first turn; its calls are the reference's answered calls. Its
+  single-turn pass (no tools) scores the first turn: right only where no tool answered. 6 held-
+  out rows in a batch of 8 (2 padding rows, not scored)."""
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import programs, rewards  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.tasks.base import Example  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import evaluation  # pylint: disable=g-import-not-at-top
+  n = 6
+  tokens, model, _, length = tiny['want']
+  last, first, answered = [], [], []
+  for r in range(n):  # the reference's model turns, written out: runs of model mask 1
+    turns, cur = [], []
+    for s in range(int(length[r])):
+      if model[r, s]:
+        cur.append(int(tokens[r, s]))
+      elif cur:
+        turns, cur = turns + [cur], []
+    turns += [cur] if cur else []
+    last.append(_turn_text(turns[-1]))
+    first.append(_turn_text(turns[0]))
+    answered.append(min(sum(1 for row, _ in tiny['calls'] if row == r), CALLS))
+  right_single = sum(a == b for a, b in zip(first, last))
+  assert sum(answered) and right_single < n  # tools change some rows' final turns
+
+  def correct(prompts, completions, answer, completions_messages=None, **unused):
+    assert len(completions) == n  # the padding rows are not scored
+    if completions_messages is not None:  # the episodes' column, one entry per real row
+      assert [sum(m['role'] == 'tool' for m in c) for c in completions_messages] == answered
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+  correct.marks_correctness = True
+  examples = [Example(str(r), None, {'answer': last[r]}) for r in range(n)]
+  task = types.SimpleNamespace(name='data', eval_examples=lambda: examples,
+                               reward_functions=lambda: [rewards.WeightedReward('correct',
+                                                                                correct)])
+  cfg = types.SimpleNamespace(eval=types.SimpleNamespace(num_examples=0, batch_size=8,
+                                                         max_completion_length=L))
+  mesh = tiny['mesh']
+  params = jax.device_put(tiny['params'], sharding.replicated(mesh))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          params)
+  kw = dict(eos_id=EOS, pad_id=0, max_prompt_length=tiny['prompts'][0].shape[1],
+            attention='einsum')
+  program = programs.evaluation_program(cfg, tiny['graphdef'], mesh,
+                                        jax.tree.map(lambda x: x.sharding, params), abstract, **kw)
+  runner, entry = programs.evaluation_episodes_program(cfg, tiny['graphdef'], mesh, abstract, **kw)
+  assert entry.fn is runner.segment_fn
+  ctx = types.SimpleNamespace(cfg=cfg, task=task, mesh=mesh, pad_id=0, guard=None,
+                              eval_metric=None, tokenizer=_FakeTokenizer(tiny['prompts']))
+  got = evaluation.Evaluator(
+      ctx, program, runner=runner,
+      make_interaction=lambda chunk: _EvalEpisodes(chunk, tiny['prompts'])).evaluate(params)
+  assert got['accuracy'] == 1.0
+  assert got['tools/calls_per_episode'] == pytest.approx(sum(answered) / n)
+  assert got['without_tools/accuracy'] == pytest.approx(right_single / n)
+  # Without tools the evaluator is the single-turn one, and its results the same.
+  single = evaluation.Evaluator(ctx, program).evaluate(params)
+  assert single == {k[len('without_tools/'):]: v for k, v in got.items()
+                    if k.startswith('without_tools/')}
 
 
 # -- the loss mask ------------------------------------------------------------------------------

@@ -2,7 +2,15 @@
 accuracy on a built-in task; on your data (``jaxrl_ga.data.DataTask``) each reward's mean, the
 accuracy of the reward that marks correctness (``rewards.marks_correctness``; > 0 counts as
 correct), and the means of ``eval.metric`` / the Python API's ``metric(prompts, completions,
-**columns)``, which returns one float per completion or a dict of such lists."""
+**columns)``, which returns one float per completion or a dict of such lists.
+
+With tools (a GRPO run with ``grpo.tools`` / ``grpo.environment``: ``runner`` and
+``make_interaction`` given) each held-out row is a greedy episode, as in training: its prompt
+with the tools announced (``tools.Episodes.padded_prompts``), the turns decoded by the greedy
+``episodes.EpisodeRunner`` (the 'evaluation_episodes' program), the calls run by the host; the
+rewards score the final assistant turn's text with the episode's columns
+(``completions_messages``, ``environments``), and ``tools/calls_per_episode`` is the mean of tool
+calls per held-out row. One process only (as multi-turn rollouts)."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxrl_ga import checkpoint
+from jaxrl_ga import episodes
 from jaxrl_ga import placement
 from jaxrl_ga import rewards as rewards_lib
 from jaxrl_ga.tasks import base as task_base
@@ -21,10 +30,13 @@ from jaxrl_ga.trainers import text
 class Evaluator:
   """Greedy held-out evaluation; one compile for the run (fixed batch shape)."""
 
-  def __init__(self, ctx, program, examples=None):
+  def __init__(self, ctx, program, examples=None, runner=None, make_interaction=None):
     """program: the stage's 'evaluation' entry of its programs' table
     (``programs.evaluation_program``: the greedy generation, its batch and prompt width);
-    examples: default the task's held-out set (eval.num_examples of it)."""
+    examples: default the task's held-out set (eval.num_examples of it). ``runner`` (greedy
+    ``episodes.EpisodeRunner`` over the same batch, ``GRPOPrograms.eval_episodes``) and
+    ``make_interaction`` (examples -> ``tools.Episodes``, ``tools.make_interaction``): both
+    given, the rows are episodes with tools."""
     self.ctx = ctx
     ecfg = ctx.cfg.eval
     if examples is None:
@@ -32,6 +44,8 @@ class Evaluator:
       examples = examples[:ecfg.num_examples] if ecfg.num_examples else examples
     self.examples = list(examples)
     self._generate = program.fn
+    self._episodes = (runner, make_interaction) if (
+        runner is not None and make_interaction is not None) else None
     self.batch_size, self.max_prompt_length = program.args[1].shape
     # Your data is scored by its rewards; a built-in task by its own exact match.
     self.rewards = (ctx.task.reward_functions() if getattr(ctx.task, 'name', '') == 'data'
@@ -45,26 +59,41 @@ class Evaluator:
 
   def evaluate(self, params) -> dict[str, Any]:
     """{'accuracy': float (None when no reward marks correctness), 'reward/<name>': mean,
-    'metric[/<name>]': mean}. Each process encodes, decodes and scores only its rows."""
+    'metric[/<name>]': mean}. Each process encodes, decodes and scores only its rows. With tools:
+    the episodes' results, 'tools/calls_per_episode', and the same model's single-turn results
+    (no tools announced, one greedy turn) under 'without_tools/<key>'."""
+    if self._episodes is None:
+      return self._evaluate(params, None)
+    results = self._evaluate(params, self._episodes)
+    results.update({f'without_tools/{k}': v for k, v in self._evaluate(params, None).items()})
+    return results
+
+  def _evaluate(self, params, with_episodes) -> dict[str, Any]:
     ctx, bs = self.ctx, self.batch_size
     rows = placement.batch_rows(bs, ctx.mesh)
     correct = np.zeros(bs, np.float32)
     sums: Optional[np.ndarray] = None  # [bs, F] sums and counts of the scores that applied
     counts: Optional[np.ndarray] = None
     error = None  # a reward or metric that failed here: the others must still reach the gathers
+    calls = 0  # tool calls of the real rows (episodes)
     for start in range(0, len(self.examples), bs):
       if ctx.guard is not None and ctx.guard.should_stop:  # a long evaluation is interruptible
         raise checkpoint.Preempted('', -1, ctx.guard.signal_received)
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
-      tokens, mask = placement.place_rows(text.left_pad(
-          [text.encode_prompt(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length,
-          ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
-      out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), np.float32(1.0),
-                           np.float32(1.0))
-      texts = text.decode_completions(ctx.tokenizer, placement.local_part(out.tokens)[1],
-                                      placement.local_part(out.mask)[1])
       valid = np.asarray(rows) < n
+      extra = None  # the episodes' reward columns of the real rows
+      if with_episodes is not None:
+        texts, extra, chunk_calls = self._run_episodes(with_episodes, params, chunk, valid)
+        calls += chunk_calls
+      else:
+        tokens, mask = placement.place_rows(text.left_pad(
+            [text.encode_prompt(ctx.tokenizer, e.prompt) for e in chunk], self.max_prompt_length,
+            ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
+        out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), np.float32(1.0),
+                             np.float32(1.0))
+        texts = text.decode_completions(ctx.tokenizer, placement.local_part(out.tokens)[1],
+                                        placement.local_part(out.mask)[1])
       if not self.rewards and self.metric is None:
         correct[rows] += [float(v and ctx.task.is_correct(e, t))
                           for v, e, t in zip(valid, chunk, texts)]
@@ -73,7 +102,7 @@ class Evaluator:
         continue  # generation is collective: this process keeps taking part, scoring nothing
       try:  # only the real rows are scored (the functions never see the padding rows)
         real = self._scores([e for e, v in zip(chunk, valid) if v],
-                            [t for t, v in zip(texts, valid) if v])  # [n real, F], NaN: n/a
+                            [t for t, v in zip(texts, valid) if v], extra)  # [n real, F]
       except rewards_lib.RewardError as e:
         error = e
         continue
@@ -108,13 +137,37 @@ class Evaluator:
         results[name] = float(total[1 + i] / total[1 + f + i]) if total[1 + f + i] else None
       if self.marked is None:
         results['accuracy'] = None
+    if with_episodes is not None:
+      results['tools/calls_per_episode'] = calls / size
     return results
 
-  def _scores(self, examples, texts) -> np.ndarray:
-    """[N, F] per-completion scores: each reward, then the metric's values."""
+  def _run_episodes(self, with_episodes, params, chunk, valid
+                    ) -> tuple[list[str], dict[str, list], int]:
+    """The chunk's greedy episodes (one process). -> (each row's final assistant turn's text,
+    the real rows' episode columns of the rewards, their tool calls)."""
+    ctx, bs = self.ctx, self.batch_size
+    runner, make_interaction = with_episodes
+    interaction = make_interaction(chunk)
+    tokens, mask = placement.place_rows(
+        interaction.padded_prompts(self.max_prompt_length, ctx.pad_id), bs, ctx.mesh)
+    result = runner.run(params, tokens, mask, jax.random.PRNGKey(0), interaction)
+    out_tokens = placement.local_part(result.completions.tokens)[1]
+    model = placement.local_part(result.model_mask)[1]
+    for r in range(len(chunk)):  # a turn cut at the length limit was never submitted
+      interaction.finish(r, episodes.model_turns(out_tokens[r], model[r]))
+    texts = [interaction.final_text(r) for r in range(len(chunk))]
+    real = np.flatnonzero(valid)
+    extra = {k: [v[r] for r in real] for k, v in interaction.reward_fields().items()}
+    calls = sum(m['role'] == 'tool' for r in real for m in interaction.completion_messages(r))
+    return texts, extra, int(calls)
+
+  def _scores(self, examples, texts, extra=None) -> np.ndarray:
+    """[N, F] per-completion scores: each reward, then the metric's values. ``extra``: more
+    columns (an episode's), one entry per completion."""
     prompts = [e.prompt for e in examples]
     # No rows here (on one of several processes): the functions still get every column, empty.
     fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
+    fields = {**fields, **(extra or {})}
     names, columns = [], []
     if self.rewards:
       _, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)

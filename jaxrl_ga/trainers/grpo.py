@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
+from jaxrl_ga import episodes
 from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
@@ -277,7 +278,11 @@ class GRPOLoop:
       return self.policy(state), meta['summary']
     summary = meta['summary']  # saved with every checkpoint
     resumed_from = meta['micro_step']
-    evaluator = evaluation.Evaluator(ctx, self.programs.table['evaluation'])
+    # With the run's tools (ctx.tool_setup) the held-out rows are greedy episodes, the same
+    # prompts with the tools announced; another make_interaction keeps the single-turn one.
+    evaluator = evaluation.Evaluator(ctx, self.programs.table['evaluation'],
+                                     runner=self.programs.eval_episodes,
+                                     make_interaction=tools_lib.make_interaction(ctx))
     evaluate = lambda st: evaluator.evaluate(self.policy(st))
     if 'eval/accuracy_before' not in summary:
       results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
@@ -468,7 +473,7 @@ class GRPOLoop:
     if hasattr(interaction, 'final_text'):
       tokens, model = local(buffer.completion_tokens), local(buffer.model_mask)
       for r in range(len(texts)):  # a turn cut at the length limit was never submitted
-        interaction.finish(r, _model_turns(tokens[r], model[r]))
+        interaction.finish(r, episodes.model_turns(tokens[r], model[r]))
       texts = [interaction.final_text(r) for r in range(len(texts))]
       fields = {**fields, **interaction.reward_fields()}
     names = [r.name for r in self.rewards]
@@ -562,14 +567,6 @@ def mix_reference(policy, reference, alpha: float):
   mix = lambda p, r: (r.astype(jnp.float32) * (1.0 - alpha)
                       + alpha * p.astype(jnp.float32)).astype(r.dtype)
   return jax.tree.map(mix, policy, reference)
-
-
-def _model_turns(tokens: np.ndarray, model_mask: np.ndarray) -> list[np.ndarray]:
-  """A multi-turn row's assistant turns: its runs of policy-sampled tokens (model mask 1), in
-  order."""
-  cuts = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(model_mask) > 0, [0]]).astype(
-      np.int8)))
-  return [np.asarray(tokens)[a:b] for a, b in zip(cuts[::2], cuts[1::2])]
 
 
 def _check_shared_prompts(tokens: np.ndarray, mask: np.ndarray, share: int) -> None:
