@@ -289,12 +289,16 @@ def resolve(reward_funcs, what: str = 'grpo.reward_funcs') -> list[WeightedRewar
     else:
       raise ConfigError(f'{what}: {item!r} is neither a callable, a (callable, weight) pair nor '
                         f'an import string "module:function[=weight]".')
-  names = [r.name for r in out]
+  refuse_repeated([r.name for r in out], f'{what}: reward function', 'each reward needs its own '
+                  'name (wrap one in rewards.WeightedReward(name, fn)).')
+  return out
+
+
+def refuse_repeated(names, what: str, fix: str) -> None:
+  """ConfigError '<what> name(s) a, b given twice; <fix>' where ``names`` repeat one."""
   twice = sorted({n for n in names if names.count(n) > 1})
   if twice:
-    raise ConfigError(f'{what}: reward function name(s) {", ".join(twice)} given twice; each '
-                      f'reward needs its own name (wrap one in rewards.WeightedReward(name, fn)).')
-  return out
+    raise ConfigError(f'{what} name(s) {", ".join(twice)} given twice; {fix}')
 
 
 def split_specs(reward_funcs) -> list:

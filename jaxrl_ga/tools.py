@@ -117,11 +117,8 @@ def _resolve_tools(tools, what: str) -> list[Callable[..., Any]]:
                         f'"module:function".')
     tool_schema(fn, what)
     out.append(fn)
-  names = [f.__name__ for f in out]
-  twice = sorted({n for n in names if names.count(n) > 1})
-  if twice:
-    raise ConfigError(f'{what}: tool name(s) {", ".join(twice)} given twice; each tool needs its '
-                      f'own name.')
+  rewards_lib.refuse_repeated([f.__name__ for f in out], f'{what}: tool',
+                              'each tool needs its own name.')
   return out
 
 
