@@ -39,6 +39,7 @@ from jaxrl_ga import rewards
 from jaxrl_ga import sft_data
 from jaxrl_ga import sharding
 from jaxrl_ga import tools as tools_lib
+from jaxrl_ga import trl_args as trl_args_lib
 from jaxrl_ga import workdir_lock
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file, settings_dict
 from jaxrl_ga.errors import ConfigError
@@ -377,11 +378,16 @@ def _write_summary(workdir: str, summary: dict) -> None:
 
 
 # -- the Python API -------------------------------------------------------------------------------
-def make_config(config=None, **overrides) -> RunConfig:
+def make_config(config=None, trl_args: Optional[Mapping[str, Any]] = None,
+                **overrides) -> RunConfig:
   """A RunConfig from ``config`` (a config file ``'configs/grpo_smollm2.py[:arg]'``, a RunConfig,
   an ml_collections ConfigDict, a nested dict of settings over the defaults, or None: the
-  defaults) with dotted ``overrides`` (``{'grpo.num_steps': 2}``) applied. Raises ConfigError
-  naming a bad setting."""
+  defaults) with ``trl_args`` (TRL 1.16 ``GRPOConfig`` keyword arguments under TRL's names,
+  ``{'loss_type': 'cispo', 'epsilon_high': 5.0}``; the mapping: ``jaxrl_ga.trl_args``) and then
+  dotted ``overrides`` (``{'grpo.num_steps': 2}``) applied. Raises ConfigError naming a bad
+  setting or an unmapped TRL name."""
+  if trl_args:
+    overrides = {**trl_args_lib.trl_overrides(trl_args), **overrides}
   if isinstance(config, str):
     path, _, arg = config.partition(':')
     config = load_config_file(path, arg)

@@ -101,6 +101,9 @@ TRL_AGGREGATION_NAMES = {'dapo': 'token', 'grpo': 'sequence', 'dr_grpo': 'consta
 # normalizes it by (docs/design.md, "Loss peers").
 GRPO_OBJECTIVES = ('clip', 'cispo', 'sapo', 'vespo')
 TRL_OBJECTIVE_AGGREGATION = {'cispo': 'token', 'sapo': 'sequence', 'vespo': 'token'}
+# TRL 1.16's loss_type values (GRPOLossConfig.loss_type) -> our (objective, aggregation).
+TRL_LOSS_TYPES = {**{name: ('clip', agg) for name, agg in TRL_AGGREGATION_NAMES.items()},
+                  **{name: (name, agg) for name, agg in TRL_OBJECTIVE_AGGREGATION.items()}}
 MULTI_OBJECTIVE_AGGREGATIONS = ('sum_then_normalize', 'normalize_then_sum')
 DPO_AGGREGATIONS = ('pair', 'token', 'microbatch_token')
 DPO_LOSS_TYPES = ('sigmoid', 'ipo', 'hinge', 'robust')
@@ -243,7 +246,13 @@ class GRPOLossConfig:
     top_entropy_quantile: rho: only tokens whose entropy is at or above the (1 - rho) quantile of
       the micro-batch's completion tokens train the policy term (TRL's; 1 keeps every token).
     use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's, whose default is
-      True; False here so that nothing changes by default).
+      True; False here, deliberately: a run saved before the setting existed resumes with the
+      objective it was trained with, see docs/design.md, "Loss peers").
+    loss_type: TRL 1.16's loss_type (grpo, dr_grpo, bnpo, dapo, cispo, sapo, luspo, vespo), or
+      None (default): sets ``objective`` and ``aggregation`` to the pair it names
+      (TRL_LOSS_TYPES) and is then None again, so the config (and a checkpoint's fingerprint)
+      is the one of that pair. Refused when ``objective`` or ``aggregation`` is set to another
+      value than its default and the pair's.
   """
   aggregation: str = 'token'
   epsilon_low: float = 0.2
@@ -266,17 +275,21 @@ class GRPOLossConfig:
   vespo_lambda_neg: float = 2.0
   top_entropy_quantile: float = 1.0
   use_bias_correction_kl: bool = False
+  loss_type: Optional[str] = None
 
   def __post_init__(self):
     p = 'loss.'
-    # TRL's loss_type names both; say which pair of ours it is.
-    trl = ({'aggregation': self.aggregation} if self.aggregation in TRL_OBJECTIVE_AGGREGATION
-           else {'objective': self.objective} if self.objective in TRL_AGGREGATION_NAMES else {})
-    for name, value in trl.items():
-      objective = value if value in TRL_OBJECTIVE_AGGREGATION else 'clip'
-      aggregation = {**TRL_AGGREGATION_NAMES, **TRL_OBJECTIVE_AGGREGATION}[value]
-      raise ConfigError(f"{p}{name}={value!r} is TRL's loss_type {value!r}; here set "
-                        f'{p}objective={objective!r} and {p}aggregation={aggregation!r}.')
+    if self.loss_type is not None:
+      self._set_trl_loss_type(p)
+    # TRL's loss_type names both; say which setting takes it (TRL's names of aggregations:
+    # _one_of's hint).
+    for name, ours in (('aggregation', GRPO_AGGREGATIONS + tuple(TRL_AGGREGATION_NAMES)),
+                       ('objective', GRPO_OBJECTIVES)):
+      value = getattr(self, name)
+      if value in TRL_LOSS_TYPES and value not in ours:
+        raise ConfigError(f"{p}{name}={value!r} is TRL's loss_type {value!r}; set "
+                          f'{p}loss_type={value!r} (objective={TRL_LOSS_TYPES[value][0]!r}, '
+                          f'aggregation={TRL_LOSS_TYPES[value][1]!r}).')
     _one_of(self, 'aggregation', GRPO_AGGREGATIONS, p, aliases=TRL_AGGREGATION_NAMES)
     _one_of(self, 'objective', GRPO_OBJECTIVES, p)
     for name in ('sapo_temperature_pos', 'sapo_temperature_neg', 'vespo_lambda_pos',
@@ -307,6 +320,20 @@ class GRPOLossConfig:
     _require(self.delta is None or self.delta > 1.0,
              f'{p}delta must be None or > 1 (an upper cap on the ratio), got {self.delta}.')
     _require(self.beta >= 0, f'{p}beta must be >= 0, got {self.beta}.')
+
+  def _set_trl_loss_type(self, p: str) -> None:
+    """TRL's ``loss_type`` -> ``objective`` and ``aggregation``; ``loss_type`` back to None."""
+    _one_of(self, 'loss_type', tuple(TRL_LOSS_TYPES), p)
+    pair = dict(zip(('objective', 'aggregation'), TRL_LOSS_TYPES[self.loss_type]))
+    for name, value in pair.items():
+      given = getattr(self, name)
+      default = GRPOLossConfig.__dataclass_fields__[name].default
+      _require(given in (value, default),
+               f'{p}loss_type={self.loss_type!r} means {p}objective={pair["objective"]!r} with '
+               f'{p}aggregation={pair["aggregation"]!r}, but {p}{name}={given!r} is set; drop '
+               f'one of the two.')
+      object.__setattr__(self, name, value)
+    object.__setattr__(self, 'loss_type', None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -348,11 +348,18 @@ def test_grpo_loop_uses_normalize_then_sum():
 
 @pytest.mark.parametrize('kwargs,message', [
     (dict(objective='ppo'), r"loss.objective='ppo' is not a known value.*'clip', 'cispo'"),
-    (dict(objective='luspo'), r"loss.objective='luspo' is TRL's loss_type 'luspo'; here set "
-                              r"loss.objective='clip' and loss.aggregation='sequence_sum'"),
-    (dict(aggregation='vespo'), r"loss.aggregation='vespo' is TRL's loss_type 'vespo'; here set "
-                                r"loss.objective='vespo' and loss.aggregation='token'"),
+    (dict(objective='luspo'), r"loss.objective='luspo' is TRL's loss_type 'luspo'; set "
+                              r"loss.loss_type='luspo' \(objective='clip', "
+                              r"aggregation='sequence_sum'\)"),
+    (dict(aggregation='vespo'), r"loss.aggregation='vespo' is TRL's loss_type 'vespo'; set "
+                                r"loss.loss_type='vespo' \(objective='vespo', aggregation='token'"),
     (dict(aggregation='luspo'), r"TRL's 'luspo' is 'sequence_sum' here"),
+    (dict(loss_type='ppo'), r"loss.loss_type='ppo' is not a known value.*'dr_grpo'.*'vespo'"),
+    (dict(loss_type='sapo', aggregation='sequence_sum'),
+     r"loss.loss_type='sapo' means loss.objective='sapo' with loss.aggregation='sequence', but "
+     r"loss.aggregation='sequence_sum' is set; drop one of the two"),
+    (dict(loss_type='dapo', objective='sapo'),
+     r"loss.loss_type='dapo' means loss.objective='clip' .*but loss.objective='sapo' is set"),
     (dict(objective='cispo'), r'loss.epsilon_high=0.2 .*must be >= 1; set loss.epsilon_high=5.0'),
     (dict(sapo_temperature_pos=0.0), r'loss.sapo_temperature_pos must be a finite number > 0'),
     (dict(sapo_temperature_neg=float('inf')), r'loss.sapo_temperature_neg must be a finite'),

@@ -103,6 +103,8 @@ class RunContext:
     stage_cfg.get('optimizer', {}).pop('max_consecutive_nonfinite', None)
     if not stage_cfg.get('reward_funcs', True):
       del stage_cfg['reward_funcs']  # the task's own rewards: as before the setting existed
+    if stage == 'grpo':  # TRL's name of (objective, aggregation), None once they are set
+      stage_cfg['loss'].pop('loss_type', None)
     _drop_later_defaults(stage_cfg, dataclasses.asdict(type(getattr(self.cfg, stage))()))
     data = {} if not self.cfg.data.train else {'data': dataclasses.asdict(self.cfg.data)}
     model = dataclasses.asdict(self.model_cfg)

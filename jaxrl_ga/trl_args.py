@@ -1,0 +1,105 @@
+"""TRL 1.16's ``GRPOConfig`` field names as settings of a run (``api.make_config(trl_args=...)``).
+
+A script ported from TRL keeps its keyword arguments: each name with a 1:1 equivalent here maps
+to one dotted setting (TRL_GRPO_ARGS), its value converted where TRL's spelling differs
+(``scale_rewards=True``, ``max_tool_calling_iterations=None``). A name with no equivalent, or
+none at all, is a ConfigError naming it. ``loss_type`` goes to ``grpo.loss.loss_type``, which
+sets the (objective, aggregation) pair it means (config.TRL_LOSS_TYPES). TRL's
+``use_bias_correction_kl`` default (True) is not applied: only the names given are mapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from jaxrl_ga.errors import ConfigError
+
+# TRL 1.16 GRPOConfig (and its transformers TrainingArguments) name -> our dotted setting.
+TRL_GRPO_ARGS = {
+    'loss_type': 'grpo.loss.loss_type',
+    'beta': 'grpo.loss.beta',
+    'epsilon': 'grpo.loss.epsilon_low',
+    'epsilon_high': 'grpo.loss.epsilon_high',
+    'delta': 'grpo.loss.delta',
+    'importance_sampling_level': 'grpo.loss.importance_level',
+    'entropy_coef': 'grpo.loss.entropy_coef',
+    'sapo_temperature_pos': 'grpo.loss.sapo_temperature_pos',
+    'sapo_temperature_neg': 'grpo.loss.sapo_temperature_neg',
+    'vespo_k_pos': 'grpo.loss.vespo_k_pos',
+    'vespo_lambda_pos': 'grpo.loss.vespo_lambda_pos',
+    'vespo_k_neg': 'grpo.loss.vespo_k_neg',
+    'vespo_lambda_neg': 'grpo.loss.vespo_lambda_neg',
+    'top_entropy_quantile': 'grpo.loss.top_entropy_quantile',
+    'use_bias_correction_kl': 'grpo.loss.use_bias_correction_kl',
+    'vllm_importance_sampling_correction': 'grpo.loss.sampler_is_correction',
+    'vllm_importance_sampling_mode': 'grpo.loss.sampler_is_mode',
+    'vllm_importance_sampling_clip_min': 'grpo.loss.sampler_is_clip_min',
+    'vllm_importance_sampling_clip_max': 'grpo.loss.sampler_is_clip_max',
+    'vllm_importance_sampling_cap': 'grpo.loss.sampler_is_clip_max',  # TRL's deprecated name
+    'off_policy_mask_threshold': 'grpo.loss.off_policy_mask_threshold',
+    'scale_rewards': 'grpo.advantage.scale_rewards',
+    'mask_truncated_completions': 'grpo.advantage.mask_truncated_completions',
+    'multi_objective_aggregation': 'grpo.advantage.multi_objective_aggregation',
+    'num_generations': 'grpo.schedule.num_generations',
+    'steps_per_generation': 'grpo.schedule.steps_per_generation',
+    'num_iterations': 'grpo.schedule.num_iterations',
+    'gradient_accumulation_steps': 'grpo.schedule.grad_accum_steps',
+    'max_completion_length': 'grpo.sampling.max_completion_length',
+    'temperature': 'grpo.sampling.temperature',
+    'top_p': 'grpo.sampling.top_p',
+    'top_k': 'grpo.sampling.top_k',
+    'sync_ref_model': 'grpo.sync_ref_model',
+    'ref_model_sync_steps': 'grpo.ref_model_sync_steps',
+    'ref_model_mixup_alpha': 'grpo.ref_model_mixup_alpha',
+    'max_tool_calling_iterations': 'grpo.max_tool_calls',
+    'max_steps': 'grpo.num_steps',
+    'logging_steps': 'grpo.log_every',
+    'learning_rate': 'grpo.optimizer.learning_rate',
+    'weight_decay': 'grpo.optimizer.weight_decay',
+    'adam_beta1': 'grpo.optimizer.b1',
+    'adam_beta2': 'grpo.optimizer.b2',
+    'adam_epsilon': 'grpo.optimizer.eps',
+    'warmup_steps': 'grpo.optimizer.warmup_steps',
+    'max_grad_norm': 'grpo.optimizer.max_grad_norm',
+    'seed': 'seed',
+}
+
+# TRL's values whose spelling differs from ours: name -> {TRL value: ours}.
+_VALUES = {
+    'scale_rewards': {True: 'group', False: 'none'},
+    'max_tool_calling_iterations': {None: 0},
+}
+
+
+def trl_overrides(trl_args: Mapping[str, Any]) -> dict[str, Any]:
+  """TRL GRPOConfig keyword arguments -> {dotted setting: value} (:func:`api.make_config`'s
+  overrides). ``epsilon`` alone sets both clipping bounds (TRL's ``epsilon_high=None``); two
+  names of the same setting with different values, or a name not in TRL_GRPO_ARGS, raise a
+  one-line ConfigError naming it."""
+  out, source = {}, {}
+  for name, value in trl_args.items():
+    if name not in TRL_GRPO_ARGS:
+      raise ConfigError(
+          f'trl_args: {name!r} is not a TRL GRPOConfig name this project maps (unknown, or '
+          f'without a 1:1 setting here); set its equivalent among the run\'s settings '
+          f'(docs/configuration.md) or drop it. Mapped: {", ".join(sorted(TRL_GRPO_ARGS))}.')
+    if name == 'epsilon_high' and value is None:
+      continue  # TRL's default: epsilon's value (below)
+    if name in _VALUES and _hashable(value) and value in _VALUES[name]:
+      value = _VALUES[name][value]
+    setting = TRL_GRPO_ARGS[name]
+    if setting in out and out[setting] != value:
+      raise ConfigError(f'trl_args: {source[setting]}={trl_args[source[setting]]!r} and '
+                        f'{name}={trl_args[name]!r} both set {setting}; give one.')
+    out[setting], source[setting] = value, name
+  if 'epsilon' in trl_args and trl_args.get('epsilon_high') is None:
+    out['grpo.loss.epsilon_high'] = trl_args['epsilon']
+  return out
+
+
+def _hashable(value: Any) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
