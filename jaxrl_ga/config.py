@@ -196,6 +196,11 @@ def _check_sampler_is(cfg: 'GRPOLossConfig', p: str) -> None:
                 and lo is None and hi is None),
            f'{p}sampler_is_mode={cfg.sampler_is_mode!r} needs {p}sampler_is_clip_min or '
            f'{p}sampler_is_clip_max; set one (TRL\'s default C_max is 3.0).')
+  _require(not (cfg.sampler_is_correction and cfg.objective == 'vespo'
+                and cfg.sampler_is_mode.startswith('sequence')),
+           f"{p}sampler_is_mode={cfg.sampler_is_mode!r} with {p}objective='vespo': VESPO folds "
+           f"the sampler's ratio into its own sequence ratio per token (TRL 1.16 refuses the "
+           f"sequence modes too); set {p}sampler_is_mode='token_truncate' or 'token_mask'.")
   t = cfg.off_policy_mask_threshold
   _require(t is None or (_is_number(t) and t >= 0),
            f'{p}off_policy_mask_threshold={t!r} must be None or a number >= 0 (a mean KL in '

@@ -251,23 +251,33 @@ def entropy_threshold(entropy: Array, mask: Array, top_quantile: float) -> Array
 
 
 def vespo_weights(token_log_ratio: Array, mask: Array, advantages: Array,
-                  cfg: GRPOLossConfig) -> Array:
+                  cfg: GRPOLossConfig, sampler_ratio: Optional[Array] = None) -> Array:
   """VESPO's per-sequence Gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1), with w
   the sequence's importance ratio exp(sum_t m * (logp - old)), as TRL 1.16 computes it
   (GRPOTrainer.get_gamma_weights: token log-ratios clipped to +-20, log w to [log 1e-8, 20],
   k and lambda by the sign of A (A >= 0: the _pos pair), non-finite phi -> 0). No gradient.
+
+  With the sampler-side correction (a token mode; TRL refuses the sequence modes with vespo) TRL
+  folds its ratio into w instead of multiplying the loss by it: log w gains
+  sum_t clip(log w_is_t, log 1e-8, 20) (a masked token's 0 counts as 1e-8). The sum runs over
+  the valid tokens; TRL's runs over the padding too, whose ratio is 1 (log 0) unless
+  1 is outside [C_min, C_max].
 
   Args:
     token_log_ratio: [B, T] logp - old (0 at masked positions).
     mask: [B, T] in {0, 1}.
     advantages: [B].
     cfg: the loss configuration (vespo_k_pos, ...).
+    sampler_ratio: [B, T] the sampler-side IS ratio (:func:`sampler_is_ratio`), or None.
 
   Returns:
     [B, 1] float32 weights.
   """
   token_log_ratio = jax.lax.stop_gradient(token_log_ratio)
   seq = jnp.sum(jnp.clip(token_log_ratio, -20.0, 20.0) * mask, axis=-1, keepdims=True)  # [B, 1]
+  if sampler_ratio is not None:
+    log_is = jnp.clip(jnp.log(jax.lax.stop_gradient(sampler_ratio)), np.log(1e-8), 20.0)
+    seq = seq + jnp.sum(jnp.where(mask > 0, log_is, 0.0), axis=-1, keepdims=True)
   log_w = jnp.clip(seq, np.log(1e-8), 20.0)
   nonneg = advantages[:, None] >= 0  # [B, 1]
   k = jnp.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
@@ -309,6 +319,27 @@ def sft_loss(logps: Array, mask: Array) -> LossTerms:
 # ---------------------------------------------------------------------------------------------
 
 
+def sampler_is_ratio(old_logps: Array, sampler_logps: Array, mask: Array, cfg: GRPOLossConfig):
+  """TRL 1.16's vllm importance-sampling ratio (cfg.sampler_is_mode): with d = old - sampler per
+  valid token (0 elsewhere), exp(d) per token or exp(sum_t d) per row, clipped to
+  [C_min, C_max] ('*_truncate') or 0 outside it ('*_mask'). No gradient.
+
+  Returns:
+    (ratio [B, T] or [B, 1], d [B, T], the masked entries (bool, like ratio) or None).
+  """
+  diff = jnp.where(mask > 0, jax.lax.stop_gradient(old_logps) - sampler_logps, 0.0)  # [B, T]
+  sequence = cfg.sampler_is_mode.startswith('sequence')
+  log_ratio = jnp.sum(diff, axis=-1, keepdims=True) if sequence else diff  # [B, 1] or [B, T]
+  ratio = jnp.exp(log_ratio)
+  lo, hi = cfg.sampler_is_clip_min, cfg.sampler_is_clip_max
+  lo = -jnp.inf if lo is None else lo
+  hi = jnp.inf if hi is None else hi
+  if cfg.sampler_is_mode.endswith('_truncate'):
+    return jnp.clip(ratio, lo, hi), diff, None
+  out = (ratio < lo) | (ratio > hi)
+  return jnp.where(out, 0.0, ratio), diff, out
+
+
 def sampler_weights(logps: Array, old_logps: Array, sampler_logps: Array, advantages: Array,
                     mask: Array, cfg: GRPOLossConfig):
   """The weight of each token's policy term from the sampler's log-probs (TRL 1.16's
@@ -320,7 +351,9 @@ def sampler_weights(logps: Array, old_logps: Array, sampler_logps: Array, advant
   clipped to [C_min, C_max] ('*_truncate') or set to 0 outside it ('*_mask'). Off-policy mask
   (cfg.off_policy_mask_threshold = delta): a row is kept when its advantage is >= 0 or the mean
   over its tokens of (sampler - logps) is <= delta, and dropped (weight 0) otherwise. Neither
-  changes the mask: a token weighted 0 still counts in the normalizer, as in TRL.
+  changes the mask: a token weighted 0 still counts in the normalizer, as in TRL. With
+  cfg.objective 'vespo' the IS ratio is left out of the weight: TRL folds it into VESPO's
+  sequence ratio instead (:func:`vespo_weights`).
 
   Args:
     logps: [B, T] current log-probs (only their value is read).
@@ -349,18 +382,8 @@ def sampler_weights(logps: Array, old_logps: Array, sampler_logps: Array, advant
     rows = jnp.ones(keep.shape, jnp.float32)
     means['sampling/off_policy_masked_fraction'] = _masked_pair(1.0 - keep, rows)
   if cfg.sampler_is_correction:
-    diff = jnp.where(valid, sg(old_logps) - sampler_logps, 0.0)  # [B, T]
+    ratio, diff, out = sampler_is_ratio(old_logps, sampler_logps, mask, cfg)
     sequence = cfg.sampler_is_mode.startswith('sequence')
-    log_ratio = jnp.sum(diff, axis=-1, keepdims=True) if sequence else diff  # [B, 1] or [B, T]
-    ratio = jnp.exp(log_ratio)
-    lo, hi = cfg.sampler_is_clip_min, cfg.sampler_is_clip_max
-    lo = -jnp.inf if lo is None else lo
-    hi = jnp.inf if hi is None else hi
-    if cfg.sampler_is_mode.endswith('_truncate'):
-      ratio = jnp.clip(ratio, lo, hi)
-    else:
-      out = (ratio < lo) | (ratio > hi)
-      ratio = jnp.where(out, 0.0, ratio)
     # TRL's metrics: over the valid tokens, or over every row in the sequence modes.
     over = jnp.ones(ratio.shape, jnp.float32) if sequence else mask
     if cfg.sampler_is_mode.endswith('_mask'):
@@ -373,7 +396,8 @@ def sampler_weights(logps: Array, old_logps: Array, sampler_logps: Array, advant
     name = 'sampling/sampling_logp_difference/'
     means[name + 'mean'] = _masked_pair(jnp.abs(diff), mask)
     maxes[name + 'max'] = _masked_max(jnp.abs(diff), mask)
-    weight = weight * sg(ratio)
+    if cfg.objective != 'vespo':  # VESPO folds it into its w (vespo_weights), as TRL
+      weight = weight * sg(ratio)
   # 0 off the mask: a sequence ratio broadcast there may be inf, and 0 * inf is nan, also in
   # the backward of the masked sums.
   return jnp.where(valid, weight, 0.0), means, mins, maxes
@@ -498,7 +522,10 @@ def grpo_loss(logps: Array,
     tau = jnp.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, T]
     per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
   elif cfg.objective == 'vespo':
-    phi = vespo_weights(token_log_ratio, mask, advantages, cfg)  # [B, 1]
+    sampler_ratio = None  # TRL folds the sampler-side ratio into w (token modes only)
+    if cfg.sampler_is_correction and sampler_logps is not None:
+      sampler_ratio = sampler_is_ratio(old_logps, _f32(sampler_logps), mask, cfg)[0]
+    phi = vespo_weights(token_log_ratio, mask, advantages, cfg, sampler_ratio)  # [B, 1]
     per_token = -phi * adv * jnp.where(valid, logps, 0.0)
     mean_metrics['vespo/phi_seq_mean'] = (jnp.sum(phi), jnp.asarray(shape[0], jnp.float32))
   else:

@@ -28,14 +28,19 @@ def ref_ratios(logps, old, mask, level):
   return out
 
 
-def ref_vespo_phi(logps, old, mask, adv, cfg):
+def ref_vespo_phi(logps, old, mask, adv, cfg, sampler_ratio=None):
   """[B] VESPO's Gamma weight of each sequence (VESPO paper, arXiv 2602.10693, with TRL 1.16's
   clipping, GRPOTrainer.get_gamma_weights): phi(w) = exp(lambda + k log w - lambda w), w the
-  product of the token ratios, k and lambda those of the advantage's sign (A >= 0: _pos)."""
+  product of the token ratios, k and lambda those of the advantage's sign (A >= 0: _pos).
+  ``sampler_ratio`` [B, T]: the sampler-side token IS ratios, whose logs (clipped to
+  [log 1e-8, 20], a 0 counting as 1e-8) TRL adds to log w."""
   out = np.zeros(logps.shape[0])
   for i in range(logps.shape[0]):
     s = sum(min(max(float(logps[i, t]) - float(old[i, t]), -20.0), 20.0)
             for t in range(logps.shape[1]) if mask[i, t] > 0)
+    if sampler_ratio is not None:
+      s += sum(min(max(math.log(max(float(sampler_ratio[i, t]), 1e-300)), math.log(1e-8)), 20.0)
+               for t in range(logps.shape[1]) if mask[i, t] > 0)
     log_w = min(max(s, math.log(1e-8)), 20.0)
     pos = float(adv[i]) >= 0
     k = cfg.vespo_k_pos if pos else cfg.vespo_k_neg
@@ -53,20 +58,21 @@ def ref_entropy_keep(ent, mask, rho):
 
 
 def ref_per_token(logps, old, adv, mask, cfg, ref=None, ent=None, frozen=None, keep=None,
-                  weights=None):
+                  weights=None, vespo_sampler_ratio=None):
   """[B, T] per-token GRPO loss (0 at masked positions), cfg.objective written out per paper:
   clip (PPO/GRPO), cispo (MiniMax-M1, arXiv 2506.13585), sapo (arXiv 2511.20347), vespo
   (arXiv 2602.10693). ``frozen``: the log-probs of the stop-gradient factors (CISPO's capped
   ratio, VESPO's phi), held fixed when finite differences move ``logps``; default ``logps``.
   ``keep``: top_entropy_quantile's token selection (ref_entropy_keep), on the policy term and
   the entropy bonus, not the KL. ``weights`` [B, T] multiply the policy term only (the
-  sampler-side weights of ref_sampler_weights)."""
+  sampler-side weights of ref_sampler_weights); ``vespo_sampler_ratio``: the sampler-side
+  token ratios VESPO folds into its w (ref_vespo_phi)."""
   frozen = logps if frozen is None else frozen
   ratios = ref_ratios(logps, old, mask, cfg.importance_level)
   frozen_ratios = ref_ratios(frozen, old, mask, cfg.importance_level)
   objective = getattr(cfg, 'objective', 'clip')
   if objective == 'vespo':
-    phi = ref_vespo_phi(frozen, old, mask, adv, cfg)
+    phi = ref_vespo_phi(frozen, old, mask, adv, cfg, vespo_sampler_ratio)
   out = np.zeros(logps.shape)
   for i in range(logps.shape[0]):
     a = float(adv[i])

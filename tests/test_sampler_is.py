@@ -1,7 +1,9 @@
 """Sampler-side importance sampling (loss.sampler_is_*) and the off-policy sequence mask
 (loss.off_policy_mask_threshold) mean what TRL 1.16 means (issue 45).
 
-Two independent references for each of TRL's four modes: (a) the weights and the window loss
+VESPO (TRL's loss_type='vespo', token modes) folds the token ratio into its sequence weight
+instead of multiplying the loss by it (the vespo_* cases). Two independent references for each
+of TRL's four modes: (a) the weights and the window loss
 written out in float64 (tests/loss_refs.py, ref_sampler_weights), differentiated by finite
 differences in one pass over the window; (b) TRL's own code, run by
 tests/fixtures/make_trl_is_fixtures.py in a separate venv (tests/fixtures/trl_is.npz: its loss,
@@ -11,6 +13,7 @@ size, the learner's way (sum numerator gradients, divide once).
 """
 
 import ast
+import dataclasses
 import os
 
 import numpy as np
@@ -25,7 +28,6 @@ from loss_refs import (L_MAX, accumulated, fd_grad, ref_per_token, ref_sampler_w
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'trl_is.npz')
 SPLIT = (3, 2, 3)  # K = 3 micro-batches of the 8-row window
 RTOL = 1e-5
-AGGREGATION = {'dapo': 'token', 'grpo': 'sequence'}  # TRL's loss_type -> ours
 
 
 def rel(a, b):
@@ -47,7 +49,7 @@ def case(name):
   spec = ast.literal_eval(str(FIX[f'{name}/config'][0]))
   eps_low, eps_high = FIX['epsilon']
   cfg = GRPOLossConfig(
-      aggregation=AGGREGATION[spec['loss_type']], epsilon_low=float(eps_low),
+      loss_type=spec['loss_type'], epsilon_low=float(eps_low),
       epsilon_high=float(eps_high), beta=spec['beta'],
       sampler_is_correction=bool(spec['mode']), sampler_is_mode=spec['mode'] or 'sequence_mask',
       sampler_is_clip_min=spec['clip_min'], sampler_is_clip_max=spec['clip_max'],
@@ -73,10 +75,16 @@ def reference(batch, cfg):
   """(float64 one-pass loss, its gradient by finite differences, the metrics): the weights
   are data, computed once at the given log-probs."""
   b64 = {k: np.asarray(v, np.float64) for k, v in batch.items()}
-  w, metrics = ref_sampler_weights(b64['logps'], b64['old'], b64['sampler'], b64['adv'],
-                                   b64['mask'], cfg)
+  weights = lambda c: ref_sampler_weights(b64['logps'], b64['old'], b64['sampler'], b64['adv'],
+                                          b64['mask'], c)
+  w, metrics = weights(cfg)
+  vespo_ratio = None
+  if cfg.objective == 'vespo':  # TRL: the IS ratio goes into VESPO's w, not onto the loss
+    vespo_ratio = weights(dataclasses.replace(cfg, off_policy_mask_threshold=None))[0]
+    w = weights(dataclasses.replace(cfg, sampler_is_correction=False))[0]
   loss = lambda lp: ref_window_loss(
-      ref_per_token(lp, b64['old'], b64['adv'], b64['mask'], cfg, ref=b64['ref'], weights=w),
+      ref_per_token(lp, b64['old'], b64['adv'], b64['mask'], cfg, ref=b64['ref'], weights=w,
+                    frozen=b64['logps'], vespo_sampler_ratio=vespo_ratio),
       b64['mask'], cfg.aggregation)
   return loss(b64['logps']), fd_grad(loss, b64['logps']), metrics
 
@@ -102,7 +110,7 @@ def test_accumulated_gradient_equals_float64_and_trl(name):
     assert any('metric/' + k in trl for k in want_metrics)
 
 
-@pytest.mark.parametrize('name', [c for c in CASES if not c.startswith('opsm_dapo')])
+@pytest.mark.parametrize('name', [c for c in CASES if not c.startswith(('opsm_dapo', 'vespo'))])
 def test_weights_are_trls_ratio(name):
   """The per-token weight equals TRL's IS ratio (broadcast per row in the sequence modes) at
   every valid token, and the masked share counts TRL's zeros; the cases really clip or mask."""
@@ -155,6 +163,8 @@ def test_off_by_default_and_needs_sampler_logps():
     (dict(sampler_is_correction=True, sampler_is_mode='token_truncate',
           sampler_is_clip_max=None), "loss.sampler_is_mode='token_truncate' needs"),
     (dict(off_policy_mask_threshold=-0.5), 'loss.off_policy_mask_threshold=-0.5 must be'),
+    (dict(loss_type='vespo', sampler_is_correction=True),
+     "loss.sampler_is_mode='sequence_mask' with loss.objective='vespo': VESPO folds"),
 ])
 def test_bad_settings_are_one_line_errors(kwargs, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(')) as e:
