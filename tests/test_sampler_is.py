@@ -172,6 +172,18 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
   assert '\n' not in str(e.value)
 
 
+def test_trl_error_at_k3_s2():
+  """TRL's own accumulation at K = 3, S = 2 (make_trl_is_fixtures.k3_s2_error, TRL's code on a
+  window spanning two rollouts, against TRL's code on the window at once), for docs/design.md:
+  with dapo's normalizer (the rollout's tokens x K/S) every mode is off; grpo's per-row means
+  over equal micro-batches are exact."""
+  for mode in ('token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'):
+    dapo, grpo = (FIX[f'k3_s2_error/{mode}_{t}'] for t in ('dapo', 'grpo'))
+    print(f'TRL K=3 S=2 {mode}: dapo {dapo.mean():.3f} mean, {dapo.max():.3f} max; '
+          f'grpo {grpo.max():.1e} max')
+    assert len(dapo) == 5 and dapo.min() > 1e-2 and grpo.max() < 1e-9
+
+
 def test_sampler_old_logprobs_are_refused():
   with pytest.raises(ConfigError, match="old_logprob_source='sampler': the old log-probs"):
     GRPOConfig(loss=GRPOLossConfig(sampler_is_correction=True),
