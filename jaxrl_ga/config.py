@@ -221,7 +221,7 @@ class GRPOLossConfig:
       too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row) or
       'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
       the per-micro-batch normalization bug, docs/design "Why per-micro-batch normalization is
-      wrong"). TRL's names are accepted as aliases.
+      wrong"). TRL's names of these: ``loss_type``.
     epsilon_low, epsilon_high: ratio clipping to [1 - epsilon_low, 1 + epsilon_high]
     delta: optional upper cap on the ratio for negative advantages (two-sided clipping).
     importance_level: 'token' ratios, or 'sequence' (GSPO: the length-normalized sequence ratio).
@@ -244,7 +244,7 @@ class GRPOLossConfig:
       or TRL 1.16's 'cispo' (ratio capped at epsilon_high, stop-gradient, times A log pi),
       'sapo' (soft sigmoid gate) or 'vespo' (a Gamma weight of the sequence ratio). TRL's
       loss_type='cispo'/'vespo' is this with aggregation 'token', 'sapo' with 'sequence', and
-      'luspo' is objective 'clip' with aggregation 'sequence_sum'.
+      'luspo' is objective 'clip' with aggregation 'sequence_sum' (``loss_type`` sets both).
     sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for A > 0 and A <= 0.
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weight
       phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 and A < 0.
