@@ -22,6 +22,8 @@ done; the tools run on the host while the device decodes. When no slot can decod
 the first future. A row's episode ends when the host answers None (``ended_with_eos`` True: its
 last model token is EOS), when it reaches the buffer's L positions (truncated), or when an
 answer would not leave room for one more model token (truncated: the answer is not written).
+A turn cut at L never reaches ``submit``; it goes to the interaction's optional ``close``, so
+the host sees every model turn of every row from the engine.
 
 Per-row state and RNG: row i's completion position s draws with ``sampling.row_keys`` (a key of
 its row and position only), so an episode's tokens do not depend on its slot, on P, on the
@@ -63,6 +65,11 @@ class Interaction(Protocol):
     row's context (the tool turn as the chat template renders it plus the next assistant header)
     and continue decoding, or None: the episode ends. Never raises (tool errors are the
     host's)."""
+
+  # Optional: ``close(row, turn_tokens) -> None``, the row's last turn when it ended the episode
+  # without reaching ``submit``: cut at the length limit (or ended at EOS with no position left),
+  # so no answer can follow; called once, from the runner's thread, before ``run`` returns. With
+  # it the host has seen every model turn of every row (``tools.Episodes.close``).
 
 
 @flax.struct.dataclass
@@ -256,6 +263,9 @@ class EpisodeRunner:
                                          top_p)
     n, length = state.pool.tokens.shape
     turn_start = np.zeros(n, np.int64)  # the first position of each row's current model turn
+    # Rows whose last turn the host has seen: answered None, answered past the limit, or closed.
+    seen_last = np.zeros(n, bool)
+    close = getattr(interaction, 'close', None)
     pending: dict[int, concurrent.futures.Future] = {}
     inject_tokens = np.zeros((n, length), np.int32)
     inject_len = np.zeros(n, np.int32)
@@ -266,10 +276,15 @@ class EpisodeRunner:
           (state.waiting, state.over, state.length, state.pool.active, state.pool.row,
            state.pool.next_row)))
       new = [int(r) for r in np.flatnonzero(waiting) if int(r) not in pending]
-      if new:
+      cut = np.flatnonzero(over & ~seen_last)  # truncated at L: their last turn never submitted
+      seen_last[cut] = True
+      cut = cut if close is not None else cut[:0]
+      if new or cut.size:
         tokens = np.asarray(jax.device_get(state.pool.tokens))
         for r in new:
           pending[r] = interaction.submit(r, tokens[r, turn_start[r]:lengths[r]].copy())
+        for r in cut:
+          close(int(r), tokens[r, turn_start[r]:lengths[r]].copy())
       if over.all():
         break
       inject_len[:] = 0
@@ -281,6 +296,7 @@ class EpisodeRunner:
           answers += 1
           if answer is None:
             inject_len[r] = -1
+            seen_last[r] = True
             continue
           answer = np.asarray(answer, np.int32).reshape(-1)
           if not answer.size:
@@ -288,6 +304,7 @@ class EpisodeRunner:
                              'end the episode.')
           start_at = int(lengths[r])
           inject_len[r] = answer.size
+          seen_last[r] = start_at + answer.size >= length  # no room: _inject ends it truncated
           fits = answer[:max(length - start_at, 0)]
           inject_tokens[r, start_at:start_at + fits.size] = fits
           turn_start[r] = start_at + answer.size
@@ -317,7 +334,7 @@ class EpisodeRunner:
 
 def model_turns(tokens: np.ndarray, model_mask: np.ndarray) -> list[np.ndarray]:
   """A multi-turn row's assistant turns: its runs of policy-sampled tokens (model mask 1), in
-  order (what ``tools.Episodes.finish`` records of turns never submitted)."""
+  order (what the held-out evaluation hands ``finish``)."""
   cuts = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(model_mask) > 0, [0]]).astype(
       np.int8)))
   return [np.asarray(tokens)[a:b] for a, b in zip(cuts[::2], cuts[1::2])]

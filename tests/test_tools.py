@@ -152,6 +152,30 @@ def test_a_tool_turn_is_chatml_and_the_episode_ends_without_a_call(tok):
   assert m['tools/call_frequency'] == 1 and m['tools/calling_turns_per_episode'] == 1
 
 
+def test_a_turn_cut_at_the_limit_is_closed_as_the_last_turn_its_calls_not_run(tok):
+  """The engine hands a last turn cut at the length limit to ``close`` (no answer can follow):
+  it is the row's last assistant turn, and its calls, even complete ones, are not run."""
+  ran = []
+
+  def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+      a: the first term.
+      b: the second term.
+    """
+    ran.append((a, b))
+    return a + b
+
+  ep = _setup(tools=[add]).episodes(tok, [Example('What is 3+4?', '7')])
+  assert ep.submit(0, _turn(tok, _call('add', a=3, b=4))).result(5) is not None
+  cut = _call('add', a=7, b=0) + ' The answer is'
+  ep.close(0, _turn(tok, cut, eos=False))
+  assert [m['role'] for m in ep.completion_messages(0)] == ['assistant', 'tool', 'assistant']
+  assert ep.final_text(0) == cut and ran == [(3, 4)]
+  assert ep.metrics()['tools/calls_per_episode'] == 1
+
+
 def test_calls_of_a_rollout_run_concurrently(tok):
   spans = []
   lock = threading.Lock()
