@@ -188,15 +188,17 @@ def _what(setting: str) -> str:
   return 'prompt' if setting.endswith('prompt_length') else 'sequence'
 
 
-def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
+def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs, tool_setup=None):
   """data.build_task, each process checking the rows at the data positions it trains on
   (``Stage.owned_positions``: GRPO's, rollout.local_prompts); a row refused on one process stops
-  every process."""
+  every process. An environment with ``get_reward`` (``tool_setup``) is a reward source."""
   owns = lambda position: True
   for stage in registry.of_run(cfg):
     owns = stage.owned_positions(cfg, mesh) or owns
+  environment_reward = None if tool_setup is None else bool(tool_setup.reward_functions())
   return stage_lib.on_every_process('data.train: a row is refused', lambda: data.build_task(
-      cfg, train_dataset, eval_dataset, reward_funcs, owns=owns))
+      cfg, train_dataset, eval_dataset, reward_funcs, owns=owns,
+      environment_reward=environment_reward))
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -213,10 +215,10 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   meshes = sharding.role_meshes(cfg.mesh)
   mesh = meshes['actor']
   validate_against_mesh(cfg, mesh, meshes)
-  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
-  reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
   tool_setup = (tools_lib.build(cfg.grpo, tools, environment_factory)
                 if 'grpo' in cfg.stages else None)
+  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs, tool_setup)
+  reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
   if tool_setup is not None:  # each environment's get_reward: a reward named after its class
     tools_lib.add_rewards(task, tool_setup)
   if metric is None and cfg.eval.metric:

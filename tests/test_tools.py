@@ -416,6 +416,27 @@ def test_environment_rewards_join_the_tasks_and_its_dry_call_gets_episode_column
     tools.add_rewards(Clash(), setup)
 
 
+def test_an_environment_with_get_reward_may_be_the_only_reward_source():
+  """TRL 1.16's rule (GRPOTrainer: "No reward source provided" unless reward_funcs or an
+  environment with get_reward): rows without grpo.reward_funcs train on the environment's reward;
+  an environment without get_reward, or none, is still refused, in one line."""
+  from jaxrl_ga import api, sharding  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': f'What is {i}+1?', 'answer': str(i + 1)} for i in range(20)]
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{'grpo.reward_funcs': ''})
+  mesh = sharding.role_meshes(cfg.mesh)['actor']
+  build = lambda setup: api._build_task(cfg, mesh, rows, None, None, setup)  # pylint: disable=protected-access
+  setup = _setup(environment=Calc)
+  task = build(setup)
+  tools.add_rewards(task, setup)
+  assert [r.name for r in task.reward_functions()] == ['Calc']
+  for setup, hint in ((_setup(environment=Echo), True), (None, False)):
+    with pytest.raises(ConfigError) as e:
+      build(setup)
+    assert str(e.value).startswith('data.train needs reward functions: set grpo.reward_funcs=')
+    assert ('get_reward()' in str(e.value)) == hint and '\n' not in str(e.value)
+
+
 def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):
   sys.path.insert(0, os.path.join(ROOT, 'examples'))
   try:
