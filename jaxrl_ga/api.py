@@ -75,7 +75,7 @@ def validate_against_mesh(cfg, mesh, meshes=None) -> None:
 LENGTH_CHECK_ROWS = 20000
 
 
-def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_setup=None
                      ) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
   your data every row, up to LENGTH_CHECK_ROWS, each process measuring its own and the longest
@@ -85,8 +85,10 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   held-out set; a generated task: the sample and its bound, when it has one,
   ``task.max_prompt_length``) rounded up to stage.PROMPT_WIDTH_MULTIPLE; a stage's own lengths
   of 0 the same from your rows (``_choose_lengths``; ``Stage.length_limits`` says what each must
-  hold). -> (cfg with those lengths, {setting: the longest prompt or sequence} of each length
-  chosen so)."""
+  hold). With tools or an environment (``tool_setup``, jaxrl_ga.tools) a prompt is measured as
+  its episode's too (``ToolSetup.prompt_ids``: the tools announced, the environment's reset
+  text appended; ``reset`` runs once per measured row). -> (cfg with those lengths, {setting:
+  the longest prompt or sequence} of each length chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   stages = _sampling_stages(cfg)
@@ -106,8 +108,10 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
     # This process's rows (every one with a width of 0; the union over processes is the whole
     # first epoch, every row); the longest is taken over all processes.
     train = task.first_epoch(cfg.seed, None if from_data else LENGTH_CHECK_ROWS)
-  longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
-  prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
+  longest = lambda examples, size: max((size(e) for e in examples), default=0)
+  prompt = lambda e: len(text.encode_prompt(tokenizer, e.prompt))  # as the trainers encode them
+  if tool_setup is not None:  # GRPO's episodes' prompts; the single-turn evaluation's too
+    prompt = lambda e, plain=prompt: max(plain(e), len(tool_setup.prompt_ids(tokenizer, e)))
   prompt_eval = longest(held_out, prompt)
   prompt_train = int(placement.per_process(longest(train, prompt)).max())
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
@@ -262,7 +266,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
-  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
+  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg, tool_setup=tool_setup)
   for setting, longest in chosen_widths.items():
     stage = registry.get(setting.split('.')[0])
     if jax.process_index() == 0 and stage.announces_chosen_lengths:

@@ -258,6 +258,12 @@ class ToolSetup:
       fields['environments'] = instances
     return fields
 
+  def prompt_ids(self, tokenizer, example) -> list[int]:
+    """The token ids of ``example``'s episode prompt (:meth:`Episodes.prompt_ids`: the tools
+    announced, its environment reset with it and the reset text appended): what
+    api.validate_lengths measures the prompt width with."""
+    return self.episodes(tokenizer, [example]).prompt_ids(0)
+
   def episodes(self, tokenizer, examples: Sequence[Any]) -> 'Episodes':
     """The interaction of one rollout whose rows have ``examples`` (jaxrl_ga.tasks.base.Example,
     row j*B+i at index j*B+i): an environment per row, reset with the row's columns."""

@@ -437,6 +437,39 @@ def test_an_environment_with_get_reward_may_be_the_only_reward_source():
     assert ('get_reward()' in str(e.value)) == hint and '\n' not in str(e.value)
 
 
+def test_the_prompt_width_chosen_holds_the_episodes_prompts(tok):
+  """grpo.sampling.max_prompt_length=0 with an environment: api.validate_lengths measures each
+  prompt as its episode's (the plain tools block, the reset text appended), written out here
+  with the chat template by hand, and chooses it rounded up to 8; an explicit width under it is
+  one line naming the setting."""
+  import json  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, sharding  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': 'What is ' + '1+' * i + '1?', 'answer': str(i + 1)} for i in range(20)]
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.reward_funcs': '', 'grpo.sampling.max_prompt_length': 0})
+  mesh = sharding.role_meshes(cfg.mesh)['actor']
+  setup = _setup(environment=Calc)
+  task = api._build_task(cfg, mesh, rows, None, None, setup)  # pylint: disable=protected-access
+  schema = json.dumps(tools.tool_schema(Calc().add))
+  want = max(len(tok(tok.apply_chat_template(
+      [{'role': 'system', 'content': tools.PLAIN_TOOLS_PROMPT.format(tools=schema)},
+       {'role': 'user', 'content': r['prompt'] + ' Think step by step.'}],
+      add_generation_prompt=True, tokenize=False), add_special_tokens=False)['input_ids'])
+             for r in rows)
+  model_cfg = types.SimpleNamespace(max_position_embeddings=4096)
+  got, chosen = api.validate_lengths(cfg, task, tok, model_cfg, tool_setup=setup)
+  assert chosen['grpo.sampling.max_prompt_length'] == want
+  assert got.grpo.sampling.max_prompt_length == -(-want // 8) * 8
+  plain, _ = api.validate_lengths(cfg, task, tok, model_cfg)  # the prompts alone: narrower
+  assert plain.grpo.sampling.max_prompt_length < want
+  narrow = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.reward_funcs': '', 'grpo.sampling.max_prompt_length': want - 1})
+  with pytest.raises(ConfigError, match=f'max_prompt_length={want - 1}, but .* {want} tokens'):
+    api.validate_lengths(narrow, task, tok, model_cfg, tool_setup=setup)
+
+
 def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):
   sys.path.insert(0, os.path.join(ROOT, 'examples'))
   try:
