@@ -235,8 +235,35 @@ class EpisodeRunner:
                      temperature, top_p, greedy, inject_tokens, inject_len, segment_steps)
 
     self._start_traced = start_fn
-    self.start_fn = jax.jit(start_fn, compiler_options=options)
+    self._options = options
+    self._starts: dict[Any, Any] = {}  # start_fn jitted per (params, prompts) layout
+    # The host's answers [N, L] and their lengths [N]: rows over the mesh's data axes.
+    self.inject_shardings = (shd.batch_sharding(mesh, 2), shd.batch_sharding(mesh, 1))
     self.segment_fn = jax.jit(segment_fn, donate_argnums=(2,), compiler_options=options)
+
+  def _carry(self, params, prompt_tokens, rng) -> tuple:
+    """The start program's output, (layers, queue, state), as ShapeDtypeStructs with the
+    shardings the segment program takes them on (``sampling.place_carry``)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
+    layers, queue, state = jax.eval_shape(self._start_traced, params, prompt_tokens,
+                                          prompt_tokens, rng, scalar, scalar)
+    return sampling.place_carry(params, layers, queue, state, self.mesh)
+
+  def start_fn(self, params, prompt_tokens, prompt_mask, rng, temperature, top_p):
+    """The jitted start program (``start``), its carry laid out as ``abstract_segment_args``
+    says (``params`` on the mesh, NamedShardings), so that ``run``'s segment calls are the
+    program of the table's entry (one jit per layout of ``params`` and the prompts)."""
+    leaves, tree = jax.tree.flatten((params, prompt_tokens, rng))
+    key = tree, tuple((x.shape, x.dtype, getattr(x, 'sharding', None)) for x in leaves)
+    fn = self._starts.get(key)
+    if fn is None:
+      placed = all(isinstance(getattr(x, 'sharding', None), jax.sharding.NamedSharding)
+                   for x in jax.tree.leaves(params))  # else (host arrays): the compiler's layout
+      out = (jax.tree.map(lambda x: x.sharding, self._carry(params, prompt_tokens, rng))
+             if placed else None)
+      fn = self._starts[key] = jax.jit(self._start_traced, compiler_options=self._options,
+                                       out_shardings=out)
+    return fn(params, prompt_tokens, prompt_mask, rng, temperature, top_p)
 
   def abstract_segment_args(self, params, prompt_tokens) -> tuple:
     """``segment_fn``'s arguments as ShapeDtypeStructs with their shardings (the program
@@ -245,20 +272,19 @@ class EpisodeRunner:
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-    layers, queue, state = jax.eval_shape(self._start_traced, params, prompt_tokens,
-                                          prompt_tokens, rng, scalar, scalar)
-    layers, queue, state = sampling.place_carry(params, layers, queue, state, self.mesh)
+    layers, queue, state = self._carry(params, prompt_tokens, rng)
     n = prompt_tokens.shape[0] * self.share
     length = self.sampler.max_completion_length
-    inject = jax.ShapeDtypeStruct((n, length), jnp.int32,
-                                  sharding=shd.batch_sharding(self.mesh, 2))
-    inject_len = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=shd.batch_sharding(self.mesh, 1))
+    inject = jax.ShapeDtypeStruct((n, length), jnp.int32, sharding=self.inject_shardings[0])
+    inject_len = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.inject_shardings[1])
     return (params, layers, state, queue, rng, scalar, scalar, inject, inject_len)
 
   def run(self, params, prompt_tokens, prompt_mask, rng, interaction: Interaction, *,
           temperature: Any = 1.0, top_p: Any = 1.0) -> EpisodeResult:
     """The episodes of N = len(prompt_tokens) * share rows; row r is ``interaction``'s row r."""
-    temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
+    # Scalars and key replicated on the mesh, as abstract_segment_args places them.
+    temperature, top_p, rng = jax.device_put((jnp.float32(temperature), jnp.float32(top_p), rng),
+                                             shd.replicated(self.mesh))
     layers, queue, state = self.start_fn(params, prompt_tokens, prompt_mask, rng, temperature,
                                          top_p)
     n, length = state.pool.tokens.shape
@@ -320,8 +346,11 @@ class EpisodeRunner:
                                 return_when=concurrent.futures.FIRST_COMPLETED)
         wait_s += time.perf_counter() - started
         collect()
+      # On the mesh as the table's abstract arguments place them (abstract_segment_args): the
+      # program plan and fit compile is the one this call runs.
       state = self.segment_fn(params, layers, state, queue, rng, temperature, top_p,
-                              inject_tokens.copy(), inject_len.copy())  # (reused buffers)
+                              *jax.device_put((inject_tokens.copy(), inject_len.copy()),
+                                              self.inject_shardings))  # (reused buffers)
       segments += 1
     pool = state.pool
     completions = sampling.Completions(tokens=pool.tokens, mask=pool.mask,
