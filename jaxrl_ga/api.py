@@ -76,7 +76,7 @@ def validate_against_mesh(cfg, mesh, meshes=None) -> None:
 LENGTH_CHECK_ROWS = 20000
 
 
-def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_setup=None
                      ) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
   your data every row, up to LENGTH_CHECK_ROWS, each process measuring its own and the longest
@@ -86,8 +86,10 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
   held-out set; a generated task: the sample and its bound, when it has one,
   ``task.max_prompt_length``) rounded up to stage.PROMPT_WIDTH_MULTIPLE; a stage's own lengths
   of 0 the same from your rows (``_choose_lengths``; ``Stage.length_limits`` says what each must
-  hold). -> (cfg with those lengths, {setting: the longest prompt or sequence} of each length
-  chosen so)."""
+  hold). With tools or an environment (``tool_setup``, jaxrl_ga.tools) a prompt is measured as
+  its episode's too (``ToolSetup.prompt_ids``: the tools announced, the environment's reset
+  text appended; ``reset`` runs once per measured row). -> (cfg with those lengths, {setting:
+  the longest prompt or sequence} of each length chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
   stages = _sampling_stages(cfg)
@@ -107,8 +109,10 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256
     # This process's rows (every one with a width of 0; the union over processes is the whole
     # first epoch, every row); the longest is taken over all processes.
     train = task.first_epoch(cfg.seed, None if from_data else LENGTH_CHECK_ROWS)
-  longest = lambda examples, ids: max((len(ids(e)) for e in examples), default=0)
-  prompt = lambda e: text.encode_prompt(tokenizer, e.prompt)  # as the trainers encode them
+  longest = lambda examples, size: max((size(e) for e in examples), default=0)
+  prompt = lambda e: len(text.encode_prompt(tokenizer, e.prompt))  # as the trainers encode them
+  if tool_setup is not None:  # GRPO's episodes' prompts; the single-turn evaluation's too
+    prompt = lambda e, plain=prompt: max(plain(e), len(tool_setup.prompt_ids(tokenizer, e)))
   prompt_eval = longest(held_out, prompt)
   prompt_train = int(placement.per_process(longest(train, prompt)).max())
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
@@ -189,15 +193,17 @@ def _what(setting: str) -> str:
   return 'prompt' if setting.endswith('prompt_length') else 'sequence'
 
 
-def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs):
+def _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs, tool_setup=None):
   """data.build_task, each process checking the rows at the data positions it trains on
   (``Stage.owned_positions``: GRPO's, rollout.local_prompts); a row refused on one process stops
-  every process."""
+  every process. An environment with ``get_reward`` (``tool_setup``) is a reward source."""
   owns = lambda position: True
   for stage in registry.of_run(cfg):
     owns = stage.owned_positions(cfg, mesh) or owns
+  environment_reward = None if tool_setup is None else bool(tool_setup.reward_functions())
   return stage_lib.on_every_process('data.train: a row is refused', lambda: data.build_task(
-      cfg, train_dataset, eval_dataset, reward_funcs, owns=owns))
+      cfg, train_dataset, eval_dataset, reward_funcs, owns=owns,
+      environment_reward=environment_reward))
 
 
 def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset=None,
@@ -214,10 +220,10 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   meshes = sharding.role_meshes(cfg.mesh)
   mesh = meshes['actor']
   validate_against_mesh(cfg, mesh, meshes)
-  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs)
-  reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
   tool_setup = (tools_lib.build(cfg.grpo, tools, environment_factory)
                 if 'grpo' in cfg.stages else None)
+  task = _build_task(cfg, mesh, train_dataset, eval_dataset, reward_funcs, tool_setup)
+  reward_model.bind(task.reward_functions(), meshes['rollout'])  # scored where sampled
   if tool_setup is not None:  # each environment's get_reward: a reward named after its class
     tools_lib.add_rewards(task, tool_setup)
   if metric is None and cfg.eval.metric:
@@ -261,7 +267,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
-  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg)
+  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg, tool_setup=tool_setup)
   for setting, longest in chosen_widths.items():
     stage = registry.get(setting.split('.')[0])
     if jax.process_index() == 0 and stage.announces_chosen_lengths:

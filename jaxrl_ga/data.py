@@ -33,7 +33,7 @@ prompt that is neither a string nor a message list, an empty dataset.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from jaxrl_ga import preference
 from jaxrl_ga import reward_model
@@ -51,10 +51,14 @@ from jaxrl_ga.tasks import base
 
 
 def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
-               owns: Callable[[int], bool] = lambda position: True) -> base.Task:
+               owns: Callable[[int], bool] = lambda position: True,
+               environment_reward: Optional[bool] = None) -> base.Task:
   """The run's task: ``data.train`` (or ``train_dataset``) as a DataTask, else the built-in task
   ``task.name``. ``reward_funcs`` (callables, pairs, import strings or reward-model sources,
-  ``jaxrl_ga.reward_model``; default ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO).
+  ``jaxrl_ga.reward_model``; default ``grpo.reward_funcs``) replace a built-in task's rewards; rows need them (for GRPO)
+  unless ``environment_reward``: the run's environment owns a reward (its ``get_reward``,
+  ``tools.ToolSetup.reward_functions``), which TRL 1.16 accepts as the only reward source
+  (False: the run has tools or an environment, none with a reward; None: neither).
 
   Of GRPO's rows, those at the data positions of the first epoch that ``owns`` (default all;
   ``api.build_context``: this process's, ``rollout.local_prompts``) are parsed and checked here;
@@ -88,10 +92,13 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO (stages=grpo), '
                       f'SFT alone (stages=sft) or DPO alone with dpo.pairs=dataset (stages=dpo).')
-  if not rewards:
+  if not rewards and not environment_reward:
+    env = ('' if environment_reward is None else ' (or give grpo.environment a class with '
+           'get_reward(), an environment that owns the reward, as TRL allows)')
     raise ConfigError('data.train needs reward functions: set grpo.reward_funcs='
                       '"module:function[=weight],..." (or a built-in: '
-                      f'{", ".join(rewards_lib.BUILTIN)}), or pass reward_funcs=[...] in Python.')
+                      f'{", ".join(rewards_lib.BUILTIN)}), or pass reward_funcs=[...] in '
+                      f'Python{env}.')
   columns = parse_columns(spec.columns)
   train = prepare(open_rows(train_source, spec.train_split, 'data.train'), columns, 'data.train')
   if eval_source is None:

@@ -22,6 +22,8 @@ done; the tools run on the host while the device decodes. When no slot can decod
 the first future. A row's episode ends when the host answers None (``ended_with_eos`` True: its
 last model token is EOS), when it reaches the buffer's L positions (truncated), or when an
 answer would not leave room for one more model token (truncated: the answer is not written).
+A turn cut at L never reaches ``submit``; it goes to the interaction's optional ``close``, so
+the host sees every model turn of every row from the engine.
 
 Per-row state and RNG: row i's completion position s draws with ``sampling.row_keys`` (a key of
 its row and position only), so an episode's tokens do not depend on its slot, on P, on the
@@ -63,6 +65,11 @@ class Interaction(Protocol):
     row's context (the tool turn as the chat template renders it plus the next assistant header)
     and continue decoding, or None: the episode ends. Never raises (tool errors are the
     host's)."""
+
+  # Optional: ``close(row, turn_tokens) -> None``, the row's last turn when it ended the episode
+  # without reaching ``submit``: cut at the length limit (or ended at EOS with no position left),
+  # so no answer can follow; called once, from the runner's thread, before ``run`` returns. With
+  # it the host has seen every model turn of every row (``tools.Episodes.close``).
 
 
 @flax.struct.dataclass
@@ -228,8 +235,35 @@ class EpisodeRunner:
                      temperature, top_p, greedy, inject_tokens, inject_len, segment_steps)
 
     self._start_traced = start_fn
-    self.start_fn = jax.jit(start_fn, compiler_options=options)
+    self._options = options
+    self._starts: dict[Any, Any] = {}  # start_fn jitted per (params, prompts) layout
+    # The host's answers [N, L] and their lengths [N]: rows over the mesh's data axes.
+    self.inject_shardings = (shd.batch_sharding(mesh, 2), shd.batch_sharding(mesh, 1))
     self.segment_fn = jax.jit(segment_fn, donate_argnums=(2,), compiler_options=options)
+
+  def _carry(self, params, prompt_tokens, rng) -> tuple:
+    """The start program's output, (layers, queue, state), as ShapeDtypeStructs with the
+    shardings the segment program takes them on (``sampling.place_carry``)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
+    layers, queue, state = jax.eval_shape(self._start_traced, params, prompt_tokens,
+                                          prompt_tokens, rng, scalar, scalar)
+    return sampling.place_carry(params, layers, queue, state, self.mesh)
+
+  def start_fn(self, params, prompt_tokens, prompt_mask, rng, temperature, top_p):
+    """The jitted start program (``start``), its carry laid out as ``abstract_segment_args``
+    says (``params`` on the mesh, NamedShardings), so that ``run``'s segment calls are the
+    program of the table's entry (one jit per layout of ``params`` and the prompts)."""
+    leaves, tree = jax.tree.flatten((params, prompt_tokens, rng))
+    key = tree, tuple((x.shape, x.dtype, getattr(x, 'sharding', None)) for x in leaves)
+    fn = self._starts.get(key)
+    if fn is None:
+      placed = all(isinstance(getattr(x, 'sharding', None), jax.sharding.NamedSharding)
+                   for x in jax.tree.leaves(params))  # else (host arrays): the compiler's layout
+      out = (jax.tree.map(lambda x: x.sharding, self._carry(params, prompt_tokens, rng))
+             if placed else None)
+      fn = self._starts[key] = jax.jit(self._start_traced, compiler_options=self._options,
+                                       out_shardings=out)
+    return fn(params, prompt_tokens, prompt_mask, rng, temperature, top_p)
 
   def abstract_segment_args(self, params, prompt_tokens) -> tuple:
     """``segment_fn``'s arguments as ShapeDtypeStructs with their shardings (the program
@@ -238,24 +272,26 @@ class EpisodeRunner:
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-    layers, queue, state = jax.eval_shape(self._start_traced, params, prompt_tokens,
-                                          prompt_tokens, rng, scalar, scalar)
-    layers, queue, state = sampling.place_carry(params, layers, queue, state, self.mesh)
+    layers, queue, state = self._carry(params, prompt_tokens, rng)
     n = prompt_tokens.shape[0] * self.share
     length = self.sampler.max_completion_length
-    inject = jax.ShapeDtypeStruct((n, length), jnp.int32,
-                                  sharding=shd.batch_sharding(self.mesh, 2))
-    inject_len = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=shd.batch_sharding(self.mesh, 1))
+    inject = jax.ShapeDtypeStruct((n, length), jnp.int32, sharding=self.inject_shardings[0])
+    inject_len = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self.inject_shardings[1])
     return (params, layers, state, queue, rng, scalar, scalar, inject, inject_len)
 
   def run(self, params, prompt_tokens, prompt_mask, rng, interaction: Interaction, *,
           temperature: Any = 1.0, top_p: Any = 1.0) -> EpisodeResult:
     """The episodes of N = len(prompt_tokens) * share rows; row r is ``interaction``'s row r."""
-    temperature, top_p = jnp.float32(temperature), jnp.float32(top_p)
+    # Scalars and key replicated on the mesh, as abstract_segment_args places them.
+    temperature, top_p, rng = jax.device_put((jnp.float32(temperature), jnp.float32(top_p), rng),
+                                             shd.replicated(self.mesh))
     layers, queue, state = self.start_fn(params, prompt_tokens, prompt_mask, rng, temperature,
                                          top_p)
     n, length = state.pool.tokens.shape
     turn_start = np.zeros(n, np.int64)  # the first position of each row's current model turn
+    # Rows whose last turn the host has seen: answered None, answered past the limit, or closed.
+    seen_last = np.zeros(n, bool)
+    close = getattr(interaction, 'close', None)
     pending: dict[int, concurrent.futures.Future] = {}
     inject_tokens = np.zeros((n, length), np.int32)
     inject_len = np.zeros(n, np.int32)
@@ -266,10 +302,15 @@ class EpisodeRunner:
           (state.waiting, state.over, state.length, state.pool.active, state.pool.row,
            state.pool.next_row)))
       new = [int(r) for r in np.flatnonzero(waiting) if int(r) not in pending]
-      if new:
+      cut = np.flatnonzero(over & ~seen_last)  # truncated at L: their last turn never submitted
+      seen_last[cut] = True
+      cut = cut if close is not None else cut[:0]
+      if new or cut.size:
         tokens = np.asarray(jax.device_get(state.pool.tokens))
         for r in new:
           pending[r] = interaction.submit(r, tokens[r, turn_start[r]:lengths[r]].copy())
+        for r in cut:
+          close(int(r), tokens[r, turn_start[r]:lengths[r]].copy())
       if over.all():
         break
       inject_len[:] = 0
@@ -281,6 +322,7 @@ class EpisodeRunner:
           answers += 1
           if answer is None:
             inject_len[r] = -1
+            seen_last[r] = True
             continue
           answer = np.asarray(answer, np.int32).reshape(-1)
           if not answer.size:
@@ -288,6 +330,7 @@ class EpisodeRunner:
                              'end the episode.')
           start_at = int(lengths[r])
           inject_len[r] = answer.size
+          seen_last[r] = start_at + answer.size >= length  # no room: _inject ends it truncated
           fits = answer[:max(length - start_at, 0)]
           inject_tokens[r, start_at:start_at + fits.size] = fits
           turn_start[r] = start_at + answer.size
@@ -303,8 +346,11 @@ class EpisodeRunner:
                                 return_when=concurrent.futures.FIRST_COMPLETED)
         wait_s += time.perf_counter() - started
         collect()
+      # On the mesh as the table's abstract arguments place them (abstract_segment_args): the
+      # program plan and fit compile is the one this call runs.
       state = self.segment_fn(params, layers, state, queue, rng, temperature, top_p,
-                              inject_tokens.copy(), inject_len.copy())  # (reused buffers)
+                              *jax.device_put((inject_tokens.copy(), inject_len.copy()),
+                                              self.inject_shardings))  # (reused buffers)
       segments += 1
     pool = state.pool
     completions = sampling.Completions(tokens=pool.tokens, mask=pool.mask,
@@ -317,7 +363,7 @@ class EpisodeRunner:
 
 def model_turns(tokens: np.ndarray, model_mask: np.ndarray) -> list[np.ndarray]:
   """A multi-turn row's assistant turns: its runs of policy-sampled tokens (model mask 1), in
-  order (what ``tools.Episodes.finish`` records of turns never submitted)."""
+  order (what the held-out evaluation hands ``finish``)."""
   cuts = np.flatnonzero(np.diff(np.concatenate([[0], np.asarray(model_mask) > 0, [0]]).astype(
       np.int8)))
   return [np.asarray(tokens)[a:b] for a, b in zip(cuts[::2], cuts[1::2])]

@@ -153,7 +153,8 @@ def fitted_steps(cfg, model_cfg, devices, limit: float, chip: str):
         cfg, model_cfg, devices, remat=remat, logprob_chunk_size=chunk,
         multi_turn=bool(cfg.grpo.tools or cfg.grpo.environment)))  # episodes: jaxrl_ga.tools
     return st, lambda: [(programs_lib.STEP_NAMES[k], v) for k, v in (
-        ('learner', st.learner), ('rollout', st.rollout), ('reorder', st.reorder)) if v is not None]
+        ('learner', st.learner), ('rollout', st.rollout), ('reorder', st.reorder),
+        ('multi_turn', st.others.get('multi_turn'))) if v is not None]
 
   try:
     steps, remat, chunk = fit.choose(

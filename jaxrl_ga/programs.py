@@ -142,7 +142,9 @@ STEP_NAMES = {'learner': 'learner micro-step',
               'generation': 'DPO generation (sampled pairs)',
               'reference': 'reference pass (reference log-probs; GRPO: on a mesh of its own)'}
 # The steps the memory knobs (model.remat, model.logprob_chunk_size) change: what fit compiles.
-FIT_STEPS = ('learner', 'rollout', 'reorder', 'reference')
+# (and a multi-turn run's segment program: no knob changes it, but a run whose pool does not fit
+# stops before the first step, as plan reports it)
+FIT_STEPS = ('learner', 'rollout', 'reorder', 'reference', 'multi_turn')
 DPO_GENERATION_PROMPTS = 32  # prompts per DPO generation call (fixed shape: one compile)
 
 
@@ -416,7 +418,8 @@ def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param
                          **roles) -> GRPOPrograms:
   """``build_grpo_programs`` with the memory knobs ``jaxrl_ga.fit`` chooses for the device:
   every step they change (``FIT_STEPS``: learner, rollout, reorder, the reference step on a mesh
-  of its own) compiled and checked before the first runs (ConfigError when explicit knobs do not
+  of its own; with ``multi_turn`` the segment program too) compiled and checked before the first
+  runs (ConfigError when explicit knobs do not
   fit); the trainer's steps then find their executables compiled. ``roles``:
   build_grpo_programs' rollout and reference meshes and shardings."""
   g = cfg.grpo if grpo is None else grpo

@@ -6,7 +6,7 @@ with the next assistant header, are appended as context tokens; the model goes o
 is the host side: which tools exist, the prompt they are announced in, parsing a finished turn,
 running the calls and rendering their results. The decoding (and the loss mask over the model's
 own tokens) is the engine's (``jaxrl_ga.episodes``), which calls :meth:`Episodes.submit` at
-each turn end.
+each turn end (:meth:`Episodes.close` for a last turn cut at the length limit).
 
 What TRL's ``GRPOTrainer(tools=..., environment_factory=...)`` takes, this takes:
 
@@ -257,6 +257,12 @@ class ToolSetup:
         env.reset(**self.reset_kwargs(ex))
       fields['environments'] = instances
     return fields
+
+  def prompt_ids(self, tokenizer, example) -> list[int]:
+    """The token ids of ``example``'s episode prompt (:meth:`Episodes.prompt_ids`: the tools
+    announced, its environment reset with it and the reset text appended): what
+    api.validate_lengths measures the prompt width with."""
+    return self.episodes(tokenizer, [example]).prompt_ids(0)
 
   def episodes(self, tokenizer, examples: Sequence[Any]) -> 'Episodes':
     """The interaction of one rollout whose rows have ``examples`` (jaxrl_ga.tasks.base.Example,
@@ -637,18 +643,25 @@ class Episodes:
                               for m in tool_messages) + '<|im_start|>assistant\n'
     return list(tok(suffix, add_special_tokens=False)['input_ids'])
 
+  def close(self, row: int, turn_tokens) -> None:
+    """The Interaction protocol's optional end: the row's last turn, cut at the length limit
+    (the engine calls it instead of :meth:`submit`: no answer can follow). It is recorded as the
+    row's last assistant turn, its calls (if any) not run."""
+    ids = np.asarray(turn_tokens).reshape(-1).tolist()
+    with self._tok_lock:
+      content = self.tokenizer.decode(ids, skip_special_tokens=True)
+    with self._lock:
+      self._completion[row].append({'role': 'assistant', 'content': content})
+
   # -- after the rollout --------------------------------------------------------------------------
   def finish(self, row: int, turns: Sequence[np.ndarray]) -> None:
-    """Records the row's turns that were never submitted (``turns``: every assistant turn of
-    the episode, as the buffer holds them): a last turn cut at the length limit ends the episode
-    without reaching :meth:`submit`, but it is the row's completion all the same."""
+    """Records the row's turns that were never submitted nor closed (``turns``: every assistant
+    turn of the episode, as the buffer holds them; the held-out evaluation's call). The engine
+    hands every turn to :meth:`submit` or :meth:`close`, so this adds nothing to its episodes."""
     with self._lock:
       seen = sum(m['role'] == 'assistant' for m in self._completion[row])
     for ids in turns[seen:]:
-      with self._tok_lock:
-        content = self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=True)
-      with self._lock:
-        self._completion[row].append({'role': 'assistant', 'content': content})
+      self.close(row, ids)
 
   def messages(self, row: int) -> list[dict]:
     """The row's whole conversation, each turn with its role (prompt, assistant and tool turns):

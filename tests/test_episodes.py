@@ -165,6 +165,40 @@ def test_sampled_episodes_are_the_same_with_and_without_the_slot_pool(tiny):
   assert (ma < np.asarray(a.mask)).any() and len(calls[0]) >= N // 2
 
 
+class _ClosingTool(FakeTool):
+  """FakeTool with the protocol's optional ``close``: records the turns cut at the limit."""
+
+  def __init__(self, delays: bool = False):
+    super().__init__(delays)
+    self.closed = []
+
+  def close(self, row, turn_tokens):
+    self.closed.append((int(row), np.asarray(turn_tokens).tolist()))
+
+
+def test_every_model_turn_reaches_the_host_the_cut_ones_by_close(tiny):
+  """Each row's model turns (the reference's runs of model tokens) reach the host once, in
+  order: by ``submit`` at EOS with room left, and the last one cut at the length limit by
+  ``close`` (exactly the rows the reference ran to L); pool of 3, answers from threads."""
+  sampler = sampling.Sampler(L, eos_id=EOS, pad_id=0, slots=3, decode_block=4)
+  runner = episodes.EpisodeRunner(tiny['graphdef'], sampler, tiny['mesh'], greedy=True,
+                                  segment_steps=5)
+  tool = _ClosingTool(delays=True)
+  runner.run(tiny['params'], *tiny['prompts'], jax.random.key(0), tool)
+  tokens, model, _, length = tiny['want']
+  assert sorted(r for r, _ in tool.closed) == np.flatnonzero(length == L).tolist()
+  assert 0 < len(tool.closed) < N  # not degenerate: some rows cut, others ended by the host
+  for r in range(N):
+    runs, cur = [], []
+    for s in range(int(length[r])):  # the reference's model turns: runs of model mask 1
+      if model[r, s]:
+        cur.append(int(tokens[r, s]))
+      elif cur:
+        runs, cur = runs + [cur], []
+    runs += [cur] if cur else []
+    assert [t for row, t in tool.calls + tool.closed if row == r] == runs, r
+
+
 def _turn_text(ids) -> str:
   """The fake tokenizer's text of token ids (EOS dropped, as decode's skip_special_tokens)."""
   return ' '.join(str(int(t)) for t in ids if int(t) != EOS)

@@ -152,6 +152,30 @@ def test_a_tool_turn_is_chatml_and_the_episode_ends_without_a_call(tok):
   assert m['tools/call_frequency'] == 1 and m['tools/calling_turns_per_episode'] == 1
 
 
+def test_a_turn_cut_at_the_limit_is_closed_as_the_last_turn_its_calls_not_run(tok):
+  """The engine hands a last turn cut at the length limit to ``close`` (no answer can follow):
+  it is the row's last assistant turn, and its calls, even complete ones, are not run."""
+  ran = []
+
+  def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+      a: the first term.
+      b: the second term.
+    """
+    ran.append((a, b))
+    return a + b
+
+  ep = _setup(tools=[add]).episodes(tok, [Example('What is 3+4?', '7')])
+  assert ep.submit(0, _turn(tok, _call('add', a=3, b=4))).result(5) is not None
+  cut = _call('add', a=7, b=0) + ' The answer is'
+  ep.close(0, _turn(tok, cut, eos=False))
+  assert [m['role'] for m in ep.completion_messages(0)] == ['assistant', 'tool', 'assistant']
+  assert ep.final_text(0) == cut and ran == [(3, 4)]
+  assert ep.metrics()['tools/calls_per_episode'] == 1
+
+
 def test_calls_of_a_rollout_run_concurrently(tok):
   spans = []
   lock = threading.Lock()
@@ -390,6 +414,60 @@ def test_environment_rewards_join_the_tasks_and_its_dry_call_gets_episode_column
 
   with pytest.raises(ConfigError, match='environment Calc has the name of a reward'):
     tools.add_rewards(Clash(), setup)
+
+
+def test_an_environment_with_get_reward_may_be_the_only_reward_source():
+  """TRL 1.16's rule (GRPOTrainer: "No reward source provided" unless reward_funcs or an
+  environment with get_reward): rows without grpo.reward_funcs train on the environment's reward;
+  an environment without get_reward, or none, is still refused, in one line."""
+  from jaxrl_ga import api, sharding  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': f'What is {i}+1?', 'answer': str(i + 1)} for i in range(20)]
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{'grpo.reward_funcs': ''})
+  mesh = sharding.role_meshes(cfg.mesh)['actor']
+  build = lambda setup: api._build_task(cfg, mesh, rows, None, None, setup)  # pylint: disable=protected-access
+  setup = _setup(environment=Calc)
+  task = build(setup)
+  tools.add_rewards(task, setup)
+  assert [r.name for r in task.reward_functions()] == ['Calc']
+  for setup, hint in ((_setup(environment=Echo), True), (None, False)):
+    with pytest.raises(ConfigError) as e:
+      build(setup)
+    assert str(e.value).startswith('data.train needs reward functions: set grpo.reward_funcs=')
+    assert ('get_reward()' in str(e.value)) == hint and '\n' not in str(e.value)
+
+
+def test_the_prompt_width_chosen_holds_the_episodes_prompts(tok):
+  """grpo.sampling.max_prompt_length=0 with an environment: api.validate_lengths measures each
+  prompt as its episode's (the plain tools block, the reset text appended), written out here
+  with the chat template by hand, and chooses it rounded up to 8; an explicit width under it is
+  one line naming the setting."""
+  import json  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, sharding  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': 'What is ' + '1+' * i + '1?', 'answer': str(i + 1)} for i in range(20)]
+  cfg = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.reward_funcs': '', 'grpo.sampling.max_prompt_length': 0})
+  mesh = sharding.role_meshes(cfg.mesh)['actor']
+  setup = _setup(environment=Calc)
+  task = api._build_task(cfg, mesh, rows, None, None, setup)  # pylint: disable=protected-access
+  schema = json.dumps(tools.tool_schema(Calc().add))
+  want = max(len(tok(tok.apply_chat_template(
+      [{'role': 'system', 'content': tools.PLAIN_TOOLS_PROMPT.format(tools=schema)},
+       {'role': 'user', 'content': r['prompt'] + ' Think step by step.'}],
+      add_generation_prompt=True, tokenize=False), add_special_tokens=False)['input_ids'])
+             for r in rows)
+  model_cfg = types.SimpleNamespace(max_position_embeddings=4096)
+  got, chosen = api.validate_lengths(cfg, task, tok, model_cfg, tool_setup=setup)
+  assert chosen['grpo.sampling.max_prompt_length'] == want
+  assert got.grpo.sampling.max_prompt_length == -(-want // 8) * 8
+  plain, _ = api.validate_lengths(cfg, task, tok, model_cfg)  # the prompts alone: narrower
+  assert plain.grpo.sampling.max_prompt_length < want
+  narrow = smoke_configs.smoke('grpo_arith', stages='grpo', **{
+      'grpo.reward_funcs': '', 'grpo.sampling.max_prompt_length': want - 1})
+  with pytest.raises(ConfigError, match=f'max_prompt_length={want - 1}, but .* {want} tokens'):
+    api.validate_lengths(narrow, task, tok, model_cfg, tool_setup=setup)
 
 
 def test_the_calculator_examples_sft_rows_are_the_episodes_conversation(tok):

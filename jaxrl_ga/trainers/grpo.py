@@ -37,7 +37,6 @@ import numpy as np
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import data
-from jaxrl_ga import episodes
 from jaxrl_ga import placement
 from jaxrl_ga import programs as programs_lib
 from jaxrl_ga import schedule
@@ -470,10 +469,7 @@ class GRPOLoop:
     texts = text.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
                                     local(buffer.completion_mask))
     fields = task_base.reward_fields(examples)
-    if hasattr(interaction, 'final_text'):
-      tokens, model = local(buffer.completion_tokens), local(buffer.model_mask)
-      for r in range(len(texts)):  # a turn cut at the length limit was never submitted
-        interaction.finish(r, episodes.model_turns(tokens[r], model[r]))
+    if hasattr(interaction, 'final_text'):  # (the engine handed it every turn, the cut ones too)
       texts = [interaction.final_text(r) for r in range(len(texts))]
       fields = {**fields, **interaction.reward_fields()}
     names = [r.name for r in self.rewards]
