@@ -319,8 +319,8 @@ def _cli(tmp_path, rows, *flags):
 
 
 def test_cli_bad_rows_one_error_line_exit_2(tmp_path):
-  line, path = _cli(tmp_path, [GOOD] * 20 + [{'prompt': 'What is 1+1?', 'completion': ''}])
-  assert line == f'error: data.train={path}:21: an empty completion; SFT needs a target to train on.'
+  """One CLI run, with the bad row found last (a length, once the tokenizer is built); each other
+  bad row's message is test_bad_rows_are_one_error_naming_file_and_line's, in process."""
   line, path = _cli(tmp_path, [GOOD] * 20 + [{'text': 'x' * 60}], '--config.sft.max_length=48')
   assert line == (f'error: data.train={path}:21: 61 tokens exceeds sft.max_length=48; raise '
                   'sft.max_length, or set sft.too_long=drop or truncate.')
