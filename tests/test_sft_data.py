@@ -204,10 +204,11 @@ def _one_pass_grad(tiny, seqs):
   return jax.jit(jax.grad(loss))(tiny.params)
 
 
-@pytest.mark.parametrize('k', [1, 2])
-def test_packing_gives_the_unpacked_accumulated_gradient(tiny, k):
+def test_packing_gives_the_unpacked_accumulated_gradient(tiny, k=2):
   """One window of 4K examples: K micro-batches of 4 rows one example each, or the same examples
-  packed into fewer rows (spread over K micro-batches of 4 rows, the rest empty)."""
+  packed into fewer rows (spread over K micro-batches of 4 rows, the rest empty). K = 2: each
+  micro-batch is packed (what K = 1 checks) and the window's token count spans both (the learner's
+  K = 1 path is tests/test_learner.py's)."""
   seqs = tiny.sequences[:4 * k]
   unpacked = [sft_data.padded_rows(seqs[i * 4:(i + 1) * 4], L, 0) for i in range(k)]
   rows = [r for r in sft_data.greedy_rows([len(s[0]) for s in seqs], 4 * k, L) if r]
