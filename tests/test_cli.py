@@ -32,20 +32,44 @@ def _one_error_line(done) -> str:
   return lines[0]
 
 
-@pytest.mark.parametrize('model,named', [
+BAD_MODELS = [
     ('/nonexistent/dir', 'error: --model=/nonexistent/dir: no such directory or file'),
     ('s3://b/m', 'error: --model=s3://b/m: s3:// is not a supported model source'),
     ('gs://b/m', 'error: --model=gs://b/m: '),  # gcsfs missing, or the bucket unreadable
     ('{tmp}/broken.gguf', 'error: model {tmp}/broken.gguf: cannot be read as a GGUF file'),
     ('{tmp}/notes.txt', 'error: --model={tmp}/notes.txt is a file but not a .gguf file'),
     ('{tmp}', 'error: --model={tmp}: the directory has no config.json'),
-])
-def test_sample_names_a_bad_model_in_one_line(tmp_path, model, named):
+]
+# Through the real command (a subprocess each): the GGUF reader's error, and Cloud Storage (whose
+# error depends on the environment: gcsfs missing or the bucket unreadable, never a hang).
+_BY_SUBPROCESS = ('{tmp}/broken.gguf', 'gs://b/m')
+
+
+def _bad_models(tmp_path):
   (tmp_path / 'broken.gguf').write_bytes(b'GGUF\x03\x00\x00\x00' + b'\x00' * 7)
   (tmp_path / 'notes.txt').write_text('not a model')
+  return [(model.format(tmp=tmp_path), named.format(tmp=tmp_path)) for model, named in BAD_MODELS]
+
+
+@pytest.mark.parametrize('model,named', [c for c in BAD_MODELS if c[0] in _BY_SUBPROCESS])
+def test_sample_names_a_bad_model_in_one_line(tmp_path, model, named):
+  _bad_models(tmp_path)
   line = _one_error_line(_run('jaxrl_ga.sample', f'--model={model.format(tmp=tmp_path)}',
                               '--prompt=hi'))
   assert line.startswith(named.format(tmp=tmp_path)), line
+
+
+def test_sample_loads_every_bad_model_as_one_error(tmp_path):
+  """Every bad --model of BAD_MODELS but Cloud Storage, in this process: jaxrl_ga.sample's
+  main() prints ``error: {e}`` for the (FileNotFoundError, ValueError) that ``load`` raises, and
+  exits 2 (the subprocess cases above check that wrapping; this one each message)."""
+  from jaxrl_ga import completions  # pylint: disable=g-import-not-at-top
+  for model, named in _bad_models(tmp_path):
+    if model.startswith('gs://'):
+      continue
+    with pytest.raises((FileNotFoundError, ValueError)) as e:
+      completions.load(model, 'float32')
+    assert f'error: {e.value}'.startswith(named), (model, str(e.value))
 
 
 def test_config_file_argument_errors_name_the_known_ones_in_every_program():

@@ -38,6 +38,15 @@ def _start(pid, nproc, port, workdir, ndev, **env_extra):
                           stderr=subprocess.STDOUT, text=True)
 
 
+def _kill_left(procs) -> None:
+  """Kills the processes still running (a test that failed or timed out must not leave its
+  workers training beside the rest of the suite)."""
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
 def _lines_parsed_by(process: int, num_rows: int, seed: int, eval_fraction: float,
                      positions: int) -> set[int]:
   """The lines (1-based) of a .jsonl file of ``num_rows`` rows that ``process`` (of 2; the
@@ -91,9 +100,12 @@ def test_two_processes_equal_one_process(tmp_path, data_file):
   procs = [_start(0, 1, 0, tmp_path / 'one', 8, **extra),
            _start(0, 2, port, tmp_path / 'two', 4, **extra),
            _start(1, 2, port, tmp_path / 'two', 4, **extra)]
-  for p in procs:
-    out, _ = p.communicate(timeout=420)
-    assert p.returncode == 0, out[-4000:]
+  try:
+    for p in procs:
+      out, _ = p.communicate(timeout=420)
+      assert p.returncode == 0, out[-4000:]
+  finally:
+    _kill_left(procs)
   one = np.load(tmp_path / 'one' / 'params.npz')
   two = np.load(tmp_path / 'two' / 'params.npz')
   assert sorted(one.files) == sorted(two.files) and len(one.files) > 5
@@ -138,9 +150,7 @@ def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
     t.start()
   for t in threads:
     t.join()
-  for p in procs:
-    if p.poll() is None:  # a process left waiting: the failure this test guards against
-      p.kill()
+  _kill_left(procs)  # a process left waiting: the failure this test guards against
   assert None not in ends, 'a process did not exit within 300 s'
   assert abs(ends[0] - ends[1]) < 60  # both stop within a minute of each other
   assert all(p.returncode != 0 for p in procs), [o[-2000:] for o in outs]
@@ -161,7 +171,10 @@ def test_sigterm_to_one_host_stops_every_host_at_the_same_step(tmp_path):
       break
     time.sleep(0.5)
   procs[1].send_signal(signal.SIGTERM)
-  outs = [p.communicate(timeout=240)[0] for p in procs]
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    _kill_left(procs)
   assert [p.returncode for p in procs] == [143, 143], [o[-2000:] for o in outs]
   stopped = [re.findall(r'stopped early at micro-step (\d+)', o) for o in outs]
   assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped

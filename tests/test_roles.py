@@ -128,25 +128,36 @@ def _pointers(x) -> list[int]:
   return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
 
 
-@pytest.mark.parametrize('setting,named', [
-    ('mesh.rollout.devices=4:12', "error: mesh.rollout.devices='4:12': there are 8 devices"),
-    ('mesh.rollout.devices=abc', "error: mesh.rollout.devices='abc' must be a slice"),
-    ('mesh.rollout.data=2', 'error: mesh.rollout.data=2 is set but mesh.rollout.devices is not'),
-    ('mesh.rollout.devices=4:7', "error: mesh.rollout (devices='4:7'): micro_batch_size = 8 is "
-                                 'not divisible by the data-parallel size of the mesh'),
-    ('mesh.rollout.fsdp=3', 'error: mesh.rollout.fsdp=3 is set but mesh.rollout.devices'),
-    ('mesh.reference.devices=8:9', "error: mesh.reference.devices='8:9': there are 8 devices"),
-    ('mesh.reference.tensor=2', 'error: mesh.reference.tensor=2 is set but '
-                                'mesh.reference.devices is not: the reference then uses the '
-                                "rollout's mesh"),
+BAD_MESHES = [  # (CLI overrides, their typed values, the error line)
+    ('mesh.rollout.devices=4:12', {'mesh.rollout.devices': '4:12'},
+     "error: mesh.rollout.devices='4:12': there are 8 devices"),
+    ('mesh.rollout.devices=abc', {'mesh.rollout.devices': 'abc'},
+     "error: mesh.rollout.devices='abc' must be a slice"),
+    ('mesh.rollout.data=2', {'mesh.rollout.data': 2},
+     'error: mesh.rollout.data=2 is set but mesh.rollout.devices is not'),
+    ('mesh.rollout.devices=4:7', {'mesh.rollout.devices': '4:7'},
+     "error: mesh.rollout (devices='4:7'): micro_batch_size = 8 is not divisible by the "
+     'data-parallel size of the mesh'),
+    ('mesh.rollout.fsdp=3', {'mesh.rollout.fsdp': 3},
+     'error: mesh.rollout.fsdp=3 is set but mesh.rollout.devices'),
+    ('mesh.reference.devices=8:9', {'mesh.reference.devices': '8:9'},
+     "error: mesh.reference.devices='8:9': there are 8 devices"),
+    ('mesh.reference.tensor=2', {'mesh.reference.tensor': 2},
+     "error: mesh.reference.tensor=2 is set but mesh.reference.devices is not: the reference "
+     "then uses the rollout's mesh"),
     ('model.lora.rank=4 grpo.loss.beta=0.04 mesh.reference.devices=0:8',
+     {'model.lora.rank': 4, 'grpo.loss.beta': 0.04, 'mesh.reference.devices': '0:8'},
      "error: mesh.reference.devices='0:8' with model.lora.rank=4: the reference is the "
      "policy's own base weights"),
-])
-def test_a_bad_mesh_rollout_is_one_error_line(tmp_path, setting, named):
+]
+
+
+def test_a_bad_mesh_rollout_is_one_error_line(tmp_path):
   """From the CLI, before anything compiles: exit status 2 and one line naming the setting.
   '4:7' is 3 devices (data=-1 takes them all), which the smoke config's 8 rows per micro-step
-  do not divide."""
+  do not divide: of BAD_MESHES the one found last (with the run's meshes built), so the one run
+  through the CLI (the next test checks each message in this process)."""
+  (setting, _, named), = [c for c in BAD_MESHES if c[0] == 'mesh.rollout.devices=4:7']
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
              XLA_FLAGS=helpers.xla_flags(8))
   done = subprocess.run(
@@ -158,6 +169,17 @@ def test_a_bad_mesh_rollout_is_one_error_line(tmp_path, setting, named):
   lines = [l for l in (done.stdout + done.stderr).splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith(named), lines
   assert 'Compiling' not in done.stderr
+
+
+def test_each_bad_mesh_is_a_config_error_before_anything_compiles(tmp_path, compile_log):
+  """Each of BAD_MESHES through api.run (what the CLI runs; it prints a ConfigError as
+  ``error: <message>`` and exits 2, test above): its message, and nothing compiled."""
+  for i, (_, overrides, named) in enumerate(BAD_MESHES):
+    with pytest.raises(ConfigError) as e:
+      api.run(smoke_configs.smoke('grpo_arith', stages='grpo', **overrides),
+              str(tmp_path / str(i)))
+    assert f'error: {e.value}'.startswith(named), str(e.value)
+  assert not compile_log.names, compile_log.names
 
 
 def test_mesh_rollout_settings_are_validated_where_they_are_read():

@@ -3,6 +3,7 @@ exit status 2), unreadable checkpoints set aside with a fallback, non-finite win
 run, and exports that never mix with an earlier export."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -91,20 +92,20 @@ def test_a_misspelled_override_is_one_line_with_status_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path):
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path,
+                                                                       capsys, caplog):
+  """The same run again (in this process, as finished_run's) on a copy of its workdir."""
   workdir = tmp_path / 'run'
   shutil.copytree(finished_run, workdir)
   ckpts = workdir / 'checkpoints' / 'grpo'
   with open(ckpts / '6' / 'state' / '_sharding', 'r+b') as f:
     f.truncate(10)
-  done = subprocess.run(
-      [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:smoke',
-       f'--workdir={workdir}', '--config.stages=grpo', '--config.grpo.num_steps=2',
-       '--config.checkpoint.every_steps=1', '--config.grpo.completions_every=1'],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert f'checkpoint {ckpts}/6 cannot be read' in done.stderr
-  assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in done.stdout
+  capsys.readouterr()
+  with caplog.at_level(logging.WARNING):
+    api.run(_smoke(stages='grpo', **{'grpo.num_steps': 2, 'checkpoint.every_steps': 1,
+                                     'grpo.completions_every': 1}), str(workdir))
+  assert f'checkpoint {ckpts}/6 cannot be read' in caplog.text
+  assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in capsys.readouterr().out
   assert checkpoint.all_steps(ckpts) == [3, 6] and (ckpts / '6.unreadable').is_dir()
   # The re-trained step 6 equals the original one: the fallback resumed exactly.
   redone, _, _ = checkpoint.Checkpointer(ckpts).restore_raw(6)

@@ -204,10 +204,11 @@ def _one_pass_grad(tiny, seqs):
   return jax.jit(jax.grad(loss))(tiny.params)
 
 
-@pytest.mark.parametrize('k', [1, 2])
-def test_packing_gives_the_unpacked_accumulated_gradient(tiny, k):
+def test_packing_gives_the_unpacked_accumulated_gradient(tiny, k=2):
   """One window of 4K examples: K micro-batches of 4 rows one example each, or the same examples
-  packed into fewer rows (spread over K micro-batches of 4 rows, the rest empty)."""
+  packed into fewer rows (spread over K micro-batches of 4 rows, the rest empty). K = 2: each
+  micro-batch is packed (what K = 1 checks) and the window's token count spans both (the learner's
+  K = 1 path is tests/test_learner.py's)."""
   seqs = tiny.sequences[:4 * k]
   unpacked = [sft_data.padded_rows(seqs[i * 4:(i + 1) * 4], L, 0) for i in range(k)]
   rows = [r for r in sft_data.greedy_rows([len(s[0]) for s in seqs], 4 * k, L) if r]
@@ -319,8 +320,8 @@ def _cli(tmp_path, rows, *flags):
 
 
 def test_cli_bad_rows_one_error_line_exit_2(tmp_path):
-  line, path = _cli(tmp_path, [GOOD] * 20 + [{'prompt': 'What is 1+1?', 'completion': ''}])
-  assert line == f'error: data.train={path}:21: an empty completion; SFT needs a target to train on.'
+  """One CLI run, with the bad row found last (a length, once the tokenizer is built); each other
+  bad row's message is test_bad_rows_are_one_error_naming_file_and_line's, in process."""
   line, path = _cli(tmp_path, [GOOD] * 20 + [{'text': 'x' * 60}], '--config.sft.max_length=48')
   assert line == (f'error: data.train={path}:21: 61 tokens exceeds sft.max_length=48; raise '
                   'sft.max_length, or set sft.too_long=drop or truncate.')

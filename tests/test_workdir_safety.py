@@ -39,8 +39,10 @@ MAIN = [sys.executable, '-m', 'jaxrl_ga.main', '--config=configs/grpo_arith.py:s
 
 
 def _env(devices=8):
+  """A subprocess's environment: conftest.py's XLA flags and matmul precision (with 8 devices, a
+  CLI run computes what a run in this process does, bit for bit)."""
   return dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, JAX_LOG_COMPILES='1',
-              XLA_FLAGS=helpers.xla_flags(devices))
+              XLA_FLAGS=helpers.xla_flags(devices), JAX_DEFAULT_MATMUL_PRECISION='highest')
 
 
 # Runs argv[2:] with its files limited to argv[1] bytes. SIGXFSZ ignored: a write past the
@@ -347,9 +349,9 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
   workdir = tmp_path / 'run'
   ckpts = workdir / 'checkpoints' / 'grpo'
   ref_states = {}
-  for steps in (2, 4):
-    done = _cli([f'--workdir={ref}', f'--config.grpo.num_steps={steps}'] + args)
-    assert done.returncode == 0, done.stderr[-3000:]
+  for steps in (2, 4):  # the uninterrupted run, in this process; the CLI runs below resume it
+    api.run(smoke_configs.smoke(stages='grpo', **{'grpo.num_steps': steps,
+                                                  'checkpoint.every_steps': 1}), str(ref))
     ref_states.update({s: _state(ref_ckpts, s) for s in checkpoint.all_steps(ref_ckpts)})
     if steps == 2:
       shutil.copytree(ref, workdir)  # the run that meets the full disk: these 2 steps done
@@ -426,13 +428,12 @@ def test_a_metrics_row_that_does_not_fit_leaves_no_partial_row(tmp_path):
 
 @pytest.mark.slow
 def test_an_export_to_a_full_disk_leaves_the_previous_export(tmp_path):
-  workdir = tmp_path / 'run'
-  done = _cli([f'--workdir={workdir}', '--config.stages=grpo', '--config.grpo.num_steps=1'])
-  assert done.returncode == 0, done.stderr[-3000:]
+  from jaxrl_ga import export as export_lib  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'run'  # the run and the exports that succeed: in this process
+  api.run(smoke_configs.smoke(stages='grpo', **{'grpo.num_steps': 1}), str(workdir))
   export = [sys.executable, '-m', 'jaxrl_ga.export']
   out = tmp_path / 'exports' / 'hf'
-  done = _cli([f'--checkpoint={workdir}', f'--out={out}'], cmd=export)
-  assert done.returncode == 0, done.stderr[-3000:]
+  export_lib.export_checkpoint(str(workdir), str(out))
   before = {p.name: p.read_bytes() for p in out.iterdir()}
   assert max(map(len, before.values())) > 16 << 10  # the weights cannot be written below
   full = _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'], cmd=export,
@@ -444,8 +445,8 @@ def test_an_export_to_a_full_disk_leaves_the_previous_export(tmp_path):
   assert 'Traceback' not in full.stderr
   assert {p.name: p.read_bytes() for p in out.iterdir()} == before
   assert os.listdir(out.parent) == ['hf']  # no staging directory left behind
-  assert _cli([f'--checkpoint={workdir}', f'--out={out}', '--overwrite'],
-              cmd=export).returncode == 0
+  export_lib.export_checkpoint(str(workdir), str(out), overwrite=True)
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the same checkpoint's
 
 
 @pytest.mark.slow
