@@ -33,8 +33,9 @@ Measured (docs/your_data.md, "Tools and environments"; 2026-11-27, shared 2-core
 6-64): held-out accuracy with the tool / without: untrained 0.000 / 0.000 (0 calls per episode);
 after 12 SFT steps (the earlier setting) 0.979 / 0.000 (1.00 calls per episode); after 2 SFT
 steps (the config) 0.396 / 0.000 (1.42 calls), and after GRPO's 4 steps on it 0.792 / 0.000
-(1.02 calls): +39.6 points from GRPO, +79.2 in all (one run, one seed). CPU time 1487 s in all (SFT 232 s, GRPO 909 s with its two evaluations, the
-untrained model's evaluation 329 s); wall 2846 s at load 2-64, the 20-minute target not shown.
+(1.02 calls): +39.6 points from GRPO, +79.2 in all (one run, one seed). CPU time 1487 s in all
+(SFT 232 s, GRPO 909 s with its two evaluations, the untrained model's evaluation 329 s); wall
+2846 s at load 2-64, the 20-minute target not shown.
 """
 
 import os

@@ -23,9 +23,10 @@ D=$P  # the data; the runs' workdirs are ${P}_<stage>
 CFG=configs/grpo_smollm2_calculator.py
 T0=$(date +%s)
 
-stage_start() { echo "== $1: start $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"; S0=$(date +%s); }
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+stage_start() { echo "== $1: start $(date -u +%H:%M:%S) load $(load)"; S0=$(date +%s); }
 stage_end() {  # $1: name, $2: CPU seconds
-  echo "== $1: ${2} s CPU, $(( $(date +%s) - S0 )) s wall, end load $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "== $1: ${2} s CPU, $(( $(date +%s) - S0 )) s wall, end load $(load)"
 }
 timed() {  # run a command, print its CPU seconds (user + sys, children included) on fd 3
   local rc=0
@@ -44,7 +45,9 @@ stage_start before
 python -m jaxrl_ga.main --config=$CFG:$D,base --workdir="${P}_base" >"${P}_base.log" 2>&1 &
 pid=$!
 until grep -qs '"grpo_eval"' "${P}_base/metrics.jsonl"; do
-  if ! kill -0 $pid 2>/dev/null; then cat "${P}_base.log" >&2; echo "the base run failed" >&2; exit 1; fi
+  if ! kill -0 $pid 2>/dev/null; then
+    cat "${P}_base.log" >&2; echo "the base run failed" >&2; exit 1
+  fi
   sleep 2
 done
 cpu=$(awk '{printf "%.0f", ($14 + $15) / 100}' /proc/$pid/stat)  # clock ticks of 1/100 s
