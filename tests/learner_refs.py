@@ -40,6 +40,22 @@ def make_mesh(shape):
   return sharding.make_mesh(MeshConfig(*shape), jax.devices()[:int(np.prod(shape))])
 
 
+_INITIAL = {}
+
+
+def init_params(model, mesh, seed=0):
+  """sharding.init_params(model, seed, mesh): (graphdef, params, shardings). Its jitted init
+  compiles anew at every call (a new closure); the host values are computed once per (model,
+  seed, mesh) in this process and put on the mesh again, as fresh arrays (a learner step may
+  donate them)."""
+  key = (model, seed, mesh)
+  if key not in _INITIAL:
+    graphdef, params, shardings = sharding.init_params(model, seed=seed, mesh=mesh)
+    _INITIAL[key] = graphdef, jax.device_get(params), shardings
+  graphdef, host, shardings = _INITIAL[key]
+  return graphdef, jax.device_put(host, shardings), shardings
+
+
 def global_norm(tree):
   """Global norm, summed in float64."""
   return np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
@@ -150,7 +166,7 @@ def run_grpo_learner(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape
   computes every row's prompt itself. ``rtol``: of the loss and grad_norm outputs (bfloat16
   params need more than float32's 1e-5). Returns the max relative errors."""
   mesh = make_mesh(mesh_shape)
-  graphdef, params, shardings = sharding.init_params(model, seed=0, mesh=mesh)
+  graphdef, params, shardings = init_params(model, mesh)
   frozen = frozen_sh = None
   if trainable is not None:
     (params, frozen), (shardings, frozen_sh) = trainable(params, shardings)
@@ -166,9 +182,10 @@ def run_grpo_learner(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape
       tfm.merge(graphdef, p, frozen), b['prompt_tokens'], b['prompt_mask'],
       b['completion_tokens'], b['completion_mask'], share_prompts=share)[0])
   ref_loss_fn = lambda p, b: ref_grpo_window_loss(graphdef, tfm.combine(p, frozen), b, loss_cfg)
-  ref_grad_fn = jax.jit(jax.grad(ref_loss_fn))
+  ref_value_and_grad = jax.jit(jax.value_and_grad(ref_loss_fn))
   ref_opt = reference_optimizer(opt)
   ref_state = ref_opt.init(params)
+  ref_update = jax.jit(ref_opt.update)  # one compile, not one per optax op and leaf shape
 
   b, s_, e = sched.micro_batch_size, sched.steps_per_generation, sched.micro_steps_per_rollout
   k = sched.grad_accum_steps
@@ -201,15 +218,14 @@ def run_grpo_learner(sched: ScheduleConfig, loss_cfg: GRPOLossConfig, mesh_shape
     assert bool(out['stepped']) == ((s + 1) % k == 0)
     if (s + 1) % k == 0:
       full = {kk: np.concatenate([np.asarray(w[kk]) for w in window]) for kk in window[0]}
-      g = ref_grad_fn(theta, full)
+      ref_loss, g = ref_value_and_grad(theta, full)
       grad_errs.append(applied_grad_err(state, g, opt))
-      upd, ref_state = ref_opt.update(g, ref_state, theta)
+      upd, ref_state = ref_update(g, ref_state, theta)
       want = optax.apply_updates(theta, upd)
       delta = jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, theta)
       want_delta = jax.tree.map(lambda a, b: np.asarray(a) - b, want, theta)
       param_errs.append(rel_err(delta, want_delta))
       # The window's loss and grad_norm metrics are the one-pass loss and gradient norm.
-      ref_loss = ref_loss_fn(theta, full)
       np.testing.assert_allclose(float(out['loss']), float(ref_loss), rtol=rtol, atol=1e-7)
       np.testing.assert_allclose(float(out['grad_norm']), global_norm(g), rtol=rtol)
   if check_state is not None:
@@ -271,7 +287,7 @@ def run_learner(task_loss, ref_loss, make_batch, k, mesh_shape=(1, 1, 1), n_step
   gradient's relative error per window, the window outputs with the one-pass loss and gradient
   norm as 'ref_loss' and 'ref_grad_norm', the learner, the final state)."""
   mesh = make_mesh(mesh_shape)
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  graphdef, params, shardings = init_params(MODEL, mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=k, update_mode=update_mode)
   lrn = learner_lib.Learner(graphdef, task_loss, opt, mesh, shardings,

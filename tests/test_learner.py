@@ -28,8 +28,8 @@ from jaxrl_ga import sharding
 from jaxrl_ga.config import GRPOLossConfig, ScheduleConfig
 from jaxrl_ga.models import transformer as tfm
 
-from learner_refs import (CLIPPED, MODEL, OPT, TC, make_mesh, ref_completion_logps, rel_err,
-                          run_grpo_learner, synthetic_rollout)
+from learner_refs import (CLIPPED, MODEL, OPT, TC, init_params, make_mesh, ref_completion_logps,
+                          rel_err, run_grpo_learner, synthetic_rollout)
 
 
 @pytest.mark.parametrize('aggregation,ksm,mesh,opt', [
@@ -96,7 +96,7 @@ def test_bfloat16_params_train_with_float32_optimizer_state(compile_log):
 def test_shared_prompt_forward_with_remat_matches_full_forward(remat):
   """The memory knob model.remat around the shared forward's layers: log-probs and their
   gradients equal those of the full forward's logits over every row's whole sequence."""
-  graphdef, params, _ = sharding.init_params(MODEL, seed=0, mesh=make_mesh((1, 1, 1)))
+  graphdef, params, _ = init_params(MODEL, make_mesh((1, 1, 1)))
   rows = synthetic_rollout(np.random.default_rng(3), 8, 4)
   weights = np.random.default_rng(4).normal(size=(8, TC)).astype(np.float32)
   weights *= rows['completion_mask']
@@ -149,7 +149,7 @@ def test_unrolled_layers_accumulate_exactly(compile_log):
   assert grad_err <= 1e-5
   assert param_err <= 1e-5
   # And the knob does unroll: the scanned forward lowers to a while loop, the unrolled one not.
-  graphdef, params, _ = sharding.init_params(MODEL, seed=0, mesh=make_mesh((1, 1, 1)))
+  graphdef, params, _ = init_params(MODEL, make_mesh((1, 1, 1)))
   rows = synthetic_rollout(np.random.default_rng(0), 2)
   hlo = lambda scan: jax.jit(lambda p, t, m: learner_lib.completion_logps(
       tfm.merge(graphdef, p), t, m, t, m, scan_layers=scan)).lower(

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from jaxrl_ga import learner as learner_lib
-from jaxrl_ga import sharding
 from jaxrl_ga.config import DPOLossConfig, GRPOLossConfig, ScheduleConfig
-from learner_refs import (CLIPPED, MODEL, OPT, TC, TP, make_mesh, ref_dpo, ref_sft, rel_err,
-                          run_learner, synthetic_dpo_batch, synthetic_rollout, synthetic_sft_batch,
-                          token_logps)
+from learner_refs import (CLIPPED, MODEL, OPT, TC, TP, init_params, make_mesh, ref_dpo, ref_sft,
+                          rel_err, run_learner, synthetic_dpo_batch, synthetic_rollout,
+                          synthetic_sft_batch, token_logps)
 
 
 @pytest.mark.parametrize('k,mesh', [(1, (1, 1, 1)), (3, (2, 2, 2))])
@@ -90,7 +89,7 @@ def test_nonfinite_window_is_skipped_and_counted():
     return b
 
   mesh = make_mesh((1, 1, 1))
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  graphdef, params, shardings = init_params(MODEL, mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=3)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
@@ -127,7 +126,7 @@ def test_sequential_mode_steps_every_micro_batch_with_scaled_lr():
 
 def test_alignment_diagnostic_matches_direct_computation():
   mesh = make_mesh((1, 1, 1))
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  graphdef, params, shardings = init_params(MODEL, mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=2)
   lrn = learner_lib.Learner(graphdef, learner_lib.grpo_task_loss(GRPOLossConfig(), TC), OPT,
@@ -142,11 +141,13 @@ def test_alignment_diagnostic_matches_direct_computation():
   full = {kk: np.concatenate([b[kk] for b in batches]) for kk in batches[0]}
   n_tok = full['completion_mask'].sum()
 
+  grad = jax.jit(jax.grad(lambda p, sub: _ref_token_pg(graphdef, p, sub) *
+                          jnp.sum(sub['completion_mask']) / n_tok))  # one compile for both signs
+
   def part(sign):
     sub = dict(full, completion_mask=full['completion_mask'] * (np.sign(full['advantages']) ==
                                                                 sign)[:, None])
-    return jax.grad(lambda p: _ref_token_pg(graphdef, p, sub) * sub['completion_mask'].sum()
-                    / n_tok)(params)
+    return grad(params, sub)
 
   gp, gn = part(1), part(-1)
   dot = sum(np.vdot(a, b) for a, b in zip(jax.tree.leaves(gp), jax.tree.leaves(gn)))
@@ -166,7 +167,7 @@ def test_lazy_inner_optimizer_keeps_multisteps_semantics(k):
   selects) ends in the same state, bit for bit, as plain optax.MultiSteps, a skipped non-finite
   window included, the clip in the inner chain; K=1 fires at every micro-step (no cond)."""
   mesh = make_mesh((1, 1, 1))
-  graphdef, params, shardings = sharding.init_params(MODEL, seed=0, mesh=mesh)
+  graphdef, params, shardings = init_params(MODEL, mesh)
   sched = ScheduleConfig(micro_batch_size=4, num_generations=1, steps_per_generation=1,
                          grad_accum_steps=k)
   make = _grpo_batch(False)

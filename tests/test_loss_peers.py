@@ -263,6 +263,11 @@ def split_dependence(p=64, spreads=(0, 4, 11), ks=(1, 2, 4, 8), seed=21):
              prompt=(3 + rng.integers(0, spread + 1, p)).astype(np.float64))
     d['rc'] = (d['lp'][0] * d['mc']).sum(-1) + rng.normal(0, 0.5 * np.sqrt(nc))
     d['rr'] = (d['lp'][1] * d['mr']).sum(-1) + rng.normal(0, 0.5 * np.sqrt(nr))
+    # Every spread padded to one width (masked: the same sums, zero gradients there), so that
+    # the eager gradients below compile their ops for one shape per K, not one per spread and K.
+    pad = max(spreads) - spread
+    d['mc'], d['mr'] = (np.pad(d[key], ((0, 0), (0, pad))) for key in ('mc', 'mr'))
+    d['lp'] = np.pad(d['lp'], ((0, 0), (0, 0), (0, pad)))
     x = np.asarray(d['lp'], np.float32)
     oi = DPOLossConfig(beta=0.1, aggregation='microbatch_token')
     tok = DPOLossConfig(beta=0.1, aggregation='token')
