@@ -55,9 +55,18 @@ def test_lora_flops_match_the_compiler_and_arguments_are_small(devices, scanned_
   gradients for the frozen base) match the compiler's count on the unrolled layers (the
   compiler's flops count a loop body once), and the learner's arguments (adapters' float32
   state, one bfloat16 copy of the base) are far below full fine-tuning's (float32 params, AdamW
-  moments and accumulator)."""
-  lora_cfg = helpers.tpu_plan_config(param_dtype='bfloat16', scan_layers=False, lora={
-      'rank': 16, 'alpha': 32.0, 'targets': 'q,k,v,o,gate,up,down'})
+  moments and accumulator).
+
+  One unrolled layer, not the fixture's 2: the TPU compile grows with the unrolled layers (53
+  against 102 CPU s for 1 and 2, 2026-11-27) and the flops agree alike (compiler / analytic
+  1.0000 and 1.0013). Full fine-tuning's arguments are the 2-layer fixture's; one layer's would
+  be at least 151/166 of them (params: Qwen2.5-0.5B's 136M tied embedding plus 14.9M a layer,
+  each float32 with its moments and accumulator), so the bound 0.4 * 151/166 = 0.364 of the
+  fixture's is no weaker than 0.4 of a 1-layer full fine-tuning."""
+  lora_cfg = helpers.tpu_plan_config(param_dtype='bfloat16', scan_layers=False,
+                                     num_hidden_layers=1, lora={
+                                         'rank': 16, 'alpha': 32.0,
+                                         'targets': 'q,k,v,o,gate,up,down'})
   lora_learner, lora_steps = _learner(lora_cfg, devices)
   lora_m, g = lora_steps.model_cfg, lora_cfg.grpo
   lora_flops = flops.learner_flops(
@@ -68,4 +77,4 @@ def test_lora_flops_match_the_compiler_and_arguments_are_small(devices, scanned_
         f"{lora_flops:.4g} analytic / {lora_learner['compiler_flops']:.4g} compiler flops; "
         f"full fine-tuning {scanned_learner['argument_bytes']} argument bytes")
   assert lora_flops <= lora_learner['compiler_flops'] <= 1.03 * lora_flops
-  assert lora_learner['argument_bytes'] < 0.4 * scanned_learner['argument_bytes']
+  assert lora_learner['argument_bytes'] < 0.36 * scanned_learner['argument_bytes']
