@@ -355,3 +355,32 @@ def test_build_context_resolves_auto_once(tmp_path, capsys):
   assert lines == ['[grpo] model.attention=auto -> einsum (cpu, float32; the fastest measured '
                    'on CPU, BENCHMARKS.md)'], lines
   ctx.writer.close(quiet=True)
+
+
+@pytest.mark.parametrize('t, s', [(23, 23), (24, 24), (11, 23)])
+def test_cudnn_operands_give_every_query_a_key_and_keep_the_rows_that_have_one(t, s):
+  """What 'cudnn' hands the kernel (``cudnn_operands``): even lengths (the added query and key
+  are zeros, the key masked for the real queries), and every query row at least one key (a row
+  without any made cuDNN's backward return NaN on an H200, issue 47). Checked against the mask
+  itself, row by row: a row that had a key keeps exactly its keys; one that had none gets its
+  diagonal (clipped), which a causal kernel allows."""
+  rng = np.random.default_rng(0)
+  ids = np.zeros((4, s), np.int32)
+  ids[0, 5:], ids[1, :-4], ids[2, 2:9], ids[2, 9:17] = 1, 1, 1, 2  # left, right padding, packed
+  full = np.asarray(attn_lib.causal_mask(jnp.asarray(ids)))
+  mask = full[:, s - t:] if t < s else full  # the last t queries over s keys
+  q = jnp.asarray(rng.normal(size=(4, t, 4, 8)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(4, s, 2, 8)), jnp.bfloat16)
+  q2, k2, v2, m2 = (np.asarray(x) for x in attn_lib.cudnn_operands(q, k, k, jnp.asarray(mask)))
+  te, se = t + t % 2, s + s % 2
+  assert q2.shape == (4, te, 4, 8) and k2.shape == v2.shape == (4, se, 2, 8)
+  np.testing.assert_array_equal(q2[:, :t], np.asarray(q))
+  assert not q2[:, t:].any() and not k2[:, s:].any()
+  assert m2.shape == (4, te, se) and m2.any(-1).all()
+  had = mask.any(-1)
+  assert not had.all()  # the case is there: rows without a key
+  for b, i in zip(*np.nonzero(had)):
+    np.testing.assert_array_equal(m2[b, i, :s], mask[b, i])
+    assert not m2[b, i, s:].any()
+  for b, i in zip(*np.nonzero(~np.pad(had, ((0, 0), (0, te - t))))):
+    assert np.flatnonzero(m2[b, i]).tolist() == [min(i, se - 1)]

@@ -64,7 +64,7 @@ CPU_ATTENTION = 'einsum'
 # Hopper (compute capability 9.0) and later, 128 before.
 CUDNN_DTYPES = ('bfloat16', 'float16')
 CUDNN_FAILED = ("it failed this project's GPU check (tests/test_attention_gpu.py on an H200, "
-                'jax 0.11.2: relative error 3.7 where the bf16 einsum has 0.036)')
+                'jax 0.11.2, cuDNN 9.19: relative error 0.82 where the bf16 einsum has 0.034)')
 
 
 def resolve(attention: str, platform: str, dtype: str, cfg: ModelConfig, device_kind: str = '',
@@ -95,8 +95,8 @@ def resolve(attention: str, platform: str, dtype: str, cfg: ModelConfig, device_
     return 'splash', where + ('; layers mixing sliding and full attention run flash'
                               if mixed else '')
   if platform == 'gpu':  # FlashAttention in JAX: no [B, N, T, S] tensor kept for the backward
-    # Not 'cudnn': on an H200 (jax 0.11.2) it failed tests/test_attention_gpu.py, a relative
-    # error of 3.7 against the float32 einsum where the bf16 einsum's is 0.036 (issue 47).
+    # Not 'cudnn', though its learner step is 2x flash's on an H200 at issue 47's shape
+    # (BENCHMARKS.md, "Accelerator"): it fails tests/test_attention_gpu.py (CUDNN_FAILED).
     return 'flash', f'{where}; not cudnn: ' + (why_not or CUDNN_FAILED)
   return CPU_ATTENTION, f'{where}; the fastest measured on CPU, BENCHMARKS.md'
 
@@ -251,26 +251,45 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   """cuDNN's fused (flash) attention, ``jax.nn.dot_product_attention(implementation='cudnn')``:
   q [B, T, N, H], k and v [B, S, K, H] in bf16/fp16 (GQA as is), the dense mask [B, T, S] of
   every case (left and right padding, SFT's packed segments, sliding windows) passed as its
-  ``mask``, which jax turns into an additive [B, 1, T, S] bias of 0 and a large negative number
-  (``combine_bias_and_mask``): a fully masked padding query averages the values, as the
-  einsum's does. The kernel never materializes the [B, N, T, S] scores; its backward keeps q,
-  k, v, the output, the log-sum-exp [B, N, T] and that bias (one for all the scanned layers
-  when they attend alike; with Gemma 3's per-layer choice, one per layer: the CUDA lowering in
-  tests/test_attention_gpu.py). ``causal`` (T = S, the mask
-  causal): cuDNN skips the blocks above the diagonal (the mask is unchanged by it). Scale:
-  1/sqrt(scale_dim or H), as ``einsum_attention``'s. An odd T or S (cuDNN's backward with a bias
-  takes even lengths only) gets one more query, whose output is dropped, and one more key, masked
-  out: the same values."""
+  boolean ``mask``, which jax turns into an additive [B, 1, T, S] bias of 0 and a large negative
+  number (``combine_bias_and_mask``; a boolean mask gets no bias gradient). The kernel never
+  materializes the [B, N, T, S] scores; its backward keeps q, k, v, the output, the log-sum-exp
+  [B, N, T] and that bias (one for all the scanned layers when they attend alike; with Gemma 3's
+  per-layer choice, one per layer: the CUDA lowering in tests/test_attention_gpu.py). ``causal``
+  (T = S, the mask causal): cuDNN skips the blocks above the diagonal (the mask is unchanged by
+  it). Scale: 1/sqrt(scale_dim or H), as ``einsum_attention``'s. The operands are
+  ``cudnn_operands``': even lengths, and no query row without a key."""
+  t = q.shape[1]
+  q, k, v, mask = cudnn_operands(q, k, v, mask)
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                     scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
+                                     is_causal=causal, implementation='cudnn')
+  return out[:, :t]
+
+
+def cudnn_operands(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """What ``cudnn_attention`` hands the kernel. (1) Even lengths: an odd T or S (cuDNN's
+  backward with a bias takes even lengths only) gets one more query, whose output the caller
+  drops, and one more key, masked out. (2) Every query row attends to at least one key: a row
+  whose keys are all masked (a left-padding position before a prompt's first token, the query
+  added in (1)) gets its own position (its diagonal, clipped to the last key), which a causal
+  kernel allows. On an H200 (jax 0.11.2, cuDNN 9.19) such rows made cuDNN's backward return NaN
+  or large finite garbage in dq (and through it every gradient: a relative error of 3.7 on
+  qwen3_tiny), and a NaN output of a padding row would reach the real rows as a NaN key that an
+  additive mask cannot remove. Those rows' outputs are never read: the loss masks padding
+  positions, and no real query attends to a padding key; so the rows that are read are
+  unchanged, and only the einsum's average of the values at padding rows is not reproduced."""
   t, s = q.shape[1], k.shape[1]
   dt, ds = t % 2, s % 2
   if dt or ds:
     grow = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
     q, k, v = grow(q, dt), grow(k, ds), grow(v, ds)
     mask = jnp.pad(mask, ((0, 0), (0, dt), (0, ds)))  # False: the added key is never attended
-  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
-                                     scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
-                                     is_causal=causal, implementation='cudnn')
-  return out[:, :t]
+  rows, keys = mask.shape[1], mask.shape[2]
+  own = jnp.arange(keys)[None, :] == jnp.minimum(jnp.arange(rows), keys - 1)[:, None]  # [T, S]
+  mask = mask | (~mask.any(-1, keepdims=True) & own[None])
+  return q, k, v, mask
 
 
 @functools.lru_cache(maxsize=64)
