@@ -23,7 +23,7 @@ Stage: GRPO only (an instruct model needs no SFT warm start).
 Schedule: G = 8 samples per prompt, B = 16 completions per micro-step (2 prompts), K = S = 1:
 one rollout and one optimizer step per micro-step, on-policy; 30 steps.
 Completions up to 10 tokens ("7 + 8 = 15<|im_end|>" is 9). `:smoke` shrinks it for the test
-suite and the notebook (2 optimizer steps, 8 held-out problems, the layers scanned).
+suite and the notebook (1 optimizer step, 8 held-out problems, the layers scanned).
 """
 
 from jaxrl_ga.config import default_config_dict, set_task, unknown_config_arg
@@ -58,9 +58,11 @@ def get_config(arg: str = ''):
   c.eval.update(num_examples=48, batch_size=48, max_completion_length=10)
   c.checkpoint.update(every_steps=10, max_to_keep=1)
   if arg == 'smoke':
-    # 2 steps are all compile: the layers scanned (one layer's program, not 30) compile faster.
+    # One step: on CPU a real-size model's step is mostly its learner's FLOPs (a second step had
+    # equal rewards in every group anyway: no gradient); the layers scanned (one layer's program,
+    # not 30) compile faster.
     c.model.scan_layers = True
-    c.grpo.update(num_steps=2, log_every=1, eval_every=0)
+    c.grpo.update(num_steps=1, log_every=1, eval_every=0)
     c.grpo.schedule.update(micro_batch_size=8, num_generations=4, steps_per_generation=1,
                            grad_accum_steps=1)
     c.eval.update(num_examples=8, batch_size=8)

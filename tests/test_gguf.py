@@ -196,17 +196,16 @@ def test_larger_is_position_balanced():
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-  """configs/grpo_smollm2.py:smoke run through the CLI, cut to 1 GRPO step (the config's 2nd
-  had equal rewards in every group: no gradient) on 2 simulated devices (fsdp 2; on 8 the same
-  run took 84 s against 44 s on a quiet 2-core VM: 8 shards of a real-size model on 2 cores);
+  """configs/grpo_smollm2.py:smoke run through the CLI (1 GRPO step) on 2 simulated devices
+  (fsdp 2; at 2 steps on 8 devices the run took 84 s against 44 s at 1 step on 2, on a quiet
+  2-core VM: 8 shards of a real-size model on 2 cores cost twice the time);
   -> (workdir, its summary.json). In a process of its own, with XLA:CPU's optimizations
   (helpers.xla_flags): at the suite's cheap-compile flags this real-size model's steps run
   ~1.7x slower."""
   workdir = str(tmp_path_factory.mktemp('smollm2_run'))
   env = dict(os.environ, XLA_FLAGS=helpers.xla_flags(2, optimized=True))
   run = subprocess.run([sys.executable, '-m', 'jaxrl_ga.main',
-                        '--config=configs/grpo_smollm2.py:smoke', '--config.grpo.num_steps=1',
-                        f'--workdir={workdir}'],
+                        '--config=configs/grpo_smollm2.py:smoke', f'--workdir={workdir}'],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=900,
                        check=False)
   assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])

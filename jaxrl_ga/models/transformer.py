@@ -198,6 +198,41 @@ def _recomputed(fn, *args, **static):
   return jax.checkpoint(lambda *a: fn(*a, **static), prevent_cse=False)(*args)
 
 
+def _recomputed_keeping_bits(fn, *args):
+  """``_recomputed(fn, *args)`` for the MLP's down projection, its bfloat16 args kept for the
+  backward as their bit patterns (uint16, a free and exact bitcast; ``jax.custom_vjp``, the
+  backward recomputes ``fn`` from them as jax.checkpoint does). XLA:CPU has no native bf16
+  arithmetic: given the stacked bf16 gate and up that the backward's layer loop reads, it made a
+  float32 copy of each whole stack before the loop (f32[L, rows, MLP]: 2 x 15 GiB of issue 47's
+  learner at B = 64, benchmarks/learner_memory.py); an integer stack it leaves alone. Other
+  dtypes (float32, the CPU default): ``_recomputed`` as is."""
+  if not any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(args)):
+    return _recomputed(fn, *args)
+  return _bits_vjp(fn, *args)
+
+
+_to_bits = lambda x: (jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16
+                      else x)
+_from_bits = lambda x: (jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16
+                        else x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _bits_vjp(fn, *args):
+  return fn(*args)
+
+
+def _bits_vjp_fwd(fn, *args):
+  return fn(*args), jax.tree.map(_to_bits, args)
+
+
+def _bits_vjp_bwd(fn, kept, ct):
+  return jax.vjp(fn, *jax.tree.map(_from_bits, kept))[1](ct)
+
+
+_bits_vjp.defvjp(_bits_vjp_fwd, _bits_vjp_bwd)
+
+
 def _rms_norm_values(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -364,7 +399,8 @@ def _after_attention(cfg: ModelConfig, p: dict[str, jax.Array], h: jax.Array,
   def down(gate, up, p):  # recomputed in the backward from gate and up (the comment at _rms_norm)
     return _proj(cfg, p, ACTIVATIONS[family.activation](gate) * up, 'down_proj')
 
-  mlp_out = _recomputed(down, gate, up, {k: v for k, v in p.items() if k.startswith('down_')})
+  mlp_out = _recomputed_keeping_bits(down, gate, up,
+                                     {k: v for k, v in p.items() if k.startswith('down_')})
   return constrain(on, h + post(per_token(mlp_out), 'post_mlp_norm'), *_EMBED)
 
 
