@@ -183,8 +183,9 @@ def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 # copy of x and the normed values besides its output) keeps only its input, and the SwiGLU MLP's
 # down projection (six bf16 [rows, MLP] tensors kept: gate, up, the sigmoid, silu, silu * up)
 # keeps only gate and up (issue 47's 0.4B model, B = 64: ~46 MB of residuals per row and layer
-# before, ~19 MB after, with model.attention='flash'). The recompute is the same ops on the same
-# inputs, so values and gradients are unchanged; benchmarks/learner_memory.py measures it.
+# before, ~19 MB after, with model.attention='flash'; in bf16 gate and up are kept as their bit
+# patterns, ``_recomputed_keeping_bits``). The recompute is the same ops on the same inputs, so
+# values and gradients are unchanged; benchmarks/learner_memory.py measures it.
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
   """RMSNorm over the last axis. HF Llama's: ``scale * normed`` in x's dtype; with ``plus_one``
   Gemma's: ``normed * (1 + scale)`` in float32, then cast to x's dtype. Recomputed in the
