@@ -2,9 +2,10 @@
 
   python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT WORKDIR LOCAL_DEVICES
 
-Runs 2 SFT and 3 GRPO optimizer steps of configs/grpo_arith.py:smoke (GRPO K=3, S=2:
-non-aligned; B=16, so pairs of rows share a prompt's forward; sampled completions of variable
-length) from a fresh model, through jax.distributed
+Runs 2 SFT and 2 GRPO optimizer steps of configs/grpo_arith.py:smoke (GRPO K=3, S=2:
+non-aligned, rollout 1 of micro-steps 2..3 spans both windows; each step's loss logged; B=16, so
+pairs of rows share a prompt's forward; sampled completions of variable length) from a fresh
+model, through jax.distributed
 with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
 WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
 WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
@@ -107,7 +108,8 @@ d = load_config_file(os.path.join(root, 'configs', 'grpo_arith.py'), 'smoke').to
 # JAXRL_GA_TEST_STAGES=grpo: GRPO alone (the tests of how GRPO stops need no SFT before it).
 d['stages'] = os.environ.get('JAXRL_GA_TEST_STAGES', 'sft,grpo')
 d['sft']['num_steps'] = 2
-d['grpo']['num_steps'] = int(os.environ.get('JAXRL_GA_TEST_GRPO_STEPS', 3))
+d['grpo']['num_steps'] = int(os.environ.get('JAXRL_GA_TEST_GRPO_STEPS', 2))
+d['grpo']['log_every'] = 1  # a window loss per step: the test compares them across runs
 d['checkpoint']['every_steps'] = 0
 # B = 16 over 8 devices: pairs of rows share their prompt's forward (model.share_prompt_prefix),
 # each pair on one device, on either host.

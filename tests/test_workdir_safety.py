@@ -338,11 +338,12 @@ def _grpo_rows(workdir):
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command_resumes(
-    tmp_path):
+    tmp_path, capsys):
   """GRPO trains 2 steps (checkpoints 3, 6), is raised to 4 steps with no file allowed past
   64 KiB: checkpoint 9's array files cannot be written. One line names it, exit 1, checkpoint 6
-  reads back as it was; without the limit the same command ends where an uninterrupted run ends,
-  bit for bit, and metrics.jsonl holds each step once."""
+  reads back as it was; without the limit the same run (api.run in this process, what the CLI
+  runs, its programs compiled already) ends where an uninterrupted run ends, bit for bit, and
+  metrics.jsonl holds each step once."""
   args = ['--config.stages=grpo', '--config.checkpoint.every_steps=1']
   ref = tmp_path / 'ref'
   ref_ckpts = ref / 'checkpoints' / 'grpo'
@@ -368,9 +369,10 @@ def test_a_full_disk_during_a_checkpoint_save_stops_cleanly_and_the_same_command
     _assert_same_state(_state(ckpts, step), ref_states[step])
   assert not (workdir / workdir_lock.LOCK_NAME).exists()
 
-  resumed = _cli(command)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in resumed.stdout
+  capsys.readouterr()
+  api.run(smoke_configs.smoke(stages='grpo', **{'grpo.num_steps': 4,
+                                                'checkpoint.every_steps': 1}), str(workdir))
+  assert '[grpo] finished at step 2; grpo.num_steps=4: training on' in capsys.readouterr().out
   assert checkpoint.all_steps(ckpts)[-1] == 12
   _assert_same_state(_state(ckpts, 12), ref_states[12])
   rows, ref_rows = _grpo_rows(workdir), _grpo_rows(ref)
