@@ -446,7 +446,9 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
   """As tests/test_trainers.py's resume test, on a JSONL file with the built-in rewards: stopped
   in the middle of a rollout and again one micro-step into the next window (data positions
   mid-epoch: 12 training rows, 4 prompts per rollout), then resumed: the same params as an
-  uninterrupted run."""
+  uninterrupted run. The prompt width is chosen from the data (max_prompt_length=0), as in the
+  CLI test above: its longest prompt is as long as there, so the programs are the ones that test
+  compiled."""
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
@@ -458,6 +460,7 @@ def test_grpo_resume_is_bitwise_exact_with_a_file_dataset(tmp_path):
                   encoding='utf-8')
   cfg = api.make_config(load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke'),
                         **{**_OVERRIDES, 'grpo.num_steps': 3, 'data.train': str(path),
+                           'grpo.sampling.max_prompt_length': 0,
                            'data.eval_fraction': 0.2, 'grpo.completions_every': 0,
                            'grpo.reward_funcs': 'final_answer,answer_format=0.1,'
                                                 'length_penalty=0.5'})

@@ -75,38 +75,62 @@ def test_each_config_runs_end_to_end(name, tmp_path):
       assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 5000
 
 
+def _grpo_metrics_steps(workdir):
+  """The optimizer steps of a run's GRPO rows in metrics.jsonl, in order."""
+  return [r['step'] for r in map(json.loads, open(workdir / 'metrics.jsonl'))
+          if r['phase'] == 'grpo']
+
+
+# The uninterrupted run that the two plain resume tests compare with: 2 optimizer steps (K=3, S=2:
+# 6 micro-steps, rollouts at 0, 2, 4), a checkpoint only at the end.
+_PLAIN = {'grpo.num_steps': 2, 'checkpoint.every_steps': 0}
+
+
+@pytest.fixture(scope='module')
+def plain_grpo_run(tmp_path_factory):
+  """_PLAIN's uninterrupted run, once per module: (params, its GRPO metrics steps)."""
+  from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
+  cfg = _smoke('grpo_arith', stages='grpo', **_PLAIN)
+  workdir = tmp_path_factory.mktemp('plain_grpo_run')
+  ctx, params = api.build_context(cfg, str(workdir))
+  want, _ = grpo.GRPOLoop(ctx, cfg.grpo).run(params)
+  return want, _grpo_metrics_steps(workdir)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('lora', [{}, {'model.lora.rank': 4, 'grpo.loss.beta': 0.04,
                                        'grpo.schedule.micro_batch_size': 16}])
-def test_grpo_resume_is_bitwise_exact(tmp_path, lora):
+def test_grpo_resume_is_bitwise_exact(tmp_path, lora, request):
   """Stopped after optimizer step 1 (micro-step 3: the middle of rollout 1, K=3, S=2) and again
-  one micro-step into the next window, then resumed: same params as an uninterrupted run, and
+  one micro-step into the next window, then resumed to the end of step 2 (a new rollout at
+  micro-step 4 and an optimizer step after each resume): same params as an uninterrupted run, and
   each resumed run really started from the checkpoint (it ran only the micro-steps left). Also
   with LoRA, whose checkpoints hold the adapters only (the base is rebuilt on resume) and whose
   reference (beta > 0) is the base with the adapters disabled; there B = 16 over 8 devices, so
   pairs of rows share their prompt's forward (model.share_prompt_prefix) in generation, the
   learner and the reference log-probs."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
-  cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 3,
-                                               'checkpoint.every_steps': 0, **lora})
+  cfg = _smoke('grpo_arith', stages='grpo', **_PLAIN, **lora)
 
   def trainer(workdir):
     ctx, params = api.build_context(cfg, str(workdir))
     return grpo.GRPOLoop(ctx, cfg.grpo), params
 
-  t, params = trainer(tmp_path / 'a')
-  want, _ = t.run(params)
-  got, _ = helpers.run_grpo_in_pieces(trainer, tmp_path / 'b', (3, 4), total_micro_steps=9)
+  if lora:
+    t, params = trainer(tmp_path / 'a')
+    want, _ = t.run(params)
+    want_steps = _grpo_metrics_steps(tmp_path / 'a')
+  else:
+    want, want_steps = request.getfixturevalue('plain_grpo_run')
+  got, _ = helpers.run_grpo_in_pieces(trainer, tmp_path / 'b', (3, 4), total_micro_steps=6)
   helpers.assert_trees_equal(got, want)
-  # Each optimizer step is logged once, though steps 1..3 were reached by three processes' runs.
-  rows = [json.loads(l) for l in open(tmp_path / 'b' / 'metrics.jsonl')]
-  assert [r['step'] for r in rows if r['phase'] == 'grpo'] == [
-      r['step'] for r in map(json.loads, open(tmp_path / 'a' / 'metrics.jsonl'))
-      if r['phase'] == 'grpo']
+  # Each optimizer step is logged once, though steps 1..2 were reached by three processes' runs.
+  assert want_steps and _grpo_metrics_steps(tmp_path / 'b') == want_steps
 
 
 @pytest.mark.slow
-def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, capsys):
+def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, capsys,
+                                                                     plain_grpo_run):
   """A GRPO checkpoint written before the rollout buffer carried ``policy_version`` (rewritten
   here as that code wrote it: the buffer's dataclass without the field) resumes with the version
   that generated its buffer, and the run goes on bitwise as an uninterrupted one. Stops at
@@ -117,8 +141,7 @@ def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, 
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   from jaxrl_ga import rollout  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
-  cfg = _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2,
-                                               'checkpoint.every_steps': 0})
+  cfg = _smoke('grpo_arith', stages='grpo', **_PLAIN)
   sched = cfg.grpo.schedule
   assert (sched.optimizer_every, sched.micro_steps_per_rollout) == (3, 2)
   kept = [f for f in rollout.RolloutBuffer.__dataclass_fields__ if f != 'policy_version']
@@ -151,8 +174,7 @@ def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, 
       assert 'buffer.policy_version: in the current state, not in the checkpoint' in str(e.value)
     return t, params
 
-  t, params = trainer(tmp_path / 'a')
-  want, _ = t.run(params)
+  want, _ = plain_grpo_run  # the uninterrupted run
   capsys.readouterr()
   got, _ = helpers.run_grpo_in_pieces(trainer, tmp_path / 'b', (3, 5), total_micro_steps=6)
   helpers.assert_trees_equal(got, want)
@@ -164,9 +186,10 @@ def test_a_grpo_checkpoint_without_the_policy_version_resumes_bitwise(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
-  """A finished 2-step GRPO stage re-run with num_steps=4 trains on: the same params as one
-  4-step run, bit for bit; a finished stage with the same num_steps is skipped."""
+def test_a_larger_num_steps_trains_on_as_one_run(tmp_path, plain_grpo_run):
+  """A finished 1-step GRPO stage re-run with num_steps=2 trains on: the same params as one
+  2-step run, bit for bit; a finished stage with the same num_steps is skipped. Step 1 ends at
+  micro-step 3, in the middle of rollout 1 (K=3, S=2): the stage trains on from its buffer."""
   from jaxrl_ga.trainers import grpo  # pylint: disable=g-import-not-at-top
   cfg = lambda n: _smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': n,
                                                          'checkpoint.every_steps': 1})
@@ -175,14 +198,14 @@ def test_a_larger_num_steps_trains_on_as_one_run(tmp_path):
     ctx, params = api.build_context(cfg(n), str(workdir))
     return grpo.GRPOLoop(ctx, cfg(n).grpo).run(params)
 
-  want, _ = run(tmp_path / 'one', 4)
-  run(tmp_path / 'two', 2)
-  got, summary = run(tmp_path / 'two', 4)
-  assert summary['grpo/resumed_from_micro_step'] == 6
-  assert summary['grpo/micro_steps_this_run'] == 6 and summary['grpo/optimizer_steps'] == 4
+  want, _ = plain_grpo_run  # one 2-step run (its checkpoint at the end only)
+  run(tmp_path / 'two', 1)
+  got, summary = run(tmp_path / 'two', 2)
+  assert summary['grpo/resumed_from_micro_step'] == 3
+  assert summary['grpo/micro_steps_this_run'] == 3 and summary['grpo/optimizer_steps'] == 2
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got,
                want)
-  again, summary = run(tmp_path / 'two', 4)
+  again, summary = run(tmp_path / 'two', 2)
   assert 'grpo/micro_steps_this_run' not in summary  # skipped: nothing ran
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), again,
                want)
@@ -196,9 +219,10 @@ def _cli(workdir, *overrides, timeout=300):
 
 
 @pytest.mark.slow
-def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path):
+def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path, capsys):
   # The finished run to resume, in this process (its checkpoints are the CLI's: the mesh is not in
-  # their fingerprint); the two resumes are the CLI's.
+  # their fingerprint); the refused resume is the CLI's (its exit status and one error line), the
+  # accepted one runs in this process (the CLI runs it as api.run, main_body.run).
   api.run(_smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2}), str(tmp_path))
   done = _cli(tmp_path, '--config.grpo.num_steps=2', '--config.grpo.schedule.grad_accum_steps=2')
   assert done.returncode == 2, done.stderr[-3000:]
@@ -206,10 +230,11 @@ def test_resume_with_a_changed_schedule_is_refused_before_compiling(tmp_path):
   assert len(errors) == 1 and 'grpo.schedule.grad_accum_steps: checkpoint 3, current 2' in errors[0]
   assert 'Traceback' not in done.stderr and 'Compiling' not in done.stderr
   # Safe settings may change: logging cadence, evaluation, checkpoint cadence.
-  ok = _cli(tmp_path, '--config.grpo.num_steps=2', '--config.grpo.log_every=7',
-            '--config.eval.num_examples=8', '--config.checkpoint.every_steps=5')
-  assert ok.returncode == 0, ok.stderr[-3000:]
-  assert '[grpo] already finished (2 optimizer steps); skipping' in ok.stdout
+  capsys.readouterr()
+  api.run(_smoke('grpo_arith', stages='grpo', **{
+      'grpo.num_steps': 2, 'grpo.log_every': 7, 'eval.num_examples': 8,
+      'checkpoint.every_steps': 5}), str(tmp_path))
+  assert '[grpo] already finished (2 optimizer steps); skipping' in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -224,7 +249,7 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path, capsys):
       from tests.smoke_configs import smoke as _smoke
       from jaxrl_ga import api
       from jaxrl_ga.trainers import grpo
-      cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 3,
+      cfg = _smoke('grpo_arith', stages='grpo', **{{'grpo.num_steps': 2,
                                                    'checkpoint.every_steps': 1}})
       ctx, params = api.build_context(cfg, sys.argv[1])
       trainer = grpo.GRPOLoop(ctx, cfg.grpo)
@@ -243,10 +268,10 @@ def test_an_error_right_after_a_save_keeps_that_save(tmp_path, capsys):
   from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
   assert checkpoint.all_steps(tmp_path / 'run' / 'checkpoints' / 'grpo') == [3]
   capsys.readouterr()
-  summary = api.run(_smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 3,
+  summary = api.run(_smoke('grpo_arith', stages='grpo', **{'grpo.num_steps': 2,
                                                            'checkpoint.every_steps': 1}),
                     str(tmp_path / 'run'))
-  assert summary['grpo/optimizer_steps'] == 3 and not summary['stopped_early']
+  assert summary['grpo/optimizer_steps'] == 2 and not summary['stopped_early']
   assert '[grpo] resumed at micro-step 3 (optimizer step 1)' in capsys.readouterr().out
 
 
