@@ -18,8 +18,8 @@ def xla_flags(devices: int = 8, optimized: bool = False) -> str:
   subprocess a test starts. ``optimized``: without conftest's cheap-compile flags, for a
   real-size model (SmolLM2's steps run ~1.7x slower at XLA:CPU's optimization level 0)."""
   drop = ('--xla_force_host_platform_device_count',) + (
-      ('--xla_backend_optimization_level', '--xla_llvm_disable_expensive_passes')
-      if optimized else ())
+      ('--xla_backend_optimization_level', '--xla_llvm_disable_expensive_passes',
+       '--xla_cpu_use_fusion_emitters') if optimized else ())
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith(drop)]
   return ' '.join([f'--xla_force_host_platform_device_count={devices}', *flags])
 
