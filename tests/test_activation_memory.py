@@ -2,9 +2,12 @@
 ``_recomputed_keeping_bits``): the gate and up products kept as their bit patterns. The gradient
 is jax's own autodiff of the same layer (nothing recomputed, nothing kept differently), and on
 XLA:CPU the compiled backward no longer holds a float32 copy of each stacked bf16 residual
-(benchmarks/learner_memory.py at issue 47's 0.4B shape: 65.74 -> 47.02 GiB)."""
+(benchmarks/learner_memory.py at issue 47's 0.4B shape: 65.74 -> 47.02 GiB). And the logits'
+head in bfloat16 (``_head_product``): its backward's two products run in bf16, not in float32,
+with a gradient as close to the float32 model's as autodiff's."""
 
 import dataclasses
+import re
 
 from flax import nnx
 import jax
@@ -62,3 +65,40 @@ def test_xla_cpu_keeps_no_float32_copy_of_the_bf16_mlp_residuals(monkeypatch):
   print(f'backward temp bytes: {ours} kept as bits, {before} kept as bf16 (one f32 stack: '
         f'{stack_f32})')
   assert ours <= before - stack_f32
+
+
+HEAD_VOCAB = 320  # a size no other axis of HEAD_MODEL has, to find the head's products by shape
+HEAD_MODEL = dataclasses.replace(MODEL, vocab_size=HEAD_VOCAB, intermediate_size=128,
+                                 num_hidden_layers=2)
+
+
+def _head_dots(grad, params):
+  """(lhs, rhs, out) types of the lowered backward's dot_generals with a vocabulary axis."""
+  text = jax.jit(grad).lower(params).as_text()
+  dots = re.findall(r'stablehlo\.dot_general [^\n]*?:\s*\((tensor<[^>]*>), (tensor<[^>]*>)\)\s*'
+                    r'->\s*(tensor<[^>]*>)', text)
+  return [d for d in dots if any(f'{HEAD_VOCAB}x' in t or f'x{HEAD_VOCAB}x' in t for t in d)]
+
+
+def test_bf16_head_backward_runs_in_bf16_and_is_as_close_to_float32_as_autodiff(monkeypatch):
+  grad, params = _case(HEAD_MODEL)
+  dots = _head_dots(grad, params)
+  print('head products (lhs, rhs, out):', *dots, sep='\n  ')
+  # The forward and the two gradients' products; every operand bf16, every result f32.
+  assert len(dots) == 3, dots
+  assert all('bf16>' in lhs and 'bf16>' in rhs and 'f32>' in out for lhs, rhs, out in dots), dots
+  ours = jax.jit(grad)(params)
+  grad32, _ = _case(dataclasses.replace(HEAD_MODEL, dtype='float32'))
+  want = jax.jit(grad32)(params)  # the same params, computed in float32: the reference
+  monkeypatch.setattr(tfm, '_head_product', lambda h, w: jnp.matmul(
+      h, w, preferred_element_type=jnp.float32))  # jax's autodiff of the plain product
+  grad_ad, _ = _case(HEAD_MODEL)
+  assert any('f32>' in lhs for lhs, _, _ in _head_dots(grad_ad, params))  # autodiff's are f32
+  autodiff = jax.jit(grad_ad)(params)
+  err = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+                           / np.linalg.norm(np.asarray(b, np.float64)))
+  for (path, w), o, a in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(ours),
+                             jax.tree.leaves(autodiff)):
+    print(f'{jax.tree_util.keystr(path)}: relative error to float32 {err(o, w):.2e} (autodiff '
+          f'{err(a, w):.2e})')
+    assert err(o, w) <= 1.5 * err(a, w) + 1e-4, jax.tree_util.keystr(path)

@@ -234,6 +234,42 @@ def _bits_vjp_bwd(fn, kept, ct):
 _bits_vjp.defvjp(_bits_vjp_fwd, _bits_vjp_bwd)
 
 
+def _head_product(h: jax.Array, w: jax.Array) -> jax.Array:
+  """[..., D] @ [D, V] -> [..., V] float32 logits, in h's dtype. In float32 (the CPU default) the
+  plain product. In a 16-bit compute dtype the same forward, and a backward whose two products
+  (the gradients of h and of the head, each [rows, V] by [V, D] or [D, rows]: the largest of the
+  learner after the layers) also run in that dtype: autodiff would run them in float32, the
+  incoming float32 gradient of the logits against float32 copies of h and the head (issue 47: two
+  float32/TF32 GEMM kernels, 20 ms of a 237 ms H200 learner step, and a float32 [rows, V] copy of
+  the gradient). The gradient of the logits is rounded to the compute dtype once, as torch's bf16
+  autocast head does (TRL's at bf16); both products accumulate in float32, and the gradients they
+  give are rounded to h's and w's dtype as before. tests/test_activation_memory.py checks both."""
+  if h.dtype == jnp.float32:
+    return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+  return _head_product_16(h, w)
+
+
+@jax.custom_vjp
+def _head_product_16(h: jax.Array, w: jax.Array) -> jax.Array:
+  return jnp.matmul(h, w, preferred_element_type=jnp.float32)
+
+
+def _head_product_16_fwd(h, w):
+  return _head_product_16(h, w), (h, w)
+
+
+def _head_product_16_bwd(kept, g):
+  h, w = kept
+  g = g.astype(h.dtype)
+  dh = jnp.matmul(g, w.T, preferred_element_type=jnp.float32).astype(h.dtype)
+  lead = 'ABCEFGHIJ'[:h.ndim - 1]  # batch axes, summed over for the head's gradient
+  dw = jnp.einsum(f'{lead}d,{lead}v->dv', h, g, preferred_element_type=jnp.float32)
+  return dh, dw.astype(w.dtype)
+
+
+_head_product_16.defvjp(_head_product_16_fwd, _head_product_16_bwd)
+
+
 def _rms_norm_values(x: jax.Array, scale: jax.Array, eps: float, plus_one: bool) -> jax.Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -586,7 +622,7 @@ class Transformer(nnx.Module):
   def _logits(self, h: jax.Array, on: Any = None) -> jax.Array:
     """[..., D] -> [..., V] float32 (``on``: as ``_qkv``'s)."""
     w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-    logits = jnp.matmul(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = _head_product(h, w.astype(h.dtype))
     logits = _softcap(logits, self.cfg.final_logit_softcapping)
     lead = ('activation_batch', 'activation_length')[:logits.ndim - 1]
     return constrain(on, logits, *lead, *([None] * (logits.ndim - 1 - len(lead))),
