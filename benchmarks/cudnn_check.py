@@ -22,6 +22,10 @@ each row below adds one of the differences to the passing case:
             next one's input through a fixed random projection
   nocausal  the mask alone, cuDNN's causal flag off (the fixtures gave 76 this way)
   all       runtime + batch5 + packed + odd + scan
+  pad128    base with T and S padded to 128 (``cudnn_operands(length_multiple=128)``): whole
+            128-key tiles, the workaround of cuDNN's SM90 backward bug with an explicit mask
+            (pytorch/pytorch#196678: the padded tail of the last key tile scored 0, not masked)
+  all128    all, padded to 128
 
 Per row: the largest error of the output (on rows with a key) and of dq, dk, dv, relative to the
 float32 einsum's largest magnitude, next to the bf16 einsum's own. Public API only:
@@ -40,7 +44,8 @@ from absl import flags
 _IMPL = flags.DEFINE_enum('implementation', 'cudnn', ['cudnn', 'xla'],
                           "'xla' checks the script itself on a machine without cuDNN.")
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/cudnn_check.json', 'JSON output.')
-CASES = ('base', 'runtime', 'batch5', 'packed', 'odd', 'scan', 'nocausal', 'all')
+CASES = ('base', 'runtime', 'batch5', 'packed', 'odd', 'scan', 'nocausal', 'all', 'pad128',
+         'all128')
 
 
 def main(argv):
@@ -50,15 +55,19 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxrl_ga.models import attention  # pylint: disable=g-import-not-at-top
 
-  def attend(impl, q, k, v, mask, causal):
+  def attend(impl, q, k, v, mask, causal, multiple=2):
     if impl == 'cudnn':
-      return attention.cudnn_attention(q, k, v, mask, causal=causal)
-    if impl == 'xla':
-      return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation='xla')
+      return attention.cudnn_attention(q, k, v, mask, causal=causal, length_multiple=multiple)
+    if impl == 'xla':  # cuDNN's operands (cudnn_operands), through XLA's attention
+      q2, k2, v2, m2 = attention.cudnn_operands(q, k, v, mask, multiple)
+      return jax.nn.dot_product_attention(q2, k2, v2, mask=m2[:, None],
+                                          implementation='xla')[:, :q.shape[1]]
     return attention.einsum_attention(q, k, v, mask)
 
   def case(name):
-    parts = {'runtime', 'batch5', 'packed', 'odd', 'scan'} if name == 'all' else {name}
+    parts = ({'runtime', 'batch5', 'packed', 'odd', 'scan'} if name.startswith('all')
+             else {name})
+    parts |= {'pad128'} if name.endswith('128') else set()
     b = 5 if 'batch5' in parts else 4
     t = 23 if 'odd' in parts else 24
     ids = np.zeros((b, t), np.int32)
@@ -82,7 +91,8 @@ def main(argv):
 
     def forward(x, k, v, m):
       def layer(q, p):  # q: this layer's queries; the output, mixed, is the next one's
-        out = attend(impl, q.astype(dtype), k.astype(dtype), v.astype(dtype), m, causal)
+        out = attend(impl, q.astype(dtype), k.astype(dtype), v.astype(dtype), m, causal,
+                     128 if 'pad128' in parts else 2)
         return jnp.einsum('btnh,hg->btng', out.astype(jnp.float32), p), None
       return jax.lax.scan(layer, x, mix)[0]
 

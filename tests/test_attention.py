@@ -357,10 +357,11 @@ def test_build_context_resolves_auto_once(tmp_path, capsys):
   ctx.writer.close(quiet=True)
 
 
-@pytest.mark.parametrize('t, s', [(23, 23), (24, 24), (11, 23)])
-def test_cudnn_operands_give_every_query_a_key_and_keep_the_rows_that_have_one(t, s):
-  """What 'cudnn' hands the kernel (``cudnn_operands``): even lengths (the added query and key
-  are zeros, the key masked for the real queries), and every query row at least one key (a row
+@pytest.mark.parametrize('t, s, multiple', [(23, 23, 2), (24, 24, 2), (11, 23, 2), (24, 24, 128),
+                                             (11, 23, 128)])
+def test_cudnn_operands_give_every_query_a_key_and_keep_the_rows_that_have_one(t, s, multiple):
+  """What 'cudnn' hands the kernel (``cudnn_operands``): lengths a multiple of 2 (or of 128: whole
+  key tiles; the added queries and keys are zeros, the keys masked for the real queries), and every query row at least one key (a row
   without any made cuDNN's backward return NaN on an H200, issue 47). Checked against the mask
   itself, row by row: a row that had a key keeps exactly its keys; one that had none gets its
   diagonal (clipped), which a causal kernel allows."""
@@ -371,8 +372,9 @@ def test_cudnn_operands_give_every_query_a_key_and_keep_the_rows_that_have_one(t
   mask = full[:, s - t:] if t < s else full  # the last t queries over s keys
   q = jnp.asarray(rng.normal(size=(4, t, 4, 8)), jnp.bfloat16)
   k = jnp.asarray(rng.normal(size=(4, s, 2, 8)), jnp.bfloat16)
-  q2, k2, v2, m2 = (np.asarray(x) for x in attn_lib.cudnn_operands(q, k, k, jnp.asarray(mask)))
-  te, se = t + t % 2, s + s % 2
+  q2, k2, v2, m2 = (np.asarray(x) for x in attn_lib.cudnn_operands(q, k, k, jnp.asarray(mask),
+                                                                   multiple))
+  te, se = (-(-n // multiple) * multiple for n in (t, s))  # rounded up to the multiple
   assert q2.shape == (4, te, 4, 8) and k2.shape == v2.shape == (4, se, 2, 8)
   np.testing.assert_array_equal(q2[:, :t], np.asarray(q))
   assert not q2[:, t:].any() and not k2[:, s:].any()

@@ -111,7 +111,8 @@ def test_cudnn_matches_einsum_on_gpu(name, monkeypatch):
   assert e_cudnn <= 2 * e_einsum + 2e-3, (e_cudnn, e_einsum)
 
 
-_LENGTHS = {T, T + 1, TP, TC, TC + 1, TP + TC, TP + TC + 1}  # the rows', as is or made even
+# the rows' lengths, as is or made even, or padded to whole 128-key tiles (cudnn_operands)
+_LENGTHS = {T, T + 1, TP, TC, TC + 1, TP + TC, TP + TC + 1, 128}
 
 
 def _score_tensors(text: str) -> set[str]:

@@ -247,7 +247,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                    scale_dim: Optional[float] = None, causal: bool = False) -> jax.Array:
+                    scale_dim: Optional[float] = None, causal: bool = False,
+                    length_multiple: int = 128) -> jax.Array:
   """cuDNN's fused (flash) attention, ``jax.nn.dot_product_attention(implementation='cudnn')``:
   q [B, T, N, H], k and v [B, S, K, H] in bf16/fp16 (GQA as is), the dense mask [B, T, S] of
   every case (left and right padding, SFT's packed segments, sliding windows) passed as its
@@ -258,20 +259,25 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   per-layer choice, one per layer: the CUDA lowering in tests/test_attention_gpu.py). ``causal``
   (T = S, the mask causal): cuDNN skips the blocks above the diagonal (the mask is unchanged by
   it). Scale: 1/sqrt(scale_dim or H), as ``einsum_attention``'s. The operands are
-  ``cudnn_operands``': even lengths, and no query row without a key."""
+  ``cudnn_operands``': lengths a multiple of ``length_multiple`` (128, whole key tiles: see
+  there; issue 47's T = 576 becomes 640), and no query row without a key."""
   t = q.shape[1]
-  q, k, v, mask = cudnn_operands(q, k, v, mask)
+  q, k, v, mask = cudnn_operands(q, k, v, mask, length_multiple)
   out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
                                      scale=1.0 / math.sqrt(scale_dim or q.shape[-1]),
                                      is_causal=causal, implementation='cudnn')
   return out[:, :t]
 
 
-def cudnn_operands(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+def cudnn_operands(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                   length_multiple: int = 2
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """What ``cudnn_attention`` hands the kernel. (1) Even lengths: an odd T or S (cuDNN's
-  backward with a bias takes even lengths only) gets one more query, whose output the caller
-  drops, and one more key, masked out. (2) Every query row attends to at least one key: a row
+  """What ``cudnn_attention`` hands the kernel. (1) Lengths a multiple of ``length_multiple``
+  (2: cuDNN's backward with a bias takes even lengths only; 128: whole key tiles, the
+  workaround of cuDNN's SM90 backward that scores the padded tail of the last 128-key tile 0
+  instead of masking it, pytorch/pytorch#196678, NVIDIA/cudnn-frontend#160, which
+  benchmarks/cudnn_check.py's `pad128` row tries): T and S grow by queries whose outputs the
+  caller drops and keys masked out. (2) Every query row attends to at least one key: a row
   whose keys are all masked (a left-padding position before a prompt's first token, the query
   added in (1)) gets its own position (its diagonal, clipped to the last key), which a causal
   kernel allows. On an H200 (jax 0.11.2, cuDNN 9.19) such rows made cuDNN's backward return NaN
@@ -281,7 +287,7 @@ def cudnn_operands(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
   positions, and no real query attends to a padding key; so the rows that are read are
   unchanged, and only the einsum's average of the values at padding rows is not reproduced."""
   t, s = q.shape[1], k.shape[1]
-  dt, ds = t % 2, s % 2
+  dt, ds = -t % length_multiple, -s % length_multiple
   if dt or ds:
     grow = lambda x, n: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2))
     q, k, v = grow(q, dt), grow(k, ds), grow(v, ds)
