@@ -13,13 +13,10 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def xla_flags(devices: int = 8, optimized: bool = False) -> str:
+def xla_flags(devices: int = 8) -> str:
   """conftest.py's XLA_FLAGS with ``devices`` simulated CPU devices: the XLA_FLAGS of a
-  subprocess a test starts. ``optimized``: without conftest's cheap-compile flags, for a
-  real-size model (SmolLM2's steps run ~1.7x slower at XLA:CPU's optimization level 0)."""
-  drop = ('--xla_force_host_platform_device_count',) + (
-      ('--xla_backend_optimization_level', '--xla_llvm_disable_expensive_passes',
-       '--xla_cpu_use_fusion_emitters') if optimized else ())
+  subprocess a test starts."""
+  drop = ('--xla_force_host_platform_device_count',)
   flags = [f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith(drop)]
   return ' '.join([f'--xla_force_host_platform_device_count={devices}', *flags])
 
