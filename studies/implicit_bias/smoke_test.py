@@ -37,7 +37,8 @@ def test_both_arms_record_finite_alignment_and_sequential_steps_k_times_per_samp
   out, png = tmp_path / 'implicit_bias.json', tmp_path / 'implicit_bias.png'
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT, XLA_FLAGS=(
       '--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 '
-      '--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false'))
+      '--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false '
+      '--xla_cpu_parallel_codegen_split_count=1'))
   cmd = [sys.executable, os.path.join(HERE, 'implicit_bias.py'),
          f'--base_config={config}', '--seeds=0', '--rollouts=4', '--eval_every=2',
          '--eval_examples=16', f'--grad_accum_steps={K}', '--micro_batch_size=8',
