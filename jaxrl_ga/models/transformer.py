@@ -235,13 +235,12 @@ _bits_vjp.defvjp(_bits_vjp_fwd, _bits_vjp_bwd)
 
 
 def _head_product(h: jax.Array, w: jax.Array) -> jax.Array:
-  """[..., D] @ [D, V] -> [..., V] float32 logits, in h's dtype. In float32 (the CPU default) the
-  plain product. In a 16-bit compute dtype the same forward, and a backward whose two products
-  (the gradients of h and of the head, each [rows, V] by [V, D] or [D, rows]: the largest of the
-  learner after the layers) also run in that dtype: autodiff would run them in float32, the
-  incoming float32 gradient of the logits against float32 copies of h and the head (issue 47: two
-  float32/TF32 GEMM kernels, 20 ms of a 237 ms H200 learner step, and a float32 [rows, V] copy of
-  the gradient). The gradient of the logits is rounded to the compute dtype once, as torch's bf16
+  """[..., D] @ [D, V] -> [..., V] float32 logits, the product computed in h's dtype. In float32
+  (the CPU default) the plain product. In a 16-bit compute dtype the same forward, and a backward
+  whose two products (the gradients of h and of the head, each [rows, V] by [V, D] or [D, rows]:
+  the largest of the learner after the layers) also run in that dtype: autodiff would run them in
+  float32, the incoming float32 gradient of the logits against float32 copies of h and the head
+  (issue 47: two float32/TF32 GEMM kernels, 20 ms of a 237 ms H200 learner step). The gradient of the logits is rounded to the compute dtype once, as torch's bf16
   autocast head does (TRL's at bf16); both products accumulate in float32, and the gradients they
   give are rounded to h's and w's dtype as before. tests/test_activation_memory.py checks both."""
   if h.dtype == jnp.float32:
