@@ -240,9 +240,10 @@ def _head_product(h: jax.Array, w: jax.Array) -> jax.Array:
   whose two products (the gradients of h and of the head, each [rows, V] by [V, D] or [D, rows]:
   the largest of the learner after the layers) also run in that dtype: autodiff would run them in
   float32, the incoming float32 gradient of the logits against float32 copies of h and the head
-  (issue 47: two float32/TF32 GEMM kernels, 20 ms of a 237 ms H200 learner step). The gradient of the logits is rounded to the compute dtype once, as torch's bf16
-  autocast head does (TRL's at bf16); both products accumulate in float32, and the gradients they
-  give are rounded to h's and w's dtype as before. tests/test_activation_memory.py checks both."""
+  (issue 47: two float32/TF32 GEMM kernels, 20 ms of a 237 ms H200 learner step). The gradient
+  of the logits is rounded to the compute dtype once, as torch's bf16 autocast head does (TRL's
+  at bf16); both products accumulate in float32, and the gradients they give are rounded to h's
+  and w's dtype as before. tests/test_activation_memory.py checks both."""
   if h.dtype == jnp.float32:
     return jnp.matmul(h, w, preferred_element_type=jnp.float32)
   return _head_product_16(h, w)
