@@ -53,10 +53,11 @@ Per side, N = ``--steps`` (``--trl_steps``) optimizer steps; each figure is the 
     start of its rollout).
   * generate: jaxrl_ga: the rollout, from GRPOLoop's public ``on_rollout`` hook
     (``generate_s``: the jitted rollout step, generation and any old log-probs, waited for, plus
-    ``host_s``: decoding, rewards, advantages); TRL: ``_generate_and_score_completions``
-    (generation, decoding, rewards, advantages), timed by a wrapper (its behaviour untouched).
-  * learn: jaxrl_ga: each learner step from the ``on_micro_step`` hook, waited for; TRL:
-    ``training_step`` minus the generation inside it.
+    ``host_s``: decoding, rewards, advantages); TRL: its ``training_step`` (public, overridden
+    in a subclass) up to ``compute_loss`` (public, likewise): generation, decoding, rewards,
+    advantages.
+  * learn: jaxrl_ga: each learner step from the ``on_micro_step`` hook, waited for; TRL: the
+    rest of ``training_step`` (the loss's forward and backward).
   * decode ms / step: generate / L (prefill and host work included: an upper bound), against the
     weight-streaming bound: the bytes of the matmul weights a decode step reads
     (``flops.decode_matmul_params``) / the device's HBM bandwidth, in float32 (how the params are
@@ -346,7 +347,7 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
   times = {'generate': [], 'learn': [], 'step': []}
   lengths = {'completion': [], 'prompt': []}
   sync = torch.cuda.synchronize if cuda else (lambda: None)
-  clock = {'start': None, 'scored': 0.0}
+  clock = {'start': None, 'loss': None}
   output_dir = tempfile.mkdtemp(prefix='accelerator_trl_')
   try:
     cfg = run_config(s, model_dir, None, steps)
@@ -379,41 +380,40 @@ def trl_main(s: dict[str, Any], model_dir: str, result: str) -> None:
         if state.global_step == steps and cuda:
           out['peak_device_bytes'] = torch.cuda.max_memory_allocated()
 
-    trl_trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in
-                                                             task.reward_functions()],
-                              args=args, train_dataset=dataset, processing_class=tokenizer,
-                              callbacks=[StepClock()])
+    class TimedGRPOTrainer(trl.GRPOTrainer):
+      """TRL's GRPOTrainer, its step split by two public overrides (TRL 1.16 has no hook that
+      splits a step; its profiling_context reports only to wandb/mlflow/trackio): Trainer's
+      ``training_step`` runs TRL's generation and scoring (its ``_prepare_inputs``), then
+      ``compute_loss`` on the scored batch and the backward. Generate = from the step's start to
+      ``compute_loss``'s; learn = the rest of the step (synchronized)."""
+
+      def training_step(self, model, inputs, num_items_in_batch=None):
+        sync()
+        clock['loss'] = None
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        sync()
+        end = time.perf_counter()
+        scored = clock['loss'] if clock['loss'] is not None else end
+        times['generate'].append(scored - start)
+        times['learn'].append(end - scored)
+        return loss
+
+      def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if clock['loss'] is None:  # the step's first: the scored batch is ready
+          sync()
+          clock['loss'] = time.perf_counter()
+          lengths['completion'].append(float(inputs['completion_mask'].sum(1).float().mean()))
+          lengths['prompt'].append(float(inputs['prompt_mask'].sum(1).float().mean()))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trl_trainer = TimedGRPOTrainer(model=model_dir, reward_funcs=[r.fn for r in
+                                                                  task.reward_functions()],
+                                   args=args, train_dataset=dataset, processing_class=tokenizer,
+                                   callbacks=[StepClock()])
     out['attn_implementation'] = trl_trainer.model.config._attn_implementation  # pylint: disable=protected-access
     out['params'] = sum(p.numel() for p in trl_trainer.model.parameters())
     out['param_dtypes'] = sorted({str(p.dtype) for p in trl_trainer.model.parameters()})
-    # TRL 1.16 has no public hook that splits a step into generation and learning (its
-    # profiling_context reports only to wandb/mlflow), so the peer's own method is wrapped, as
-    # benchmarks/end_to_end.py does; this touches TRL's internals, never jaxrl_ga's.
-    generate_and_score = trl_trainer._generate_and_score_completions  # pylint: disable=protected-access
-    training_step = trl_trainer.training_step
-
-    def timed_generate_and_score(inputs):
-      sync()
-      t0 = time.perf_counter()
-      result_ = generate_and_score(inputs)
-      sync()
-      dt = time.perf_counter() - t0
-      clock['scored'] += dt
-      times['generate'].append(dt)
-      lengths['completion'].append(float(result_['completion_mask'].sum(1).float().mean()))
-      lengths['prompt'].append(float(result_['prompt_mask'].sum(1).float().mean()))
-      return result_
-
-    def timed_training_step(model, inputs, num_items_in_batch=None):
-      sync()
-      t0, before = time.perf_counter(), clock['scored']
-      loss = training_step(model, inputs, num_items_in_batch)
-      sync()
-      times['learn'].append(time.perf_counter() - t0 - (clock['scored'] - before))
-      return loss
-
-    trl_trainer._generate_and_score_completions = timed_generate_and_score  # pylint: disable=protected-access
-    trl_trainer.training_step = timed_training_step
     trl_trainer.train()
   except Exception as e:  # pylint: disable=broad-except
     out.update(error_row(e))

@@ -82,12 +82,14 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
   # What TRL renders and parses (its own calls, as _tokenize_prompts and _tool_call_loop make).
   env = calculator.Calculator()
   env.reset(**rows[0])
-  env_tools = trl_trainer._env_tools[None]  # pylint: disable=protected-access
+  env_tools = trl_trainer.tools  # public: every environment's tools (here the one environment's)
   prompt_text = tok.apply_chat_template([rows[0]['prompt']], tools=env_tools,
                                         add_generation_prompt=True, tokenize=False)[0]
   turn_ids = tok(turn_text(rows[0]), add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
   prompt_ids = tok(prompt_text, add_special_tokens=False)['input_ids']
   parsed = chat_template_utils.parse_response(tok, turn_ids, prefix=prompt_ids, tools=env_tools)
+  # TRL's own tool-turn tokens: no public TRL function gives them, and re-deriving them here
+  # would copy the recipe jaxrl_ga.tools follows, so the comparison would prove nothing.
   suffix = trl_trainer._get_tool_suffix_ids(  # pylint: disable=protected-access
       [{'role': 'tool', 'name': 'multiply', 'content': str(env.multiply(*factors(rows[0])))}])
   t0 = time.perf_counter()
