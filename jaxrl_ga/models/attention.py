@@ -246,9 +246,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, attention: str,
   return einsum_attention(q, k, v, mask, scale_dim=scale_dim)
 
 
+# cuDNN's operand lengths are padded to a multiple of this: whole 128-key tiles (cudnn_operands).
+CUDNN_LENGTH_MULTIPLE = 128
+
+
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
                     scale_dim: Optional[float] = None, causal: bool = False,
-                    length_multiple: int = 128) -> jax.Array:
+                    length_multiple: int = CUDNN_LENGTH_MULTIPLE) -> jax.Array:
   """cuDNN's fused (flash) attention, ``jax.nn.dot_product_attention(implementation='cudnn')``:
   q [B, T, N, H], k and v [B, S, K, H] in bf16/fp16 (GQA as is), the dense mask [B, T, S] of
   every case (left and right padding, SFT's packed segments, sliding windows) passed as its
@@ -270,7 +274,7 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def cudnn_operands(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                   length_multiple: int = 2
+                   length_multiple: int = CUDNN_LENGTH_MULTIPLE
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """What ``cudnn_attention`` hands the kernel. (1) Lengths a multiple of ``length_multiple``
   (2: cuDNN's backward with a bias takes even lengths only; 128: whole key tiles, the
