@@ -67,6 +67,19 @@ def test_xla_cpu_keeps_no_float32_copy_of_the_bf16_mlp_residuals(monkeypatch):
   assert ours <= before - stack_f32
 
 
+def test_kept_bits_leave_integer_args_alone():
+  """A uint16 arg next to a bf16 one: its values reach the backward as they are (a kept bf16 is
+  bitcast back from uint16; a uint16 arg must not be), so the gradient is autodiff's."""
+  fn = lambda a, idx: a * idx.astype(jnp.bfloat16)
+  a = jnp.arange(1, 9, dtype=jnp.bfloat16)
+  idx = jnp.arange(3, 11, dtype=jnp.uint16)
+  loss = lambda f: lambda a: jnp.sum(f(fn, a, idx).astype(jnp.float32))
+  got = jax.grad(loss(tfm._recomputed_keeping_bits))(a)  # pylint: disable=protected-access
+  want = jax.grad(loss(_plain))(a)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  np.testing.assert_array_equal(np.asarray(want, np.float32), np.arange(3, 11))
+
+
 HEAD_VOCAB = 320  # a size no other axis of HEAD_MODEL has, to find the head's products by shape
 HEAD_MODEL = dataclasses.replace(MODEL, vocab_size=HEAD_VOCAB, intermediate_size=128,
                                  num_hidden_layers=2)

@@ -206,8 +206,10 @@ def _recomputed_keeping_bits(fn, *args):
   arithmetic: given the stacked bf16 gate and up that the backward's layer loop reads, it made a
   float32 copy of each whole stack before the loop (f32[L, rows, MLP]: 2 x 15 GiB of issue 47's
   learner at B = 64, benchmarks/learner_memory.py); an integer stack it leaves alone. Other
-  dtypes (float32, the CPU default): ``_recomputed`` as is."""
-  if not any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(args)):
+  dtypes (float32, the CPU default): ``_recomputed`` as is; so are args with a uint16 leaf, which
+  the backward could not tell from a kept bf16 one."""
+  dtypes = [x.dtype for x in jax.tree.leaves(args)]
+  if not any(d == jnp.bfloat16 for d in dtypes) or any(d == jnp.uint16 for d in dtypes):
     return _recomputed(fn, *args)
   return _bits_vjp(fn, *args)
 
