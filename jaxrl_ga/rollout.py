@@ -35,7 +35,6 @@ the learner's loss mask keeps.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Optional
 
@@ -388,12 +387,15 @@ class RolloutEngine:
   def abstract_buffer(self, params, ref_params=None) -> RolloutBuffer:
     """The rollout buffer's shapes; ``params`` (and ``ref_params`` when beta > 0) may be
     ShapeDtypeStructs."""
-    buffer, _, _ = jax.eval_shape(self._rollout, *self.abstract_step_args(params, ref_params))
+    # The jitted steps' own eval_shape: one trace, cached by jit for these argument types and
+    # reused by every later call (the trainer asks for the buffer once per learner width, and
+    # the step's first real call traces nothing again).
+    buffer, _, _ = self._step.eval_shape(*self.abstract_step_args(params, ref_params))
     if self.multi_turn:
       buffer = buffer.replace(model_mask=buffer.completion_mask)
     if self._ref_step is not None:
-      buffer = buffer.replace(ref_logps=jax.eval_shape(
-          self._reference, *self.abstract_reference_args(ref_params)))
+      buffer = buffer.replace(ref_logps=self._ref_step.eval_shape(
+          *self.abstract_reference_args(ref_params)))
     buffer = buffer.replace(policy_version=jax.ShapeDtypeStruct((), jnp.int32))
     return _with_shardings(buffer, self._buffer_shardings)
 
@@ -404,9 +406,9 @@ class RolloutEngine:
   def abstract_micro_batch(self, params, ref_params=None, width: Optional[int] = None) -> dict:
     """The learner's micro-batch shapes (what ``Learner.init``/``abstract_init`` take), rows
     sharded over the mesh's data axes; ``width``: as ``micro_batch``'s."""
-    example = jax.eval_shape(functools.partial(self._micro_batch, width=width),
-                             self.abstract_buffer(params, ref_params),
-                             jnp.zeros((), jnp.int32), self.abstract_advantages())
+    buffer = self.abstract_buffer(params, ref_params).replace(policy_version=None)
+    example = self._slice.eval_shape(buffer, jax.ShapeDtypeStruct((), jnp.int32),
+                                     self.abstract_advantages(), width=width)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=sharding.batch_sharding(self.mesh, x.ndim)), example)
 

@@ -52,6 +52,7 @@ def _grpo(workdir, **mesh):
         out = step(*args)
         seen[key].append(_devices(out))
         return out
+      spied.eval_shape = step.eval_shape  # the engine's shapes come from its jitted steps
       setattr(engine, name, spied)
     spy('_step', engine._step, 'generated')  # pylint: disable=protected-access
     if engine._ref_step is not None:  # pylint: disable=protected-access
