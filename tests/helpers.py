@@ -113,6 +113,25 @@ def require_libtpu() -> None:
     pytest.fail("libtpu is missing: the test extra installs it (pip install -e '.[test]').")
 
 
+def pinned_to_one_core():
+  """A module fixture's body (``yield from``): this thread, and the threads it starts meanwhile
+  (libtpu's compiler pool, started at its first topology), on one core, the xdist worker's own
+  (gw0 the first core, gw1 the second, ...), restored after. libtpu spreads a compile over
+  every core, which on CI's 2 cores, beside the other worker, costs more CPU than it saves time:
+  tests/test_plan.py and tests/test_plan_tpu_knobs.py with ``-n 2 --dist loadfile`` took 369 and
+  344 CPU s (216 and 209 s) pinned, 409 and 412 (230 and 234 s) not, 2026-11-28. jax's CPU
+  backend starts first, unpinned (its threads keep every core)."""
+  jax.devices('cpu')
+  cores = sorted(os.sched_getaffinity(0))
+  worker = os.environ.get('PYTEST_XDIST_WORKER', 'gw0')
+  index = int(worker[2:]) if worker[2:].isdigit() else 0
+  os.sched_setaffinity(0, {cores[index % len(cores)]})
+  try:
+    yield
+  finally:
+    os.sched_setaffinity(0, cores)
+
+
 def tpu_plan_config(**model):
   """configs/grpo_gsm8k_tpu.py:v5e-8 (Qwen2.5-0.5B's shapes) at 2 layers, no remat, no log-prob
   chunking, the einsum attention, TPU_TP + TPU_TC positions; ``model`` overrides model.* ->

@@ -31,6 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TP, TC = helpers.TPU_TP, helpers.TPU_TC
 
 
+@pytest.fixture(scope='module', autouse=True)
+def _one_core():
+  """libtpu's compiles on one core (helpers.pinned_to_one_core)."""
+  yield from helpers.pinned_to_one_core()
+
+
 def test_learner_has_no_activation_all_reduce_on_cpu_mesh():
   """On the 8-device CPU mesh (data 2 x fsdp 4) the learner step all-reduces no activations.
   Without the model's activation constraints XLA shards the hidden dimension as the fsdp-sharded

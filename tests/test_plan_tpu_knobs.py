@@ -16,6 +16,12 @@ from jaxrl_ga.models import policy
 pytestmark = pytest.mark.slow  # TPU compiles of ~20-40 s each
 
 
+@pytest.fixture(scope='module', autouse=True)
+def _one_core():
+  """libtpu's compiles on one core (helpers.pinned_to_one_core)."""
+  yield from helpers.pinned_to_one_core()
+
+
 @pytest.fixture(scope='module')
 def devices():
   helpers.require_libtpu()
