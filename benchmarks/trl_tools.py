@@ -11,11 +11,14 @@ vocabulary) for ``--steps`` GRPO steps on the example's multiplication rows with
 environment, SmolLM2's tokenizer with Qwen2.5's chat template (ChatML with ``<tool_call>``, TRL's
 ``qwen2_5_chat_template``: a template TRL accepts for tools), and records what TRL itself makes:
 a row's prompt rendered with the environment's tools (``apply_chat_template(tools=...)``, as its
-``_tokenize_prompts``), the tool turn tokens after a turn calling ``multiply`` (its
-``_get_tool_suffix_ids``) and that turn's parse (``trl.chat_template_utils.parse_response`` with
-the response template TRL set), its training metrics (``rewards/Calculator/mean``: get_reward as
-a reward named after the class; ``tools/call_frequency``). A random model writes no tool call,
-so TRL's tool loop runs on the scripted turn only.
+``_tokenize_prompts``), that turn's parse (``trl.chat_template_utils.parse_response`` with the
+response template TRL set), its training metrics (``rewards/Calculator/mean``: get_reward as a
+reward named after the class; ``tools/call_frequency``), and the tool turn's tokens as TRL's own
+tool loop inserted them in training. A random model writes no tool call, so the model's public
+``generate`` is scripted: its first turn calls ``multiply`` on the row's factors, its turn after
+the tool's reply ends at once. TRL parses that turn, calls the environment, appends the tool turn
+and masks it out of the loss; the tokens its ``tool_mask`` leaves out of the first training
+micro-batch (read in ``compute_loss``, a public override) are the tool turn.
 
 This side (jaxrl_ga, the public ``jaxrl_ga.tools``): the same tokenizer and template, the same
 row, the same class: ``Episodes.prompt_text``, ``Episodes.submit`` on the same turn, the calls it
@@ -64,7 +67,33 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
   torch.manual_seed(0)
   tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
   tok.chat_template = chat_template_utils.qwen2_5_chat_template
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+  class ScriptedLlama(transformers.LlamaForCausalLM):
+    """generate: the turn calling multiply on the question's factors; after a tool reply, eos."""
+
+    def generate(self, input_ids=None, attention_mask=None, **unused):
+      new = []
+      for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        text = tok.decode([i for i, m in zip(ids, mask) if m])
+        new.append([] if '</tool_response>' in text else tok(
+            turn_text({'prompt': 'What is ' + text.rsplit('What is ', 1)[1]}),
+            add_special_tokens=False)['input_ids'])
+        new[-1].append(tok.eos_token_id)
+      width = max(map(len, new))
+      new = [n + [tok.pad_token_id] * (width - len(n)) for n in new]
+      return torch.cat([input_ids, torch.tensor(new, dtype=input_ids.dtype)], dim=1)
+
+  class Recording(trl.GRPOTrainer):
+    """compute_loss (public): the first micro-batch's first completion, its masks."""
+    first = None
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+      if Recording.first is None:
+        Recording.first = {k: inputs[k][0].tolist()
+                           for k in ('prompt_ids', 'prompt_mask', 'completion_ids',
+                                     'completion_mask', 'tool_mask')}
+      return super().compute_loss(model, inputs, *args, **kwargs)
+
+  model = ScriptedLlama(transformers.LlamaConfig(
       vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
@@ -73,27 +102,27 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
           for r in calculator.rows(16)]
   args = trl.GRPOConfig(
       output_dir=tempfile.mkdtemp(prefix='trl_tools_'), use_cpu=True, bf16=False,
-      per_device_train_batch_size=4, num_generations=4, max_completion_length=24,
+      per_device_train_batch_size=4, num_generations=4, max_completion_length=96,
       max_steps=steps, logging_steps=1, report_to='none', save_strategy='no',
       max_tool_calling_iterations=2, learning_rate=1e-5, shuffle_dataset=False, seed=0)
-  trl_trainer = trl.GRPOTrainer(model=model, reward_funcs=[calculator.correct], args=args,
-                            train_dataset=datasets.Dataset.from_list(rows),
-                            processing_class=tok, environment_factory=calculator.Calculator)
+  trl_trainer = Recording(model=model, reward_funcs=[calculator.correct], args=args,
+                          train_dataset=datasets.Dataset.from_list(rows),
+                          processing_class=tok, environment_factory=calculator.Calculator)
   # What TRL renders and parses (its own calls, as _tokenize_prompts and _tool_call_loop make).
-  env = calculator.Calculator()
-  env.reset(**rows[0])
   env_tools = trl_trainer.tools  # public: every environment's tools (here the one environment's)
   prompt_text = tok.apply_chat_template([rows[0]['prompt']], tools=env_tools,
                                         add_generation_prompt=True, tokenize=False)[0]
   turn_ids = tok(turn_text(rows[0]), add_special_tokens=False)['input_ids'] + [tok.eos_token_id]
   prompt_ids = tok(prompt_text, add_special_tokens=False)['input_ids']
   parsed = chat_template_utils.parse_response(tok, turn_ids, prefix=prompt_ids, tools=env_tools)
-  # TRL's own tool-turn tokens: no public TRL function gives them, and re-deriving them here
-  # would copy the recipe jaxrl_ga.tools follows, so the comparison would prove nothing.
-  suffix = trl_trainer._get_tool_suffix_ids(  # pylint: disable=protected-access
-      [{'role': 'tool', 'name': 'multiply', 'content': str(env.multiply(*factors(rows[0])))}])
   t0 = time.perf_counter()
   trl_trainer.train()
+  # The tool turn TRL's loop inserted: the completion's tokens that its tool_mask leaves out.
+  first = Recording.first
+  question = tok.decode([t for t, m in zip(first['prompt_ids'], first['prompt_mask']) if m])
+  assert factors({'prompt': 'What is ' + question.rsplit('What is ', 1)[1]}) == factors(rows[0])
+  suffix = [t for t, m, tm in zip(first['completion_ids'], first['completion_mask'],
+                                  first['tool_mask']) if m and not tm]
   logs = [h for h in trl_trainer.state.log_history if 'loss' in h]
   result = {
       'trl': trl.__version__, 'transformers': transformers.__version__,
