@@ -87,10 +87,10 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
     first = None
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-      if Recording.first is None:
-        Recording.first = {k: inputs[k][0].tolist()
-                           for k in ('prompt_ids', 'prompt_mask', 'completion_ids',
-                                     'completion_mask', 'tool_mask')}
+      if self.first is None:
+        self.first = {k: inputs[k][0].tolist()
+                      for k in ('prompt_ids', 'prompt_mask', 'completion_ids',
+                                'completion_mask', 'tool_mask')}
       return super().compute_loss(model, inputs, *args, **kwargs)
 
   model = ScriptedLlama(transformers.LlamaConfig(
@@ -118,7 +118,7 @@ def trl_side(tokenizer_dir: str, out: str, steps: int) -> None:
   t0 = time.perf_counter()
   trl_trainer.train()
   # The tool turn TRL's loop inserted: the completion's tokens that its tool_mask leaves out.
-  first = Recording.first
+  first = trl_trainer.first
   question = tok.decode([t for t, m in zip(first['prompt_ids'], first['prompt_mask']) if m])
   assert factors({'prompt': 'What is ' + question.rsplit('What is ', 1)[1]}) == factors(rows[0])
   suffix = [t for t, m, tm in zip(first['completion_ids'], first['completion_mask'],
