@@ -2,7 +2,8 @@
 # benchmarks/accelerator.py on a GPU machine without network (issue 47; ../BENCHMARKS.md,
 # "Accelerator"): jaxrl_ga's defaults, its tuned settings and TRL's GRPOTrainer at the 0.4B shape.
 #
-# Needs, in the working tree (ignored paths, carried to the machine):
+# Needs, in the working tree (ignored paths, carried to the machine; benchmarks/device_kit.sh
+# makes both, and benchmarks/gpu_session.sh runs this script after issue 47's attention checks):
 #   .whl/*.whl               the packages the machine lacks (flax 0.12.12, orbax-checkpoint
 #                            0.12.8, ml_collections, tensorboardX, trl 1.16.0, datasets, dill,
 #                            multiprocess, xxhash), downloaded for Python 3.12 manylinux x86_64
@@ -16,11 +17,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/accelerator_out}
 mkdir -p "$OUT/logs"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
-  .whl/*.whl 2>&1 | grep -v -i 'warning' | tail -5
-export PYTHONPATH=/tmp/site:$PWD
-# Each side's log keeps its own lines only (no per-op XLA info lines).
-export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-1}
+source benchmarks/device_env.sh  # the kit's wheels on PYTHONPATH
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
 import importlib.metadata as md
 for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'torch', 'transformers', 'trl',
