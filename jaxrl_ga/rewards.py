@@ -97,7 +97,9 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   if rewards and not applies.all() and not _warned_none_apply:
     _warned_none_apply = True
     logging.warning('no reward function applies to %d of %d completions (every one returned '
-                    'None); they get reward 0. (Warned once.)', int((~applies).sum()), n)
+                    'None): their total reward is 0 in the logs, and in GRPO they count in no '
+                    'group statistic and get advantage 0, as in TRL. (Warned once.)',
+                    int((~applies).sum()), n)
   return total, per_fn
 
 
@@ -158,24 +160,56 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
   A_i = (r_i - mean(group)) / (std + eps), where std is the group's (``scale_rewards='group'``,
   sample std as in TRL), the whole batch's (``'batch'``), or 1 with no eps (``'none'``, Dr. GRPO).
   A group whose rewards are all equal gets advantage exactly 0, never NaN.
+
+  A NaN reward marks a completion no reward function scores (``unscorable``): as in TRL 1.16's
+  ``sum_then_normalize``, it counts in no group mean and no std, and its advantage is 0; a
+  statistic with too few values (a group's mean with none scored, its sample std with one) is
+  NaN there, and the advantages it makes are 0.
   """
   r = np.asarray(rewards, np.float64)
   if r.ndim != 1 or r.size % num_generations:
     raise ValueError(f'{r.size} rewards do not form groups of num_generations={num_generations}.')
+  if scale_rewards not in ('group', 'batch', 'none'):
+    raise ValueError(f'scale_rewards={scale_rewards!r}; choose group, batch or none.')
   groups = r.reshape(-1, num_generations)
+  if np.isnan(r).any():
+    return _group_advantages_with_unscored(groups, scale_rewards, eps)
   centered = groups - groups.mean(axis=1, keepdims=True)
   ddof = 1 if num_generations > 1 else 0
   if scale_rewards == 'group':
     adv = centered / (groups.std(axis=1, ddof=ddof, keepdims=True) + eps)
   elif scale_rewards == 'batch':
     adv = centered / (r.std(ddof=1 if r.size > 1 else 0) + eps)
-  elif scale_rewards == 'none':
-    adv = centered
   else:
-    raise ValueError(f'scale_rewards={scale_rewards!r}; choose group, batch or none.')
+    adv = centered
   # Exactly zero for all-equal groups (the centered values are already exact zeros).
   adv = np.where(np.all(groups == groups[:, :1], axis=1, keepdims=True), 0.0, adv)
   return adv.reshape(-1).astype(np.float32)
+
+
+def _group_advantages_with_unscored(groups: np.ndarray, scale_rewards: str,
+                                    eps: float) -> np.ndarray:
+  """``group_advantages`` where some rewards are NaN (grpo_trainer.py, TRL 1.16,
+  ``_generate_and_score_completions``: nanmean, nanstd, then nan_to_num)."""
+  g = groups.shape[1]
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # a group with no scored completion: NaN
+    centered = groups - np.nanmean(groups, axis=1, keepdims=True)
+  if scale_rewards == 'group':
+    std = _nanstd(groups, axis=1, keepdims=True) if g > 1 else np.zeros_like(groups)
+  else:  # 'batch' (and 'none', where only the centering applies)
+    std = _nanstd(groups) if groups.size > 1 else np.zeros_like(groups)
+  adv = centered if scale_rewards == 'none' else centered / (std + eps)
+  return np.nan_to_num(adv, nan=0.0).reshape(-1).astype(np.float32)
+
+
+def unscorable(per_function: np.ndarray) -> np.ndarray:
+  """[N, F] every reward function's values (NaN: it returned None) -> [N] bool: the completions
+  no function scores (all F NaN; none where there is no function)."""
+  per_function = np.asarray(per_function)
+  if per_function.ndim != 2 or per_function.shape[1] == 0:
+    return np.zeros(len(per_function), bool)
+  return np.isnan(per_function).all(axis=1)
 
 
 def _nanstd(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:

@@ -64,3 +64,64 @@ def test_wrong_length_names_the_function():
 def test_scale_rewards_name_is_validated():
   with pytest.raises(ConfigError, match='advantage.scale_rewards'):
     AdvantageConfig(scale_rewards='std')
+
+
+def _trl_sum_then_normalize(per_fn, weights, g, scale):
+  """TRL 1.16's sum_then_normalize (grpo_trainer.py, _generate_and_score_completions), written
+  out loop by loop: weighted nansum, unscorable rows (every function None) NaN, group nanmean,
+  nanstd (sample; NaN under 2 values) of the group or the batch, NaN advantages -> 0."""
+  def nanstd(xs):
+    xs = [x for x in xs if not np.isnan(x)]
+    if len(xs) < 2:
+      return np.nan
+    m = sum(xs) / len(xs)
+    return (sum((x - m)**2 for x in xs) / (len(xs) - 1))**0.5
+  n = len(per_fn)
+  total = [sum(w * v for w, v in zip(weights, row) if not np.isnan(v)) for row in per_fn]
+  total = [np.nan if np.isnan(row).all() else t for row, t in zip(per_fn, total)]
+  out = []
+  for start in range(0, n, g):
+    group = total[start:start + g]
+    valid = [x for x in group if not np.isnan(x)]
+    mean = sum(valid) / len(valid) if valid else np.nan
+    std = nanstd(group) if scale == 'group' else nanstd(total)
+    for x in group:
+      a = x - mean if scale == 'none' else (x - mean) / (std + 1e-4)
+      out.append(0.0 if np.isnan(a) else a)
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize('scale', ['group', 'batch', 'none'])
+def test_unscorable_completions_are_left_out_as_trl_does(scale):
+  """A completion every reward function scores None: advantage 0 and out of its group's mean
+  and std (and of the batch std), as TRL 1.16; a group with one scored completion (its sample
+  std NaN) and one with none scored get 0 under 'group'. Rows with no None are unchanged."""
+  rng = np.random.default_rng(3)
+  g = 4
+  per_fn = np.stack([rng.integers(0, 2, 16).astype(np.float64), rng.normal(0, 2, 16)], 1)
+  per_fn[1, 0] = np.nan  # one function does not apply: the other's value counts
+  per_fn[3] = np.nan  # unscorable
+  per_fn[8:11] = np.nan  # the third group: one scored completion
+  per_fn[12:16] = np.nan  # the fourth: none
+  weights = [1.0, 0.5]
+  total = np.nansum(per_fn * np.asarray(weights), 1)
+  unscored = R.unscorable(per_fn)
+  np.testing.assert_array_equal(np.flatnonzero(unscored), [3, 8, 9, 10, 12, 13, 14, 15])
+  got = R.group_advantages(np.where(unscored, np.nan, total), g, scale)
+  want = _trl_sum_then_normalize(per_fn, weights, g, scale)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert np.all(got[unscored] == 0)
+  assert got[0] != 0 and got[4] != 0
+  # The old rule (unscorable rows as reward 0 in the statistics) gives other advantages.
+  assert np.abs(R.group_advantages(total, g, scale) - want).max() > 0.05
+  # Without any None the NaN path is not taken: the same values as before.
+  full = np.nan_to_num(per_fn[:8], nan=1.0)
+  np.testing.assert_allclose(R.group_advantages(full @ np.asarray(weights), g, scale),
+                             _trl_sum_then_normalize(full, weights, g, scale), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_unscorable_needs_a_function():
+  assert not R.unscorable(np.zeros((3, 0))).any()
+  np.testing.assert_array_equal(R.unscorable(np.array([[np.nan, 1.0], [np.nan, np.nan]])),
+                                [False, True])

@@ -344,6 +344,15 @@ def test_grpo_loop_uses_normalize_then_sum():
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got['sum_then_normalize'],
                                 rewards_lib.group_advantages(total, 4))
+  # A completion no function scores: the default path leaves it out of its group (TRL 1.16).
+  per_fn[2] = np.nan
+  total[2] = 0.0  # what compute_rewards sums for it
+  stub.cfg.advantage = AdvantageConfig()
+  _, _, adv = GRPOLoop._advantages(stub, {}, None, total)
+  scored = [0, 1, 3]
+  want = (total[scored] - total[scored].mean()) / (np.std(total[scored], ddof=1) + 1e-4)
+  np.testing.assert_allclose(adv[scored], want, rtol=1e-5)
+  assert adv[2] == 0
 
 
 @pytest.mark.parametrize('kwargs,message', [

@@ -503,7 +503,9 @@ class GRPOLoop:
     total, correct = fields[0].reshape(-1), fields[1]
     # [S*B, F] every function's rewards, for advantage.multi_objective_aggregation
     self._rewards_per_function = fields[2:2 + len(names)].reshape(len(names), -1).T
-    return total, {'reward/mean': float(total.mean()), 'reward/std': float(total.std()),
+    scored = total[~rewards_lib.unscorable(self._rewards_per_function)]  # as TRL logs them
+    return total, {'reward/mean': float(scored.mean()) if scored.size else float('nan'),
+                   'reward/std': float(scored.std()) if scored.size else float('nan'),
                    'reward/accuracy': float(correct.mean()),
                    **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
                       for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()}
@@ -543,9 +545,10 @@ class GRPOLoop:
     if cfg.advantage.multi_objective_aggregation == 'normalize_then_sum':
       adv = rewards_lib.normalize_then_sum_advantages(
           self._rewards_per_function, [r.weight for r in self.rewards], sched.num_generations)
-    else:
-      adv = rewards_lib.group_advantages(rewards, sched.num_generations,
-                                         cfg.advantage.scale_rewards)
+    else:  # a completion no reward function scores: NaN, out of the statistics, advantage 0
+      unscored = rewards_lib.unscorable(self._rewards_per_function)
+      adv = rewards_lib.group_advantages(np.where(unscored, np.nan, rewards),
+                                         sched.num_generations, cfg.advantage.scale_rewards)
     adv_dev = placement.put(adv.reshape(sched.steps_per_generation, sched.micro_batch_size),
                             self.engine.advantage_sharding)
     if not cfg.advantage.order_by_advantage_sign:
