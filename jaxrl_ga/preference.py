@@ -14,7 +14,7 @@ Other columns go to the held-out evaluation's rewards (``grpo.reward_funcs``) as
 string prompt is one user message, a string reply one assistant message): the prompt is the
 template with the generation prompt, a reply the text the template writes after it for the whole
 conversation (TRL's DPO preprocessing), an eos added when it has none. Without a template the
-strings are used as they are, each reply followed by the eos.
+strings are used as they are, each reply followed by the eos unless it ends with one (TRL).
 
 Lengths: a prompt longer than ``dpo.max_prompt_length`` (0: ``dpo.max_length - 1``) is an error
 naming its row, dropped (counted) or truncated on ``dpo.truncation_side``
@@ -213,8 +213,8 @@ def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], lis
   if not isinstance(pref.prompt, str):
     raise ConfigError(f'{pref.where}: chat messages, but the tokenizer has no chat template; give '
                       f'string prompt, chosen and rejected, or a model whose tokenizer has one.')
-  return (text.encode(tokenizer, pref.prompt), text.encode(tokenizer, pref.chosen) + [eos_id],
-          text.encode(tokenizer, pref.rejected) + [eos_id])
+  return (text.encode(tokenizer, pref.prompt), text.encode_ending(tokenizer, pref.chosen, eos_id),
+          text.encode_ending(tokenizer, pref.rejected, eos_id))
 
 
 def fingerprint(pairs: Mapping[str, np.ndarray], ref_model: str = '') -> str:

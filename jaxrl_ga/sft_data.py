@@ -11,7 +11,7 @@ order); each holds one of TRL's SFT formats:
 conversational prompt-completion). Strings follow the library's rule for prompts
 (``trainers.text.encode_prompt``): a string prompt is one user message through the chat template
 when the tokenizer has one, and a string completion (or ``text``) is followed by the tokenizer's
-eos, as the built-in tasks' SFT targets are. Conversations end as the template renders them.
+eos (unless it ends with it, as TRL), as the built-in tasks' SFT targets are. Conversations end as the template renders them.
 
 What is assistant text is the chat template's decision:
   - a template with generation markers (``{% generation %} ... {% endgeneration %}``): the tokens
@@ -117,7 +117,7 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], li
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
   kind = row_format(row)
   if kind == 'text':
-    ids = text.encode(tokenizer, row['text']) + [eos_id]
+    ids = text.encode_ending(tokenizer, row['text'], eos_id)
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
@@ -150,10 +150,11 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], li
 
 def prompt_completion_ids(tokenizer, prompt, completion: str, eos_id: int
                           ) -> tuple[list[int], list[int]]:
-  """prompt (through ``encode_prompt``) + completion + eos, the loss on completion and eos: the
+  """prompt (through ``encode_prompt``) + completion + eos (``text.encode_ending``: none added
+  after a completion that ends with it), the loss on completion and eos: the
   SFT sequence of a built-in task's example and of a string prompt-completion row."""
   head = text.encode_prompt(tokenizer, prompt)
-  tail = text.encode(tokenizer, completion) + [eos_id]
+  tail = text.encode_ending(tokenizer, completion, eos_id)
   return head + tail, [0] * len(head) + [1] * len(tail)
 
 

@@ -416,6 +416,20 @@ def test_bad_preference_rows_name_the_row(tmp_path):
                                  'preference rows')
 
 
+def test_string_replies_ending_with_eos_get_no_second_eos():
+  """Without a chat template: each reply followed by the eos unless it ends with it (TRL 1.16's
+  dpo_trainer.py add_eos), the ids the tokenizer's of that text."""
+  tok = tokenizer_lib.build_char_tokenizer(data.BASE_ALPHABET)
+  tok.chat_template = None
+  eos = tok.eos_token
+  row = data.Row(prompt='q', chosen='yes' + eos, rejected='no')
+  row.where = 'pref.jsonl:1'
+  _, chosen, rejected = preference.encode_row(tok, preference.parse(row, {}), tok.eos_token_id)
+  trl = lambda s: tok(s if s.endswith(eos) else s + eos, add_special_tokens=False)['input_ids']
+  assert chosen == trl('yes' + eos) and chosen.count(tok.eos_token_id) == 1
+  assert rejected == trl('no') and rejected[-1] == tok.eos_token_id
+
+
 def test_a_chat_template_that_raises_names_the_row():
   """A template's own raise_exception on a reply (the prompt alone renders): one ConfigError line
   naming the row, not the template engine's error."""

@@ -325,3 +325,17 @@ def test_cli_bad_rows_one_error_line_exit_2(tmp_path):
   line, path = _cli(tmp_path, [GOOD] * 20 + [{'text': 'x' * 60}], '--config.sft.max_length=48')
   assert line == (f'error: data.train={path}:21: 61 tokens exceeds sft.max_length=48; raise '
                   'sft.max_length, or set sft.too_long=drop or truncate.')
+
+
+def test_a_row_ending_with_the_eos_text_gets_no_second_eos():
+  """TRL 1.16's add_eos (sft_trainer.py): the eos text is appended only where the text does not
+  already end with it, so no row trains EOS -> EOS; the ids are the tokenizer's of that text."""
+  tok = _tokenizer()
+  trl = lambda s: tok(s if s.endswith(tok.eos_token) else s + tok.eos_token,
+                      add_special_tokens=False)['input_ids']
+  for body in ('abc', 'abc' + tok.eos_token):
+    ids, mask = sft_data.encode_row(tok, _row(text=body), EOS)
+    assert ids == trl(body) and ids.count(EOS) == 1 and mask == [0] + [1] * (len(ids) - 1)
+    ids, mask = sft_data.encode_row(tok, _row(prompt='What is 2+3?', completion='5' + body[3:]),
+                                    EOS)
+    assert _trained_text(tok, ids, mask) == '5<eos>' and ids.count(EOS) == 1

@@ -17,6 +17,15 @@ def encode(tokenizer, text: str) -> list[int]:
   return list(tokenizer(text, add_special_tokens=False)['input_ids'])
 
 
+def encode_ending(tokenizer, text: str, eos_id: int) -> list[int]:
+  """``encode`` of a reply or document that ends the sequence, with ``eos_id`` after it unless
+  it already ends with it (the text ends with the EOS token's text, which the tokenizer reads
+  as that token): TRL 1.16 appends the EOS text only where it is missing (sft_trainer.py and
+  dpo_trainer.py, ``add_eos``), so a row is never trained on EOS -> EOS."""
+  ids = encode(tokenizer, text)
+  return ids if ids and ids[-1] == eos_id else ids + [eos_id]
+
+
 def encode_prompt(tokenizer, text) -> list[int]:
   """A task prompt's ids: through the tokenizer's chat template when it has one (a user message
   plus the assistant generation prompt; ``jaxrl_ga.tasks.chat``), else the raw text. A list of
