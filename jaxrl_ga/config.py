@@ -239,7 +239,9 @@ class GRPOLossConfig:
       with a negative advantage whose mean over its tokens of (sampler - current) log-probs
       exceeds this is left out of the policy term (None disables).
     beta: weight of the k3 KL estimate to the reference policy (0 disables the reference).
-    entropy_coef: weight of an entropy bonus (0 disables).
+    entropy_coef: weight of an entropy bonus (0 disables): -entropy_coef * H added to each
+      token's loss and aggregated as the policy term, so TRL 1.16's scale (the token mean of
+      H) only with aggregation 'token' and top_entropy_quantile 1 (docs/design.md).
     objective: the per-token policy term (losses.grpo_loss): 'clip' (the clipped surrogate),
       or TRL 1.16's 'cispo' (ratio capped at epsilon_high, stop-gradient, times A log pi),
       'sapo' (soft sigmoid gate) or 'vespo' (a Gamma weight of the sequence ratio). TRL's
