@@ -48,10 +48,12 @@ is not JSON or whose arguments are not an object: the tool turn is ``str({'error
 plain text, ending the episode; so does a response-template tokenizer here. The plain format's
 unreadable blocks are failed calls instead: the model reads why.)
 
-Concurrency: every call of a rollout (all its rows, all calls of a turn) runs at once, a sync
-tool on a daemon thread of its own, an async one on one event loop thread; the engine keeps
-decoding the other rows meanwhile. A call past its timeout is answered with the timeout's tool
-turn; an async one is cancelled, a sync one's thread runs on unheard.
+Concurrency: the calls of one turn run one after another, in the turn's order, each once the one
+before it is answered (as TRL 1.16 runs them: a stateful environment sees its tools in the order
+the model wrote them); the turns of different rows run at once, a sync tool on a daemon thread of
+its own, an async one on one event loop thread, and the engine keeps decoding the other rows
+meanwhile. A call past its timeout is answered with the timeout's tool turn and the turn's next
+call starts; an async one is cancelled, a sync one's thread runs on unheard.
 
 Rewards of an episode (docs/your_data.md, "Tools and environments"): ``completions`` holds each
 row's final assistant turn's text; the column ``completions_messages`` its whole completion as
@@ -295,7 +297,7 @@ class ToolSetup:
 
   def call(self, fn: Callable[..., Any], arguments: dict) -> concurrent.futures.Future:
     """``fn(**arguments)`` on a daemon thread of its own (a coroutine function: awaited on the
-    event loop), so that the calls of a rollout run at once and a hung tool holds neither the
+    event loop), so that the rows' calls run at once and a hung tool holds neither the
     others nor the process's exit (a ThreadPoolExecutor's workers are joined at exit)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if inspect.iscoroutinefunction(fn):
@@ -536,21 +538,22 @@ class Episodes:
         self._failures[row] += int(failed)
         if calls[i]['name'] in self._tools[row]:  # an invented name gets no metric of its own
           self._calls_of[calls[i]['name']] = self._calls_of.get(calls[i]['name'], 0) + 1
-      if last:
-        try:
-          with self._lock:
-            self._completion[row].extend(results)
-          ids = self._tool_turn_ids(results)
-          with self._lock:
-            self._history[row].extend(ids)
-          out.set_result(np.asarray(ids, np.int32))
-        except Exception as e:  # pylint: disable=broad-except
-          logging.exception('tools: row %d: rendering the tool turn failed (%s); its episode '
-                            'ends.', row, e)
-          out.set_result(None)
+      if not last:  # the turn's next call, once this one is answered (TRL's order)
+        self._start(row, i + 1, calls[i + 1], finish)
+        return
+      try:
+        with self._lock:
+          self._completion[row].extend(results)
+        ids = self._tool_turn_ids(results)
+        with self._lock:
+          self._history[row].extend(ids)
+        out.set_result(np.asarray(ids, np.int32))
+      except Exception as e:  # pylint: disable=broad-except
+        logging.exception('tools: row %d: rendering the tool turn failed (%s); its episode '
+                          'ends.', row, e)
+        out.set_result(None)
 
-    for i, call in enumerate(calls):
-      self._start(row, i, call, finish)
+    self._start(row, 0, calls[0], finish)
 
   def _start(self, row: int, i: int, call: dict, finish) -> None:
     """Runs one call; ``finish(i, content, failed)`` when it returns, raises or times out."""

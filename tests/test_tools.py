@@ -176,8 +176,10 @@ def test_a_turn_cut_at_the_limit_is_closed_as_the_last_turn_its_calls_not_run(to
   assert ep.metrics()['tools/calls_per_episode'] == 1
 
 
-def test_calls_of_a_rollout_run_concurrently(tok):
-  spans = []
+def test_rows_call_at_once_and_a_turns_calls_in_order(tok):
+  """Rows' turns run at once; one turn's calls one after another, in the turn's order (TRL 1.16's
+  loop), a sync and an async one alike."""
+  spans = {}
   lock = threading.Lock()
 
   def slow(x: int) -> int:
@@ -189,7 +191,7 @@ def test_calls_of_a_rollout_run_concurrently(tok):
     start = time.perf_counter()
     time.sleep(0.6)
     with lock:
-      spans.append((start, time.perf_counter()))
+      spans[('slow', x)] = (start, time.perf_counter())
     return x
 
   async def slow_async(x: int) -> int:
@@ -201,7 +203,7 @@ def test_calls_of_a_rollout_run_concurrently(tok):
     start = time.perf_counter()
     await asyncio.sleep(0.6)
     with lock:
-      spans.append((start, time.perf_counter()))
+      spans[('slow_async', x)] = (start, time.perf_counter())
     return x + 1
 
   ep = _setup(tools=[slow, slow_async]).episodes(tok, [Example('q', None)] * 2)
@@ -211,8 +213,39 @@ def test_calls_of_a_rollout_run_concurrently(tok):
   assert a.result(5).tolist() == _tool_turns(tok, '1', '2')
   assert b.result(5).tolist() == _tool_turns(tok, '5')
   elapsed = time.perf_counter() - t0
-  assert len(spans) == 3 and elapsed < 1.5, elapsed  # one after another: >= 1.8 s
-  assert max(s for s, _ in spans) < min(e for _, e in spans)  # all three overlap in time
+  assert len(spans) == 3 and elapsed < 1.6, elapsed  # all three one after another: >= 1.8 s
+  first, second, other = spans[('slow', 1)], spans[('slow_async', 1)], spans[('slow', 5)]
+  assert second[0] >= first[1]  # row 0's second call starts once its first has returned
+  assert other[0] < first[1] and first[0] < other[1]  # row 1's call overlaps row 0's first
+
+
+class Board:
+  """A stateful environment: each piece goes on the next free cell."""
+
+  def reset(self, **unused_row):
+    self.cells = []
+
+  def place(self, piece: str) -> str:
+    """Places a piece on the next free cell.
+
+    Args:
+      piece: the piece.
+    """
+    cell = len(self.cells)
+    time.sleep(0.01 if piece == 'X' else 0.0)  # the first call is the slower one
+    self.cells.append(piece)
+    return f'{piece} on cell {cell}'
+
+
+def test_a_stateful_environment_sees_a_turns_calls_in_order(tok):
+  """X then O in one turn: the environment holds XO and the model reads cells 0 and 1, every
+  time (run at once, O could land first or read X's half-done state)."""
+  setup = _setup(environment=Board)
+  turn = _turn(tok, _call('place', piece='X') + '\n' + _call('place', piece='O'))
+  for _ in range(5):
+    ep = setup.episodes(tok, [Example('play', None)])
+    assert ep.submit(0, turn).result(5).tolist() == _tool_turns(tok, 'X on cell 0', 'O on cell 1')
+    assert ep.environments[0].cells == ['X', 'O']
 
 
 def test_failures_are_tool_turns(tok):
