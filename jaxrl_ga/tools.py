@@ -55,7 +55,8 @@ its own, an async one on one event loop thread, and the engine keeps decoding th
 meanwhile. A call past its timeout is answered with the timeout's tool turn and the turn's next
 call starts; an async one is cancelled, a sync one's thread runs on unheard.
 
-Rewards of an episode (docs/your_data.md, "Tools and environments"): ``completions`` holds each
+Rewards of an episode (docs/your_data.md, "Tools and environments"): ``prompts`` holds each
+row's prompt, with ``reset``'s text appended where it returned some (TRL's); ``completions`` each
 row's final assistant turn's text; the column ``completions_messages`` its whole completion as
 messages (assistant and tool turns, TRL's conversational ``completions``) and ``environments``
 its environment instance (TRL's ``environments`` keyword).
@@ -423,6 +424,7 @@ class Episodes:
     self._tools: list[dict[str, Callable]] = []
     self._schemas: list[list[dict]] = []
     self._prompts: list[list[dict]] = []
+    self._observed: list[bool] = []  # reset returned text: the rewards' prompt is the messages
     for ex, name, env in zip(self.examples, names, self.environments):
       fns = list(setup.standalone)
       if env is not None:
@@ -451,8 +453,10 @@ class Episodes:
     messages = ([{'role': 'user', 'content': prompt}] if isinstance(prompt, str)
                 else [dict(m) for m in prompt])
     if env is None:
+      self._observed.append(False)
       return messages
     observation = env.reset(**self.setup.reset_kwargs(example))
+    self._observed.append(observation is not None)
     if observation is not None:
       messages[-1] = {**messages[-1], 'content': messages[-1]['content'] + observation}
     return messages
@@ -681,6 +685,13 @@ class Episodes:
     """The text of the row's last assistant turn: its ``completions`` entry for the rewards."""
     turns = [m for m in self.completion_messages(row) if m['role'] == 'assistant']
     return turns[-1]['content'] if turns else ''
+
+  def reward_prompts(self) -> list[Any]:
+    """The ``prompts`` the rewards get, one per row (TRL 1.16's): the row's prompt as in the
+    data, or, where its environment's ``reset`` returned text, the prompt messages with that text
+    appended (what the model was asked)."""
+    return [[dict(m) for m in self._prompts[r]] if self._observed[r] else ex.prompt
+            for r, ex in enumerate(self.examples)]
 
   def reward_fields(self) -> dict[str, list]:
     """The columns episodes add to the rewards' (one entry per row): ``completions_messages``,

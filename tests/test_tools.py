@@ -338,6 +338,8 @@ def test_environment_column_selects_each_rows_environment(tok):
   assert ep.environments[1].seen == {'prompt': 'b', 'k': 2}  # environment is not passed
   assert 'Think step by step' not in ep.prompt_text(0) and '"echo"' in ep.prompt_text(0)
   assert '"add"' not in ep.prompt_text(0)  # only its environment's tools are announced
+  # The rewards' prompts (TRL 1.16's): reset's text appended where it returned some.
+  assert ep.reward_prompts() == ['a', [{'role': 'user', 'content': 'b Think step by step.'}], 'c']
   ep.submit(0, _turn(tok, _call('add', a=1, b=1))).result(5)  # not a tool of row 0
   assert ep.completion_messages(0)[-1]['content'] == "{'error': 'Tool add not found.'}"
   ep.submit(1, _turn(tok, _call('add', a=1, b=1))).result(5)

@@ -82,9 +82,10 @@ class Evaluator:
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
       valid = np.asarray(rows) < n
-      extra = None  # the episodes' reward columns of the real rows
+      extra = prompts = None  # the episodes' reward columns and prompts of the real rows
       if with_episodes is not None:
-        texts, extra, chunk_calls = self._run_episodes(with_episodes, params, chunk, valid)
+        texts, extra, chunk_calls, prompts = self._run_episodes(with_episodes, params, chunk,
+                                                                valid)
         calls += chunk_calls
       else:
         tokens, mask = placement.place_rows(text.left_pad(
@@ -102,7 +103,7 @@ class Evaluator:
         continue  # generation is collective: this process keeps taking part, scoring nothing
       try:  # only the real rows are scored (the functions never see the padding rows)
         real = self._scores([e for e, v in zip(chunk, valid) if v],
-                            [t for t, v in zip(texts, valid) if v], extra)  # [n real, F]
+                            [t for t, v in zip(texts, valid) if v], extra, prompts)  # [n, F]
       except rewards_lib.RewardError as e:
         error = e
         continue
@@ -144,7 +145,8 @@ class Evaluator:
   def _run_episodes(self, with_episodes, params, chunk, valid
                     ) -> tuple[list[str], dict[str, list], int]:
     """The chunk's greedy episodes (one process). -> (each row's final assistant turn's text,
-    the real rows' episode columns of the rewards, their tool calls)."""
+    the real rows' episode columns of the rewards, their tool calls, their prompts as the
+    rewards get them: ``Episodes.reward_prompts``)."""
     ctx, bs = self.ctx, self.batch_size
     runner, make_interaction = with_episodes
     interaction = make_interaction(chunk)
@@ -159,12 +161,14 @@ class Evaluator:
     real = np.flatnonzero(valid)
     extra = {k: [v[r] for r in real] for k, v in interaction.reward_fields().items()}
     calls = sum(m['role'] == 'tool' for r in real for m in interaction.completion_messages(r))
-    return texts, extra, int(calls)
+    prompts = interaction.reward_prompts()
+    return texts, extra, int(calls), [prompts[r] for r in real]
 
-  def _scores(self, examples, texts, extra=None) -> np.ndarray:
+  def _scores(self, examples, texts, extra=None, prompts=None) -> np.ndarray:
     """[N, F] per-completion scores: each reward, then the metric's values. ``extra``: more
-    columns (an episode's), one entry per completion."""
-    prompts = [e.prompt for e in examples]
+    columns (an episode's), one entry per completion; ``prompts``: the rewards' prompts where
+    they are not the examples' (an episode's, with its environment's reset text)."""
+    prompts = [e.prompt for e in examples] if prompts is None else prompts
     # No rows here (on one of several processes): the functions still get every column, empty.
     fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
     fields = {**fields, **(extra or {})}

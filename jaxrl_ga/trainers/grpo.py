@@ -469,14 +469,15 @@ class GRPOLoop:
     texts = text.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
                                     local(buffer.completion_mask))
     fields = task_base.reward_fields(examples)
+    prompts = [ex.prompt for ex in examples]
     if hasattr(interaction, 'final_text'):  # (the engine handed it every turn, the cut ones too)
       texts = [interaction.final_text(r) for r in range(len(texts))]
       fields = {**fields, **interaction.reward_fields()}
+      prompts = interaction.reward_prompts()  # an environment's reset text appended (TRL's)
     names = [r.name for r in self.rewards]
     error, per_fn = None, {}
     try:
-      total, per_fn = rewards_lib.compute_rewards(
-          self.rewards, [ex.prompt for ex in examples], texts, fields)
+      total, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)
       marked = next((r.name for r in self.rewards if r.marks_correctness), None)
       if marked is not None:  # > 0 counts as correct; NaN (None: does not apply) does not
         correct = np.nan_to_num(per_fn[marked]) > 0
