@@ -70,6 +70,9 @@ class Interaction(Protocol):
   # without reaching ``submit``: cut at the length limit (or ended at EOS with no position left),
   # so no answer can follow; called once, from the runner's thread, before ``run`` returns. With
   # it the host has seen every model turn of every row (``tools.Episodes.close``).
+  # Optional: ``withdraw(row) -> None``, the row's last answer did not fit in the completion
+  # (more tokens than the positions left): it is taken back and the episode ends as its last turn
+  # did, at EOS (TRL 1.16 drops such tool results; ``tools.Episodes.withdraw``).
 
 
 @flax.struct.dataclass
@@ -116,7 +119,8 @@ def _settle(state: EpisodeState, queue: sampling.PoolQueue) -> EpisodeState:
 def _inject(state: EpisodeState, inject_tokens, inject_len) -> EpisodeState:
   """The host's answers to waiting rows: inject_len [N] > 0: inject_tokens [N, L] at positions
   length .. length + inject_len - 1 (forced into the row's slot), -1: the episode ends, 0:
-  nothing. An answer that leaves no room for a model token ends the episode truncated."""
+  nothing. An answer that leaves no room for a model token ends the episode truncated (one
+  longer than that never comes here: the runner withdraws it and ends the episode, -1)."""
   pool = state.pool
   n, length = pool.tokens.shape
   act = state.waiting & (inject_len != 0)
@@ -329,8 +333,15 @@ class EpisodeRunner:
             raise ValueError(f'the interaction answered row {r} with no tokens; answer None to '
                              'end the episode.')
           start_at = int(lengths[r])
+          if start_at + answer.size > length:  # it does not fit: TRL 1.16 drops the tool result
+            withdraw = getattr(interaction, 'withdraw', None)  # and the episode ends at the
+            if withdraw is not None:  # model's EOS: a finished completion, not a truncated one
+              withdraw(r)
+            inject_len[r] = -1
+            seen_last[r] = True
+            continue
           inject_len[r] = answer.size
-          seen_last[r] = start_at + answer.size >= length  # no room: _inject ends it truncated
+          seen_last[r] = start_at + answer.size >= length  # no room after: _inject, truncated
           fits = answer[:max(length - start_at, 0)]
           inject_tokens[r, start_at:start_at + fits.size] = fits
           turn_start[r] = start_at + answer.size

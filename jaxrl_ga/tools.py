@@ -443,6 +443,7 @@ class Episodes:
     self._calls = np.zeros(len(self.examples), np.int64)
     self._failures = np.zeros(len(self.examples), np.int64)
     self._calls_of: dict[str, int] = {}
+    self._answer: dict[int, tuple[int, int]] = {}  # row: its last answer's (messages, tokens)
 
   def _reset(self, example, env) -> list[dict]:
     """The row's prompt messages: its prompt (a string: one user message) with ``reset``'s text
@@ -546,11 +547,11 @@ class Episodes:
         self._start(row, i + 1, calls[i + 1], finish)
         return
       try:
-        with self._lock:
-          self._completion[row].extend(results)
         ids = self._tool_turn_ids(results)
         with self._lock:
+          self._completion[row].extend(results)
           self._history[row].extend(ids)
+          self._answer[row] = (len(results), len(ids))
         out.set_result(np.asarray(ids, np.int32))
       except Exception as e:  # pylint: disable=broad-except
         logging.exception('tools: row %d: rendering the tool turn failed (%s); its episode '
@@ -659,6 +660,17 @@ class Episodes:
       content = self.tokenizer.decode(ids, skip_special_tokens=True)
     with self._lock:
       self._completion[row].append({'role': 'assistant', 'content': content})
+
+  def withdraw(self, row: int) -> None:
+    """The Interaction protocol's optional take-back: the row's last answer did not fit in the
+    completion, so its tool turns leave the row's messages (the rewards' ``completions_messages``
+    holds what the model saw) and its context; the calls stay counted (TRL 1.16's rollback)."""
+    with self._lock:
+      messages, tokens = self._answer.pop(row, (0, 0))
+      if messages:
+        del self._completion[row][-messages:]
+      if tokens:
+        del self._history[row][-tokens:]
 
   # -- after the rollout --------------------------------------------------------------------------
   def finish(self, row: int, turns: Sequence[np.ndarray]) -> None:

@@ -50,8 +50,12 @@ class FakeTool:
 
   def __init__(self, delays: bool = False, tokens=TOOL_TOKENS):
     self.calls = []
+    self.withdrawn = []
     self.tokens = tokens
     self.pool = concurrent.futures.ThreadPoolExecutor(4) if delays else None
+
+  def withdraw(self, row: int):
+    self.withdrawn.append(int(row))
 
   def answer(self, row: int, k: int):
     return None if k >= CALLS else np.asarray(self.tokens[:1 + (row + k) % 4], np.int32)
@@ -97,8 +101,13 @@ def _reprefill_reference(fwd, params, prompt_tokens, prompt_mask, tool: FakeTool
         over[r] = True
         continue
       answer = tool.submit(r, tokens[r, turn_start[r]:length[r]]).result()
-      if answer is None or length[r] + len(answer) >= L:
-        over[r], ended[r] = True, answer is None
+      if answer is None or length[r] + len(answer) > L:  # TRL: a result that does not fit is
+        over[r] = True  # dropped, the episode ends at the model's EOS
+        if answer is not None:
+          tool.withdraw(r)
+        continue
+      if length[r] + len(answer) == L:  # it fits, no model token can follow: truncated
+        over[r], ended[r] = True, False
         continue
       tokens[r, length[r]:length[r] + len(answer)] = answer
       length[r] += len(answer)
@@ -115,7 +124,35 @@ def tiny():
   tool = FakeTool()
   want = _reprefill_reference(_forward(graphdef), params, prompt_tokens, prompt_mask, tool)
   return dict(graphdef=graphdef, params=params, prompts=(prompt_tokens, prompt_mask), mesh=mesh,
-              want=want, want_calls=sorted(map(str, tool.calls)), calls=list(tool.calls))
+              want=want, want_calls=sorted(map(str, tool.calls)), calls=list(tool.calls),
+              want_withdrawn=sorted(tool.withdrawn))
+
+
+class _LongAnswers(FakeTool):
+  """Answers of 9 tokens: some do not fit in what is left of L = 24."""
+
+  def answer(self, row: int, k: int):
+    return None if k >= CALLS else np.asarray([5, 9, 13, 7, 5, 9, 13, 7, 5], np.int32)
+
+
+def test_an_answer_that_does_not_fit_is_withdrawn_and_the_episode_ends_at_eos(tiny):
+  """TRL 1.16 drops a tool result longer than the completion's room and the completion ends at
+  the model's EOS (not truncated): the runner against the re-prefill reference with that rule."""
+  tool = _LongAnswers()
+  want = _reprefill_reference(_forward(tiny['graphdef']), tiny['params'], *tiny['prompts'], tool)
+  assert tool.withdrawn  # the case happens
+  sampler = sampling.Sampler(L, eos_id=EOS, pad_id=0, slots=3, decode_block=4)
+  runner = episodes.EpisodeRunner(tiny['graphdef'], sampler, tiny['mesh'], greedy=True,
+                                  segment_steps=5)
+  got_tool = _LongAnswers()
+  out = jax.device_get(runner.run(tiny['params'], *tiny['prompts'], jax.random.key(0),
+                                  got_tool).completions)
+  tokens, _, ended, length = want
+  np.testing.assert_array_equal(out.tokens, tokens)
+  np.testing.assert_array_equal(np.asarray(out.mask).sum(1), length)
+  np.testing.assert_array_equal(out.ended_with_eos, ended)
+  assert sorted(got_tool.withdrawn) == sorted(tool.withdrawn)
+  assert all(ended[r] for r in tool.withdrawn)  # finished, not truncated
 
 
 @pytest.mark.parametrize('slots,delays', [(0, False), (3, True)], ids=['row-per-slot', 'pool'])
@@ -134,6 +171,7 @@ def test_greedy_episodes_equal_a_reference_that_reprefills_the_history(tiny, slo
   assert (np.asarray(c.logps)[model == 0] == 0).all()  # host tokens: no sampler log-prob
   assert (np.asarray(c.logps)[model == 1] < 0).all()
   assert sorted(map(str, tool.calls)) == tiny['want_calls']  # the same turns, each once
+  assert sorted(tool.withdrawn) == tiny['want_withdrawn']  # answers that did not fit
   # The case is not degenerate: tools answered in most rows, some episodes truncated.
   assert len(tool.calls) >= N and (model[:, 1:] < model[:, :-1]).any() and not ended.all()
   if slots:

@@ -575,3 +575,14 @@ def test_the_checkpoint_fingerprint_is_unchanged_without_tools():
   tooled = make(dataclasses.replace(config_lib.RunConfig(), grpo=grpo))['grpo']
   assert (tooled['tools'], tooled['max_tool_calls']) == ('m:f', 2)
   assert 'tool_timeout_s' not in tooled  # may change on a resume
+
+
+def test_a_withdrawn_answer_leaves_the_messages_its_calls_counted(tok):
+  """The runner withdraws an answer that does not fit (TRL 1.16 drops the tool result): the
+  rewards' completions_messages hold only what the model saw; the call still counts."""
+  ep = _setup(tools=[multiply]).episodes(tok, [Example('q', None)])
+  assert ep.submit(0, _turn(tok, _call('multiply', a=3, b=4))).result(5) is not None
+  assert [m['role'] for m in ep.completion_messages(0)] == ['assistant', 'tool']
+  ep.withdraw(0)
+  assert [m['role'] for m in ep.completion_messages(0)] == ['assistant']
+  assert ep.metrics()['tools/calls_per_episode'] == 1

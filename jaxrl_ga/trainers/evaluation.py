@@ -161,7 +161,8 @@ class Evaluator:
     real = np.flatnonzero(valid)
     extra = {k: [v[r] for r in real] for k, v in interaction.reward_fields().items()}
     calls = sum(m['role'] == 'tool' for r in real for m in interaction.completion_messages(r))
-    prompts = interaction.reward_prompts()
+    prompts = (interaction.reward_prompts() if hasattr(interaction, 'reward_prompts')
+               else [e.prompt for e in chunk])
     return texts, extra, int(calls), [prompts[r] for r in real]
 
   def _scores(self, examples, texts, extra=None, prompts=None) -> np.ndarray:

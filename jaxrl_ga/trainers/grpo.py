@@ -473,7 +473,8 @@ class GRPOLoop:
     if hasattr(interaction, 'final_text'):  # (the engine handed it every turn, the cut ones too)
       texts = [interaction.final_text(r) for r in range(len(texts))]
       fields = {**fields, **interaction.reward_fields()}
-      prompts = interaction.reward_prompts()  # an environment's reset text appended (TRL's)
+      if hasattr(interaction, 'reward_prompts'):  # an environment's reset text appended (TRL's)
+        prompts = interaction.reward_prompts()
     names = [r.name for r in self.rewards]
     error, per_fn = None, {}
     try:
