@@ -641,11 +641,14 @@ class Episodes:
     prefix = tok.apply_chat_template(dummy, add_generation_prompt=False, tokenize=False)
     full = tok.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
                                    tokenize=False)
+    bare = tok.apply_chat_template(dummy, add_generation_prompt=True, tokenize=False)
     eos = tok.eos_token
     if eos and eos in prefix:
       prefix = prefix[:prefix.rindex(eos) + len(eos)]
+    # The template's own text for the turns, however it writes their content (Llama 3.1's
+    # ``| tojson`` escapes quotes and newlines), as TRL takes it.
     suffix = full[len(prefix):] if full.startswith(prefix) else None
-    if suffix is None or any(m['content'] not in suffix for m in tool_messages):
+    if suffix is None or full == bare:
       # The template drops tool turns: ChatML's, as Qwen2.5's tokens write a tool turn.
       suffix = '\n' + ''.join(f'<|im_start|>tool\n{m["content"]}<|im_end|>\n'
                               for m in tool_messages) + '<|im_start|>assistant\n'

@@ -586,3 +586,21 @@ def test_a_withdrawn_answer_leaves_the_messages_its_calls_counted(tok):
   ep.withdraw(0)
   assert [m['role'] for m in ep.completion_messages(0)] == ['assistant']
   assert ep.metrics()['tools/calls_per_episode'] == 1
+
+
+def test_a_tool_turn_is_the_templates_own_text_however_it_writes_the_content(tok):
+  """A template that writes tool content through ``| tojson`` (Llama 3.1's rule) escapes quotes
+  and newlines: the tool turn is still the template's own text after the model's eos (TRL 1.16's
+  _get_tool_suffix_ids), not a ChatML turn."""
+  import copy  # pylint: disable=import-outside-toplevel
+  llama_like = copy.deepcopy(tok)
+  llama_like.chat_template = (
+      "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>ipython\n{{ m.content | tojson }}"
+      "<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  for content in ('42', 'line one\nline two', 'he said "hi"'):
+    ep = _setup(environment=Echo).episodes(llama_like, [Example('q', None)])
+    got = ep.submit(0, _turn(llama_like, _call('echo', text=content))).result(5).tolist()
+    want = ('\n<|im_start|>ipython\n' + __import__('json').dumps(content) +
+            '<|im_end|>\n<|im_start|>assistant\n')
+    assert got == llama_like(want, add_special_tokens=False)['input_ids'], content
