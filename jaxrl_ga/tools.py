@@ -226,10 +226,25 @@ class ToolSetup:
     return name
 
   def check_tokenizer(self, tokenizer) -> None:
-    """Episodes need a chat template (to render prompts with tools and tool turns)."""
+    """Episodes need a chat template (to render prompts with tools and tool turns), and the
+    model's calls must be readable: a template that announces tools in its own call format
+    (Llama 3.1's JSON, say) without a response parser would have every call go unread, every
+    episode silently single-turn (TRL 1.16 adds parsers for the templates it knows)."""
     if not getattr(tokenizer, 'chat_template', None):
       raise ConfigError('grpo.tools / grpo.environment need a tokenizer with a chat template '
                         '(an instruct model, model.hf_path); this one has none.')
+    if has_response_parser(tokenizer) or not template_renders_tools(tokenizer):
+      return  # transformers parses the turns, or the plain format is asked for and read
+    written = _rendered_call(tokenizer)
+    calls = parse_plain_tool_calls(written)
+    if not (len(calls) == 1 and calls[0].get('name') == _CALL_PROBE[0]
+            and calls[0].get('arguments') == {_CALL_PROBE[1]: _CALL_PROBE[2]}):
+      raise ConfigError(
+          f'grpo.tools / grpo.environment: the chat template writes tool calls as '
+          f'{written.strip()[:120]!r}, which the plain <tool_call> parser cannot read, and the '
+          f'tokenizer has no response parser; set tokenizer.response_schema (transformers\' '
+          f'parse_response) for this format, or use a template that writes <tool_call> blocks '
+          f'(Qwen2.5\'s).')
 
   def reset_kwargs(self, example) -> dict[str, Any]:
     """``reset``'s keywords for a row, as TRL passes them: ``prompt`` (as in the data) and the
@@ -387,6 +402,21 @@ def has_response_parser(tokenizer) -> bool:
   """Whether transformers' ``tokenizer.parse_response`` can parse this tokenizer's turns."""
   return (getattr(tokenizer, 'response_template', None) is not None
           or getattr(tokenizer, 'response_schema', None) is not None)
+
+
+_CALL_PROBE = ('tool_name_a8f3e2b1', 'tool_arg_key_b9d4f5c2', 'tool_arg_val_d6e7a9f3')
+
+
+def _rendered_call(tokenizer) -> str:
+  """The text the chat template writes for one assistant turn with one tool call (the part
+  after the rendering without that turn)."""
+  name, key, value = _CALL_PROBE
+  head = [{'role': 'user', 'content': 'hi'}]
+  turn = {'role': 'assistant', 'content': '', 'tool_calls': [
+      {'type': 'function', 'function': {'name': name, 'arguments': {key: value}}}]}
+  before = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=False)
+  after = tokenizer.apply_chat_template(head + [turn], tokenize=False)
+  return after[len(before):] if after.startswith(before) else after
 
 
 def template_renders_tools(tokenizer) -> bool:

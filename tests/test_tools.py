@@ -604,3 +604,35 @@ def test_a_tool_turn_is_the_templates_own_text_however_it_writes_the_content(tok
     want = ('\n<|im_start|>ipython\n' + __import__('json').dumps(content) +
             '<|im_end|>\n<|im_start|>assistant\n')
     assert got == llama_like(want, add_special_tokens=False)['input_ids'], content
+
+
+_QWEN_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+    "\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_LLAMA_LIKE = _QWEN_LIKE.replace('\n<tool_call>\n', '').replace('\n</tool_call>', '').replace(
+    '"arguments"', '"parameters"')
+
+
+def test_a_template_whose_calls_cannot_be_read_is_refused_before_the_run(tok):
+  """A template that writes tool calls in a format the plain parser cannot read back (Llama
+  3.1's JSON), without a response parser: one ConfigError naming the format and the fix, not a
+  run whose every call goes unread. <tool_call> blocks (Qwen2.5's) are read; SmolLM2's template
+  does not render calls (the plain format is asked for in a system block)."""
+  import copy  # pylint: disable=import-outside-toplevel
+  setup = _setup(tools=[multiply])
+  assert '<tool_call>' not in _LLAMA_LIKE and '"parameters"' in _LLAMA_LIKE
+  for template, readable in ((_QWEN_LIKE, True), (_LLAMA_LIKE, False), (None, True)):
+    t = copy.deepcopy(tok)
+    if template is not None:
+      t.chat_template = template
+      assert tools.template_renders_tools(t)
+    if readable:
+      setup.episodes(t, [Example('q', None)])
+      continue
+    with pytest.raises(ConfigError) as e:
+      setup.episodes(t, [Example('q', None)])
+    message = str(e.value)
+    assert '\n' not in message and '"parameters"' in message
+    assert 'tokenizer.response_schema' in message and '<tool_call>' in message
