@@ -687,7 +687,9 @@ class Episodes:
   def close(self, row: int, turn_tokens) -> None:
     """The Interaction protocol's optional end: the row's last turn, cut at the length limit
     (the engine calls it instead of :meth:`submit`: no answer can follow). It is recorded as the
-    row's last assistant turn, its calls (if any) not run."""
+    row's last assistant turn, its calls (if any) not run. (TRL 1.16 parses a cut turn too, runs
+    its calls and drops their results, which no token can follow either: the same tokens and
+    messages, but an environment's state, and so its ``get_reward``, can differ.)"""
     ids = np.asarray(turn_tokens).reshape(-1).tolist()
     with self._tok_lock:
       content = self.tokenizer.decode(ids, skip_special_tokens=True)
