@@ -267,7 +267,8 @@ def test_none_means_does_not_apply(monkeypatch):
   total, per_fn = R.compute_rewards([each], [], [])
   assert total.shape == per_fn['each'].shape == (0,)
   assert warnings == ['no reward function applies to 1 of 3 completions (every one returned '
-                      'None); they get reward 0. (Warned once.)']
+                      'None): their total reward is 0 in the logs, and in GRPO they count in no '
+                      'group statistic and get advantage 0, as in TRL. (Warned once.)']
 
 
 def test_data_config_columns_from_a_mapping():
