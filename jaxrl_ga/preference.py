@@ -14,7 +14,8 @@ Other columns go to the held-out evaluation's rewards (``grpo.reward_funcs``) as
 string prompt is one user message, a string reply one assistant message): the prompt is the
 template with the generation prompt, a reply the text the template writes after it for the whole
 conversation (TRL's DPO preprocessing), an eos added when it has none. Without a template the
-strings are used as they are, each reply followed by the eos unless it ends with one (TRL).
+strings are used as they are (the prompt after the tokenizer's leading special tokens, a base
+model's BOS, as TRL tokenizes text), each reply followed by the eos unless it ends with one.
 
 Lengths: a prompt longer than ``dpo.max_prompt_length`` (0: ``dpo.max_length - 1``) is an error
 naming its row, dropped (counted) or truncated on ``dpo.truncation_side``
@@ -213,7 +214,8 @@ def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], lis
   if not isinstance(pref.prompt, str):
     raise ConfigError(f'{pref.where}: chat messages, but the tokenizer has no chat template; give '
                       f'string prompt, chosen and rejected, or a model whose tokenizer has one.')
-  return (text.encode(tokenizer, pref.prompt), text.encode_ending(tokenizer, pref.chosen, eos_id),
+  return (text.encode_prompt(tokenizer, pref.prompt),  # the tokenizer's BOS, if it adds one
+          text.encode_ending(tokenizer, pref.chosen, eos_id),
           text.encode_ending(tokenizer, pref.rejected, eos_id))
 
 

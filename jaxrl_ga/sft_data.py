@@ -10,8 +10,10 @@ order); each holds one of TRL's SFT formats:
 ``prompt`` and ``completion`` may each be a string or a list of chat messages (TRL's
 conversational prompt-completion). Strings follow the library's rule for prompts
 (``trainers.text.encode_prompt``): a string prompt is one user message through the chat template
-when the tokenizer has one, and a string completion (or ``text``) is followed by the tokenizer's
-eos (unless it ends with it, as TRL), as the built-in tasks' SFT targets are. Conversations end as the template renders them.
+when the tokenizer has one (else the raw text after the tokenizer's leading special tokens, a
+base model's BOS: ``chat.leading_special_ids``), and a string completion (or ``text``, which
+starts with those tokens too) is followed by the tokenizer's eos (unless it ends with it, as
+TRL), as the built-in tasks' SFT targets are. Conversations end as the template renders them.
 
 What is assistant text is the chat template's decision:
   - a template with generation markers (``{% generation %} ... {% endgeneration %}``): the tokens
@@ -117,7 +119,7 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], li
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
   kind = row_format(row)
   if kind == 'text':
-    ids = text.encode_ending(tokenizer, row['text'], eos_id)
+    ids = chat.leading_special_ids(tokenizer) + text.encode_ending(tokenizer, row['text'], eos_id)
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)

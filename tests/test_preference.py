@@ -430,6 +430,19 @@ def test_string_replies_ending_with_eos_get_no_second_eos():
   assert rejected == trl('no') and rejected[-1] == tok.eos_token_id
 
 
+def test_a_base_models_prompt_starts_with_its_bos():
+  """Without a chat template the prompt is tokenized as TRL 1.16 tokenizes non-conversational
+  text (processing_class(text=...)): a base Llama's BOS first; the replies get none."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, 'tests/fixtures/llama_tiny'))
+  tok.add_bos_token = True
+  row = data.Row(prompt='q', chosen='yes', rejected='no')
+  row.where = 'pref.jsonl:1'
+  prompt, chosen, _ = preference.encode_row(tok, preference.parse(row, {}), tok.eos_token_id)
+  assert prompt == tok('q')['input_ids'] and prompt[0] == tok.bos_token_id
+  assert chosen == tok('yes' + tok.eos_token, add_special_tokens=False)['input_ids']
+
+
 def test_a_chat_template_that_raises_names_the_row():
   """A template's own raise_exception on a reply (the prompt alone renders): one ConfigError line
   naming the row, not the template engine's error."""

@@ -339,3 +339,31 @@ def test_a_row_ending_with_the_eos_text_gets_no_second_eos():
     ids, mask = sft_data.encode_row(tok, _row(prompt='What is 2+3?', completion='5' + body[3:]),
                                     EOS)
     assert _trained_text(tok, ids, mask) == '5<eos>' and ids.count(EOS) == 1
+
+
+def _bos_tokenizer():
+  """A base-model tokenizer that puts BOS before a text (as a base Llama's or Gemma's does)."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, 'tests/fixtures/llama_tiny'))
+  tok.add_bos_token = True
+  assert tok('ab')['input_ids'][0] == tok.bos_token_id and not tok.chat_template
+  return tok
+
+
+def test_base_model_text_starts_with_the_tokenizers_bos_as_trl_tokenizes_it():
+  """TRL 1.16 tokenizes non-conversational text with the tokenizer's special tokens
+  (processing_class(text=...)): a base Llama's BOS starts an SFT text row and a string prompt
+  (the sequence the model was pretrained to see); a chat template's prompt gets no second BOS."""
+  from jaxrl_ga.tasks import chat  # pylint: disable=import-outside-toplevel
+  tok = _bos_tokenizer()
+  eos = tok.eos_token_id
+  ids, mask = sft_data.encode_row(tok, _row(text='hello world'), eos)
+  assert ids == tok('hello world' + tok.eos_token)['input_ids']  # TRL's add_eos, then tokenize
+  assert ids[0] == tok.bos_token_id and mask[0] == 0 and all(mask[1:])
+  ids, mask = sft_data.encode_row(tok, _row(prompt='What is 2+3?', completion='5'), eos)
+  head = tok('What is 2+3?')['input_ids']
+  assert ids[:len(head)] == head and ids[0] == tok.bos_token_id
+  assert chat.prompt_ids(tok, 'What is 2+3?') == head
+  tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+  assert chat.prompt_ids(tok, 'hi') == tok('<bos>hi', add_special_tokens=False)['input_ids']
+  assert chat.prompt_ids(tok, 'hi').count(tok.bos_token_id) == 1

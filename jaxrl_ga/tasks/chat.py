@@ -5,7 +5,9 @@ gets the prompt as one user message with the generation prompt appended, as the 
 tuned on (``apply_chat_template(..., add_generation_prompt=True)``); the model then ends its turn
 with the tokenizer's eos (``<|im_end|>`` for SmolLM2/Qwen instruct models), which is where the
 sampler stops. A tokenizer without one (the synthetic tasks' character tokenizer, base models)
-gets the raw text, no special tokens added.
+gets the raw text after the special tokens the tokenizer puts at the start of a text (a base
+Llama's or Gemma's BOS; none for most), as TRL 1.16 tokenizes non-conversational prompts
+(``processing_class(text=...)``): ``leading_special_ids``.
 
   ids = chat.prompt_ids(tokenizer, 'What is 3+4? Answer with the number only.')
 """
@@ -16,7 +18,7 @@ from typing import Optional
 
 from jaxrl_ga.errors import ConfigError
 
-__all__ = ['has_chat_template', 'prompt_ids', 'prompt_text']
+__all__ = ['has_chat_template', 'leading_special_ids', 'prompt_ids', 'prompt_text']
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -28,9 +30,7 @@ def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:
   tokenizer has one). ``text`` may also be a list of chat messages (``{'role', 'content'}``,
   TRL's conversational prompt), which needs a chat template (without one: ConfigError)."""
   messages = None if isinstance(text, str) else list(text)
-  if chat is None:
-    chat = has_chat_template(tokenizer) or messages is not None
-  if not chat:
+  if not _templated(tokenizer, text, chat):
     return text
   if not has_chat_template(tokenizer):
     raise ConfigError('a chat prompt (a list of messages, or chat=True) but the tokenizer has no '
@@ -40,6 +40,26 @@ def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:
 
 
 def prompt_ids(tokenizer, text, chat: Optional[bool] = None) -> list[int]:
-  """Token ids of ``prompt_text(tokenizer, text, chat)``; no special tokens are added beyond
-  those the template writes."""
-  return list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])
+  """Token ids of ``prompt_text(tokenizer, text, chat)``: through the template, no special
+  tokens beyond those it writes; raw text after ``leading_special_ids``."""
+  ids = list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])
+  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer) + ids
+
+
+def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
+  """Whether the prompt goes through the chat template (``chat``; default: when the tokenizer
+  has one, or the prompt is a list of messages)."""
+  return chat if chat is not None else (has_chat_template(tokenizer) or
+                                        not isinstance(text, str))
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+  """The special tokens the tokenizer puts before a text (``tokenizer(text)``'s ids up to the
+  text's own: a base Llama's or Gemma's BOS; [] for most), without any it puts after (an eos)."""
+  probe = 'a'
+  whole = list(tokenizer(probe)['input_ids'])
+  bare = list(tokenizer(probe, add_special_tokens=False)['input_ids'])
+  for start in range(len(whole) - len(bare) + 1):
+    if whole[start:start + len(bare)] == bare:
+      return whole[:start]
+  return []
