@@ -33,8 +33,11 @@ A reward marks correctness when its function has ``marks_correctness = True``
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import importlib
+import inspect
 import re
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -111,6 +114,8 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
   n = len(completions)
   try:
     values = r.fn(list(prompts), list(completions), **fields)
+    if inspect.isawaitable(values):  # an async def reward (TRL 1.16 awaits those too)
+      values = _run(values)
   except Exception as e:  # pylint: disable=broad-except
     raise RewardError(f'reward function {r.name!r} raised {type(e).__name__}: {e}') from e
   try:
@@ -130,6 +135,21 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
         f'({completions[bad[0]]!r}) and {bad.size - 1} more; return finite floats (e.g. 0.0 '
         f'for an unparsable completion, or None where the reward does not apply).')
   return arr, none
+
+
+async def _awaited(awaitable):
+  return await awaitable
+
+
+def _run(awaitable):
+  """An async reward's result: on a new event loop, in a thread of its own where this one
+  already runs a loop (a notebook's)."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    return asyncio.run(_awaited(awaitable))
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, _awaited(awaitable)).result()
 
 
 # The completions of the dry call (check_on_dry_call): each row's prompt gets all of them.

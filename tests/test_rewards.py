@@ -125,3 +125,21 @@ def test_unscorable_needs_a_function():
   assert not R.unscorable(np.zeros((3, 0))).any()
   np.testing.assert_array_equal(R.unscorable(np.array([[np.nan, 1.0], [np.nan, np.nan]])),
                                 [False, True])
+
+
+def test_an_async_reward_is_awaited_also_beside_a_running_loop():
+  """TRL 1.16 awaits async reward functions; here too, and inside a running event loop (a
+  notebook's) as well."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+
+  async def exact(prompts, completions, answer):
+    await asyncio.sleep(0)
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+  r = R.WeightedReward('exact', exact)
+  total, _ = R.compute_rewards([r], ['p', 'p'], ['4', '5'], {'answer': ['4', '4']})
+  np.testing.assert_array_equal(total, [1.0, 0.0])
+
+  async def in_a_loop():
+    return R.compute_rewards([r], ['p'], ['4'], {'answer': ['4']})[0]
+  np.testing.assert_array_equal(asyncio.run(in_a_loop()), [1.0])
