@@ -80,9 +80,13 @@ _warned_none_apply = False
 
 
 def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
-                    completions: Sequence[str], fields: Mapping[str, Sequence[Any]] | None = None
+                    completions: Sequence[str], fields: Mapping[str, Sequence[Any]] | None = None,
+                    keywords: Mapping[str, Any] | None = None
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
   """Weighted sum of the reward functions over those that apply (not None) to each completion.
+  ``fields``: the columns, one entry per completion, every function gets them; ``keywords``
+  (``trl_keywords``): each function gets those it takes (a parameter of that name, or
+  ``**kwargs``), so that one written without them keeps working.
   -> (total [N] float32, {name: [N] float32, NaN where the function returned None})."""
   global _warned_none_apply
   n = len(completions)
@@ -93,7 +97,7 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   total = np.zeros(n, np.float32)
   applies = np.zeros(n, bool)
   for r in rewards:
-    arr, none = _values(r, prompts, completions, fields)
+    arr, none = _values(r, prompts, completions, fields, keywords)
     per_fn[r.name] = arr
     total += np.where(none, np.float32(0), np.float32(r.weight) * arr)
     applies |= ~none
@@ -107,13 +111,19 @@ def compute_rewards(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
 
 
 def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str],
-            fields: Mapping[str, Sequence[Any]]) -> tuple[np.ndarray, np.ndarray]:
+            fields: Mapping[str, Sequence[Any]], keywords: Mapping[str, Any] | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
   """One reward function's values, its contract checked (one value per completion, each a
   finite float or None). -> (values [N] float32, NaN where None; which are None [N] bool).
   Raises RewardError naming the function and what was wrong."""
   n = len(completions)
   try:
-    values = r.fn(list(prompts), list(completions), **fields)
+    taken = {k: v for k, v in (keywords or {}).items() if _takes(r.fn, k)}
+    if _names_param(r.fn, 'completions'):  # TRL's call: everything by keyword
+      prompts_kw = {'prompts': list(prompts)} if _takes(r.fn, 'prompts') else {}
+      values = r.fn(completions=list(completions), **prompts_kw, **fields, **taken)
+    else:
+      values = r.fn(list(prompts), list(completions), **fields, **taken)
     if inspect.isawaitable(values):  # an async def reward (TRL 1.16 awaits those too)
       values = _run(values)
   except Exception as e:  # pylint: disable=broad-except
@@ -137,6 +147,24 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
   return arr, none
 
 
+def _names_param(fn: Callable[..., Any], name: str) -> bool:
+  """Whether ``fn`` has a parameter called ``name`` that can be passed by keyword."""
+  try:
+    p = inspect.signature(fn).parameters.get(name)
+  except (TypeError, ValueError):
+    return False
+  return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+  """Whether ``fn`` takes the keyword ``name`` (a parameter of that name, or ``**kwargs``)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 async def _awaited(awaitable):
   return await awaitable
 
@@ -152,12 +180,52 @@ def _run(awaitable):
     return pool.submit(asyncio.run, _awaited(awaitable)).result()
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+  """The ``trainer_state`` keyword of the reward functions: TRL 1.16 passes transformers'
+  TrainerState, for reward shaping by training progress; these are its fields for that:
+  ``global_step`` (optimizer steps done when the completions were sampled) and ``max_steps``
+  (the stage's ``num_steps``)."""
+  global_step: int = 0
+  max_steps: int = 0
+
+
+class RewardLog:
+  """The ``log_metric`` and ``log_extra`` keywords of one scoring (TRL 1.16's): a reward's
+  ``log_metric(name, value)`` values are averaged into the rollout's metrics under ``name``;
+  ``log_extra(column, values)`` (one value per completion) adds a column to completions.jsonl."""
+
+  def __init__(self):
+    self.metrics: dict[str, list[float]] = {}
+    self.extra: dict[str, list[Any]] = {}
+
+  def log_metric(self, name: str, value: float) -> None:
+    self.metrics.setdefault(str(name), []).append(float(value))
+
+  def log_extra(self, column: str, values: Sequence[Any]) -> None:
+    self.extra[str(column)] = list(values)
+
+  def means(self) -> dict[str, float]:
+    return {k: float(np.mean(v)) for k, v in self.metrics.items()}
+
+
+def trl_keywords(completion_ids: Sequence[Sequence[int]], state: TrainerState,
+                 log: Optional[RewardLog] = None) -> dict[str, Any]:
+  """The keywords TRL 1.16 passes every reward function besides the columns:
+  ``completion_ids`` (each completion's token ids, tool turns included), ``trainer_state``,
+  ``log_extra`` and ``log_metric`` (``RewardLog``'s; a fresh one when ``log`` is None)."""
+  log = log if log is not None else RewardLog()
+  return {'completion_ids': [[int(t) for t in ids] for ids in completion_ids],
+          'trainer_state': state, 'log_extra': log.log_extra, 'log_metric': log.log_metric}
+
+
 # The completions of the dry call (check_on_dry_call): each row's prompt gets all of them.
 DRY_COMPLETIONS = ('a placeholder completion: 42', 'another placeholder, with no number.')
 
 
 def check_on_dry_call(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
-                      fields: Mapping[str, Sequence[Any]]) -> None:
+                      fields: Mapping[str, Sequence[Any]],
+                      keywords: Mapping[str, Any] | None = None) -> None:
   """Each reward function called once before anything compiles, on a few rows as the trainer
   passes them (``prompts`` and columns ``fields``, one entry per completion: each row
   len(DRY_COMPLETIONS) times in a row) with DRY_COMPLETIONS as each row's completions. One that
@@ -167,7 +235,7 @@ def check_on_dry_call(rewards: Sequence[WeightedReward], prompts: Sequence[Any],
   completions = list(DRY_COMPLETIONS) * rows
   for r in rewards:
     try:
-      _values(r, prompts, completions, fields)
+      _values(r, prompts, completions, fields, keywords)
     except RewardError as e:
       raise RewardError(f'{e} (a dry call before compiling, on {rows} row(s) of the data with '
                         f'{len(DRY_COMPLETIONS)} placeholder completions each)') from None

@@ -289,7 +289,12 @@ def _log(fn, prompts, completions, columns):
   with open(os.environ['USER_REWARD_LOG'], 'a', encoding='utf-8') as f:
     for i, (p, c) in enumerate(zip(prompts, completions)):
       f.write(json.dumps({'fn': fn, 'prompt': p, 'completion': c,
-                          **{k: v[i] for k, v in columns.items()}}, ensure_ascii=False) + '\\n')
+                          **{k: v[i] for k, v in columns.items() if k not in TRL_KEYWORDS}},
+                         ensure_ascii=False) + '\\n')
+
+
+# TRL's keywords besides the columns (rewards.trl_keywords): a **columns function gets them too
+TRL_KEYWORDS = ('completion_ids', 'trainer_state', 'log_extra', 'log_metric')
 
 
 def correct(prompts, completions, answer, **columns):
@@ -300,6 +305,8 @@ def correct(prompts, completions, answer, **columns):
 def brevity(prompts, completions, lang, **columns):
   """Does not apply to French rows (None)."""
   _log('brevity', prompts, completions, dict(lang=lang, **columns))
+  columns['log_metric']('brevity/rows', float(len(completions)))  # TRL's logging keywords
+  columns['log_extra']('chars', [len(c) for c in completions])
   return [None if l == 'fr' else -len(c) / 10 for c, l in zip(completions, lang)]
 
 
@@ -416,6 +423,10 @@ def test_your_jsonl_and_reward_module_cli_and_python_api_agree(tmp_path, monkeyp
   logged = [json.loads(l) for l in open(tmp_path / 'api' / 'completions.jsonl',
                                         encoding='utf-8')]
   assert len(logged) == summary['grpo/rollouts'] * per_rollout
+  assert all(r['chars'] == len(r['completion']) for r in logged)  # the rewards' log_extra
+  metrics = [json.loads(l) for l in open(tmp_path / 'api' / 'metrics.jsonl', encoding='utf-8')]
+  rows = [m['brevity/rows'] for m in metrics if 'brevity/rows' in m]  # the rewards' log_metric
+  assert rows and all(v == float(per_rollout) for v in rows)
   assert sorted((json.dumps(r['prompt']), r['completion']) for r in logged) == sorted(
       (json.dumps(r['prompt']), r['completion']) for r in train_seen if r['fn'] == 'correct')
   answer = {json.dumps(r['prompt'], ensure_ascii=False): r for r in train}

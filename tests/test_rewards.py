@@ -143,3 +143,38 @@ def test_an_async_reward_is_awaited_also_beside_a_running_loop():
   async def in_a_loop():
     return R.compute_rewards([r], ['p'], ['4'], {'answer': ['4']})[0]
   np.testing.assert_array_equal(asyncio.run(in_a_loop()), [1.0])
+
+
+def test_trl_style_reward_functions_get_what_trl_passes():
+  """TRL 1.16 calls a reward function with keywords (prompts=, completions=, the columns,
+  completion_ids, trainer_state, log_extra, log_metric): a TRL-style function that names only
+  completions (the rest in **kwargs) gets the right values, not the prompts as completions; a
+  function written for columns alone (no **kwargs) keeps working without the new keywords."""
+  log = R.RewardLog()
+  keywords = R.trl_keywords([[5, 6], [7]], R.TrainerState(3, 10), log)
+  seen = {}
+
+  def reward_len(completions, **kwargs):  # TRL's docs' style
+    seen.update(kwargs)
+    kwargs['log_metric']('len/mean', sum(len(c) for c in completions) / len(completions))
+    kwargs['log_extra']('len', [len(c) for c in completions])
+    return [-float(len(c)) for c in completions]
+
+  def shaped(completions, answer=None, trainer_state=None, **unused):
+    w = trainer_state.global_step / trainer_state.max_steps
+    return [w * float(c == a) for c, a in zip(completions, answer)]
+
+  def plain(prompts, completions, answer):  # no **kwargs: gets only the columns
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+  total, per_fn = R.compute_rewards(
+      [R.WeightedReward('len', reward_len), R.WeightedReward('shaped', shaped),
+       R.WeightedReward('plain', plain)], ['p1', 'p2'], ['4', '55'], {'answer': ['4', '5']},
+      keywords)
+  assert per_fn['len'].tolist() == [-1.0, -2.0]
+  assert per_fn['shaped'].tolist() == pytest.approx([0.3, 0.0])
+  assert per_fn['plain'].tolist() == [1.0, 0.0]
+  assert seen['prompts'] == ['p1', 'p2'] and seen['answer'] == ['4', '5']
+  assert seen['completion_ids'] == [[5, 6], [7]] and seen['trainer_state'].global_step == 3
+  assert log.means() == {'len/mean': 1.5} and log.extra == {'len': [1, 2]}
+  assert total.tolist() == pytest.approx([-1 + 0.3 + 1, -2.0])

@@ -53,6 +53,8 @@ class Evaluator:
     self.marked = next((r.name for r in self.rewards if r.marks_correctness), None)
     self.metric = ctx.eval_metric
     self._names: Optional[list[str]] = None  # the scores' names, fixed by the first chunk
+    # The rewards' trainer_state keyword (TRL's): the stage sets it before each evaluation.
+    self.trainer_state = rewards_lib.TrainerState()
 
   def accuracy(self, params) -> Optional[float]:
     return self.evaluate(params)['accuracy']
@@ -93,8 +95,9 @@ class Evaluator:
             ctx.pad_id, 'max_prompt_length'), bs, ctx.mesh)
         out = self._generate(params, tokens, mask, jax.random.PRNGKey(0), np.float32(1.0),
                              np.float32(1.0))
-        texts = text.decode_completions(ctx.tokenizer, placement.local_part(out.tokens)[1],
-                                        placement.local_part(out.mask)[1])
+        out_tokens, out_mask = (placement.local_part(x)[1] for x in (out.tokens, out.mask))
+        texts = text.decode_completions(ctx.tokenizer, out_tokens, out_mask)
+        extra = {'completion_ids': [out_tokens[r][out_mask[r] > 0] for r in np.flatnonzero(valid)]}
       if not self.rewards and self.metric is None:
         correct[rows] += [float(v and ctx.task.is_correct(e, t))
                           for v, e, t in zip(valid, chunk, texts)]
@@ -160,6 +163,8 @@ class Evaluator:
     texts = [interaction.final_text(r) for r in range(len(chunk))]
     real = np.flatnonzero(valid)
     extra = {k: [v[r] for r in real] for k, v in interaction.reward_fields().items()}
+    done = placement.local_part(result.completions.mask)[1]
+    extra['completion_ids'] = [out_tokens[r][done[r] > 0] for r in real]
     calls = sum(m['role'] == 'tool' for r in real for m in interaction.completion_messages(r))
     prompts = (interaction.reward_prompts() if hasattr(interaction, 'reward_prompts')
                else [e.prompt for e in chunk])
@@ -173,9 +178,11 @@ class Evaluator:
     # No rows here (on one of several processes): the functions still get every column, empty.
     fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
     fields = {**fields, **(extra or {})}
+    ids = fields.pop('completion_ids', [[] for _ in texts])
+    keywords = rewards_lib.trl_keywords(ids, self.trainer_state)  # log_* go nowhere here
     names, columns = [], []
     if self.rewards:
-      _, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)
+      _, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields, keywords)
       for r in self.rewards:
         names.append(f'reward/{r.name}')
         columns.append(per_fn[r.name])

@@ -144,11 +144,14 @@ class GRPOStage(stage.Stage):
 
     def dry_call():
       fields = task_base.reward_fields(examples, k)
+      keywords = rewards_lib.trl_keywords(  # placeholder completion ids: their bytes
+          [list(c.encode()) for c in rewards_lib.DRY_COMPLETIONS] * len(examples),
+          rewards_lib.TrainerState(0, cfg.grpo.num_steps))
       if getattr(task, 'dry_call_fields', None):  # episodes' columns (jaxrl_ga.tools)
         fields |= task.dry_call_fields(examples, rewards_lib.DRY_COMPLETIONS)
       try:
         rewards_lib.check_on_dry_call(fns, [e.prompt for e in examples for _ in range(k)],
-                                      fields)
+                                      fields, keywords)
       except rewards_lib.RewardError as e:
         raise ConfigError(str(e)) from None
 
@@ -282,7 +285,9 @@ class GRPOLoop:
     evaluator = evaluation.Evaluator(ctx, self.programs.table['evaluation'],
                                      runner=self.programs.eval_episodes,
                                      make_interaction=tools_lib.make_interaction(ctx))
-    evaluate = lambda st: evaluator.evaluate(self.policy(st))
+    def evaluate(st):
+      evaluator.trainer_state = rewards_lib.TrainerState(meta['micro_step'] // k, cfg.num_steps)
+      return evaluator.evaluate(self.policy(st))
     if 'eval/accuracy_before' not in summary:
       results = stage.evaluate_or_save(ctx, ckpt, state, meta, evaluate)
       summary.update(_eval_summary(results, 'before'))
@@ -458,7 +463,8 @@ class GRPOLoop:
   def _score(self, buffer, examples, interaction=None) -> tuple[np.ndarray, dict[str, float]]:
     """Decodes and scores this process's completions, then gathers the per-row scores of every
     process. -> (total reward of each row [S*B] in [S, B] order, the reward metrics, (this
-    process's completion texts, {reward name: its values on them})). Multi-turn (an
+    process's completion texts, {reward name: its values on them}, the rewards' log_extra
+    columns)). The rewards get TRL 1.16's keywords too (``rewards.trl_keywords``). Multi-turn (an
     ``interaction`` with ``final_text``, jaxrl_ga.tools): a row's text is its last assistant
     turn, and the rewards also get the episode's columns (``completions_messages``,
     ``environments``; docs/your_data.md, "Tools and environments")."""
@@ -466,8 +472,12 @@ class GRPOLoop:
     s, b = sched.steps_per_generation, sched.micro_batch_size
     rows = self.engine.local_rows()
     local = lambda x: placement.local_part(x, axis=1)[1].reshape(s * len(rows), -1)
-    texts = text.decode_completions(ctx.tokenizer, local(buffer.completion_tokens),
-                                    local(buffer.completion_mask))
+    tokens, mask = local(buffer.completion_tokens), local(buffer.completion_mask)
+    texts = text.decode_completions(ctx.tokenizer, tokens, mask)
+    log = rewards_lib.RewardLog()  # TRL's reward keywords: ids, trainer_state, log_*
+    keywords = rewards_lib.trl_keywords(
+        [np.asarray(t)[np.asarray(m) > 0] for t, m in zip(tokens, mask)],
+        rewards_lib.TrainerState(self._policy_version, self.cfg.num_steps), log)
     fields = task_base.reward_fields(examples)
     prompts = [ex.prompt for ex in examples]
     if hasattr(interaction, 'final_text'):  # (the engine handed it every turn, the cut ones too)
@@ -478,7 +488,7 @@ class GRPOLoop:
     names = [r.name for r in self.rewards]
     error, per_fn = None, {}
     try:
-      total, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields)
+      total, per_fn = rewards_lib.compute_rewards(self.rewards, prompts, texts, fields, keywords)
       marked = next((r.name for r in self.rewards if r.marks_correctness), None)
       if marked is not None:  # > 0 counts as correct; NaN (None: does not apply) does not
         correct = np.nan_to_num(per_fn[marked]) > 0
@@ -510,18 +520,20 @@ class GRPOLoop:
                    'reward/std': float(scored.std()) if scored.size else float('nan'),
                    'reward/accuracy': float(correct.mean()),
                    **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
-                      for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()}
-                   }, (texts, per_fn)
+                      for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()},
+                   **log.means(),  # the rewards' log_metric values (this process's)
+                   }, (texts, per_fn, log.extra)
 
   def _log_completions(self, micro_step: int, examples, scored, rewards: np.ndarray,
                        adv: np.ndarray, interaction=None) -> None:
     """grpo.completions_logged of process 0's rows of this rollout (each with its prompt,
-    completion, reward functions' values, total reward and advantage; multi-turn: ``messages``,
+    completion, reward functions' values, total reward and advantage, the rewards' log_extra
+    columns; multi-turn: ``messages``,
     the whole conversation with each turn's role) -> completions.jsonl and TensorBoard text, at
     the optimizer step the rollout starts training."""
     if jax.process_index() != 0:
       return
-    texts, per_fn = scored
+    texts, per_fn, extra = scored
     sched = self.cfg.schedule
     rows = self.engine.local_rows()
     # Local row j of slice i is global row i*B + rows[j] of the [S*B] rewards and advantages.
@@ -533,7 +545,8 @@ class GRPOLoop:
           'prompt': examples[j].prompt, 'completion': texts[j],
           **{f'reward/{k}': (None if np.isnan(v[j]) else float(v[j])) for k, v in per_fn.items()},
           'reward': float(rewards[index[j]]), 'advantage': float(adv[index[j]]),
-          **({'messages': interaction.messages(j)} if hasattr(interaction, 'messages') else {})})
+          **({'messages': interaction.messages(j)} if hasattr(interaction, 'messages') else {}),
+          **{k: v[j] for k, v in extra.items() if j < len(v)}})  # the rewards' log_extra
     self.ctx.writer.write_completions('grpo', micro_step // sched.optimizer_every, micro_step,
                                      records)
 
