@@ -119,7 +119,8 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], li
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
   kind = row_format(row)
   if kind == 'text':
-    ids = chat.leading_special_ids(tokenizer) + text.encode_ending(tokenizer, row['text'], eos_id)
+    ids = (chat.leading_special_ids(tokenizer, row['text'])
+           + text.encode_ending(tokenizer, row['text'], eos_id))
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)

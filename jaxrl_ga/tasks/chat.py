@@ -43,7 +43,7 @@ def prompt_ids(tokenizer, text, chat: Optional[bool] = None) -> list[int]:
   """Token ids of ``prompt_text(tokenizer, text, chat)``: through the template, no special
   tokens beyond those it writes; raw text after ``leading_special_ids``."""
   ids = list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])
-  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer) + ids
+  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer, text) + ids
 
 
 def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
@@ -53,12 +53,11 @@ def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
                                         not isinstance(text, str))
 
 
-def leading_special_ids(tokenizer) -> list[int]:
-  """The special tokens the tokenizer puts before a text (``tokenizer(text)``'s ids up to the
+def leading_special_ids(tokenizer, text: str) -> list[int]:
+  """The special tokens the tokenizer puts before ``text`` (``tokenizer(text)``'s ids up to the
   text's own: a base Llama's or Gemma's BOS; [] for most), without any it puts after (an eos)."""
-  probe = 'a'
-  whole = list(tokenizer(probe)['input_ids'])
-  bare = list(tokenizer(probe, add_special_tokens=False)['input_ids'])
+  whole = list(tokenizer(text)['input_ids'])
+  bare = list(tokenizer(text, add_special_tokens=False)['input_ids'])
   for start in range(len(whole) - len(bare) + 1):
     if whole[start:start + len(bare)] == bare:
       return whole[:start]
