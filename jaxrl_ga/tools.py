@@ -35,7 +35,9 @@ Tool-call formats. A tokenizer with a response parser (``tokenizer.response_temp
   {"name": "multiply", "arguments": {"a": 12, "b": 34}}
   </tool_call>
 
-one block per call. Prompts: a chat template that renders tools (TRL's check,
+one block per call, or, where the template writes calls as one bare JSON object with
+``"parameters"`` (Llama 3.1/3.2), that object as the whole turn (:func:`call_parser` picks the
+one that reads back the template's own call; neither: ConfigError). Prompts: a chat template that renders tools (TRL's check,
 :func:`template_renders_tools`) gets them through ``apply_chat_template(tools=...)``; any other
 gets a system block announcing them and the plain format (:data:`PLAIN_TOOLS_PROMPT`, Qwen2.5's
 words). Tool turns: ``{'role': 'tool', 'name': ..., 'content': str(result)}`` rendered by the
@@ -81,7 +83,7 @@ from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.trainers import text
 
 __all__ = ['ToolSetup', 'Episodes', 'build', 'make_interaction', 'add_rewards', 'tool_schema',
-           'parse_plain_tool_calls',
+           'parse_plain_tool_calls', 'parse_json_tool_call', 'call_parser',
            'template_renders_tools', 'PLAIN_TOOLS_PROMPT']
 
 # Qwen2.5's chat template's words for the tools it is given (the plain format's system block).
@@ -227,24 +229,20 @@ class ToolSetup:
 
   def check_tokenizer(self, tokenizer) -> None:
     """Episodes need a chat template (to render prompts with tools and tool turns), and the
-    model's calls must be readable: a template that announces tools in its own call format
-    (Llama 3.1's JSON, say) without a response parser would have every call go unread, every
-    episode silently single-turn (TRL 1.16 adds parsers for the templates it knows)."""
+    model's calls must be readable (``call_parser``): a template that writes calls in a format
+    no parser here reads, without a response parser, would have every call go unread, every
+    episode silently single-turn."""
     if not getattr(tokenizer, 'chat_template', None):
       raise ConfigError('grpo.tools / grpo.environment need a tokenizer with a chat template '
                         '(an instruct model, model.hf_path); this one has none.')
-    if has_response_parser(tokenizer) or not template_renders_tools(tokenizer):
-      return  # transformers parses the turns, or the plain format is asked for and read
-    written = _rendered_call(tokenizer)
-    calls = parse_plain_tool_calls(written)
-    if not (len(calls) == 1 and calls[0].get('name') == _CALL_PROBE[0]
-            and calls[0].get('arguments') == {_CALL_PROBE[1]: _CALL_PROBE[2]}):
-      raise ConfigError(
-          f'grpo.tools / grpo.environment: the chat template writes tool calls as '
-          f'{written.strip()[:120]!r}, which the plain <tool_call> parser cannot read, and the '
-          f'tokenizer has no response parser; set tokenizer.response_schema (transformers\' '
-          f'parse_response) for this format, or use a template that writes <tool_call> blocks '
-          f'(Qwen2.5\'s).')
+    if has_response_parser(tokenizer) or call_parser(tokenizer) is not None:
+      return
+    raise ConfigError(
+        f'grpo.tools / grpo.environment: the chat template writes tool calls as '
+        f'{_rendered_call(tokenizer).strip()[:120]!r}, which neither the <tool_call> parser nor '
+        f'the bare-JSON one can read, and the tokenizer has no response parser; set '
+        f'tokenizer.response_schema (transformers\' parse_response) for this format, or use a '
+        f'template that writes <tool_call> blocks (Qwen2.5\'s).')
 
   def reset_kwargs(self, example) -> dict[str, Any]:
     """``reset``'s keywords for a row, as TRL passes them: ``prompt`` (as in the data) and the
@@ -381,6 +379,44 @@ def parse_plain_tool_calls(text: str) -> list[dict]:
   return calls
 
 
+def parse_json_tool_call(text: str) -> list[dict]:
+  """The call of an assistant turn that is one bare JSON object ``{"name": ..., "parameters":
+  {...}}`` (Llama 3.1's and 3.2's format, as TRL 1.16's schema for them reads it: the whole turn
+  is the call, at most one per turn; ``"arguments"`` is taken too). -> [{'name', 'arguments'}]
+  or [{'name', 'error'}], or [] where the turn is not such an object (plain content)."""
+  body = text.strip()
+  if not body.startswith('{'):
+    return []
+  try:
+    call, end = json.JSONDecoder().raw_decode(body)
+  except json.JSONDecodeError:
+    return []
+  if body[end:].strip() or not isinstance(call, dict) or not isinstance(call.get('name'), str):
+    return []
+  if 'parameters' not in call and 'arguments' not in call:
+    return []
+  return [_checked_call({'name': call['name'],
+                         'arguments': call.get('parameters', call.get('arguments'))})]
+
+
+def call_parser(tokenizer) -> Optional[Callable[[str], list[dict]]]:
+  """The parser of the model's calls without a response parser: ``parse_plain_tool_calls``
+  where the template does not render tools (the plain format is asked for in a system block)
+  or writes <tool_call> blocks; ``parse_json_tool_call`` where it writes one bare JSON object
+  (Llama 3.1/3.2); None where neither reads back the call the template writes."""
+  if not template_renders_tools(tokenizer):
+    return parse_plain_tool_calls
+  written = _rendered_call(tokenizer)
+  # As a model turn reaches the parser: tokenized, decoded without special tokens.
+  written = tokenizer.decode(tokenizer(written, add_special_tokens=False)['input_ids'],
+                             skip_special_tokens=True)
+  want = {'name': _CALL_PROBE[0], 'arguments': {_CALL_PROBE[1]: _CALL_PROBE[2]}}
+  for parser in (parse_plain_tool_calls, parse_json_tool_call):
+    if parser(written) == [want]:
+      return parser
+  return None
+
+
 def _checked_call(call) -> dict:
   if isinstance(call, dict) and call.get('type') == 'function' and 'function' in call:
     call = call['function']  # transformers' parse_response form
@@ -447,6 +483,8 @@ class Episodes:
     self.setup, self.tokenizer = setup, tokenizer
     self.examples = list(examples)
     self.parse_with_template = has_response_parser(tokenizer)
+    self._parse_calls = (None if self.parse_with_template
+                         else call_parser(tokenizer) or parse_plain_tool_calls)
     self.template_tools = template_renders_tools(tokenizer)
     names = [setup.environment_name(ex.fields) for ex in self.examples]
     self.environments = (setup._instances(names)  # pylint: disable=protected-access
@@ -645,7 +683,7 @@ class Episodes:
       prefix = list(self._history[row])
       self._history[row].extend(ids)
     if not self.parse_with_template:
-      return parse_plain_tool_calls(text)
+      return self._parse_calls(text)
     tok = self.tokenizer
     try:
       with self._tok_lock:

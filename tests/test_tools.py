@@ -615,24 +615,36 @@ _LLAMA_LIKE = _QWEN_LIKE.replace('\n<tool_call>\n', '').replace('\n</tool_call>'
     '"arguments"', '"parameters"')
 
 
-def test_a_template_whose_calls_cannot_be_read_is_refused_before_the_run(tok):
-  """A template that writes tool calls in a format the plain parser cannot read back (Llama
-  3.1's JSON), without a response parser: one ConfigError naming the format and the fix, not a
-  run whose every call goes unread. <tool_call> blocks (Qwen2.5's) are read; SmolLM2's template
-  does not render calls (the plain format is asked for in a system block)."""
+_CUSTOM = _QWEN_LIKE.replace('\n<tool_call>\n{\"name\": \"', '[CALL ').replace(
+    '\", \"arguments\": ', ' ').replace('}\n</tool_call>', ']')
+
+
+def test_llamas_bare_json_calls_are_read_and_an_unreadable_format_refused(tok):
+  """Without a response parser: <tool_call> blocks (Qwen2.5's) and one bare JSON object with
+  "parameters" (Llama 3.1/3.2's, as TRL 1.16's schema reads it) are parsed and run; a template
+  whose calls neither reads back is one ConfigError naming the format and the fix, not a run
+  whose every call goes unread. SmolLM2's template renders no calls (the plain format is asked
+  for in a system block)."""
   import copy  # pylint: disable=import-outside-toplevel
   setup = _setup(tools=[multiply])
   assert '<tool_call>' not in _LLAMA_LIKE and '"parameters"' in _LLAMA_LIKE
-  for template, readable in ((_QWEN_LIKE, True), (_LLAMA_LIKE, False), (None, True)):
+  assert '[CALL ' in _CUSTOM and '<tool_call>' not in _CUSTOM
+  llama_turn = '{"name": "multiply", "parameters": {"a": 3, "b": 4}}'
+  for template, turn in ((_QWEN_LIKE, _call('multiply', a=3, b=4)), (_LLAMA_LIKE, llama_turn),
+                         (None, _call('multiply', a=3, b=4))):
     t = copy.deepcopy(tok)
     if template is not None:
       t.chat_template = template
       assert tools.template_renders_tools(t)
-    if readable:
-      setup.episodes(t, [Example('q', None)])
-      continue
-    with pytest.raises(ConfigError) as e:
-      setup.episodes(t, [Example('q', None)])
-    message = str(e.value)
-    assert '\n' not in message and '"parameters"' in message
-    assert 'tokenizer.response_schema' in message and '<tool_call>' in message
+    ep = setup.episodes(t, [Example('q', None)])
+    assert ep.submit(0, _turn(t, turn)).result(5) is not None, template  # the call ran
+    assert ep.completion_messages(0)[-1] == {'role': 'tool', 'name': 'multiply', 'content': '12'}
+  assert tools.parse_json_tool_call('The answer is {"name": "x"}') == []  # content, not a call
+  assert tools.parse_json_tool_call('{"name": "x", "parameters": {}} and more') == []
+  t = copy.deepcopy(tok)
+  t.chat_template = _CUSTOM
+  with pytest.raises(ConfigError) as e:
+    setup.episodes(t, [Example('q', None)])
+  message = str(e.value)
+  assert '\n' not in message and '[CALL tool_name_a8f3e2b1' in message
+  assert 'tokenizer.response_schema' in message and '<tool_call>' in message
