@@ -992,7 +992,8 @@ class DPOConfig:
     long_prompts: 'dataset': a prompt over ``max_prompt_length`` is an 'error' naming its row, is
       'drop'ped (the count is printed and in the summary as ``dpo/dropped_rows``) or 'truncate'd
       on ``truncation_side``.
-    truncation_side: 'left' (keep a long prompt's last tokens, TRL's keep_end) or 'right'.
+    truncation_side: 'left' (keep a long prompt's last tokens) or 'right' (its first); the
+      prompt only (TRL 1.16's truncation_mode cuts the whole prompt + reply to max_length).
     ref_model: the reference policy of the log-ratios: '' the policy at the start of the stage,
       else a model like ``model.hf_path`` takes (HF directory, .gguf, pkg:, hub id) with the
       policy's vocabulary; its log-probs are computed once, before training.
