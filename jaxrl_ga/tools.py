@@ -227,16 +227,19 @@ class ToolSetup:
                         f'environment column naming one.')
     return name
 
-  def check_tokenizer(self, tokenizer) -> None:
+  def check_tokenizer(self, tokenizer) -> Optional[Callable[[str], list[dict]]]:
     """Episodes need a chat template (to render prompts with tools and tool turns), and the
     model's calls must be readable (``call_parser``): a template that writes calls in a format
     no parser here reads, without a response parser, would have every call go unread, every
-    episode silently single-turn."""
+    episode silently single-turn. -> the calls' parser (None: transformers' parse_response)."""
     if not getattr(tokenizer, 'chat_template', None):
       raise ConfigError('grpo.tools / grpo.environment need a tokenizer with a chat template '
                         '(an instruct model, model.hf_path); this one has none.')
-    if has_response_parser(tokenizer) or call_parser(tokenizer) is not None:
-      return
+    if has_response_parser(tokenizer):
+      return None
+    parser = call_parser(tokenizer)
+    if parser is not None:
+      return parser
     raise ConfigError(
         f'grpo.tools / grpo.environment: the chat template writes tool calls as '
         f'{_rendered_call(tokenizer).strip()[:120]!r}, which neither the <tool_call> parser nor '
@@ -479,12 +482,11 @@ class Episodes:
   append (tool turns + the next assistant header) or None (the episode ends); never raises."""
 
   def __init__(self, setup: ToolSetup, tokenizer, examples: Sequence[Any]):
-    setup.check_tokenizer(tokenizer)
+    parser = setup.check_tokenizer(tokenizer)
     self.setup, self.tokenizer = setup, tokenizer
     self.examples = list(examples)
-    self.parse_with_template = has_response_parser(tokenizer)
-    self._parse_calls = (None if self.parse_with_template
-                         else call_parser(tokenizer) or parse_plain_tool_calls)
+    self.parse_with_template = parser is None
+    self._parse_calls = parser
     self.template_tools = template_renders_tools(tokenizer)
     names = [setup.environment_name(ex.fields) for ex in self.examples]
     self.environments = (setup._instances(names)  # pylint: disable=protected-access
