@@ -118,9 +118,13 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
   Raises RewardError naming the function and what was wrong."""
   n = len(completions)
   try:
-    taken = {k: v for k, v in (keywords or {}).items() if _takes(r.fn, k)}
-    if _names_param(r.fn, 'completions'):  # TRL's call: everything by keyword
-      prompts_kw = {'prompts': list(prompts)} if _takes(r.fn, 'prompts') else {}
+    params = _parameters(r.fn)
+    taken = {k: v for k, v in (keywords or {}).items() if _takes(params, k)}
+    completions_param = params.get('completions')
+    if completions_param is not None and completions_param.kind in (
+        completions_param.POSITIONAL_OR_KEYWORD, completions_param.KEYWORD_ONLY):
+      # TRL's call: everything by keyword
+      prompts_kw = {'prompts': list(prompts)} if _takes(params, 'prompts') else {}
       values = r.fn(completions=list(completions), **prompts_kw, **fields, **taken)
     else:
       values = r.fn(list(prompts), list(completions), **fields, **taken)
@@ -147,21 +151,17 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
   return arr, none
 
 
-def _names_param(fn: Callable[..., Any], name: str) -> bool:
-  """Whether ``fn`` has a parameter called ``name`` that can be passed by keyword."""
+def _parameters(fn: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+  """``fn``'s parameters by name ({} where it has no signature to read)."""
   try:
-    p = inspect.signature(fn).parameters.get(name)
+    return inspect.signature(fn).parameters
   except (TypeError, ValueError):
-    return False
-  return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    return {}
 
 
-def _takes(fn: Callable[..., Any], name: str) -> bool:
-  """Whether ``fn`` takes the keyword ``name`` (a parameter of that name, or ``**kwargs``)."""
-  try:
-    params = inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return False
+def _takes(params: Mapping[str, inspect.Parameter], name: str) -> bool:
+  """Whether a function with ``params`` takes the keyword ``name`` (a parameter of that name,
+  or ``**kwargs``)."""
   return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 

@@ -461,8 +461,7 @@ def _rendered_call(tokenizer) -> str:
 def template_renders_tools(tokenizer) -> bool:
   """TRL's ``supports_tool_calling``: the chat template renders a whole tool-calling exchange
   (the call's name, its argument and the tool message all appear)."""
-  sentinels = ('tool_name_a8f3e2b1', 'tool_arg_key_b9d4f5c2', 'tool_arg_val_d6e7a9f3',
-               'tool_content_c4f9a8e2')
+  sentinels = (*_CALL_PROBE, 'tool_content_c4f9a8e2')
   name, key, value, content = sentinels
   messages = [{'role': 'user', 'content': 'hi'},
               {'role': 'assistant', 'content': '', 'tool_calls': [

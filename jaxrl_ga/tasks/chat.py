@@ -43,7 +43,8 @@ def prompt_ids(tokenizer, text, chat: Optional[bool] = None) -> list[int]:
   """Token ids of ``prompt_text(tokenizer, text, chat)``: through the template, no special
   tokens beyond those it writes; raw text after ``leading_special_ids``."""
   ids = list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])
-  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer, text) + ids
+  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer, text,
+                                                                            ids) + ids
 
 
 def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
@@ -53,11 +54,13 @@ def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
                                         not isinstance(text, str))
 
 
-def leading_special_ids(tokenizer, text: str) -> list[int]:
+def leading_special_ids(tokenizer, text: str, bare: Optional[list[int]] = None) -> list[int]:
   """The special tokens the tokenizer puts before ``text`` (``tokenizer(text)``'s ids up to the
-  text's own: a base Llama's or Gemma's BOS; [] for most), without any it puts after (an eos)."""
+  text's own, ``bare``, computed when not given: a base Llama's or Gemma's BOS; [] for most),
+  without any it puts after (an eos)."""
   whole = list(tokenizer(text)['input_ids'])
-  bare = list(tokenizer(text, add_special_tokens=False)['input_ids'])
+  if bare is None:
+    bare = list(tokenizer(text, add_special_tokens=False)['input_ids'])
   for start in range(len(whole) - len(bare) + 1):
     if whole[start:start + len(bare)] == bare:
       return whole[:start]
