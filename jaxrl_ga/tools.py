@@ -55,7 +55,11 @@ before it is answered (as TRL 1.16 runs them: a stateful environment sees its to
 the model wrote them); the turns of different rows run at once, a sync tool on a daemon thread of
 its own, an async one on one event loop thread, and the engine keeps decoding the other rows
 meanwhile. A call past its timeout is answered with the timeout's tool turn and the turn's next
-call starts; an async one is cancelled, a sync one's thread runs on unheard.
+call starts; an async one is cancelled, a sync one's thread runs on unheard. (TRL has no
+timeout.) An environment whose sync call runs on is held (:meth:`ToolSetup.hold`): it takes no
+other call (a failed call), leaves the pool, and its ``get_reward`` waits for the call at most
+another timeout (else None), so that no late call changes the state another call, a reward or a
+later rollout's episode sees.
 
 Rewards of an episode (docs/your_data.md, "Tools and environments"): ``prompts`` holds each
 row's prompt, with ``reset``'s text appended where it returned some (TRL's); ``completions`` each
@@ -72,6 +76,7 @@ import inspect
 import json
 import re
 import threading
+import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import logging
@@ -203,6 +208,11 @@ class ToolSetup:
                         f'environment.')
     self._loop: Optional[asyncio.AbstractEventLoop] = None
     self._loop_lock = threading.Lock()
+    # Environment instances whose sync call timed out and runs on (its thread cannot be
+    # stopped): id -> (instance, the call's Future). Such an instance takes no other call, leaves
+    # the pool, and its get_reward waits for the call (see hold()).
+    self._held: dict[int, tuple[Any, concurrent.futures.Future]] = {}
+    self._held_lock = threading.Lock()
 
   @classmethod
   def from_config(cls, grpo, tools=None, environment_factory=None) -> Optional['ToolSetup']:
@@ -258,7 +268,7 @@ class ToolSetup:
   def reward_functions(self) -> list[rewards_lib.WeightedReward]:
     """One reward per environment class with get_reward, named after the class, weight 1: the
     row's ``get_reward()`` when its environment is exactly that class, else None (TRL's)."""
-    return [rewards_lib.WeightedReward(cls.__name__, _env_reward(cls)) for cls in
+    return [rewards_lib.WeightedReward(cls.__name__, _env_reward(cls, self)) for cls in
             self._reward_types]
 
   def dry_call_fields(self, examples: Sequence[Any], completions: Sequence[str]
@@ -299,9 +309,33 @@ class ToolSetup:
       i = cursor.get(name, 0)
       if i == len(pool):
         pool.append(self.factories[name]())
+      elif self.running(pool[i]):  # a timed-out call still changes it: a new one takes its place
+        logging.warning('tools: an instance of %s is still running a call that timed out '
+                        '(grpo.tool_timeout_s); a new instance replaces it in the pool.',
+                        type(pool[i]).__name__)
+        pool[i] = self.factories[name]()
       cursor[name] = i + 1
       out.append(pool[i])
     return out
+
+  def hold(self, environment, future: concurrent.futures.Future) -> None:
+    """Marks ``environment`` as still running ``future``, a sync call that timed out: until
+    it returns, the instance takes no other call (:meth:`running`), is not handed to a later
+    rollout, and its ``get_reward`` waits for it (a thread cannot be stopped; run on, it would
+    change the state the next call, the reward or another row's episode sees)."""
+    with self._held_lock:
+      self._held[id(environment)] = (environment, future)
+
+  def running(self, environment) -> Optional[concurrent.futures.Future]:
+    """The timed-out call ``environment`` still runs (:meth:`hold`), or None."""
+    with self._held_lock:
+      held = self._held.get(id(environment))
+      if held is None or held[0] is not environment:
+        return None
+      if held[1].done():
+        del self._held[id(environment)]
+        return None
+      return held[1]
 
   def _event_loop(self) -> asyncio.AbstractEventLoop:
     """A daemon thread's event loop that async tools are awaited on (made at first use)."""
@@ -339,16 +373,26 @@ class ToolSetup:
     return future
 
 
-def _env_reward(cls: type) -> Callable[..., list]:
+def _env_reward(cls: type, setup: ToolSetup) -> Callable[..., list]:
   def reward(prompts, completions, environments=None, **unused_columns):
     del prompts, unused_columns
     if environments is None:  # a dry call before the run (no episode yet): does not apply
       return [None] * len(completions)
     out = []
+    deadline = time.monotonic() + setup.timeout_s
     for e in environments:
       if type(e) is not cls:  # pylint: disable=unidiomatic-typecheck  (TRL: exact type)
         out.append(None)
         continue
+      call = setup.running(e)
+      if call is not None:  # a timed-out call still runs: its state is not the episode's yet
+        concurrent.futures.wait([call], timeout=max(deadline - time.monotonic(), 0.0))
+        if not call.done():
+          logging.warning('tools: %s.get_reward not called: a call that timed out is still '
+                          'running on the instance after another grpo.tool_timeout_s; the '
+                          'row is unscored by it (None).', cls.__name__)
+          out.append(None)
+          continue
       value = e.get_reward()
       out.append(asyncio.run(value) if inspect.isawaitable(value) else value)
     return out
@@ -640,13 +684,22 @@ class Episodes:
       finish(i, error(f'Tool {call["name"]} not found.'), True)  # TRL's message
       return
     timeout = self.setup.timeout_s
+    env = self.environments[row]
+    env = env if getattr(fn, '__self__', None) is env and env is not None else None
+    if env is not None and self.setup.running(env) is not None:
+      finish(i, error(f'Tool {call["name"]} not run: an earlier call to this environment timed '
+                      'out and is still running (grpo.tool_timeout_s).'), True)
+      return
     running: list[concurrent.futures.Future] = []
 
     def timed_out() -> None:
+      for f in running:
+        # An async tool's task is cancelled; a thread that started runs on, unheard: its
+        # environment is held until it returns (ToolSetup.hold).
+        if not f.cancel() and not f.done() and env is not None:
+          self.setup.hold(env, f)
       finish(i, error(f'Tool {call["name"]} timed out after {timeout:g} s '
                       '(grpo.tool_timeout_s).'), True)
-      for f in running:
-        f.cancel()  # an async tool's task is cancelled; a thread runs on, unheard
 
     timer = threading.Timer(timeout, timed_out)
     timer.daemon = True

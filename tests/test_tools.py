@@ -548,6 +548,65 @@ def test_a_hung_async_tool_times_out_and_is_cancelled(tok):
   assert cancelled.wait(5) and ep.metrics()['tools/failures'] == 1
 
 
+class Tally:
+  """A stateful environment whose ``count`` can be held up until the test releases it."""
+  gate = threading.Event()
+
+  def reset(self, **unused_row):
+    self.marks = []
+
+  def count(self, mark: str) -> int:
+    """Adds a mark; a 'slow' one waits for the gate first.
+
+    Args:
+      mark: the mark.
+    """
+    if mark == 'slow':
+      Tally.gate.wait(30)
+    self.marks.append(mark)
+    return len(self.marks)
+
+  def get_reward(self) -> float:
+    return float(len(self.marks))
+
+
+def test_a_timed_out_call_keeps_its_environment_from_other_calls_and_rollouts(tok):
+  """A sync call past grpo.tool_timeout_s cannot be stopped and runs on. Its environment takes
+  no other call meanwhile, the next rollout gets a fresh instance (else the late call lands in
+  another prompt's episode: its reward reads a mark the model never made), and get_reward waits
+  for the call at most another timeout, else the row is unscored (None)."""
+  Tally.gate.clear()
+  setup = _setup(environment=Tally, tool_timeout_s=0.3)
+  (reward,) = setup.reward_functions()
+  ep1 = setup.episodes(tok, [Example('q', None)])
+  got = ep1.submit(0, _turn(tok, _call('count', mark='slow') + _call('count', mark='a'))).result(5)
+  assert tok.decode(got).count('timed out after 0.3 s') == 1
+  assert 'not run: an earlier call to this environment timed out' in tok.decode(got)
+  assert ep1.metrics()['tools/failures'] == 2
+  # Still running after another timeout: unscored, not the half-done state.
+  _, per_fn = rewards_lib.compute_rewards([reward], ['q'], [''], ep1.reward_fields())
+  assert np.isnan(per_fn['Tally'][0])
+  ep2 = setup.episodes(tok, [Example('q', None)])  # the next rollout
+  assert ep2.environments[0] is not ep1.environments[0]
+  assert tok.decode(ep2.submit(0, _turn(tok, _call('count', mark='b'))).result(5)).count('1')
+  Tally.gate.set()  # the late call returns; it changed ep1's instance only
+  for _ in range(100):
+    if ep1.environments[0].marks:
+      break
+    time.sleep(0.05)
+  assert ep1.environments[0].marks == ['slow'] and ep2.environments[0].marks == ['b']
+  _, per_fn = rewards_lib.compute_rewards([reward], ['q'], [''], ep2.reward_fields())
+  assert per_fn['Tally'].tolist() == [1.0]
+  # A late call that returns within the reward's wait is waited for.
+  Tally.gate.clear()
+  ep3 = _setup(environment=Tally, tool_timeout_s=1.0).episodes(tok, [Example('q', None)])
+  ep3.submit(0, _turn(tok, _call('count', mark='slow'))).result(5)
+  threading.Timer(0.2, Tally.gate.set).start()
+  (reward3,) = ep3.setup.reward_functions()
+  _, per_fn = rewards_lib.compute_rewards([reward3], ['q'], [''], ep3.reward_fields())
+  assert per_fn['Tally'].tolist() == [1.0]
+
+
 def test_padded_prompts_are_the_rows_prompts_left_padded(tok):
   ep = _setup(tools=[multiply]).episodes(tok, [Example('What is 2*3?', None),
                                                Example('What is 20*30?', None)])
