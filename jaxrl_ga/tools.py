@@ -37,7 +37,10 @@ Tool-call formats. A tokenizer with a response parser (``tokenizer.response_temp
 
 one block per call, or, where the template writes calls as one bare JSON object with
 ``"parameters"`` (Llama 3.1/3.2), that object as the whole turn (:func:`call_parser` picks the
-one that reads back the template's own call; neither: ConfigError). Prompts: a chat template that renders tools (TRL's check,
+one that reads back the template's own call; neither: ConfigError), in the turn's content only:
+a thinking model's ``<think>...</think>`` (opened by the model or by the generation prompt) is
+its reasoning, where a call is not run (TRL 1.16's Qwen3 parser), and the assistant message
+holds it as ``reasoning_content``. Prompts: a chat template that renders tools (TRL's check,
 :func:`template_renders_tools`) gets them through ``apply_chat_template(tools=...)``; any other
 gets a system block announcing them and the plain format (:data:`PLAIN_TOOLS_PROMPT`, Qwen2.5's
 words). Tool turns: ``{'role': 'tool', 'name': ..., 'content': str(result)}`` rendered by the
@@ -63,8 +66,9 @@ later rollout's episode sees.
 
 Rewards of an episode (docs/your_data.md, "Tools and environments"): ``prompts`` holds each
 row's prompt, with ``reset``'s text appended where it returned some (TRL's); ``completions`` each
-row's final assistant turn's text; the column ``completions_messages`` its whole completion as
-messages (assistant and tool turns, TRL's conversational ``completions``) and ``environments``
+row's final assistant turn's text as the model wrote it (reasoning included); the column
+``completions_messages`` its whole completion as messages (assistant and tool turns, TRL's
+conversational ``completions``: the reasoning in ``reasoning_content``, out of ``content``) and ``environments``
 its environment instance (TRL's ``environments`` keyword).
 """
 
@@ -88,7 +92,7 @@ from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.trainers import text
 
 __all__ = ['ToolSetup', 'Episodes', 'build', 'make_interaction', 'add_rewards', 'tool_schema',
-           'parse_plain_tool_calls', 'parse_json_tool_call', 'call_parser',
+           'parse_plain_tool_calls', 'parse_json_tool_call', 'split_reasoning', 'call_parser',
            'template_renders_tools', 'PLAIN_TOOLS_PROMPT']
 
 # Qwen2.5's chat template's words for the tools it is given (the plain format's system block).
@@ -426,6 +430,22 @@ def parse_plain_tool_calls(text: str) -> list[dict]:
   return calls
 
 
+_THINK = re.compile(r'<think>(.*?)(?:</think>\s*|$)', re.DOTALL)
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
+  """A turn's ``(content, reasoning)``: the text inside ``<think>...</think>`` (an unclosed one
+  to the end), as TRL 1.16's response templates for thinking models (Qwen3's) read it; tool
+  calls are read in the content only, so a call the model only thinks about is not run.
+  ``opened``: the generation prompt opened the reasoning (the turn starts inside it)."""
+  if opened:
+    text = '<think>' + text
+  if '<think>' not in text:
+    return text, ''
+  reasoning = '\n'.join(m.group(1).strip() for m in _THINK.finditer(text))
+  return _THINK.sub('', text), reasoning
+
+
 def parse_json_tool_call(text: str) -> list[dict]:
   """The call of an assistant turn that is one bare JSON object ``{"name": ..., "parameters":
   {...}}`` (Llama 3.1's and 3.2's format, as TRL 1.16's schema for them reads it: the whole turn
@@ -550,6 +570,7 @@ class Episodes:
     # use); never held while taking _lock.
     self._tok_lock = threading.RLock()
     self._completion: list[list[dict]] = [[] for _ in self.examples]
+    self._last_text = [''] * len(self.examples)  # each row's last assistant turn, as decoded
     # Each row's tokens so far (prompt, turns, tool turns): the prefix parse_response reads.
     self._history: list[Optional[list[int]]] = [None] * len(self.examples)
     self._tool_turns = np.zeros(len(self.examples), np.int64)  # assistant turns with calls run
@@ -627,13 +648,13 @@ class Episodes:
     ended = bool(ids) and ids[-1] == tok.eos_token_id
     with self._tok_lock:
       text = tok.decode(ids, skip_special_tokens=True)
-    calls = self._parse(row, ids, text) if ended else []
-    message = {'role': 'assistant', 'content': text}
+    calls, message = self._parse(row, ids, text) if ended else ([], self._message(row, text))
     if calls:
       message['tool_calls'] = [{'type': 'function', 'function': {
           'name': c['name'], 'arguments': c.get('arguments', {})}} for c in calls]
     with self._lock:
       self._completion[row].append(message)
+      self._last_text[row] = text
     limit = self.setup.max_tool_calls
     if not calls or (limit and self._tool_turns[row] >= limit):
       out.set_result(None)
@@ -725,11 +746,12 @@ class Episodes:
     running.append(future)
     future.add_done_callback(done)
 
-  def _parse(self, row: int, ids: list[int], text: str) -> list[dict]:
-    """The turn's calls: transformers' parse_response where the tokenizer has a parser (a turn it
-    cannot parse has none, as in TRL's parse_response), else the plain format. A
-    ``response_template`` parser reads the row's tokens before the turn (``prefix``) and the
-    row's tools (TRL's call)."""
+  def _parse(self, row: int, ids: list[int], text: str) -> tuple[list[dict], dict]:
+    """The turn's calls and its assistant message: transformers' parse_response where the
+    tokenizer has a parser (a turn it cannot parse has no call and its text as content, as in
+    TRL's parse_response), else the plain format read outside the reasoning
+    (:func:`split_reasoning`). A ``response_template`` parser reads the row's tokens before the
+    turn (``prefix``) and the row's tools (TRL's call)."""
     prompt = self.prompt_ids(row) if self._history[row] is None else None
     with self._lock:
       if self._history[row] is None:
@@ -737,7 +759,8 @@ class Episodes:
       prefix = list(self._history[row])
       self._history[row].extend(ids)
     if not self.parse_with_template:
-      return self._parse_calls(text)
+      message = self._message(row, text, prefix)
+      return self._parse_calls(message['content']), message
     tok = self.tokenizer
     try:
       with self._tok_lock:
@@ -745,9 +768,35 @@ class Episodes:
           parsed = tok.parse_response(ids, prefix=prefix, tools=self._schemas[row] or None)
         else:  # a legacy response_schema: no prefix
           parsed = tok.parse_response(ids)
+      if parsed is None:
+        raise ValueError('parse_response returned None')
     except (ValueError, TypeError):
-      return []
-    return [_checked_call(c) for c in (parsed or {}).get('tool_calls') or []]
+      return [], {'role': 'assistant', 'content': text}
+    message = {'role': 'assistant', 'content': parsed.get('content') or ''}
+    if parsed.get('reasoning_content'):
+      message['reasoning_content'] = parsed['reasoning_content']
+    return [_checked_call(c) for c in parsed.get('tool_calls') or []], message
+
+  def _message(self, row: int, text: str, prefix: Optional[list[int]] = None) -> dict:
+    """The assistant message of a turn ``text`` (the plain formats): the reasoning, if the
+    model wrote any, in ``reasoning_content`` and out of ``content`` (TRL's parsed messages).
+    ``prefix``: the row's tokens before the turn (default: as they stand), whose generation
+    prompt may have opened the reasoning (a thinking template's ``<think>``)."""
+    if prefix is None:
+      with self._lock:
+        prefix = list(self._history[row]) if self._history[row] is not None else None
+      if prefix is None:
+        prefix = self.prompt_ids(row)
+    with self._tok_lock:
+      tail = self.tokenizer.decode(prefix[-64:], skip_special_tokens=False)
+    eos = self.tokenizer.eos_token
+    tail = tail[tail.rindex(eos) + len(eos):] if eos and eos in tail else tail
+    content, reasoning = split_reasoning(text, opened=tail.rfind('<think>') > tail.rfind(
+        '</think>'))
+    message = {'role': 'assistant', 'content': content}
+    if reasoning:
+      message['reasoning_content'] = reasoning
+    return message
 
   def _tool_turn_ids(self, tool_messages: list[dict]) -> list[int]:
     """The tool turns plus the next assistant header as the template renders them after the
@@ -784,9 +833,11 @@ class Episodes:
     messages, but an environment's state, and so its ``get_reward``, can differ.)"""
     ids = np.asarray(turn_tokens).reshape(-1).tolist()
     with self._tok_lock:
-      content = self.tokenizer.decode(ids, skip_special_tokens=True)
+      text = self.tokenizer.decode(ids, skip_special_tokens=True)
+    message = self._message(row, text)
     with self._lock:
-      self._completion[row].append({'role': 'assistant', 'content': content})
+      self._completion[row].append(message)
+      self._last_text[row] = text
 
   def withdraw(self, row: int) -> None:
     """The Interaction protocol's optional take-back: the row's last answer did not fit in the
@@ -821,9 +872,10 @@ class Episodes:
       return [dict(m) for m in self._completion[row]]
 
   def final_text(self, row: int) -> str:
-    """The text of the row's last assistant turn: its ``completions`` entry for the rewards."""
-    turns = [m for m in self.completion_messages(row) if m['role'] == 'assistant']
-    return turns[-1]['content'] if turns else ''
+    """The text of the row's last assistant turn as the model wrote it (its reasoning included,
+    as a run without tools gives it): its ``completions`` entry for the rewards."""
+    with self._lock:
+      return self._last_text[row]
 
   def reward_prompts(self) -> list[Any]:
     """The ``prompts`` the rewards get, one per row (TRL 1.16's): the row's prompt as in the

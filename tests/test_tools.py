@@ -420,6 +420,53 @@ def test_a_tokenizer_with_a_response_parser_has_its_turns_parsed_by_transformers
   assert ep.metrics()['tools/calls_per_episode'] == 2
 
 
+@pytest.mark.parametrize('opener', [False, True], ids=['think_in_turn', 'think_in_prompt'])
+def test_a_call_the_model_only_thinks_about_is_not_run_as_trls_qwen3_parser_reads_it(tok, opener):
+  """Qwen3 thinks in <think>...</think>; its template writes <tool_call> blocks, so the plain
+  format reads its calls. TRL 1.16 parses Qwen3 with the response template above: a block in the
+  reasoning is reasoning, not a call (the reference here: transformers' parse_response with that
+  template and the same prefix). ``think_in_prompt``: a thinking template's generation prompt
+  opens the reasoning (Qwen3-2507's), the turn starts inside it; so does the next turn."""
+  import copy  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  model_tok = copy.deepcopy(tok)
+  if opener:
+    header = "'<|im_start|>assistant\n' }}{% endif %}"
+    assert header in model_tok.chat_template
+    model_tok.chat_template = model_tok.chat_template.replace(
+        header, "'<|im_start|>assistant\n<think>\n' }}{% endif %}")
+  reference = copy.deepcopy(model_tok)
+  reference.response_template = QWEN3_RESPONSE_TEMPLATE
+  think = '' if opener else '<think>\n'
+  turns = [think + 'I could ' + _call('multiply', a=1, b=1) + '\n</think>\n\nIt is 1.',
+           think + 'hmm ' + _call('multiply', a=1, b=2) + '</think>\n\n' + _call('multiply', a=2,
+                                                                                     b=3),
+           think + 'still thinking ' + _call('multiply', a=3, b=3),
+           _call('multiply', a=4, b=5) if not opener else '</think>' + _call('multiply', a=4, b=5)]
+  for turn in turns:
+    ep = _setup(tools=[multiply]).episodes(model_tok, [Example('q', None)])
+    assert not ep.parse_with_template
+    ids = _turn(model_tok, turn).tolist()
+    want = reference.parse_response(ids, prefix=ep.prompt_ids(0), tools=[tools.tool_schema(
+        multiply)])
+    calls = [c['function'] for c in want.get('tool_calls') or []]
+    got = ep.submit(0, np.asarray(ids, np.int32)).result(5)
+    results = [str(c['arguments']['a'] * c['arguments']['b']) for c in calls]
+    assert (got.tolist() if got is not None else []) == (
+        _tool_turns(model_tok, *results) + (model_tok('<think>\n', add_special_tokens=False)[
+            'input_ids'] if opener else []) if calls else []), turn
+    message = ep.completion_messages(0)[0]
+    assert [c['function'] for c in message.get('tool_calls', [])] == calls, turn
+    assert message.get('reasoning_content', '') == (want.get('reasoning_content') or '').removesuffix(
+        tok.eos_token), turn
+    assert '<think>' not in message['content'] and '</think>' not in message['content']
+    if calls and opener:  # the next turn starts inside the reasoning the header opened
+      nxt = _turn(model_tok, 'so ' + _call('multiply', a=9, b=9) + '</think>\nDone.')
+      assert ep.submit(0, nxt).result(5) is None
+      assert ep.completion_messages(0)[-1] == {'role': 'assistant', 'content': 'Done.',
+                                               'reasoning_content': 'so ' + _call(
+                                                   'multiply', a=9, b=9)}
+
+
 def test_environment_rewards_join_the_tasks_and_its_dry_call_gets_episode_columns():
   setup = _setup(environment=Calc)
 
