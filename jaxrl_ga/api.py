@@ -250,6 +250,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
+  stops = policy.stop_ids(cfg.model.hf_path, tokenizer)
   if tool_setup is not None:
     tool_setup.check_tokenizer(tokenizer)
   fileio.makedirs(workdir)
@@ -281,7 +282,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   shardings_on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
-                          model_cfg=model_cfg, graphdef=graphdef,
+                          model_cfg=model_cfg, graphdef=graphdef, stop_ids=stops,
                           param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths, tool_setup=tool_setup, own_meshes={

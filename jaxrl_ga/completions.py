@@ -43,10 +43,22 @@ def load(model: str, param_dtype: str = 'float32'):
   return graphdef, params, tokenizer, model
 
 
+def stop_ids(model: str, tokenizer) -> tuple[int, ...]:
+  """The ids that end a completion of ``model`` (a ``load`` source): the tokenizer's eos, then
+  the other eos ids of an HF model's generation config (``policy.stop_ids``; a run's checkpoint:
+  the tokenizer's eos)."""
+  if _is_checkpoint(model):
+    return (int(tokenizer.eos_token_id),)
+  return policy.stop_ids(model, tokenizer)
+
+
 def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = False,
              max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             num_samples: int = 1, seed: int = 0) -> list[list[str]]:
-  """Completions [prompt][sample] (text without eos), decoded by the jitted sampler."""
+             num_samples: int = 1, seed: int = 0,
+             stop_ids: tuple[int, ...] = ()) -> list[list[str]]:
+  """Completions [prompt][sample] (text without eos), decoded by the jitted sampler.
+  ``stop_ids``: the ids that end a completion (``stop_ids(model, tokenizer)``); default: the
+  tokenizer's eos."""
   if tokenizer.eos_token_id is None:
     raise ValueError('the tokenizer has no eos token; set eos_token in its tokenizer_config.json.')
   eos = int(tokenizer.eos_token_id)
@@ -54,7 +66,8 @@ def complete(graphdef, params, tokenizer, prompts: list[str], *, chat: bool = Fa
   ids = [chat_lib.prompt_ids(tokenizer, p, chat) for p in prompts]
   rows = [x for x in ids for _ in range(num_samples)]
   tokens, mask = text.left_pad(rows, max(len(x) for x in rows), pad, 'prompt length')
-  sampler = sampling.Sampler(max_completion_length=max_new_tokens, eos_id=eos, pad_id=pad)
+  sampler = sampling.Sampler(max_completion_length=max_new_tokens,
+                             **sampling.eos_fields(tuple(stop_ids) or eos), pad_id=pad)
   generate = sampling.make_generate_fn(graphdef, sampler, greedy=temperature == 0)
   out = generate(params, tokens, mask, jax.random.PRNGKey(seed), max(temperature, 1e-6), top_p)
   texts = text.decode_completions(tokenizer, out.tokens, out.mask)

@@ -223,7 +223,7 @@ class LearnerPrograms:
 
 
 def build_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
-                        eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
+                        eos_id: sampling.EosIds, pad_id: int, grpo: Optional[GRPOConfig] = None,
                         graphdef: Any = None,
                         table: Optional[schedule.ScheduleTable] = None,
                         rollout_mesh=None, rollout_shardings=None, reference_mesh=None,
@@ -339,21 +339,23 @@ def _generation_program(graphdef, sampler: sampling.Sampler, mesh, param_shardin
   return Program(fn, (params, prompts, prompts, key, scalar, scalar))
 
 
-def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, *, eos_id: int,
-                       pad_id: int, max_prompt_length: int, attention: str) -> Program:
+def evaluation_program(cfg: RunConfig, graphdef, mesh, param_shardings, params, *,
+                       eos_id: sampling.EosIds, pad_id: int, max_prompt_length: int,
+                       attention: str) -> Program:
   """The held-out evaluation's greedy generation (``trainers.evaluation.Evaluator``): batches of
   ``eval.batch_size`` prompts (rounded up to the data-parallel size) of ``max_prompt_length``
   tokens, ``eval.max_completion_length`` tokens each, prefilled with ``attention``."""
   sampler = sampling.Sampler(max_completion_length=cfg.eval.max_completion_length,
-                             eos_id=eos_id, pad_id=pad_id, attention=attention,
+                             **sampling.eos_fields(eos_id), pad_id=pad_id, attention=attention,
                              fuse_weights=_fuse_weights(mesh))
   return _generation_program(graphdef, sampler, mesh, param_shardings, params,
                              placement.padded_batch_size(cfg.eval.batch_size, mesh),
                              max_prompt_length, greedy=True)
 
 
-def evaluation_episodes_program(cfg: RunConfig, graphdef, mesh, params, *, eos_id: int,
-                                pad_id: int, max_prompt_length: int, attention: str
+def evaluation_episodes_program(cfg: RunConfig, graphdef, mesh, params, *,
+                                eos_id: sampling.EosIds, pad_id: int, max_prompt_length: int,
+                                attention: str
                                 ) -> tuple[episodes.EpisodeRunner, Program]:
   """The held-out evaluation's greedy multi-turn episodes (``trainers.evaluation.Evaluator``
   with tools): an ``episodes.EpisodeRunner`` with greedy=True, one slot per row, over the
@@ -361,7 +363,7 @@ def evaluation_episodes_program(cfg: RunConfig, graphdef, mesh, params, *, eos_i
   ``max_prompt_length`` tokens, ``eval.max_completion_length`` tokens per episode in all).
   -> (the runner, its segment program at its abstract arguments: the table entry)."""
   sampler = sampling.Sampler(max_completion_length=cfg.eval.max_completion_length,
-                             eos_id=eos_id, pad_id=pad_id, attention=attention,
+                             **sampling.eos_fields(eos_id), pad_id=pad_id, attention=attention,
                              fuse_weights=_fuse_weights(mesh))
   runner = episodes.EpisodeRunner(graphdef, sampler, mesh, greedy=True)
   prompts = jax.ShapeDtypeStruct((placement.padded_batch_size(cfg.eval.batch_size, mesh),
@@ -371,7 +373,7 @@ def evaluation_episodes_program(cfg: RunConfig, graphdef, mesh, params, *, eos_i
 
 
 def generation_program(sampling_cfg: SamplingConfig, graphdef, mesh, param_shardings, params,
-                       rows: int, *, eos_id: int, pad_id: int, attention: str,
+                       rows: int, *, eos_id: sampling.EosIds, pad_id: int, attention: str,
                        greedy: bool = False, block: Optional[int] = None) -> Program:
   """Generation (``sampling.make_generate_fn``) by ``sampling_cfg``'s sampler: ``rows`` prompts
   of ``sampling_cfg.max_prompt_length`` tokens, prefilled with ``attention``, sampled (or
@@ -412,7 +414,7 @@ def _fit_lowerings(progs):
 
 
 def fitted_grpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings, *,
-                         eos_id: int, pad_id: int, grpo: Optional[GRPOConfig] = None,
+                         eos_id: sampling.EosIds, pad_id: int, grpo: Optional[GRPOConfig] = None,
                          graphdef: Any = None, table: Optional[schedule.ScheduleTable] = None,
                          say: Callable[[str], None] = fit.say, multi_turn: bool = False,
                          **roles) -> GRPOPrograms:
@@ -483,7 +485,7 @@ def _learner_programs(learner: learner_lib.Learner, model_cfg, param_shardings, 
 
 
 def build_sft_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
-                       graphdef, sft: Optional[SFTConfig] = None, *, eos_id: int,
+                       graphdef, sft: Optional[SFTConfig] = None, *, eos_id: sampling.EosIds,
                        pad_id: int) -> LearnerPrograms:
   """SFT's programs (``sft``: the stage config, default ``cfg.sft``): the learner and the
   evaluation's generation (prompts of sft.max_length tokens)."""
@@ -498,7 +500,8 @@ def build_sft_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_s
 
 
 def build_dpo_programs(cfg: RunConfig, model_cfg: tfm.ModelConfig, mesh, param_shardings,
-                       graphdef, dpo: Optional[DPOConfig] = None, *, eos_id: int, pad_id: int,
+                       graphdef, dpo: Optional[DPOConfig] = None, *, eos_id: sampling.EosIds,
+                       pad_id: int,
                        reference: Optional[tuple[Any, tfm.ModelConfig, Any]] = None,
                        reference_spec: Optional[ModelSpec] = None) -> LearnerPrograms:
   """DPO's programs (``dpo``: the stage config, default ``cfg.dpo``): the learner, the
@@ -546,7 +549,7 @@ def _fitted(cfg: RunConfig, build: Callable[[RunConfig], LearnerPrograms], mesh,
 
 
 def fitted_sft_programs(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                        sft: SFTConfig, *, eos_id: int, pad_id: int,
+                        sft: SFTConfig, *, eos_id: sampling.EosIds, pad_id: int,
                         say: Callable[[str], None] = fit.say) -> LearnerPrograms:
   """``build_sft_programs`` with the memory knobs fit chooses for its micro-step."""
   return _fitted(cfg, lambda c: build_sft_programs(c, model_cfg, mesh, param_shardings, graphdef,
@@ -555,7 +558,7 @@ def fitted_sft_programs(cfg: RunConfig, model_cfg, mesh, param_shardings, graphd
 
 
 def fitted_dpo_programs(cfg: RunConfig, model_cfg, mesh, param_shardings, graphdef,
-                        dpo: DPOConfig, *, eos_id: int, pad_id: int,
+                        dpo: DPOConfig, *, eos_id: sampling.EosIds, pad_id: int,
                         reference: Optional[tuple[Any, tfm.ModelConfig, Any]] = None,
                         say: Callable[[str], None] = fit.say) -> LearnerPrograms:
   """``build_dpo_programs`` with the memory knobs fit chooses for its micro-step (the reference

@@ -88,7 +88,7 @@ class RolloutEngine:
 
   def __init__(self, graphdef, table: ScheduleTable, sampling_cfg: SamplingConfig,
                loss_cfg: GRPOLossConfig, mesh, param_shardings, *,
-               eos_id: int, pad_id: int, mask_truncated_completions: bool = False,
+               eos_id: sampling.EosIds, pad_id: int, mask_truncated_completions: bool = False,
                defer_old_logps: bool = False,
                options: tfm.ForwardOptions = tfm.ForwardOptions(),
                rollout_mesh=None, rollout_shardings=None, reference_mesh=None,

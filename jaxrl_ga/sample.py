@@ -60,9 +60,9 @@ def _library():
 
 
 def __getattr__(name):
-  """``sample.load`` and ``sample.complete``: ``jaxrl_ga.completions``'s, imported on first
-  use."""
-  if name in ('load', 'complete'):
+  """``sample.load``, ``sample.stop_ids`` and ``sample.complete``: ``jaxrl_ga.completions``'s,
+  imported on first use."""
+  if name in ('load', 'stop_ids', 'complete'):
     return getattr(_library(), name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
@@ -88,12 +88,13 @@ def main(argv):
     graphdef, params, tokenizer, what = lib.load(f.model, f.param_dtype)
     if f.chat and not chat_lib.has_chat_template(tokenizer):
       raise ValueError(f'--chat: the tokenizer of {f.model} has no chat template; drop --chat.')
+    stops = lib.stop_ids(f.model, tokenizer)
   except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   texts = lib.complete(graphdef, params, tokenizer, list(f.prompt), chat=f.chat,
                        max_new_tokens=f.max_new_tokens, temperature=f.temperature,
-                       top_p=f.top_p, num_samples=f.num_samples, seed=f.seed)
+                       top_p=f.top_p, num_samples=f.num_samples, seed=f.seed, stop_ids=stops)
   print(f'model: {what}')
   for prompt, samples in zip(f.prompt, texts):
     print(f'prompt: {prompt}')

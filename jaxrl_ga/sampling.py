@@ -8,10 +8,10 @@ Per row of a left-padded prompt batch [N, Tp]:
   * the prompts run through ``model.prefill`` once; completion token 0 is sampled from its logits;
   * each loop iteration feeds the previous token to ``model.decode`` and samples the next one; the
     loop runs while ``step < max_completion_length`` and some row has not finished;
-  * a row finishes when it samples ``eos_id``: the EOS is kept (mask 1), every later position is
-    ``pad_id`` with mask 0. Rows that finished keep being decoded (fed pad) until the whole batch
-    is done, but their outputs are discarded; when every row has finished the loop exits early and
-    the remaining positions stay pad / mask 0.
+  * a row finishes when it samples ``eos_id`` (or one of ``more_eos_ids``): the EOS is kept
+    (mask 1), every later position is ``pad_id`` with mask 0. Rows that finished keep being
+    decoded (fed pad) until the whole batch is done, but their outputs are discarded; when every
+    row has finished the loop exits early and the remaining positions stay pad / mask 0.
 
 Sampling distribution (the order HF's logits warpers use): ``logits / temperature``, then top-k
 (keep tokens whose scaled logit is >= the k-th largest; ties at the threshold are kept), then
@@ -76,7 +76,7 @@ are the batched loop's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import flax
 import jax
@@ -89,6 +89,18 @@ from jaxrl_ga.models import attention as attn_lib
 from jaxrl_ga.models import transformer as tfm
 
 
+# The id that ends a generated row, or several (``Sampler.from_config``'s ``eos_id``).
+EosIds = Union[int, Sequence[int]]
+
+
+def eos_fields(eos_id: EosIds) -> dict[str, Any]:
+  """``Sampler``'s ``eos_id`` and ``more_eos_ids`` of one id or several (the first is
+  ``eos_id``)."""
+  first, *more = ([int(i) for i in eos_id] if isinstance(eos_id, (list, tuple))
+                  else [int(eos_id)])
+  return {'eos_id': first, 'more_eos_ids': tuple(more)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
   """Static sampling settings (hashable: part of the compiled program).
@@ -96,6 +108,8 @@ class Sampler:
   Attributes:
     max_completion_length: L, generated positions per row.
     eos_id: a row stops after sampling this token (an id outside the vocabulary never stops).
+    more_eos_ids: further ids that stop a row as ``eos_id`` does (the model's generation config's
+      eos ids besides the tokenizer's, as TRL 1.16 and transformers' ``generate`` stop).
     pad_id: written at every position after a row's EOS (and after an early exit).
     top_k: keep the k most likely tokens; 0 disables.
     chunk_size: generate this many rows at a time (must divide the batch); 0 = all at once.
@@ -120,6 +134,7 @@ class Sampler:
   max_completion_length: int
   eos_id: int
   pad_id: int
+  more_eos_ids: tuple[int, ...] = ()
   top_k: int = 0
   chunk_size: int = 0
   slots: int = 0
@@ -132,6 +147,12 @@ class Sampler:
     attn_lib.check_attention(self.attention)
     for name in dataclasses.fields(self):
       if name.name in ('attention', 'fuse_weights', 'activation_mesh'):
+        continue
+      if name.name == 'more_eos_ids':
+        if not isinstance(self.more_eos_ids, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.more_eos_ids):
+          raise ValueError(f'Sampler.more_eos_ids must be a tuple of ints, got '
+                           f'{self.more_eos_ids!r}.')
         continue
       value = getattr(self, name.name)
       if not isinstance(value, int) or isinstance(value, bool):
@@ -152,16 +173,24 @@ class Sampler:
                        f'{self.slots} and {self.decode_block}.')
 
   @classmethod
-  def from_config(cls, cfg: SamplingConfig, *, eos_id: int, pad_id: int,
+  def from_config(cls, cfg: SamplingConfig, *, eos_id: EosIds, pad_id: int,
                   attention: str = 'einsum', fuse_weights: Optional[bool] = None,
                   activation_mesh: Any = None) -> 'Sampler':
     """The static part of a ``SamplingConfig``; pass its temperature / top_p at call time.
-    ``attention``: the prefill's (the forward options'); ``fuse_weights``, ``activation_mesh``:
-    as the fields."""
-    return cls(max_completion_length=int(cfg.max_completion_length), eos_id=int(eos_id),
+    ``eos_id``: the id that stops a row, or a sequence of them (the first is ``eos_id``, the
+    others ``more_eos_ids``: ``RunContext.stop_ids``). ``attention``: the prefill's (the forward
+    options'); ``fuse_weights``, ``activation_mesh``: as the fields."""
+    return cls(max_completion_length=int(cfg.max_completion_length), **eos_fields(eos_id),
                pad_id=int(pad_id), top_k=int(cfg.top_k),
                chunk_size=int(cfg.rollout_micro_batch_size), slots=int(cfg.decode_slots),
                attention=attention, fuse_weights=fuse_weights, activation_mesh=activation_mesh)
+
+  def is_eos(self, token: jax.Array) -> jax.Array:
+    """Whether ``token`` (any shape) stops a row: ``eos_id`` or one of ``more_eos_ids``."""
+    hit = token == self.eos_id
+    for other in self.more_eos_ids:
+      hit = hit | (token == other)
+    return hit
 
   def decode_layers(self, model: tfm.Transformer) -> list[dict[str, jax.Array]]:
     """The decode loop's weights (``Transformer.decode_layers``), fused as ``fuse_weights``
@@ -302,7 +331,7 @@ def _write(state: SamplingState, sampled, logp, sampler: Sampler) -> SamplingSta
   return state.replace(
       step=state.step + 1,
       last_token=token,
-      done=state.done | (active & (sampled == sampler.eos_id)),
+      done=state.done | (active & sampler.is_eos(sampled)),
       tokens=put(state.tokens, token),
       mask=put(state.mask, active.astype(jnp.int32)),
       logps=put(state.logps, jnp.where(active, logp, 0.0)))
@@ -420,7 +449,7 @@ def _pool_carry(model: tfm.Transformer, prompt_tokens, prompt_mask, rng, sampler
   rows = jnp.arange(n)
   token0, logp0 = _choose(first_logits[rows // share], row_keys(rng, rows, jnp.zeros_like(rows)),
                           temperature, top_p, sampler.top_k, greedy)
-  ended0 = token0 == sampler.eos_id
+  ended0 = sampler.is_eos(token0)
   queue = PoolQueue(prompt_cache=prompt_cache, token0=token0,
                     decodes=~ended0 & (length > 1))  # [N]: the row needs decode steps
   state = PoolState(
@@ -445,7 +474,7 @@ def _pool_emit(state: PoolState, logits, rng, sampler: Sampler, temperature, top
   token, logp = _choose(logits, row_keys(rng, state.row, state.position), temperature, top_p,
                         sampler.top_k, greedy)
   at = (row, state.position)
-  eos = lambda: token == sampler.eos_id  # the pool's program as before issue 44 without forced
+  eos = lambda: sampler.is_eos(token)  # the pool's program as before issue 44 without forced
   if forced is not None:
     sampled_eos = eos()
     given = state.tokens[jnp.minimum(state.row, n - 1), jnp.minimum(state.position, length - 1)]

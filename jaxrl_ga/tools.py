@@ -297,10 +297,13 @@ class ToolSetup:
     api.validate_lengths measures the prompt width with."""
     return self.episodes(tokenizer, [example]).prompt_ids(0)
 
-  def episodes(self, tokenizer, examples: Sequence[Any]) -> 'Episodes':
+  def episodes(self, tokenizer, examples: Sequence[Any],
+               stop_ids: Sequence[int] = ()) -> 'Episodes':
     """The interaction of one rollout whose rows have ``examples`` (jaxrl_ga.tasks.base.Example,
-    row j*B+i at index j*B+i): an environment per row, reset with the row's columns."""
-    return Episodes(self, tokenizer, examples)
+    row j*B+i at index j*B+i): an environment per row, reset with the row's columns.
+    ``stop_ids``: the ids that end a turn (``RunContext.generation_stops``; default: the
+    tokenizer's eos)."""
+    return Episodes(self, tokenizer, examples, stop_ids)
 
   # -- environments and the pool ------------------------------------------------------------------
   def _instances(self, names: Sequence[Optional[str]]) -> list[Any]:
@@ -544,9 +547,11 @@ class Episodes:
   conversations and tool metrics. ``submit(row, turn_tokens)`` -> a Future of the tokens to
   append (tool turns + the next assistant header) or None (the episode ends); never raises."""
 
-  def __init__(self, setup: ToolSetup, tokenizer, examples: Sequence[Any]):
+  def __init__(self, setup: ToolSetup, tokenizer, examples: Sequence[Any],
+               stop_ids: Sequence[int] = ()):
     parser = setup.check_tokenizer(tokenizer)
     self.setup, self.tokenizer = setup, tokenizer
+    self.stop_ids = frozenset(int(i) for i in stop_ids) or {int(tokenizer.eos_token_id)}
     self.examples = list(examples)
     self.parse_with_template = parser is None
     self._parse_calls = parser
@@ -645,7 +650,7 @@ class Episodes:
 
   def _submit(self, row: int, ids: list[int], out: concurrent.futures.Future) -> None:
     tok = self.tokenizer
-    ended = bool(ids) and ids[-1] == tok.eos_token_id
+    ended = bool(ids) and ids[-1] in self.stop_ids
     with self._tok_lock:
       text = tok.decode(ids, skip_special_tokens=True)
     calls, message = self._parse(row, ids, text) if ended else ([], self._message(row, text))
@@ -933,4 +938,4 @@ def make_interaction(ctx) -> Optional[Callable[[Sequence[Any]], Episodes]]:
   setup = getattr(ctx, 'tool_setup', None)
   if setup is None:
     return None
-  return lambda examples: setup.episodes(ctx.tokenizer, examples)
+  return lambda examples: setup.episodes(ctx.tokenizer, examples, ctx.generation_stops)

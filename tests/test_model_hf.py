@@ -324,3 +324,49 @@ def test_works_without_torch(tmp_path):
   result = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
   assert result.returncode == 0 and 'ok' in result.stdout, result.stderr[-3000:]
+
+
+def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path):
+  """TRL 1.16 (``GRPOTrainer.eos_token_ids``) and transformers' ``generate`` end a completion at
+  any eos id of the model's generation config (Llama 3's <|eom_id|>, Qwen's <|endoftext|>,
+  Gemma 3's <end_of_turn>), not only the tokenizer's: its generation_config.json, else the one
+  derived from config.json. End to end: a GRPO run on a checkpoint whose generation config
+  lists every id ends every completion at its first token."""
+  import shutil  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  from jaxrl_ga import api  # pylint: disable=import-outside-toplevel
+  from jaxrl_ga.models import policy  # pylint: disable=import-outside-toplevel
+  import smoke_configs  # pylint: disable=import-outside-toplevel
+  model = tmp_path / 'model'
+  shutil.copytree(helpers.fixture_dir('qwen2_tiny'), model)
+  tok = hf.load_tokenizer(model)
+  with open(model / 'config.json') as f:
+    vocab = json.load(f)['vocab_size']
+
+  def trl_eos_ids(listed):  # grpo_trainer.py, as TRL 1.16 builds eos_token_ids
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else listed
+    return listed if tok.eos_token_id in listed else [tok.eos_token_id, *listed]
+
+  assert policy.stop_ids(str(model), tok) == (tok.eos_token_id,)  # the fixture lists only it
+  with open(model / 'generation_config.json') as f:
+    gen = json.load(f)
+  for listed in ([7, tok.eos_token_id, 81], [81]):
+    gen['eos_token_id'] = listed
+    with open(model / 'generation_config.json', 'w') as f:
+      json.dump(gen, f)
+    got = policy.stop_ids(str(model), tok)
+    assert got[0] == tok.eos_token_id and sorted(got) == sorted(trl_eos_ids(listed))
+  os.remove(model / 'generation_config.json')  # derived from config.json
+  with open(model / 'config.json') as f:
+    config = json.load(f)
+  with open(model / 'config.json', 'w') as f:
+    json.dump({**config, 'eos_token_id': [tok.eos_token_id, 5]}, f)
+  assert sorted(policy.stop_ids(str(model), tok)) == sorted({tok.eos_token_id, 5})
+  with open(model / 'generation_config.json', 'w') as f:
+    json.dump({**gen, 'eos_token_id': list(range(vocab))}, f)
+  cfg = smoke_configs.smoke(**{'model.hf_path': str(model), 'stages': ('grpo',),
+                               'grpo.num_steps': 1, 'eval.num_examples': 4, 'eval.batch_size': 4})
+  api.run(cfg, str(tmp_path / 'run'))
+  with open(tmp_path / 'run' / 'metrics.jsonl', encoding='utf-8') as f:
+    rollouts = [m for m in map(json.loads, f) if 'rollout/completion_length' in m]
+  assert rollouts and all(m['rollout/completion_length'] == 1.0 and m['rollout/eos_fraction'] == 1.0
+                          for m in rollouts), rollouts

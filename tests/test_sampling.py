@@ -640,6 +640,34 @@ def test_slot_pool_greedy_equals_the_batched_sampler(tiny, greedy, pool_greedy, 
   assert (lengths - 1).sum() / 3 <= int(out.num_decode_steps) < batched
 
 
+@pytest.mark.parametrize('slots', [0, 3])
+def test_any_of_several_eos_ids_ends_a_row_as_trl_stops(tiny, slots):
+  """TRL 1.16 ends a completion at the first of its eos ids (the tokenizer's and the model's
+  generation config's): the reference is the no-cache greedy loop cut at the first of two ids,
+  picked so that some rows stop at the second, some at the first, some run to the limit."""
+  reference = tiny['reference']
+  first_eos = tiny['eos']
+  at_first = _first_index(reference, first_eos)
+  candidates = [int(t) for t in np.unique(reference) if t not in (first_eos, PAD)
+                and ((_first_index(reference, t) < np.minimum(at_first, L - 1))).any()
+                and (np.minimum(_first_index(reference, t), at_first) >= L).any()]
+  assert candidates, 'no second id stops a row earlier while another row runs to the limit'
+  second = candidates[0]
+  stop = np.minimum(at_first, _first_index(reference, second))
+  assert (stop < at_first).any() and (stop == at_first).any() and (stop >= L).any()
+  sampler = sampling.Sampler.from_config(
+      SamplingConfig(max_completion_length=L, decode_slots=slots), eos_id=(first_eos, second),
+      pad_id=PAD)
+  assert (sampler.eos_id, sampler.more_eos_ids) == (first_eos, (second,))
+  fn = sampling.make_generate_fn(tiny['graphdef'], sampler, greedy=True)
+  out = fn(tiny['params'], *tiny['prompts'], jax.random.key(0), 1.0, 1.0)
+  lengths = np.minimum(stop + 1, L)
+  np.testing.assert_array_equal(np.asarray(out.mask).sum(1), lengths)
+  np.testing.assert_array_equal(np.asarray(out.tokens),
+                                np.where(np.arange(L)[None] < lengths[:, None], reference, PAD))
+  np.testing.assert_array_equal(np.asarray(out.ended_with_eos), stop < L)
+
+
 def test_slot_pool_on_mesh_equals_the_batched_sampler(tiny, greedy):
   """The pool under a (2, 2, 2) mesh (prompts and outputs sharded over the data axes, params by
   the rules): the batched sampler's greedy tokens."""

@@ -152,6 +152,18 @@ def test_a_tool_turn_is_chatml_and_the_episode_ends_without_a_call(tok):
   assert m['tools/call_frequency'] == 1 and m['tools/calling_turns_per_episode'] == 1
 
 
+def test_a_turn_ended_by_another_eos_id_of_the_model_has_its_calls_run(tok):
+  """Llama 3.1 ends a calling turn with <|eom_id|>, an eos id of its generation config but not
+  the tokenizer's: the run's stop ids (``RunContext.generation_stops``) end a turn."""
+  other = tok.convert_tokens_to_ids('<|im_start|>')  # any id the tokenizer's eos is not
+  call = tok(_call('multiply', a=3, b=4), add_special_tokens=False)['input_ids'] + [other]
+  setup = _setup(tools=[multiply])
+  ep = setup.episodes(tok, [Example('q', None)], stop_ids=(tok.eos_token_id, other))
+  assert ep.submit(0, np.asarray(call, np.int32)).result(5).tolist() == _tool_turns(tok, '12')
+  ep = setup.episodes(tok, [Example('q', None)])  # the tokenizer's eos alone
+  assert ep.submit(0, np.asarray(call, np.int32)).result(5) is None
+
+
 def test_a_turn_cut_at_the_limit_is_closed_as_the_last_turn_its_calls_not_run(tok):
   """The engine hands a last turn cut at the length limit to ``close`` (no answer can follow):
   it is the row's last assistant turn, and its calls, even complete ones, are not run."""

@@ -573,6 +573,24 @@ def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrain
       _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
 
 
+def generation_eos_ids(path_or_id: Union[str, os.PathLike]) -> tuple[int, ...]:
+  """The eos ids of the checkpoint's generation config: its ``generation_config.json``, else
+  the one transformers derives from ``config.json`` (``GenerationConfig.from_model_config``,
+  as ``model.generation_config`` is built): what ``generate`` and TRL 1.16 stop a completion at
+  besides the tokenizer's eos (Llama 3's ``<|eom_id|>``, Qwen's ``<|endoftext|>``, ...)."""
+  path = os.fspath(path_or_id)
+  where = _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path
+  try:
+    gen = transformers.GenerationConfig.from_pretrained(where)
+  except OSError:  # no generation_config.json
+    gen = transformers.GenerationConfig.from_model_config(
+        transformers.AutoConfig.from_pretrained(where))
+  ids = gen.eos_token_id
+  if ids is None:
+    return ()
+  return tuple(int(i) for i in ([ids] if isinstance(ids, int) else ids))
+
+
 # -- export ----------------------------------------------------------------------------------------
 def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = None,
               tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None

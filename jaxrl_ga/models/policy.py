@@ -41,6 +41,23 @@ def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTo
   return (gguf.load_tokenizer if gguf.is_gguf_source(source) else hf.load_tokenizer)(source)
 
 
+def stop_ids(hf_path: str, tokenizer) -> tuple[int, ...]:
+  """The ids that end a generated completion: the tokenizer's eos, then the other eos ids of the
+  model's generation config (``hf.generation_eos_ids``), as TRL 1.16 stops (its
+  ``eos_token_ids``) and transformers' ``generate``. A GGUF file or a model built from the
+  ``model.*`` fields: the tokenizer's eos alone (a GGUF's is the file's eos, the one id
+  transformers' GGUF loading gives the model's config)."""
+  eos = int(tokenizer.eos_token_id)
+  if not hf_path or gguf.is_gguf_source(hf_path):
+    return (eos,)
+  try:
+    more = hf.generation_eos_ids(hf_path)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'model.hf_path={hf_path}: its generation config cannot be read '
+                      f'({_first_line(e)}); fix or remove its generation_config.json.') from None
+  return (eos, *dict.fromkeys(i for i in more if i != eos))
+
+
 def _first_line(e: Exception) -> str:
   return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 

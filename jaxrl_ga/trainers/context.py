@@ -57,6 +57,9 @@ class RunContext:
   # The run's tools and environments (grpo.tools, grpo.environment, or the Python API's;
   # jaxrl_ga.tools.ToolSetup); None: single-turn rollouts.
   tool_setup: Any = None
+  # The ids that end a generated completion (policy.stop_ids: the tokenizer's eos first, then the
+  # model's generation config's); empty: the tokenizer's eos alone.
+  stop_ids: tuple[int, ...] = ()
 
   @property
   def roles(self) -> dict[str, Role]:
@@ -73,7 +76,14 @@ class RunContext:
 
   @property
   def eos_id(self) -> int:
+    """The tokenizer's eos: what SFT and DPO rows end with (TRL's)."""
     return int(self.tokenizer.eos_token_id)
+
+  @property
+  def generation_stops(self) -> tuple[int, ...]:
+    """The ids that end a generated completion (``stop_ids``, else the tokenizer's eos): what
+    the rollout, DPO's generation and the held-out evaluation stop at."""
+    return tuple(self.stop_ids) or (self.eos_id,)
 
   @property
   def pad_id(self) -> int:

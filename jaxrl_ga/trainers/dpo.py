@@ -261,7 +261,7 @@ class DPOStage(stage.Stage):
     remat does not apply), else ``programs.build_dpo_programs``'s."""
     build = programs.fitted_dpo_programs if fitted else programs.build_dpo_programs
     return build(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, ctx.graphdef, stage_cfg,
-                 eos_id=ctx.eos_id, pad_id=ctx.pad_id,
+                 eos_id=ctx.generation_stops, pad_id=ctx.pad_id,
                  reference=reference_programs_args(ctx, stage_cfg))
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:

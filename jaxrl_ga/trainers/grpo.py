@@ -165,7 +165,7 @@ class GRPOStage(stage.Stage):
     ``schedule.build_table(stage_cfg.schedule)``); ``multi_turn``: rollouts are episodes
     (``GRPOLoop(make_interaction=...)``)."""
     return programs_lib.fitted_grpo_programs(
-        ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.eos_id,
+        ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings, eos_id=ctx.generation_stops,
         pad_id=ctx.pad_id, grpo=stage_cfg, graphdef=ctx.graphdef, table=table,
         multi_turn=multi_turn,
         rollout_mesh=ctx.roles['rollout'].mesh,

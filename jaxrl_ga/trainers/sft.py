@@ -92,7 +92,7 @@ class SFTStage(stage.Stage):
     evaluation), compiled and checked against the device's memory (jaxrl_ga.fit), 'auto'
     knobs chosen."""
     return programs.fitted_sft_programs(ctx.cfg, ctx.model_cfg, ctx.mesh, ctx.param_shardings,
-                                        ctx.graphdef, stage_cfg, eos_id=ctx.eos_id,
+                                        ctx.graphdef, stage_cfg, eos_id=ctx.generation_stops,
                                         pad_id=ctx.pad_id)
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
