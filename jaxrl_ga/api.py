@@ -250,12 +250,13 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
-  stops = policy.stop_ids(cfg.model.hf_path, tokenizer)
+  generation = policy.run_generation_config(cfg.model.hf_path, tokenizer)
   if tool_setup is not None:
     tool_setup.check_tokenizer(tokenizer)
   fileio.makedirs(workdir)
   if jax.process_index() == 0:
-    fileio.save_directory(fileio.join(workdir, 'tokenizer'), tokenizer.save_pretrained)
+    fileio.save_directory(fileio.join(workdir, 'tokenizer'), functools.partial(
+        _save_tokenizer, tokenizer, generation))
   model_cfg = model_cfg or policy.model_config(cfg, len(tokenizer))
   # model.attention='auto' -> one implementation for every program of the run (not in the
   # checkpoints' fingerprint: a resumed run may resolve it otherwise, docs/configuration.md).
@@ -282,7 +283,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   graphdef, shapes, axes = sharding.abstract_model(model_cfg)
   shardings_on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
-                          model_cfg=model_cfg, graphdef=graphdef, stop_ids=stops,
+                          model_cfg=model_cfg, graphdef=graphdef,
+                          stop_ids=policy.stop_ids(tokenizer, generation),
                           param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths, tool_setup=tool_setup, own_meshes={
@@ -302,6 +304,14 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     ctx.writer.close(quiet=True)
     raise
   return ctx, params
+
+
+def _save_tokenizer(tokenizer, generation, directory: str) -> None:
+  """WORKDIR/tokenizer: the tokenizer's files, and the model's generation config with the eos
+  ids the completions stop at (policy.run_generation_config) where the model has one."""
+  tokenizer.save_pretrained(directory)
+  if generation is not None:
+    generation.save_pretrained(directory)
 
 
 def _build_model(cfg, model_cfg, mesh):

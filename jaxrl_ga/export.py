@@ -21,10 +21,12 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Optional
 
 from absl import app
 from absl import flags
 from flax import nnx
+import transformers
 
 from jaxrl_ga import checkpoint
 from jaxrl_ga import cli
@@ -94,7 +96,17 @@ def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
   if tokenizer_path or os.path.isdir(tok_path):
     tokenizer = hf.load_tokenizer(tok_path)
-  return cfg, params, tokenizer, f'{path}/{step}', fingerprint
+  return cfg, params, tokenizer, f'{path}/{step}', fingerprint, run_generation_config(tokenizer)
+
+
+def run_generation_config(tokenizer) -> Optional[transformers.GenerationConfig]:
+  """The generation config a run kept beside its tokenizer (WORKDIR/tokenizer, read from the
+  directory ``tokenizer`` was loaded from; ``policy.run_generation_config``: the model's, with
+  every eos id its completions stopped at), or None."""
+  directory = getattr(tokenizer, 'name_or_path', None) or ''
+  if not os.path.isfile(os.path.join(directory, transformers.utils.GENERATION_CONFIG_NAME)):
+    return None
+  return transformers.GenerationConfig.from_pretrained(directory)
 
 
 def base_params(cfg, fingerprint: dict) -> dict:
@@ -131,7 +143,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   check_out_dir(out_dir, overwrite)
   if adapter_out:
     check_out_dir(adapter_out, overwrite)
-  cfg, params, tokenizer, src, fingerprint = _read_checkpoint(checkpoint_dir, tokenizer_path)
+  cfg, params, tokenizer, src, fingerprint, generation = _read_checkpoint(checkpoint_dir,
+                                                                         tokenizer_path)
   if adapter_out and not cfg.lora.rank:
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
   if cfg.lora.rank:
@@ -146,7 +159,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
     staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
   try:
     with fileio.writing(out_dir):  # a full disk: one line naming out_dir, which stays as it was
-      hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype)
+      hf.export(params, cfg, staging, tokenizer=tokenizer, weights_dtype=weights_dtype,
+                generation=generation)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)

@@ -346,21 +346,22 @@ def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path):
     listed = [] if listed is None else [listed] if isinstance(listed, int) else listed
     return listed if tok.eos_token_id in listed else [tok.eos_token_id, *listed]
 
-  assert policy.stop_ids(str(model), tok) == (tok.eos_token_id,)  # the fixture lists only it
+  stop_ids = lambda: policy.stop_ids(tok, policy.run_generation_config(str(model), tok))
+  assert stop_ids() == (tok.eos_token_id,)  # the fixture lists only it
   with open(model / 'generation_config.json') as f:
     gen = json.load(f)
   for listed in ([7, tok.eos_token_id, 81], [81]):
     gen['eos_token_id'] = listed
     with open(model / 'generation_config.json', 'w') as f:
       json.dump(gen, f)
-    got = policy.stop_ids(str(model), tok)
+    got = stop_ids()
     assert got[0] == tok.eos_token_id and sorted(got) == sorted(trl_eos_ids(listed))
   os.remove(model / 'generation_config.json')  # derived from config.json
   with open(model / 'config.json') as f:
     config = json.load(f)
   with open(model / 'config.json', 'w') as f:
     json.dump({**config, 'eos_token_id': [tok.eos_token_id, 5]}, f)
-  assert sorted(policy.stop_ids(str(model), tok)) == sorted({tok.eos_token_id, 5})
+  assert sorted(stop_ids()) == sorted({tok.eos_token_id, 5})
   with open(model / 'generation_config.json', 'w') as f:
     json.dump({**gen, 'eos_token_id': list(range(vocab))}, f)
   cfg = smoke_configs.smoke(**{'model.hf_path': str(model), 'stages': ('grpo',),
@@ -370,3 +371,10 @@ def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path):
     rollouts = [m for m in map(json.loads, f) if 'rollout/completion_length' in m]
   assert rollouts and all(m['rollout/completion_length'] == 1.0 and m['rollout/eos_fraction'] == 1.0
                           for m in rollouts), rollouts
+  # The run keeps them beside its tokenizer; sampling its checkpoint and its export stop there too.
+  everything = [tok.eos_token_id, *[i for i in range(vocab) if i != tok.eos_token_id]]
+  from jaxrl_ga import completions, export  # pylint: disable=import-outside-toplevel
+  run_tok = hf.load_tokenizer(tmp_path / 'run' / 'tokenizer')
+  assert list(completions.stop_ids(str(tmp_path / 'run'), run_tok)) == everything
+  export.export_checkpoint(str(tmp_path / 'run'), str(tmp_path / 'hf'))
+  assert hf.eos_ids(hf.generation_config(tmp_path / 'hf')) == tuple(everything)

@@ -573,19 +573,24 @@ def load_tokenizer(path_or_id: Union[str, os.PathLike]) -> transformers.PreTrain
       _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path)
 
 
-def generation_eos_ids(path_or_id: Union[str, os.PathLike]) -> tuple[int, ...]:
-  """The eos ids of the checkpoint's generation config: its ``generation_config.json``, else
-  the one transformers derives from ``config.json`` (``GenerationConfig.from_model_config``,
-  as ``model.generation_config`` is built): what ``generate`` and TRL 1.16 stop a completion at
-  besides the tokenizer's eos (Llama 3's ``<|eom_id|>``, Qwen's ``<|endoftext|>``, ...)."""
+def generation_config(path_or_id: Union[str, os.PathLike]) -> transformers.GenerationConfig:
+  """The checkpoint's generation config: its ``generation_config.json``, else the one
+  transformers derives from ``config.json`` (``GenerationConfig.from_model_config``, as
+  ``model.generation_config`` is built). Its eos ids are what ``generate`` and TRL 1.16 stop a
+  completion at besides the tokenizer's eos (Llama 3's ``<|eom_id|>``, Qwen's
+  ``<|endoftext|>``, ...): :func:`eos_ids`."""
   path = os.fspath(path_or_id)
   where = _local_dir(path) if path.startswith(_REMOTE_SCHEMES) else path
   try:
-    gen = transformers.GenerationConfig.from_pretrained(where)
+    return transformers.GenerationConfig.from_pretrained(where)
   except OSError:  # no generation_config.json
-    gen = transformers.GenerationConfig.from_model_config(
+    return transformers.GenerationConfig.from_model_config(
         transformers.AutoConfig.from_pretrained(where))
-  ids = gen.eos_token_id
+
+
+def eos_ids(generation: transformers.GenerationConfig) -> tuple[int, ...]:
+  """A generation config's eos ids (its ``eos_token_id``: None, one id or a list)."""
+  ids = generation.eos_token_id
   if ids is None:
     return ()
   return tuple(int(i) for i in ([ids] if isinstance(ids, int) else ids))
@@ -647,8 +652,10 @@ def _number(x: float):
 
 def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.PathLike], *,
            tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None,
-           weights_dtype: Optional[str] = None) -> None:
-  """Writes an HF checkpoint (config.json, model.safetensors, optional tokenizer) to out_dir.
+           weights_dtype: Optional[str] = None,
+           generation: Optional[transformers.GenerationConfig] = None) -> None:
+  """Writes an HF checkpoint (config.json, model.safetensors, optional tokenizer and
+  generation_config.json) to out_dir.
 
   Tensor names and layouts are HF's (``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` load it; tied
   embeddings write no ``lm_head.weight``). With several processes every one must call this (the
@@ -660,6 +667,8 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
     out_dir: created if needed.
     tokenizer: saved alongside when given; its pad/bos/eos ids go into config.json.
     weights_dtype: 'float32' or 'bfloat16', the written tensors' dtype; default cfg.param_dtype.
+    generation: written as generation_config.json when given (the run's, with every eos id the
+      completions stopped at: ``policy.run_generation_config``).
   """
   weights_dtype = weights_dtype or cfg.param_dtype
   if weights_dtype not in ('float32', 'bfloat16'):
@@ -683,3 +692,5 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
                               metadata={'format': 'pt'})
   if tokenizer is not None:
     tokenizer.save_pretrained(out_dir)
+  if generation is not None:
+    generation.save_pretrained(out_dir)

@@ -41,20 +41,32 @@ def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTo
   return (gguf.load_tokenizer if gguf.is_gguf_source(source) else hf.load_tokenizer)(source)
 
 
-def stop_ids(hf_path: str, tokenizer) -> tuple[int, ...]:
-  """The ids that end a generated completion: the tokenizer's eos, then the other eos ids of the
-  model's generation config (``hf.generation_eos_ids``), as TRL 1.16 stops (its
-  ``eos_token_ids``) and transformers' ``generate``. A GGUF file or a model built from the
-  ``model.*`` fields: the tokenizer's eos alone (a GGUF's is the file's eos, the one id
-  transformers' GGUF loading gives the model's config)."""
-  eos = int(tokenizer.eos_token_id)
+def run_generation_config(hf_path: str, tokenizer) -> Optional[transformers.GenerationConfig]:
+  """The generation config of a run's model: an HF checkpoint's (``hf.generation_config``) with
+  the tokenizer's eos first among its eos ids, as TRL 1.16 builds its ``eos_token_ids``; None
+  for a GGUF file or a model built from the ``model.*`` fields (the tokenizer's eos alone: a
+  GGUF's is the file's eos, the one id transformers' GGUF loading gives the model's config). The
+  run keeps it beside its tokenizer (WORKDIR/tokenizer/generation_config.json), where
+  ``jaxrl_ga.export`` and ``jaxrl_ga.sample`` read it back."""
   if not hf_path or gguf.is_gguf_source(hf_path):
-    return (eos,)
+    return None
   try:
-    more = hf.generation_eos_ids(hf_path)
+    generation = hf.generation_config(hf_path)
   except (OSError, ValueError) as e:
     raise ConfigError(f'model.hf_path={hf_path}: its generation config cannot be read '
                       f'({_first_line(e)}); fix or remove its generation_config.json.') from None
+  eos = int(tokenizer.eos_token_id)
+  generation.eos_token_id = [eos, *dict.fromkeys(i for i in hf.eos_ids(generation) if i != eos)]
+  return generation
+
+
+def stop_ids(tokenizer, generation: Optional[transformers.GenerationConfig] = None
+             ) -> tuple[int, ...]:
+  """The ids that end a generated completion: the tokenizer's eos, then the other eos ids of
+  ``generation`` (``run_generation_config``), as TRL 1.16 stops (its ``eos_token_ids``) and
+  transformers' ``generate``."""
+  eos = int(tokenizer.eos_token_id)
+  more = hf.eos_ids(generation) if generation is not None else ()
   return (eos, *dict.fromkeys(i for i in more if i != eos))
 
 
