@@ -227,8 +227,9 @@ class SamplingState:
 def warp_logits(logits: jax.Array, temperature, top_p, top_k: int = 0) -> jax.Array:
   """The (unnormalized) log-weights actually sampled from. logits [B, V] -> [B, V] float32.
 
-  ``logits / temperature`` with tokens outside the top-k and outside the top-p nucleus (of the
-  renormalized top-k distribution) set to -inf. ``temperature`` and ``top_p`` may be traced.
+  ``logits / temperature`` with tokens outside the top-k (those tied with the k-th are in it)
+  and outside the top-p nucleus (of the renormalized top-k distribution, ties included) set to
+  -inf. ``temperature`` and ``top_p`` may be traced.
   """
   x = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)  # [B, V]
   top_p = jnp.asarray(top_p, jnp.float32)
@@ -238,7 +239,10 @@ def warp_logits(logits: jax.Array, temperature, top_p, top_k: int = 0) -> jax.Ar
     x = jnp.where(x >= sorted_desc[:, -1:], x, -jnp.inf)
 
     def nucleus(x):
-      return _top_p(x, sorted_desc, top_p)
+      # Tokens tied with the k-th are kept too (as transformers' TopKLogitsWarper): beyond the
+      # k values, they weigh in the renormalized mass.
+      ties = jnp.sum(jnp.isfinite(x), axis=-1, keepdims=True) - top_k  # [B, 1]
+      return _top_p(x, sorted_desc, top_p, ties)
   else:
 
     def nucleus(x):  # only paid for when top-p is on
@@ -246,9 +250,15 @@ def warp_logits(logits: jax.Array, temperature, top_p, top_k: int = 0) -> jax.Ar
   return jax.lax.cond(top_p < 1.0, nucleus, lambda x: x, x)
 
 
-def _top_p(x: jax.Array, sorted_desc: jax.Array, top_p: jax.Array) -> jax.Array:
-  """x [B, V]; sorted_desc [B, K]: the candidates' logits, descending (K <= V)."""
-  probs = jax.nn.softmax(sorted_desc, axis=-1)  # [B, K]
+def _top_p(x: jax.Array, sorted_desc: jax.Array, top_p: jax.Array,
+           ties: Optional[jax.Array] = None) -> jax.Array:
+  """x [B, V]; sorted_desc [B, K]: the candidates' logits, descending (K <= V); ``ties``
+  [B, 1]: candidates beyond the K, each with the K-th's logit."""
+  weights = jnp.exp(sorted_desc - sorted_desc[:, :1])  # [B, K]
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  if ties is not None:
+    total = total + ties.astype(weights.dtype) * weights[:, -1:]
+  probs = weights / total
   mass_before = jnp.cumsum(probs, axis=-1) - probs  # [B, K]
   keep = mass_before < top_p
   keep = keep.at[:, 0].set(True)

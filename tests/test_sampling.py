@@ -492,6 +492,27 @@ def test_top_p_without_sort_equals_sorted_reference(vocab):
       assert kept.sum(-1).min() >= 1
 
 
+@pytest.mark.parametrize('top_k', [1, 2, 5, 40])
+def test_top_p_after_top_k_is_the_nucleus_of_every_token_top_k_keeps(top_k):
+  """top-k keeps the tokens tied with the k-th (as transformers' TopKLogitsWarper); top-p then
+  works on the renormalized result, those ties included in its mass (bfloat16 logits tie
+  often). The reference: the sorted nucleus of the top-k-masked logits, in float64."""
+  rng = np.random.default_rng(top_k)
+  warp = jax.jit(sampling.warp_logits, static_argnums=3)
+  rows = [np.array([[2.0, 1.0, 1.0, -10.0, -10.0] + [-20.0] * 59]),  # TRL-audit's case
+          np.round(rng.normal(size=(8, 64)) * 2),  # many ties
+          rng.normal(size=(8, 64)) * 3]
+  for x in rows:
+    x = x.astype(np.float32)
+    kth = np.sort(x, -1)[:, ::-1][:, top_k - 1:top_k]
+    after_k = np.where(x >= kth, x, -np.inf)
+    for top_p in (0.3, 0.6, 0.9):
+      kept = np.isfinite(np.asarray(warp(x, 1.0, top_p, top_k)))
+      must, may = (_nucleus_reference(after_k, top_p - 1e-6),
+                   _nucleus_reference(after_k, top_p + 1e-6))
+      assert (kept >= must).all() and (kept <= may).all(), (top_k, top_p, x[0, :5])
+
+
 # -- HF fixture models ---------------------------------------------------------------------------
 @pytest.mark.parametrize('name', ['qwen2_tiny', 'llama_tiny'])
 def test_greedy_equals_full_forward_argmax_hf(name):
