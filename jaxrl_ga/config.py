@@ -28,6 +28,7 @@ import typing
 from typing import Any, Mapping, Optional, Sequence
 
 import ml_collections
+import numpy as np
 
 from jaxrl_ga import tasks
 from jaxrl_ga.errors import ConfigError  # re-exported: jaxrl_ga.config.ConfigError
@@ -1165,6 +1166,8 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
     hint = inner[0] if len(inner) == 1 else hint  # Optional[X] -> X
     if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
       value = from_mapping(hint, value, prefix=f'{prefix}{name}.')
+    else:
+      value = _checked_type(f'{prefix}{name}', fields[name][0], value)
     kwargs[name] = value
   try:
     return cls(**kwargs)
@@ -1172,6 +1175,33 @@ def from_mapping(cls: type, values: Mapping[str, Any], prefix: str = ''):
     if not prefix or str(e).startswith(prefix):
       raise
     raise ConfigError(f'in {prefix.rstrip(".")}: {e}') from None
+
+
+_SCALARS = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'a string'}
+
+
+def _checked_type(setting: str, hint: Any, value: Any) -> Any:
+  """``value`` (a numpy scalar as its Python value), or a ConfigError naming ``setting`` when it
+  is not of its scalar type (``hint``: bool, int, float, str, or Optional of one; others are the
+  dataclass's to check). The CLI's values are typed by ml_collections already; this catches the
+  Python API's (``api.make_config``, ``trl_args``), which would otherwise fail in a comparison
+  with a TypeError."""
+  inner = [a for a in typing.get_args(hint) if a is not type(None)]
+  optional = len(inner) == 1 and type(None) in typing.get_args(hint)
+  scalar = inner[0] if optional else hint
+  if scalar not in _SCALARS or (optional and value is None):
+    return value
+  if scalar is bool:
+    ok = isinstance(value, (bool, np.bool_))
+  elif scalar is str:
+    ok = isinstance(value, str)
+  else:
+    kind = numbers.Integral if scalar is int else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+  if not ok:
+    raise ConfigError(f'{setting}={value!r} must be {_SCALARS[scalar]}'
+                      f'{" or None" if optional else ""}; set it to one.')
+  return value.item() if isinstance(value, np.generic) else value
 
 
 def to_config_dict(obj: Any):

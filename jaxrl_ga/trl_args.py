@@ -68,6 +68,7 @@ TRL_GRPO_ARGS = {
 _VALUES = {
     'scale_rewards': {True: 'group', False: 'none'},
     'max_tool_calling_iterations': {None: 0},
+    'top_k': {None: 0},  # TRL before 1.0: None disabled it, as 0 does
 }
 
 

@@ -173,6 +173,29 @@ def test_from_mapping_names_unknown_settings():
   assert cfg.optimizer_every == 4 and cfg.micro_steps_per_rollout == 2
 
 
+@pytest.mark.parametrize('setting, value, message', [
+    ('grpo.sampling.top_k', None, r"^grpo.sampling.top_k=None must be an integer; set it"),
+    ('grpo.sampling.top_p', '0.9', r"^grpo.sampling.top_p='0.9' must be a number;"),
+    ('grpo.loss.beta', None, r'^grpo.loss.beta=None must be a number;'),
+    ('grpo.advantage.mask_truncated_completions', 'yes', r'must be True or False'),
+    ('model.hf_path', 3, r'^model.hf_path=3 must be a string'),
+    ('grpo.num_steps', True, r'^grpo.num_steps=True must be an integer'),
+])
+def test_the_python_apis_wrong_types_are_one_line_config_errors(setting, value, message):
+  """The CLI's values are typed by ml_collections; the Python API's reached the dataclasses'
+  comparisons and raised a TypeError traceback."""
+  from jaxrl_ga import api  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match=message):
+    api.make_config(**{setting: value})
+
+
+def test_numpy_scalars_become_python_values():
+  from jaxrl_ga import api  # pylint: disable=import-outside-toplevel
+  cfg = api.make_config(**{'grpo.num_steps': np.int64(3), 'grpo.loss.beta': np.float32(0.5)})
+  assert type(cfg.grpo.num_steps) is int and type(cfg.grpo.loss.beta) is float
+  assert (cfg.grpo.num_steps, cfg.grpo.loss.beta) == (3, 0.5)
+
+
 @pytest.mark.parametrize('name', ['scan_layers', 'share_prompt_prefix'])
 def test_model_switches_must_be_bools(name):
   with pytest.raises(ConfigError, match=rf'model.{name}=1 must be True or False'):

@@ -88,6 +88,10 @@ def test_trl_args_are_our_settings():
       GRPOLossConfig(sampler_is_clip_max=2.5))
 
 
+def test_trls_older_top_k_none_is_disabled():
+  assert api.make_config(trl_args={'top_k': None}).grpo.sampling.top_k == 0
+
+
 @pytest.mark.parametrize('trl,message', [
     ({'per_device_train_batch_size': 4},
      r"^trl_args: 'per_device_train_batch_size' is not a TRL GRPOConfig name this project maps"),
