@@ -68,6 +68,36 @@ def test_config_from_metadata(smollm2):
   assert cfg.rope_theta == 1e5 and cfg.tie_word_embeddings and cfg.architecture == 'llama'
 
 
+@pytest.mark.parametrize('scaled', [False, True])
+def test_a_files_per_frequency_rope_scaling_is_refused_not_dropped(tmp_path, scaled):
+  """llama.cpp's converter writes Llama 3.1/3.2's llama3 rope scaling as a rope_freqs tensor of
+  per-frequency divisors, with no rope.scaling.type; the loader read the metadata only and ran
+  the rope unscaled (logits off by up to 6 on a tiny Llama 3.1). Factors of 1 change nothing."""
+  import gguf as gguf_package  # pylint: disable=import-outside-toplevel  # the test's writer
+  path = str(tmp_path / 'llama31.gguf')
+  w = gguf_package.GGUFWriter(path, 'llama')
+  w.add_block_count(1)
+  w.add_context_length(64)
+  w.add_embedding_length(8)
+  w.add_feed_forward_length(16)
+  w.add_head_count(2)
+  w.add_head_count_kv(2)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_rope_freq_base(500000.0)
+  w.add_vocab_size(4)
+  w.add_tensor('token_embd.weight', np.zeros((4, 8), np.float32))
+  w.add_tensor('rope_freqs.weight', np.array([1.0, 8.0] if scaled else [1.0, 1.0], np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  if scaled:
+    with pytest.raises(ConfigError, match=r'rope_freqs tensor.*HF checkpoint directory'):
+      gguf.model_config(path)
+  else:
+    assert gguf.model_config(path).rope_scaling is None
+
+
 def test_chat_template_ids_and_eos_match_transformers(smollm2):
   tok = smollm2[3]
   assert tok.eos_token == '<|im_end|>' and tok.eos_token_id == 2

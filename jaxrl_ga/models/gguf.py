@@ -150,6 +150,16 @@ def model_config(path: str, *, dtype: str = 'float32',
                       '(partial rotary embeddings are not supported).')
   if _field(reader, f'{arch}.rope.scaling.type') not in (None, 'none'):
     raise ConfigError(f'model {path}: GGUF rope scaling is not supported.')
+  if 'rope_freqs.weight' in names:
+    # llama.cpp's converter writes Llama 3.1/3.2's llama3 rope scaling as per-frequency divisors
+    # in this tensor, with no rope.scaling.type: read without it, the rope would be unscaled.
+    freqs = next(t for t in reader.tensors if t.name == 'rope_freqs.weight')
+    factors = _gguf_module().quants.dequantize(freqs.data, freqs.tensor_type)
+    if not np.allclose(np.asarray(factors, np.float64), 1.0):
+      raise ConfigError(f'model {path}: the file scales its rope per frequency (a rope_freqs '
+                        f'tensor: Llama 3.1/3.2\'s llama3 scaling), which the GGUF loader does not '
+                        f'read; give the model\'s HF checkpoint directory as model.hf_path (its '
+                        f'rope_scaling is supported).')
   vocab = _field(reader, f'{arch}.vocab_size')
   if vocab is None:
     vocab = len(reader.fields['tokenizer.ggml.tokens'].data)
