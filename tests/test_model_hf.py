@@ -378,3 +378,33 @@ def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path):
   assert list(completions.stop_ids(str(tmp_path / 'run'), run_tok)) == everything
   export.export_checkpoint(str(tmp_path / 'run'), str(tmp_path / 'hf'))
   assert hf.eos_ids(hf.generation_config(tmp_path / 'hf')) == tuple(everything)
+
+
+def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+  """transformers 5 unties a config's tie_word_embeddings when the checkpoint stores an
+  lm_head.weight of other values, and uses that head ("...so we will NOT tie them"); this model
+  would use the embedding, silently other logits. A stored head equal to the embedding is the
+  tie saved twice and loads. Through the run: one ConfigError line naming model.hf_path."""
+  import shutil  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  from jaxrl_ga import api  # pylint: disable=import-outside-toplevel
+  from jaxrl_ga.config import ConfigError  # pylint: disable=import-outside-toplevel
+  import smoke_configs  # pylint: disable=import-outside-toplevel
+  model = tmp_path / 'model'
+  shutil.copytree(helpers.fixture_dir('qwen2_tiny'), model)  # tie_word_embeddings: true
+  tensors = safetensors.numpy.load_file(model / 'model.safetensors')
+  assert 'lm_head.weight' not in tensors
+  embed = tensors['model.embed_tokens.weight']
+  for head, refused in ((embed.copy(), False), (embed[::-1].copy(), True)):
+    safetensors.numpy.save_file({**tensors, 'lm_head.weight': head}, model / 'model.safetensors',
+                                metadata={'format': 'pt'})
+    if not refused:
+      cfg, _, params = hf.load_model(model)
+      assert cfg.tie_word_embeddings
+      np.testing.assert_array_equal(np.asarray(params['embed']), embed)
+      continue
+    with pytest.raises(ValueError, match='tie_word_embeddings=true.*lm_head.weight with other'):
+      hf.load_model(model)
+    cfg = smoke_configs.smoke(**{'model.hf_path': str(model), 'stages': ('grpo',)})
+    with pytest.raises(ConfigError, match=f'^model.hf_path={model}: .*"tie_word_embeddings": '
+                                          'false'):
+      api.run(cfg, str(tmp_path / 'run'))

@@ -406,6 +406,28 @@ def load_params(path_or_id: Union[str, os.PathLike], cfg: transformer.ModelConfi
                                get_slice=lambda name: handles[files[name]].get_slice(name))
 
 
+def _check_tied_head(get_tensor, get_slice, available, cfg: transformer.ModelConfig,
+                     embed: str, source: str) -> None:
+  """A config that ties the head to the embedding, with an ``lm_head.weight`` of other values in
+  the checkpoint, is refused: transformers then unties them and uses the stored head, where this
+  model would use the embedding (a head equal to the embedding is the tie, saved twice). Reads
+  its first and last rows only."""
+  if not cfg.tie_word_embeddings or 'lm_head.weight' not in available or embed not in available:
+    return
+  def rows(name):
+    if get_slice is None:
+      return np.asarray(get_tensor(name))[[0, 1, 2, 3, -4, -3, -2, -1]]
+    view = get_slice(name)
+    n = view.shape[0]
+    return np.concatenate([view[0:4], view[n - 4:n]])
+
+  if not np.array_equal(np.asarray(rows('lm_head.weight')), np.asarray(rows(embed))):
+    raise ValueError(f'{source}: the config ties the output head to the embedding '
+                     f'(tie_word_embeddings=true), but the checkpoint holds an lm_head.weight with '
+                     f'other values, which transformers would use untied; set '
+                     f'"tie_word_embeddings": false in its config.json (or drop lm_head.weight).')
+
+
 def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
                         transformer.ModelConfig, *, source: str,
                         shardings: Optional[dict] = None,
@@ -429,6 +451,7 @@ def params_from_tensors(get_tensor: Callable[[str], np.ndarray], available, cfg:
   missing = sorted(wanted - set(available))
   if missing:
     raise ValueError(f'{len(missing)} tensors missing from {source}: {", ".join(missing)}.')
+  _check_tied_head(get_tensor, get_slice, available, cfg, names[('embed',)][0][0], source)
   extra = sorted(set(available) - wanted)
   if extra:
     logging.warning('Ignoring %d tensors of %s that the model does not use: %s', len(extra),
