@@ -276,6 +276,18 @@ def test_unsupported_rope_type_names_it(tmp_path):
     hf.model_config_from_hf(tmp_path)
 
 
+def test_a_multimodal_gemma3_config_without_architectures_is_refused_by_name(tmp_path):
+  """model_type 'gemma3' is the multimodal Gemma3Config (its text model under text_config): read
+  as the text model it failed with an AttributeError traceback."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  config = transformers.Gemma3Config().to_dict()
+  config.pop('architectures', None)
+  with open(tmp_path / 'config.json', 'w') as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError, match=r"Unsupported architecture None \(model_type 'gemma3'\)"):
+    hf.model_config_from_hf(tmp_path)
+
+
 def test_missing_tensor_error_and_extra_tensor_warning(tmp_path, caplog):
   name = 'qwen2_tiny'
   cfg = _loaded(name)[0]

@@ -149,7 +149,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            hf_refused=('use_sliding_window', 'attention_bias', 'mlp_bias'),
            hf_export={'attention_bias': False, 'use_sliding_window': False},
            hf_score_class='Qwen3ForSequenceClassification'),
-    Family('gemma3', 'Gemma3ForCausalLM', 'Gemma3TextConfig', ('gemma3', 'gemma3_text'),
+    # ('gemma3' is the multimodal Gemma3Config, which this text model does not read.)
+    Family('gemma3', 'Gemma3ForCausalLM', 'Gemma3TextConfig', ('gemma3_text',),
            qk_norm=True, norm_plus_one=True, post_norms=True, scale_embeddings=True,
            activation='gelu_tanh',
            settings=('sliding_window', 'layer_types', 'rope_local_theta',
