@@ -726,6 +726,10 @@ class ModelSpec:
       _require(arch.hidden_size % arch.num_attention_heads == 0,
                f'{p}hidden_size={arch.hidden_size} must be a multiple of '
                f'{p}num_attention_heads={arch.num_attention_heads}.')
+      for name in ('rope_theta', 'rms_norm_eps'):
+        _require(getattr(arch, name) > 0,
+                 f'{p}{name}={getattr(arch, name)!r} must be > 0 (default '
+                 f'{getattr(ModelConfig, name)!r}).')
 
   def __getattr__(self, name: str) -> Any:
     """The architecture's fields and properties read through: ``spec.hidden_size``,
@@ -1120,6 +1124,9 @@ class RunConfig:
     _require(stages and not bad,
              f'stages={",".join(stages)!r}: unknown stage(s) {bad}; use a comma-separated list '
              f'of {", ".join(STAGES)} (e.g. "sft,grpo").')
+    _require(_is_int(self.seed) and self.seed >= 0,
+             f'seed={self.seed!r} must be an integer >= 0 (jax.random.key takes no negative '
+             f'seed).')
 
 
 def settings(cls: type) -> dict[str, tuple[Any, type]]:
@@ -1191,6 +1198,8 @@ def _checked_type(setting: str, hint: Any, value: Any) -> Any:
   scalar = inner[0] if optional else hint
   if scalar not in _SCALARS or (optional and value is None):
     return value
+  if scalar is float and isinstance(value, numbers.Real) and math.isnan(value):
+    raise ConfigError(f'{setting}=nan is not a number; give a finite value.')
   if scalar is bool:
     ok = isinstance(value, (bool, np.bool_))
   elif scalar is str:

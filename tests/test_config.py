@@ -180,8 +180,13 @@ def test_from_mapping_names_unknown_settings():
     ('grpo.advantage.mask_truncated_completions', 'yes', r'must be True or False'),
     ('model.hf_path', 3, r'^model.hf_path=3 must be a string'),
     ('grpo.num_steps', True, r'^grpo.num_steps=True must be an integer'),
+    # Values that ran (and failed after compiling, or with a traceback) before:
+    ('seed', -1, r'^seed=-1 must be an integer >= 0'),
+    ('grpo.optimizer.eps', float('nan'), r'^grpo.optimizer.eps=nan is not a number'),
+    ('model.rope_theta', -1.0, r'^model.rope_theta=-1.0 must be > 0'),
+    ('model.rms_norm_eps', 0.0, r'^model.rms_norm_eps=0.0 must be > 0'),
 ])
-def test_the_python_apis_wrong_types_are_one_line_config_errors(setting, value, message):
+def test_wrong_types_and_values_are_one_line_config_errors(setting, value, message):
   """The CLI's values are typed by ml_collections; the Python API's reached the dataclasses'
   comparisons and raised a TypeError traceback."""
   from jaxrl_ga import api  # pylint: disable=import-outside-toplevel
