@@ -423,6 +423,15 @@ class OptimizerConfig:
              f'(got {self.total_steps} and {self.warmup_steps}); set {p}total_steps to the '
              f'number of optimizer steps of the run.')
     _require(self.max_grad_norm >= 0, f'{p}max_grad_norm must be >= 0 (0 disables).')
+    for name in ('b1', 'b2'):
+      _require(0 <= getattr(self, name) < 1,
+               f'{p}{name}={getattr(self, name)!r} must be in [0, 1) (AdamW\'s decay rates).')
+    for name in ('eps', 'weight_decay'):
+      _require(0 <= getattr(self, name) < math.inf,
+               f'{p}{name}={getattr(self, name)!r} must be a finite number >= 0.')
+    _require(self.sequential_lr_scale is None or 0 < self.sequential_lr_scale < math.inf,
+             f'{p}sequential_lr_scale={self.sequential_lr_scale!r} must be a finite number > 0, '
+             f'or None (update_mode=\'sequential\'s default).')
 
 
 def device_slice(setting: str, value: str) -> Optional[tuple[int, int]]:
@@ -1124,6 +1133,9 @@ class RunConfig:
     _require(stages and not bad,
              f'stages={",".join(stages)!r}: unknown stage(s) {bad}; use a comma-separated list '
              f'of {", ".join(STAGES)} (e.g. "sft,grpo").')
+    twice = sorted({s for s in stages if stages.count(s) > 1})
+    _require(not twice, f'stages={",".join(stages)!r}: {", ".join(twice)} is given twice; a '
+                        f'stage runs once per run (its checkpoints are one directory).')
     _require(_is_int(self.seed) and self.seed >= 0,
              f'seed={self.seed!r} must be an integer >= 0 (jax.random.key takes no negative '
              f'seed).')

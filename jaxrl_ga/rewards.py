@@ -38,6 +38,7 @@ import concurrent.futures
 import dataclasses
 import importlib
 import inspect
+import math
 import re
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -65,6 +66,13 @@ class WeightedReward:
   marks_correctness: Optional[bool] = None
 
   def __post_init__(self):
+    try:
+      finite = math.isfinite(self.weight)
+    except TypeError:
+      finite = False
+    if not finite:
+      raise ConfigError(f'reward {self.name!r}: weight {self.weight!r} is not a finite number '
+                        f'(grpo.reward_funcs, or the (function, weight) pair given).')
     if self.marks_correctness is None:
       object.__setattr__(self, 'marks_correctness',
                          bool(getattr(self.fn, 'marks_correctness', False)))

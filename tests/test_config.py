@@ -185,6 +185,12 @@ def test_from_mapping_names_unknown_settings():
     ('grpo.optimizer.eps', float('nan'), r'^grpo.optimizer.eps=nan is not a number'),
     ('model.rope_theta', -1.0, r'^model.rope_theta=-1.0 must be > 0'),
     ('model.rms_norm_eps', 0.0, r'^model.rms_norm_eps=0.0 must be > 0'),
+    ('grpo.optimizer.b1', 1.5, r'optimizer.b1=1.5 must be in \[0, 1\)'),
+    ('grpo.optimizer.b2', -1.0, r'optimizer.b2=-1.0 must be in \[0, 1\)'),
+    ('grpo.optimizer.eps', -1.0, r'optimizer.eps=-1.0 must be a finite number >= 0'),
+    ('grpo.optimizer.weight_decay', -1.0, r'optimizer.weight_decay=-1.0 must be a finite'),
+    ('grpo.optimizer.sequential_lr_scale', -1.0, r'optimizer.sequential_lr_scale=-1.0 must be'),
+    ('stages', 'sft,sft', r"^stages='sft,sft': sft is given twice"),
 ])
 def test_wrong_types_and_values_are_one_line_config_errors(setting, value, message):
   """The CLI's values are typed by ml_collections; the Python API's reached the dataclasses'

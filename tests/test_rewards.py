@@ -178,3 +178,11 @@ def test_trl_style_reward_functions_get_what_trl_passes():
   assert seen['completion_ids'] == [[5, 6], [7]] and seen['trainer_state'].global_step == 3
   assert log.means() == {'len/mean': 1.5} and log.extra == {'len': [1, 2]}
   assert total.tolist() == pytest.approx([-1 + 0.3 + 1, -2.0])
+
+
+@pytest.mark.parametrize('funcs', ['final_answer=nan', 'final_answer=inf',
+                                   [(R.BUILTIN['final_answer'], float('nan'))]])
+def test_a_weight_that_is_not_finite_is_refused(funcs):
+  """A nan weight made every total reward nan (loss 0, grad_norm 0: nothing trained, rc 0)."""
+  with pytest.raises(ConfigError, match=r"weight (nan|inf) is not a finite number"):
+    R.resolve(funcs)
