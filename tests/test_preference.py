@@ -530,3 +530,20 @@ def test_smollm2_preference_config_and_script_fit_without_truncation(tmp_path, m
   for side in ('chosen', 'rejected'):
     for tokens, mask in zip(pairs[f'{side}_tokens'], pairs[f'{side}_loss_mask']):
       assert tokenizer.eos_token_id in tokens[mask > 0].tolist()
+
+
+def test_sampled_pairs_of_other_settings_are_sampled_again(tmp_path, capsys):
+  """dpo_pairs.npz outlives a run cut before its first DPO checkpoint (no stage fingerprint to
+  refuse a changed config then): resumed with dpo.num_prompts=16 it trained on the 32 prompts'
+  stale pairs. The cache carries what it was sampled from and is sampled again otherwise."""
+  import shutil  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  import smoke_configs  # pylint: disable=import-outside-toplevel
+  quick = {'stages': ('dpo',), 'dpo.num_steps': 1, 'eval.num_examples': 4, 'eval.batch_size': 4}
+  api.run(smoke_configs.smoke('dpo_arith', **quick), str(tmp_path))
+  pairs = lambda: len(np.load(tmp_path / 'dpo_pairs.npz')['ref_chosen_logps'])
+  assert pairs() == 32  # the smoke config's num_prompts
+  shutil.rmtree(tmp_path / 'checkpoints' / 'dpo')  # cut before its first checkpoint
+  capsys.readouterr()
+  api.run(smoke_configs.smoke('dpo_arith', **quick, **{'dpo.num_prompts': 16}), str(tmp_path))
+  assert 'was sampled under other settings; sampling the pairs again' in capsys.readouterr().out
+  assert pairs() == 16

@@ -13,6 +13,8 @@ reference's instead (``PairStream.reference_is_policy``): step 1's rewards are e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -152,14 +154,31 @@ def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs=N
     stamp = {'fingerprint': np.asarray(ctx.task.fingerprint)}
   else:
     path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
+    stamp = {'fingerprint': np.asarray(sampled_pairs_fingerprint(ctx, cfg))}
     cached = fileio.load_npz(path) if fileio.exists(path) else None
-    build, stamp = lambda: build_pairs(ctx, cfg, params, progs), {}
+    if cached is not None and str(cached.pop('fingerprint', '')) != str(stamp['fingerprint']):
+      # Sampled under other settings (a run cut before its first DPO checkpoint, resumed with
+      # another config): a cache, not the run's state; sampled again.
+      print(f'[dpo] {path} was sampled under other settings; sampling the pairs again.',
+            flush=True)
+      cached = None
+    build = lambda: build_pairs(ctx, cfg, params, progs)
   if cached is not None:
     return cached
   pairs = build()
   if ctx.is_primary:  # atomic
     fileio.save_npz(path, pairs | stamp)
   return pairs
+
+
+def sampled_pairs_fingerprint(ctx: context.RunContext, cfg: DPOConfig) -> str:
+  """What the sampled pairs (``dpo_pairs.npz``) are a function of: every DPO setting (lengths
+  included), the stage's checkpoint fingerprint (seed, model, task, data) and those of the stages
+  before it (the policy the pairs are sampled from), as a hash."""
+  stages = ctx.cfg.stages[:ctx.cfg.stages.index('dpo') + 1] if 'dpo' in ctx.cfg.stages else ()
+  described = {'dpo': dataclasses.asdict(cfg),
+               'stages': [ctx.fingerprint(name) for name in stages]}
+  return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class PairStream:
