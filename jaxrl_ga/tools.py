@@ -68,8 +68,8 @@ Rewards of an episode (docs/your_data.md, "Tools and environments"): ``prompts``
 row's prompt, with ``reset``'s text appended where it returned some (TRL's); ``completions`` each
 row's final assistant turn's text as the model wrote it (reasoning included); the column
 ``completions_messages`` its whole completion as messages (assistant and tool turns, TRL's
-conversational ``completions``: the reasoning in ``reasoning_content``, out of ``content``) and ``environments``
-its environment instance (TRL's ``environments`` keyword).
+conversational ``completions``: the reasoning in ``reasoning_content``, out of ``content``) and
+``environments`` its environment instance (TRL's ``environments`` keyword).
 """
 
 from __future__ import annotations

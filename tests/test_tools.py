@@ -468,8 +468,8 @@ def test_a_call_the_model_only_thinks_about_is_not_run_as_trls_qwen3_parser_read
             'input_ids'] if opener else []) if calls else []), turn
     message = ep.completion_messages(0)[0]
     assert [c['function'] for c in message.get('tool_calls', [])] == calls, turn
-    assert message.get('reasoning_content', '') == (want.get('reasoning_content') or '').removesuffix(
-        tok.eos_token), turn
+    want_reasoning = (want.get('reasoning_content') or '').removesuffix(tok.eos_token)
+    assert message.get('reasoning_content', '') == want_reasoning, turn
     assert '<think>' not in message['content'] and '</think>' not in message['content']
     if calls and opener:  # the next turn starts inside the reasoning the header opened
       nxt = _turn(model_tok, 'so ' + _call('multiply', a=9, b=9) + '</think>\nDone.')
