@@ -46,9 +46,9 @@ def load(model: str, param_dtype: str = 'float32'):
 def stop_ids(model: str, tokenizer) -> tuple[int, ...]:
   """The ids that end a completion of ``model`` (a ``load`` source): the tokenizer's eos, then
   the other eos ids of an HF model's generation config (``policy.stop_ids``; a run's checkpoint:
-  the one the run kept beside its tokenizer, ``export.run_generation_config``)."""
+  the one the run kept beside its tokenizer, ``export.saved_generation_config``)."""
   if _is_checkpoint(model):
-    return policy.stop_ids(tokenizer, export.run_generation_config(tokenizer))
+    return policy.stop_ids(tokenizer, export.saved_generation_config(tokenizer))
   return policy.stop_ids(tokenizer, policy.run_generation_config(model, tokenizer))
 
 

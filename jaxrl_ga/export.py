@@ -96,10 +96,11 @@ def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')
   if tokenizer_path or os.path.isdir(tok_path):
     tokenizer = hf.load_tokenizer(tok_path)
-  return cfg, params, tokenizer, f'{path}/{step}', fingerprint, run_generation_config(tokenizer)
+  return (cfg, params, tokenizer, f'{path}/{step}', fingerprint,
+          saved_generation_config(tokenizer))
 
 
-def run_generation_config(tokenizer) -> Optional[transformers.GenerationConfig]:
+def saved_generation_config(tokenizer) -> Optional[transformers.GenerationConfig]:
   """The generation config a run kept beside its tokenizer (WORKDIR/tokenizer, read from the
   directory ``tokenizer`` was loaded from; ``policy.run_generation_config``: the model's, with
   every eos id its completions stopped at), or None."""

@@ -55,8 +55,7 @@ def run_generation_config(hf_path: str, tokenizer) -> Optional[transformers.Gene
   except (OSError, ValueError) as e:
     raise ConfigError(f'model.hf_path={hf_path}: its generation config cannot be read '
                       f'({_first_line(e)}); fix or remove its generation_config.json.') from None
-  eos = int(tokenizer.eos_token_id)
-  generation.eos_token_id = [eos, *dict.fromkeys(i for i in hf.eos_ids(generation) if i != eos)]
+  generation.eos_token_id = list(stop_ids(tokenizer, generation))
   return generation
 
 
