@@ -1216,9 +1216,10 @@ def _checked_type(setting: str, hint: Any, value: Any) -> Any:
     ok = isinstance(value, (bool, np.bool_))
   elif scalar is str:
     ok = isinstance(value, str)
+  elif scalar is int:
+    ok = _is_int(value)
   else:
-    kind = numbers.Integral if scalar is int else numbers.Real
-    ok = isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
   if not ok:
     raise ConfigError(f'{setting}={value!r} must be {_SCALARS[scalar]}'
                       f'{" or None" if optional else ""}; set it to one.')
