@@ -385,7 +385,8 @@ class OptimizerConfig:
   Attributes:
     learning_rate: peak learning rate.
     lr_schedule: 'constant', 'cosine' or 'linear' decay after warmup.
-    weight_decay: AdamW's decoupled weight decay.
+    weight_decay: AdamW's decoupled weight decay, on every weight but the norms' scales and
+      the biases (as transformers' Trainer, so TRL, decays).
     b1, b2: AdamW's moment decay rates.
     eps: AdamW's denominator epsilon.
     warmup_steps: linear warmup, in optimizer steps.

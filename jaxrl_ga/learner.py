@@ -200,6 +200,28 @@ def learning_rate_schedule(cfg: OptimizerConfig, lr_scale: float = 1.0) -> optax
   return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
+def decays(params):
+  """Which params AdamW's weight decay applies to (a bool per leaf): all but the norms' scales
+  and the biases, as transformers' ``Trainer.get_decay_parameter_names`` decides for TRL's
+  trainers (its name patterns 'bias' and '*norm' match exactly these leaves: ``attn_norm``,
+  ``mlp_norm``, ``q_norm``/``k_norm``, ``post_attn_norm``/``post_mlp_norm``, ``final_norm``,
+  ``q_bias``/``k_bias``/``v_bias``). The embedding, the head, the projections and the LoRA
+  adapters decay."""
+  def rule(path, _):
+    name = str(getattr(path[-1], 'key', path[-1]))
+    return not (name.endswith('norm') or name.endswith('bias'))
+  return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def add_decayed_weights(weight_decay: float) -> optax.GradientTransformation:
+  """optax.add_decayed_weights (u + weight_decay * w) on the leaves ``decays`` selects; its state
+  is optax's (empty), unmasked."""
+  def update(updates, state, params):
+    return jax.tree.map(lambda u, w, on: u + weight_decay * w if on else u,
+                        updates, params, decays(params)), state
+  return optax.GradientTransformation(lambda _: optax.AddDecayedWeightsState(), update)
+
+
 def make_optimizer(cfg: OptimizerConfig, optimizer_every: int,
                    lr_scale: float = 1.0) -> optax.MultiSteps:
   """MultiSteps over ``optimizer_every`` micro-steps of: divide the summed gradient by the
@@ -207,8 +229,11 @@ def make_optimizer(cfg: OptimizerConfig, optimizer_every: int,
   inner = [normalize_by_denominator()]
   if cfg.max_grad_norm > 0:
     inner.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-  inner.append(optax.adamw(learning_rate_schedule(cfg, lr_scale), b1=cfg.b1, b2=cfg.b2,
-                           eps=cfg.eps, weight_decay=cfg.weight_decay))
+  # optax.adamw's chain, with the decay on ``decays`` only. Not adamw(mask=): its masked() state
+  # would change the optimizer state's tree, and checkpoints of earlier versions would not load.
+  inner.append(optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+                           add_decayed_weights(cfg.weight_decay),
+                           optax.scale_by_learning_rate(learning_rate_schedule(cfg, lr_scale))))
   # Skip (and count) a window whose gradient is not finite; never give up silently: the trainer
   # stops the run after optimizer.max_consecutive_nonfinite skipped windows in a row.
   robust = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)

@@ -155,3 +155,40 @@ def test_unrolled_layers_accumulate_exactly(compile_log):
       tfm.merge(graphdef, p), t, m, t, m, scan_layers=scan)).lower(
           params, rows['prompt_tokens'], rows['prompt_mask']).as_text()
   assert 'stablehlo.while' in hlo(True) and 'stablehlo.while' not in hlo(False)
+
+
+# transformers' Trainer.get_decay_parameter_names (transformers 5.24, trainer.py): the parameters
+# whose name matches one of these patterns, or that belong to an nn.LayerNorm, get no weight decay.
+# TRL's trainers use it.
+HF_NO_DECAY_PATTERNS = (r'bias', r'layernorm', r'rmsnorm', r'(?:^|\.)norm(?:$|\.)',
+                        r'_norm(?:$|\.)')
+
+
+@pytest.mark.parametrize('fixture', ['qwen2_tiny', 'gemma3_tiny'])
+def test_weight_decay_spares_the_norms_and_biases_as_transformers_trainer(fixture, tmp_path):
+  """With a zero gradient AdamW's step is its weight decay alone: w <- w (1 - lr wd). One such
+  optimizer step on an HF checkpoint (Qwen2: q/k/v biases; Gemma 3: four norms per layer and q/k
+  norms), written back in HF's names by the export, against transformers' rule: a tensor whose
+  name matches HF_NO_DECAY_PATTERNS is unchanged, every other one scaled by (1 - lr wd). Decaying
+  every leaf (jaxrl_ga before) moved the norms' scales and the biases."""
+  import re
+  from safetensors.numpy import load_file
+  from jaxrl_ga.config import OptimizerConfig
+  from jaxrl_ga.models import hf
+  source = f'tests/fixtures/{fixture}'
+  cfg = hf.model_config_from_hf(source)
+  params = hf.load_params(source, cfg)
+  lr, wd = 0.1, 0.5
+  opt = learner_lib.make_optimizer(
+      OptimizerConfig(learning_rate=lr, weight_decay=wd, max_grad_norm=0.0), optimizer_every=1)
+  state = opt.init(learner_lib.float32_like(params))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = opt.update(zeros, state, params, denominator=jnp.float32(1.0))
+  hf.export(jax.tree.map(jnp.add, params, updates), cfg, tmp_path)
+  before, after = load_file(f'{source}/model.safetensors'), load_file(tmp_path / 'model.safetensors')
+  assert set(after) == set(before)
+  spared = {n for n in before if any(re.search(p, n) for p in HF_NO_DECAY_PATTERNS)}
+  assert spared and len(spared) < len(before)  # both kinds are there
+  for name, w in before.items():
+    want = w if name in spared else w * np.float32(1 - lr * wd)
+    np.testing.assert_allclose(after[name], want, rtol=1e-6, atol=0, err_msg=name)
