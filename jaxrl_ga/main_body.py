@@ -55,7 +55,9 @@ def run(config: Any, workdir: str, coordinator_address: Optional[str] = None,
     cfg = api.load_run_config(config)
     init_distributed(coordinator_address, num_processes, process_id)
     summary = api.run(cfg, workdir)
-  except ConfigError as e:
+  except (ConfigError, checkpoint.CheckpointMismatchError) as e:
+    # A mismatch is a workdir that does not fit this run (e.g. a state structure of another
+    # version): the user's to fix, as a bad setting is.
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   except checkpoint.Preempted as e:

@@ -157,3 +157,22 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
   assert ci[-1].startswith("pip install -e '.[test]'") and 'python -m pytest' in ci[-1]
   assert any('python3 -m venv' in l for l in ci) and any('source "$venv/bin/activate"' in l
                                                          for l in ci)
+
+
+def test_a_checkpoint_that_does_not_fit_the_state_is_one_error_and_status_2(monkeypatch, capsys):
+  """A stage checkpoint whose settings match but whose state tree does not (one written by
+  another version of the code) is the user's to fix, as a bad setting is: the command prints
+  Checkpointer.restore's message as an ``error:`` and exits 2, no traceback (it exited 1 with
+  a 40-line traceback)."""
+  from configs import sft_arith
+  from jaxrl_ga import api, checkpoint, main_body
+  message = ('checkpoint /w/checkpoints/sft/550 does not match the state to restore:\n'
+             '  opt_state.x: in the checkpoint, not in the current state')
+  def run(cfg, workdir):
+    raise checkpoint.CheckpointMismatchError(message)
+  monkeypatch.setattr(api, 'run', run)
+  with pytest.raises(SystemExit) as e:
+    main_body.run(sft_arith.get_config(), '/w')
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err == f'error: {message}\n'
