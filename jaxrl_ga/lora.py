@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Optional
 
 from flax import nnx
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
@@ -81,19 +83,47 @@ def init_adapters(cfg: tfm.ModelConfig, seed: int, shardings=None) -> dict:
 
 def merged(params: dict, cfg: tfm.ModelConfig) -> tuple[dict, tfm.ModelConfig]:
   """(params with every adapter folded into its base weight, ``base_config(cfg)``):
-  W' = W + (alpha / r) A @ B per layer, computed in float32 and stored in W's dtype. ``params``:
-  base and adapters together (``transformer.combine``). Without adapters: (params, cfg)."""
+  W' = W + (alpha / r) A @ B per layer, computed and kept in float32 (the other params keep
+  their dtype). Stored in a bfloat16 W's dtype, an update under half a bfloat16 ulp of W would
+  be lost (``bfloat16_loss``): the writer chooses the dtype. ``params``: base and adapters
+  together (``transformer.combine``). Without adapters: (params, cfg)."""
   if not cfg.lora.rank:
     return params, cfg
   adapters, base = split(params)
   layers = dict(base['layers'])
   scale = cfg.lora.alpha / cfg.lora.rank
-  fold = jax.jit(lambda w, a, b: tfm.fold_adapter(w, a, b, scale).astype(w.dtype))
+  fold = jax.jit(lambda w, a, b: tfm.fold_adapter(w, a, b, scale))
   for target in cfg.lora.targets:
     name = f'{target}_proj'
     layers[name] = fold(layers[name], adapters['layers'][f'{name}_lora_a'],
                         adapters['layers'][f'{name}_lora_b'])
   return dict(base, layers=layers), base_config(cfg)
+
+
+def bfloat16_loss(params: dict, merged_params: dict, cfg: tfm.ModelConfig) -> float:
+  """The part of the adapters' update that rounding ``merged(params, cfg)``'s folded weights to
+  bfloat16 loses, as a fraction of the update's norm: ||round(W') - W - d|| / ||d||, d = W' - W,
+  over every target (0 without adapters or with a zero update)."""
+  if not cfg.lora.rank:
+    return 0.0
+  base = split(params)[1]['layers']
+
+  @jax.jit
+  def sums(w, folded):
+    f32 = jnp.float32
+    delta = folded - w.astype(f32)
+    # bfloat16's rounding; not astype(bfloat16).astype(float32), a round trip XLA may drop
+    # (xla_allow_excess_precision).
+    rounded = jax.lax.reduce_precision(folded, exponent_bits=8, mantissa_bits=7)
+    lost = rounded - w.astype(f32) - delta
+    return jnp.sum(lost * lost), jnp.sum(delta * delta)
+
+  lost = total = 0.0
+  for target in cfg.lora.targets:
+    name = f'{target}_proj'
+    l, t = sums(base[name], merged_params['layers'][name])
+    lost, total = lost + float(l), total + float(t)
+  return math.sqrt(lost / total) if total else 0.0
 
 
 # PEFT module names of our targets (transformers' Qwen2/Llama modules).

@@ -241,3 +241,51 @@ def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
   assert re_cfg == lora.base_config(run_cfg)
   assert sorted(os.listdir(tmp_path / 'peft')) == ['adapter_config.json',
                                                    'adapter_model.safetensors']
+
+
+@pytest.mark.slow
+def test_export_of_a_bfloat16_base_keeps_the_adapters_update(tmp_path, capsys):
+  """LoRA on a bfloat16 base at a small learning rate: the trained update (alpha/r) A B is far
+  under half a bfloat16 ulp of most weights. The merged export's default (float32) holds
+  W + (alpha/r) A B, against that sum in float64 from the checkpoint's adapters and a fresh base
+  of the run's seed; the console line says how much bfloat16 would lose. Before, the merge was
+  rounded into W's bfloat16 before any --weights_dtype, and ~90% of the update was lost (so
+  the export was nearly the untrained base), also with --weights_dtype=float32. With
+  --weights_dtype=bfloat16 the rounded weights are written, and the line says what is lost."""
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, checkpoint, export  # pylint: disable=g-import-not-at-top
+  cfg = smoke_configs.smoke('sft_arith', **{
+      'model.lora.rank': 4, 'model.lora.targets': 'q,down', 'model.param_dtype': 'bfloat16',
+      'sft.num_steps': 2, 'sft.optimizer.learning_rate': 1e-5})
+  api.run(cfg, str(tmp_path / 'wd'))
+  ckpt_dir = tmp_path / 'wd' / 'checkpoints' / 'sft'
+  state, _, fingerprint = checkpoint.Checkpointer(str(ckpt_dir)).restore_raw(
+      checkpoint.all_steps(str(ckpt_dir))[-1])
+  adapters = state['params']['layers']  # an SFT state: params, opt_state
+  run_cfg = policy.model_config_from_dict(fingerprint['model'])
+  base = tfm.split(tfm.Transformer(lora.base_config(run_cfg), rngs=nnx.Rngs(cfg.seed)))[1]
+  scale = run_cfg.lora.alpha / run_cfg.lora.rank
+  capsys.readouterr()
+  for dtype in (None, 'bfloat16'):
+    out = tmp_path / f'hf_{dtype}'
+    export.export_checkpoint(str(tmp_path / 'wd'), str(out), weights_dtype=dtype)
+    line = capsys.readouterr().out
+    written = safetensors.numpy.load_file(out / 'model.safetensors')
+    lost2 = total2 = 0.0
+    for name, hf_name in (('q_proj', 'self_attn.q_proj'), ('down_proj', 'mlp.down_proj')):
+      for i in range(run_cfg.num_hidden_layers):
+        w = np.asarray(base['layers'][name][i], np.float64)
+        delta = scale * (np.asarray(adapters[f'{name}_lora_a'][i], np.float64)
+                         @ np.asarray(adapters[f'{name}_lora_b'][i], np.float64))
+        got = written[f'model.layers.{i}.{hf_name}.weight'].astype(np.float64).T - w
+        lost2, total2 = lost2 + np.sum((got - delta) ** 2), total2 + np.sum(delta ** 2)
+    lost = np.sqrt(lost2 / total2)
+    share = float(line.split('% of the adapters')[0].split()[-1]) / 100
+    print(f'weights_dtype={dtype}: written {written["model.norm.weight"].dtype}, update lost '
+          f'{lost:.3%}, the line: {share:.1%}')
+    if dtype is None:
+      assert written['model.norm.weight'].dtype == np.float32
+      assert lost < 1e-4 and share > 0.5, (lost, line)
+    else:
+      assert written['model.norm.weight'].dtype.name == 'bfloat16'
+      assert abs(lost - share) < 1e-3 and share > 0.5, (lost, line)
