@@ -425,7 +425,12 @@ def make_config(config=None, trl_args: Optional[Mapping[str, Any]] = None,
     for part in path:
       node = node.setdefault(part, {})
     node[last] = value
-  return from_mapping(RunConfig, values)
+  cfg = from_mapping(RunConfig, values)
+  if trl_args and 'grpo' not in cfg.stages:
+    raise ConfigError(f'trl_args: TRL GRPOConfig names set the grpo stage\'s settings, and '
+                      f'stages={",".join(cfg.stages)} has no grpo stage; set the stages\' own '
+                      f'settings (e.g. sft.optimizer.learning_rate) instead.')
+  return cfg
 
 
 class Trainer:

@@ -84,6 +84,10 @@ def trl_overrides(trl_args: Mapping[str, Any]) -> dict[str, Any]:
           f'trl_args: {name!r} is not a TRL GRPOConfig name this project maps (unknown, or '
           f'without a 1:1 setting here); set its equivalent among the run\'s settings '
           f'(docs/configuration.md) or drop it. Mapped: {", ".join(sorted(TRL_GRPO_ARGS))}.')
+    if name == 'warmup_steps' and isinstance(value, float) and 0 < value < 1:
+      raise ConfigError(f'trl_args: warmup_steps={value!r} is a ratio of max_steps in '
+                        f'transformers 5; give the number of steps (ceil({value!r} x max_steps)) '
+                        f'instead.')
     if name == 'epsilon_high' and value is None:
       continue  # TRL's default: epsilon's value (below)
     if name in _VALUES and _hashable(value) and value in _VALUES[name]:

@@ -101,11 +101,25 @@ def test_trls_older_top_k_none_is_disabled():
      r'both set grpo.loss.sampler_is_clip_max; give one'),
     ({'loss_type': 'ppo'}, r"loss.loss_type='ppo' is not a known value"),
     ({'loss_type': 'cispo'}, r"loss.epsilon_high=0.2 with loss.objective='cispo'"),
+    # transformers 5 reads a warmup_steps under 1 as a ratio of max_steps; as steps, 0.2 was
+    # no warmup at all.
+    ({'warmup_steps': 0.2}, r"^trl_args: warmup_steps=0.2 is a ratio of max_steps in "
+                            r"transformers 5; give the number of steps"),
 ])
 def test_unmapped_or_bad_trl_args_are_one_line(trl, message):
   with pytest.raises(ConfigError, match=message) as e:
     api.make_config(trl_args=trl)
   assert '\n' not in str(e.value)
+
+
+def test_trl_args_of_a_run_without_a_grpo_stage_are_refused_not_ignored():
+  """TRL's names map onto grpo.*: with stages='sft' (or dpo) they set a stage that does not
+  run, and the SFT stage kept its own learning rate and steps without a word."""
+  for stages in ('sft', 'sft,dpo'):
+    with pytest.raises(ConfigError, match=rf'^trl_args: .* stages={stages} has no grpo stage'):
+      api.make_config(trl_args={'learning_rate': 2e-5}, stages=stages)
+  cfg = api.make_config(trl_args={'learning_rate': 2e-5}, stages='sft,grpo')
+  assert cfg.grpo.optimizer.learning_rate == 2e-5
 
 
 def test_loss_type_contradicting_a_set_pair_is_refused_by_the_api():
