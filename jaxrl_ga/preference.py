@@ -111,15 +111,17 @@ def parse(row: rows_lib.Row, columns: Mapping[str, str]) -> Preference:
         roles = ', '.join(m['role'] for m in reply) or 'none'
         raise ConfigError(f'{where}: the {column} conversation has no assistant turn after the '
                           f'prompt (roles: {roles}); the reply must be an assistant message.')
-      empty = not any(m['content'].strip() for m in turns)
+      empty = not any(m['content'].strip() or m.get('tool_calls') for m in turns)
     else:
       empty = not reply.strip()
     if empty:
       raise ConfigError(f'{where}: an empty {column} reply; give a non-empty completion.')
   if chosen == rejected:
     raise ConfigError(f'{where}: chosen equals rejected; a pair needs two different replies.')
-  fields = {k: v for k, v in r.items() if k not in ('prompt', 'chosen', 'rejected')}
-  return Preference(prompt, chosen, rejected, fields, where)
+  fields = rows_lib.Row({k: v for k, v in r.items() if k not in ('prompt', 'chosen', 'rejected')})
+  fields.where = where
+  fields.update(sft_data.template_kwargs(fields))  # tools, chat_template_kwargs: checked
+  return Preference(prompt, chosen, rejected, dict(fields), where)
 
 
 def eval_row(pref: Preference) -> rows_lib.Row:
@@ -199,11 +201,12 @@ def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], lis
   """(prompt, chosen, rejected) token ids of a row (see the module docstring)."""
   if chat.has_chat_template(tokenizer):  # rendered as sft_data renders a conversation
     prompt = _as_messages(pref.prompt, 'user')
-    prompt_text = sft_data.render(tokenizer, prompt, True, pref.where)
+    kwargs = sft_data.render_kwargs(pref.fields)  # the row's tools and chat_template_kwargs
+    prompt_text = sft_data.render(tokenizer, prompt, True, pref.where, **kwargs)
     replies = []
     for column in ('chosen', 'rejected'):
       full = sft_data.render(tokenizer, prompt + _as_messages(getattr(pref, column), 'assistant'),
-                             False, pref.where)
+                             False, pref.where, **kwargs)
       if not full.startswith(prompt_text):
         raise ConfigError(f'{pref.where}: the chat template renders the prompt differently at the '
                           f'start of the {column} conversation, so the reply cannot be split off; '

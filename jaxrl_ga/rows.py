@@ -286,13 +286,24 @@ def check_prompt(prompt, where: str):
                     f'give a string or a list of chat messages {{"role": ..., "content": ...}}.')
 
 
-def as_messages(value) -> Optional[list[dict[str, str]]]:
-  """A non-empty list of chat messages ({role, content} strings) as plain dicts; else None."""
-  if isinstance(value, (list, tuple)) and value and all(
-      isinstance(m, Mapping) and isinstance(m.get('role'), str) and isinstance(
-          m.get('content'), str) for m in value):
-    return [{'role': m['role'], 'content': m['content']} for m in value]
-  return None
+def as_messages(value) -> Optional[list[dict[str, Any]]]:
+  """A non-empty list of chat messages as plain dicts, every key kept (``tool_calls``, ``name``,
+  ``tool_call_id``, ``reasoning_content``: the chat template renders them, as TRL's rows give
+  them to it); else None. Each has a string ``role`` and a string ``content``, which an
+  assistant turn of tool calls alone may lack or hold as None (it becomes '')."""
+  if not (isinstance(value, (list, tuple)) and value):
+    return None
+  out = []
+  for m in value:
+    if not (isinstance(m, Mapping) and isinstance(m.get('role'), str)):
+      return None
+    m = dict(m)
+    if m.get('content') is None and m.get('tool_calls'):
+      m['content'] = ''
+    if not isinstance(m['content'] if 'content' in m else None, str):
+      return None
+    out.append(m)
+  return out
 
 
 def held_out_split(rows: Sequence[Row], fraction: float, seed: int

@@ -8,7 +8,10 @@ order); each holds one of TRL's SFT formats:
   {"text": "..."}                                      loss on every token
 
 ``prompt`` and ``completion`` may each be a string or a list of chat messages (TRL's
-conversational prompt-completion). Strings follow the library's rule for prompts
+conversational prompt-completion). Messages keep every key (an assistant turn's ``tool_calls``, a
+tool turn's ``name``), and a conversation's ``tools`` column (tool schemas, or their JSON text) and
+``chat_template_kwargs`` column (e.g. ``{"enable_thinking": false}``) go to the chat template,
+as TRL's SFTTrainer passes them. Strings follow the library's rule for prompts
 (``trainers.text.encode_prompt``): a string prompt is one user message through the chat template
 when the tokenizer has one (else the raw text after the tokenizer's leading special tokens, a
 base model's BOS: ``chat.leading_special_ids``), and a string completion (or ``text``, which
@@ -42,6 +45,7 @@ turn (or with only empty ones).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Mapping, Optional, Sequence
 
@@ -61,9 +65,12 @@ def check_row(row: rows_lib.Row) -> rows_lib.Row:
   where = row.where
   out = rows_lib.Row(row)
   out.where = where
+  for column, value in template_kwargs(row).items():
+    out[column] = value
   if 'messages' in row:
     messages = _messages(row['messages'], where, 'messages')
-    if not any(m['role'] == 'assistant' and m['content'] for m in messages):
+    if not any(m['role'] == 'assistant' and (m['content'] or m.get('tool_calls'))
+               for m in messages):
       raise ConfigError(f'{where}: the conversation has no assistant turn with content; SFT '
                         f'trains on the assistant turns (add one or drop the row).')
     out['messages'] = messages
@@ -94,7 +101,40 @@ def check_row(row: rows_lib.Row) -> rows_lib.Row:
   return out
 
 
-def _messages(value, where: str, column: str) -> list[dict[str, str]]:
+def template_kwargs(row: rows_lib.Row) -> dict[str, Any]:
+  """The row's own chat-template arguments, checked: ``tools`` (a list of tool schemas; JSON
+  text of one is parsed) and ``chat_template_kwargs`` (a dict, passed as keyword arguments).
+  Absent or None: none."""
+  out = {}
+  tools = row.get('tools')
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except ValueError:
+      tools = 'not JSON'
+  if tools is not None:
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
+      raise ConfigError(f'{row.where}: "tools" must be a list of tool schemas (or its JSON '
+                        f'text), got {str(row["tools"])[:60]!r}.')
+    out['tools'] = [dict(t) for t in tools]
+  kwargs = row.get('chat_template_kwargs')
+  if kwargs is not None:
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+      raise ConfigError(f'{row.where}: "chat_template_kwargs" must be a dict of keyword '
+                        f'arguments, got {str(kwargs)[:60]!r}.')
+    out['chat_template_kwargs'] = dict(kwargs)
+  return out
+
+
+def render_kwargs(row: Mapping[str, Any]) -> dict[str, Any]:
+  """A checked row's arguments to apply_chat_template (tools=, and the row's own)."""
+  out = dict(row.get('chat_template_kwargs') or {})
+  if row.get('tools') is not None:
+    out['tools'] = row['tools']
+  return out
+
+
+def _messages(value, where: str, column: str) -> list[dict[str, Any]]:
   messages = rows_lib.as_messages(value)
   if messages is not None:
     return messages
@@ -126,23 +166,24 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], li
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
     return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], eos_id)
   _need_template(tokenizer, row.where)
+  kwargs = render_kwargs(row)
   if kind == 'prompt_completion':
     prompt = row['prompt']
     prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
     completion = row['completion']
     completion = ([{'role': 'assistant', 'content': completion}]
                   if isinstance(completion, str) else completion)
-    head = render(tokenizer, prompt, True, row.where)
-    whole = render(tokenizer, prompt + completion, False, row.where)
+    head = render(tokenizer, prompt, True, row.where, **kwargs)
+    whole = render(tokenizer, prompt + completion, False, row.where, **kwargs)
     _check_prefix(head, whole, row.where)
     pieces = [(head, 0), (whole[len(head):], 1)]
   elif has_generation_markers(tokenizer):
     out = tokenizer.apply_chat_template(row['messages'], tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
+                                        return_assistant_tokens_mask=True, **kwargs)
     ids, mask = list(out['input_ids']), list(out['assistant_masks'])
     return _checked(ids, [0] + mask[1:], row.where)
   else:
-    pieces = assistant_pieces(tokenizer, row['messages'], row.where)
+    pieces = assistant_pieces(tokenizer, row['messages'], row.where, **kwargs)
   ids, mask = [], []
   for piece, trained in pieces:
     piece_ids = text.encode(tokenizer, piece) if piece else []
@@ -161,17 +202,18 @@ def prompt_completion_ids(tokenizer, prompt, completion: str, eos_id: int
   return head + tail, [0] * len(head) + [1] * len(tail)
 
 
-def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: str
+def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, Any]], where: str, **kwargs
                      ) -> list[tuple[str, int]]:
   """The rendered conversation as (text, 1 if assistant text else 0) pieces, prefix by prefix
-  (for a template without generation markers; see the module docstring)."""
-  whole = render(tokenizer, messages, False, where)
+  (for a template without generation markers; see the module docstring). ``kwargs``: the
+  template's (``tools=``)."""
+  whole = render(tokenizer, messages, False, where, **kwargs)
   pieces, done = [], ''
   for i, m in enumerate(messages):
     if m['role'] != 'assistant':
       continue
-    head = render(tokenizer, messages[:i], True, where) if i else ''
-    upto = render(tokenizer, messages[:i + 1], False, where)
+    head = render(tokenizer, messages[:i], True, where, **kwargs) if i else ''
+    upto = render(tokenizer, messages[:i + 1], False, where, **kwargs)
     _check_prefix(done, head, where)
     _check_prefix(head, upto, where)
     _check_prefix(upto, whole, where)
@@ -181,12 +223,13 @@ def assistant_pieces(tokenizer, messages: Sequence[Mapping[str, str]], where: st
   return pieces
 
 
-def render(tokenizer, messages, add_generation_prompt: bool, where: str) -> str:
-  """``messages`` through the chat template as text; a template that raises (its own
-  ``raise_exception``, a bad template): one ConfigError line naming the row ``where``."""
+def render(tokenizer, messages, add_generation_prompt: bool, where: str, **kwargs) -> str:
+  """``messages`` through the chat template as text (``kwargs``: its own, e.g. ``tools=``); a
+  template that raises (its own ``raise_exception``, a bad template): one ConfigError line
+  naming the row ``where``."""
   try:
     return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
   except Exception as e:  # pylint: disable=broad-except  (a template's own raise_exception)
     raise ConfigError(f'{where}: the chat template cannot render this conversation '
                       f'({rows_lib._first_line(e)}).') from None  # pylint: disable=protected-access

@@ -547,3 +547,37 @@ def test_sampled_pairs_of_other_settings_are_sampled_again(tmp_path, capsys):
   api.run(smoke_configs.smoke('dpo_arith', **quick, **{'dpo.num_prompts': 16}), str(tmp_path))
   assert 'was sampled under other settings; sampling the pairs again' in capsys.readouterr().out
   assert pairs() == 16
+
+
+def test_tool_calls_reasoning_and_the_tools_column_reach_the_template():
+  """TRL 1.16's DPO tokenize_fn passes the row's "tools" (JSON text decoded) and
+  "chat_template_kwargs" to apply_chat_template, and the messages whole. Reference: the
+  template rendered by transformers with them; the prompt is the render with the generation
+  prompt and the chosen reply what the whole conversation adds (its eos included, as the
+  template writes eos here). Before, the tools, the flag, the reply's tool call and its
+  reasoning were all dropped from what DPO trained on."""
+  tok = tokenizer_lib.build_char_tokenizer(data.BASE_ALPHABET)
+  tok.chat_template = (
+      "{% if brief %}[brief]\n{% endif %}{% if tools %}tools:{% for t in tools %} "
+      "{{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}{% for m in messages %}{{ m.role }}: "
+      "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+      "{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>"
+      "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+  tools = [{'type': 'function', 'function': {'name': 'add', 'parameters': {}}}]
+  prompt = [{'role': 'user', 'content': 'What is 2+3?'}]
+  chosen = [{'role': 'assistant', 'content': 'Let me add.', 'reasoning_content': 'use add',
+             'tool_calls': [{'type': 'function', 'function': {'name': 'add', 'arguments': {}}}]}]
+  rejected = [{'role': 'assistant', 'content': 'It is 6.'}]
+  row = data.Row(prompt=prompt, chosen=chosen, rejected=rejected, tools=json.dumps(tools),
+                 chat_template_kwargs={'brief': True})
+  row.where = 'pref.jsonl:1'
+  got = preference.encode_row(tok, preference.parse(row, {}), tok.eos_token_id)
+  render = lambda m, gen: tok.apply_chat_template(m, tools=tools, brief=True, tokenize=False,
+                                                  add_generation_prompt=gen)
+  head = render(prompt, True)
+  assert head == '[brief]\ntools: add\nuser: What is 2+3?\nassistant: '
+  eos = tok.eos_token
+  assert tok.decode(got[0]) == head
+  assert tok.decode(got[1]) == render(prompt + chosen, False)[len(head):] + eos
+  assert tok.decode(got[1]) == f'<think>use add</think>Let me add.<call>add</call>\n{eos}'
+  assert tok.decode(got[2]) == f'It is 6.\n{eos}'

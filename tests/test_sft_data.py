@@ -367,3 +367,58 @@ def test_base_model_text_starts_with_the_tokenizers_bos_as_trl_tokenizes_it():
   tok.chat_template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
   assert chat.prompt_ids(tok, 'hi') == tok('<bos>hi', add_special_tokens=False)['input_ids']
   assert chat.prompt_ids(tok, 'hi').count(tok.bos_token_id) == 1
+
+
+# A template that renders tool schemas and calls as tool-calling chat templates do (Qwen2.5's
+# <tools>/<tool_call> blocks, reduced), and a template flag (Qwen3's enable_thinking's /no_think).
+TOOLS_TEMPLATE = (
+    "{% if enable_thinking is false %}/no_think\n{% endif %}"
+    "{% if tools %}<|system|>\ntools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|end|>\n{% endif %}{% for m in messages %}<|{{ m.role }}|>\n"
+    "{% if m.role == 'tool' %}{{ m.name }}={% endif %}{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TOOL_SCHEMA = {'type': 'function', 'function': {
+    'name': 'multiply', 'parameters': {'type': 'object', 'properties': {'a': {'type': 'integer'}}}}}
+TOOL_CALL_ROW = [
+    {'role': 'user', 'content': 'What is 6*7?'},
+    {'role': 'assistant', 'tool_calls': [
+        {'type': 'function', 'function': {'name': 'multiply', 'arguments': {'a': 6, 'b': 7}}}]},
+    {'role': 'tool', 'name': 'multiply', 'content': '42'},
+    {'role': 'assistant', 'content': 'It is 42.'}]
+
+
+@pytest.mark.parametrize('tools_as_json', [False, True])
+def test_tool_calls_and_the_tools_column_reach_the_template_as_trl_passes_them(tools_as_json):
+  """TRL's tool-calling SFT rows: an assistant turn of tool calls (no content), a tool turn with
+  its name, the schemas in a "tools" column (a list, or JSON text as TRL reads it). The ids are
+  transformers' own render of the whole conversation with tools=, and the loss is on the two
+  assistant turns, the call included. Before, messages kept only role and content and the
+  tools column was ignored: no schemas in the context and an empty first assistant turn (the
+  model learned to end its turn where it should call the tool)."""
+  import json
+  tok = _tokenizer(TOOLS_TEMPLATE)
+  tools = json.dumps([TOOL_SCHEMA]) if tools_as_json else [TOOL_SCHEMA]
+  ids, mask = sft_data.encode_row(tok, _row(messages=TOOL_CALL_ROW, tools=tools), EOS)
+  want = tok.apply_chat_template(TOOL_CALL_ROW, tools=[TOOL_SCHEMA], tokenize=False)
+  assert want.startswith('<|system|>\ntools: multiply<|end|>\n')
+  assert tok.decode(ids) == want
+  assert _trained_text(tok, ids, mask) == (
+      '<call>multiply{"a": 6, "b": 7}</call><|end|>\nIt is 42.<|end|>\n')
+  # chat_template_kwargs reach the template too (a conversational prompt-completion row).
+  ids, mask = sft_data.encode_row(tok, _row(
+      prompt=TOOL_CALL_ROW[:1], completion=[{'role': 'assistant', 'content': '42'}],
+      chat_template_kwargs={'enable_thinking': False}), EOS)
+  assert tok.decode(ids) == '/no_think\n<|user|>\nWhat is 6*7?<|end|>\n<|assistant|>\n42<|end|>\n'
+  assert _trained_text(tok, ids, mask) == '42<|end|>\n'
+
+
+@pytest.mark.parametrize('column,value,message', [
+    ('tools', 'not json', r'"tools" must be a list of tool schemas'),
+    ('tools', {'name': 'f'}, r'"tools" must be a list of tool schemas'),
+    ('chat_template_kwargs', ['x'], r'"chat_template_kwargs" must be a dict'),
+])
+def test_bad_template_columns_are_one_error_naming_the_row(column, value, message):
+  with pytest.raises(ConfigError, match=rf'^d.jsonl:1: {message}'):
+    _row(messages=CONVERSATIONS[0], **{column: value})
