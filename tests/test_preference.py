@@ -242,17 +242,28 @@ def test_reference_logps_are_cached_reused_and_a_changed_dataset_is_refused(buil
   path = preference.cache_path(ctx.workdir)
   cached = dict(np.load(path))
   assert str(cached.pop('fingerprint')) == ctx.task.fingerprint
+  policy = str(cached.pop('policy'))
   assert set(cached) == set(pairs)
-  # A resume reads the cache (marked here) instead of computing the log-probs again.
+  # A resume reads the cache (marked here) instead of computing the log-probs again; so does
+  # one of a cache written before the starting policy was stamped (no 'policy').
   marked = cached | {'ref_chosen_logps': np.full_like(cached['ref_chosen_logps'], -7.0),
                      'fingerprint': np.asarray(ctx.task.fingerprint)}
   wd = tmp_path / 'wd'
   os.makedirs(wd)
-  np.savez(wd / preference.CACHE_FILE, **marked)
   train = ctx.cfg.data.train
-  ctx2, params2 = api.build_context(ctx.cfg, str(wd))
-  again = dpo.load_or_build_pairs(ctx2, ctx2.cfg.dpo, params2)
-  np.testing.assert_array_equal(again['ref_chosen_logps'], -7.0)
+  for stamp in ({'policy': np.asarray(policy)}, {}):
+    np.savez(wd / preference.CACHE_FILE, **marked, **stamp)
+    ctx2, params2 = api.build_context(ctx.cfg, str(wd))
+    again = dpo.load_or_build_pairs(ctx2, ctx2.cfg.dpo, params2)
+    np.testing.assert_array_equal(again['ref_chosen_logps'], -7.0)
+  # Another starting policy (the seed's model) on the same rows: the reference log-probs are
+  # computed again, not read (they were, with a run cut before its first DPO checkpoint).
+  np.savez(wd / preference.CACHE_FILE, **marked, policy=np.asarray(policy))
+  ctx3, params3 = api.build_context(api.make_config(ctx.cfg, seed=ctx.cfg.seed + 1), str(wd))
+  assert ctx3.task.fingerprint == ctx.task.fingerprint  # the same pairs
+  again = dpo.load_or_build_pairs(ctx3, ctx3.cfg.dpo, params3)
+  assert not np.any(again['ref_chosen_logps'] == -7.0)
+  assert np.abs(again['ref_chosen_logps'] - cached['ref_chosen_logps']).max() > 1e-3
   # One reply changed to another of the same token length (each letter the next: the masks and
   # lengths are the same, only token ids differ): refused before anything compiles, naming it.
   last = rows[-1]

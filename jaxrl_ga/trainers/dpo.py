@@ -151,7 +151,17 @@ def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs=N
     path = preference.cache_path(ctx.workdir)
     cached = preference.load_cache(ctx.workdir, ctx.task)
     build = lambda: add_reference_logps(ctx, cfg, params, ctx.task.pairs, progs)
-    stamp = {'fingerprint': np.asarray(ctx.task.fingerprint)}
+    policy = reference_policy_fingerprint(ctx, cfg)
+    stamp = {'fingerprint': np.asarray(ctx.task.fingerprint), 'policy': np.asarray(policy)}
+    if cached is not None:
+      cached = dict(cached)
+      # No stamp: a cache of a version before it, trusted as it was.
+      if str(cached.pop('policy', policy)) != policy:
+        # The reference log-probs of another starting policy (a run cut before its first DPO
+        # checkpoint, resumed with another model or earlier stage): computed again.
+        print(f'[dpo] {path} holds the reference log-probs of another starting policy; '
+              f'computing them again.', flush=True)
+        cached = None
   else:
     path = fileio.join(ctx.workdir, 'dpo_pairs.npz')
     stamp = {'fingerprint': np.asarray(sampled_pairs_fingerprint(ctx, cfg))}
@@ -169,6 +179,20 @@ def load_or_build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs=N
   if ctx.is_primary:  # atomic
     fileio.save_npz(path, pairs | stamp)
   return pairs
+
+
+def reference_policy_fingerprint(ctx: context.RunContext, cfg: DPOConfig) -> str:
+  """What a preference dataset's reference log-probs are a function of besides its pairs (whose
+  fingerprint holds dpo.ref_model): with no dpo.ref_model, the starting policy: the model
+  (source, architecture, seed) and the stages before DPO (their checkpoint fingerprints); '' with
+  one."""
+  if cfg.ref_model:
+    return ''
+  stages = ctx.cfg.stages[:ctx.cfg.stages.index('dpo')] if 'dpo' in ctx.cfg.stages else ()
+  model = {k: v for k, v in ctx.fingerprint('dpo').items()
+           if k in ('model', 'model_source', 'seed')}
+  described = {'model': model, 'stages': [ctx.fingerprint(name) for name in stages]}
+  return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def sampled_pairs_fingerprint(ctx: context.RunContext, cfg: DPOConfig) -> str:
