@@ -371,7 +371,10 @@ class DecoderStack(nnx.Module):
 
 
 def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) -> jax.Array:
-  """x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r); x [rows, in]."""
+  """x @ W (+ bias) (+ the LoRA adapters' (x @ A) @ B * alpha / r); x [rows, in]. The adapters'
+  path computes in float32 and is added to x @ W in float32, as PEFT's LoraLayer does (its
+  adapters float32, the input cast to them): with bfloat16 compute, alpha / r is not rounded
+  (16/12 would be 1.3359) and a small update is not rounded away."""
   dt = x.dtype
   y = x @ p[name].astype(dt)
   bias = p.get(name.replace('proj', 'bias'))
@@ -379,8 +382,9 @@ def _proj(cfg: ModelConfig, p: dict[str, jax.Array], x: jax.Array, name: str) ->
   a = p.get(f'{name}_lora_a')
   if a is None:  # no adapters, or ForwardOptions(adapters=False)
     return y
-  scale = jnp.asarray(cfg.lora.alpha / cfg.lora.rank, dt)
-  return y + ((x @ a.astype(dt)) @ p[f'{name}_lora_b'].astype(dt)) * scale
+  f32 = jnp.float32
+  update = (x.astype(f32) @ a.astype(f32)) @ p[f'{name}_lora_b'].astype(f32)
+  return (y.astype(f32) + update * (cfg.lora.alpha / cfg.lora.rank)).astype(dt)
 
 
 _HEADS = ('activation_batch', 'activation_length', 'activation_heads', None)
@@ -793,8 +797,12 @@ class Transformer(nnx.Module):
     the layout and dtype the decode step uses, so that a step launches fewer, larger products and
     streams the weights in the compute dtype (issue 47):
 
-      * the LoRA adapters folded into their weights, W + (alpha / r) A @ B in float32
-        (``fold_adapter``, as ``lora.merged`` folds them: the same function up to rounding);
+      * with float32 compute, the LoRA adapters folded into their weights, W + (alpha / r) A @ B
+        (``fold_adapter``, as ``lora.merged`` folds them: the same function up to rounding).
+        With bfloat16 compute they stay apart and the step adds their float32 path as the
+        learner's forward does (``_proj``): folded and rounded to bfloat16, every update under
+        half a bfloat16 ulp of W was lost, and the rollout sampled from a policy nearer the
+        base than the one trained (their projections are then not fused);
       * with ``fuse``, q/k/v concatenated into one [D, (N + 2K) H] ``qkv_proj`` (and
         ``qkv_bias``), gate/up into one [D, 2F] ``gate_up_proj`` (``FUSED``): one product each
         instead of three and two; each output column is the same dot product as before. (On
@@ -813,14 +821,16 @@ class Transformer(nnx.Module):
     """
     cfg, dt = self.cfg, _DTYPES[self.cfg.dtype]
     scale = cfg.lora.alpha / cfg.lora.rank if cfg.lora.rank else 0.0
+    fold = jnp.dtype(dt) == jnp.float32
     out = []
     for p in self.unstacked_layers():
       p = dict(p)
-      for name in [k for k in p if k.endswith('_lora_a')]:
-        w = name[:-len('_lora_a')]
-        p[w] = fold_adapter(p[w], p.pop(name), p.pop(f'{w}_lora_b'), scale)
+      adapted = {k[:-len('_lora_a')] for k in p if k.endswith('_lora_a')}
+      for w in adapted if fold else ():
+        p[w] = fold_adapter(p[w], p.pop(f'{w}_lora_a'), p.pop(f'{w}_lora_b'), scale)
       for fused, parts in FUSED.items() if fuse else ():
-        if all(k in p for k in parts):
+        group = FUSED[fused.replace('bias', 'proj')]  # a bias fuses with its projections
+        if all(k in p for k in parts) and not (adapted & set(group) and not fold):
           p[fused] = jnp.concatenate([p.pop(k).astype(dt) for k in parts], axis=-1)
       out.append({k: v.astype(dt) if k.endswith(('_proj', '_bias')) else v
                   for k, v in p.items()})
