@@ -194,7 +194,7 @@ def test_merged_export_reloads_with_the_lora_logits_and_peft_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
+def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path, capsys):
   """An SFT then GRPO run with model.lora (GRPO's beta > 0: the reference is the base, adapters
   disabled): each stage's checkpoint stores the adapters (params, accumulator, AdamW moments) and no base weight; a
   resume with another model.lora is refused before anything runs; the exported merged model
@@ -207,6 +207,9 @@ def test_sft_grpo_lora_run_checkpoint_resume_and_export(tmp_path):
   cfg = smoke_configs.smoke('grpo_arith', **overrides)
   summary = api.run(cfg, str(tmp_path / 'wd'))
   assert summary['grpo/optimizer_steps'] == 2 and not summary['stopped_early']
+  # The reference is the pre-SFT base, not the SFT result a run without LoRA takes: said once.
+  assert capsys.readouterr().out.count('[grpo] LoRA: the KL reference is the base weights with '
+                                       'the adapters off') == 1
 
   for stage in ('sft', 'grpo'):
     ckpt_dir = tmp_path / 'wd' / 'checkpoints' / stage

@@ -13,7 +13,9 @@ of a rollout or of an accumulation window — resumes bitwise.
 LoRA (model.lora): the learner trains the adapters of the stage's input params; its base weights
 are frozen, held by the trainer (never in a checkpoint: a resumed run gets them from its input
 params again) and passed to every step; the reference policy (beta > 0) is the policy with its
-adapters disabled, so no reference params are held either.
+adapters disabled, so no reference params are held either. After an SFT stage that reference is
+the base before SFT (as TRL's with a PEFT model), not the SFT result as without LoRA; a console
+line says so.
 
 Roles (docs/design.md, "Roles"): before each rollout the policy's params are synced to the
 rollout role (``sharding.sync_weights``: nothing moves when it shares the actor's mesh), the
@@ -89,6 +91,11 @@ class GRPOStage(stage.Stage):
       raise ConfigError(f'grpo.sync_ref_model=True with model.lora.rank={cfg.model.lora.rank}: '
                         'the LoRA reference is the base weights (adapters off), which never '
                         'train; set grpo.sync_ref_model=False or train without LoRA.')
+    before = cfg.stages[:cfg.stages.index('grpo')] if 'grpo' in cfg.stages else ()
+    if cfg.model.lora.rank and cfg.grpo.loss.beta > 0 and before:
+      print(f'[grpo] LoRA: the KL reference is the base weights with the adapters off (TRL\'s '
+            f'PEFT reference), not the policy after {",".join(before)} as without LoRA.',
+            flush=True)
     stage.check_rollout_chunk(
         self.name, cfg.grpo.sampling, cfg.grpo.schedule.completions_per_rollout,
         'the completions of a rollout, steps_per_generation*micro_batch_size')
