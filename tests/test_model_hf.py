@@ -390,6 +390,8 @@ def test_completions_stop_at_every_eos_id_of_the_generation_config(tmp_path):
   assert list(completions.stop_ids(str(tmp_path / 'run'), run_tok)) == everything
   export.export_checkpoint(str(tmp_path / 'run'), str(tmp_path / 'hf'))
   assert hf.eos_ids(hf.generation_config(tmp_path / 'hf')) == tuple(everything)
+  with open(tmp_path / 'hf' / 'config.json') as f:  # as the source's config.json lists them
+    assert json.load(f)['eos_token_id'] == everything
 
 
 def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):

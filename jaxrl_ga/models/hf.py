@@ -621,13 +621,15 @@ def eos_ids(generation: transformers.GenerationConfig) -> tuple[int, ...]:
 
 # -- export ----------------------------------------------------------------------------------------
 def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = None,
-              tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None
+              tokenizer: Optional[transformers.PreTrainedTokenizerBase] = None,
+              generation: Optional[transformers.GenerationConfig] = None
               ) -> transformers.PretrainedConfig:
   """The HF config (its family's ``hf_config_class``: ``Qwen2Config``, ``LlamaConfig``, ...)
   describing cfg.
 
   ``weights_dtype`` (default cfg.param_dtype) becomes its ``dtype``; pad/bos/eos token ids come
-  from the tokenizer when one is given.
+  from the tokenizer when one is given, the eos ids from ``generation`` (``eos_ids``: the
+  tokenizer's first) when it lists several, as the source's config.json does.
   """
   family, arch = cfg.family, cfg.architecture
   if cfg.attention_bias != family.attention_bias:
@@ -665,6 +667,9 @@ def hf_config(cfg: transformer.ModelConfig, *, weights_dtype: Optional[str] = No
   if tokenizer is not None:
     kwargs.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id)
+  stops = eos_ids(generation) if generation is not None else ()
+  if len(stops) > 1:
+    kwargs.update(eos_token_id=list(stops))
   return getattr(transformers, family.hf_config_class)(**kwargs)
 
 
@@ -697,7 +702,8 @@ def export(params: dict, cfg: transformer.ModelConfig, out_dir: Union[str, os.Pa
   if weights_dtype not in ('float32', 'bfloat16'):
     raise ValueError(f'weights_dtype={weights_dtype!r}; choose float32 or bfloat16.')
   np_dtype = jnp.dtype(weights_dtype)  # a numpy dtype; bfloat16 is ml_dtypes'
-  config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer)
+  config = hf_config(cfg, weights_dtype=weights_dtype, tokenizer=tokenizer,
+                     generation=generation)
   tensors = {}
   for path, value in traverse_util.flatten_dict(params).items():
     hf_names, transposed = _hf_names(path, cfg.num_hidden_layers, cfg.family)
