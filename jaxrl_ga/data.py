@@ -126,7 +126,20 @@ def _sft_task(cfg, train_source, eval_source, rewards):
   if not train:
     raise ConfigError('data.train is empty; give at least one row.')
   if eval_source is None:
-    train, eval_rows = held_out_split(train, spec.eval_fraction, cfg.seed)
+    # Held out: rows with a prompt to ask (a text row has none), when rewards can score them;
+    # otherwise every row trains, as TRL's SFTTrainer trains on its whole train_dataset.
+    asked = [i for i, r in enumerate(train) if sft_data.row_format(r) != 'text']
+    held = set(held_out_split(asked, spec.eval_fraction, cfg.seed)[1]
+               if rewards and len(asked) > 1 else ())
+    train, eval_rows = ([r for i, r in enumerate(train) if i not in held],
+                        [train[i] for i in sorted(held)])
+    note = (f'[sft] data.train: {len(eval_rows)} of {len(train) + len(eval_rows)} rows held out '
+            f'for the held-out evaluation' + (f' (data.eval_fraction={spec.eval_fraction})'
+                                              if held else ' (no reward function to score them)')
+            + '; data.eval=FILE evaluates on its rows instead.')
   else:
     eval_rows = rename(read_rows(eval_source, spec.eval_split, 'data.eval'))
-  return sft_data.build_task(train, eval_rows, rewards, shuffle=spec.shuffle)
+    note = None
+  task = sft_data.build_task(train, eval_rows, rewards, shuffle=spec.shuffle)
+  task.held_out_note = note  # the stage prints it (after every row is checked)
+  return task

@@ -7,6 +7,9 @@ order); each holds one of TRL's SFT formats:
   {"prompt": ..., "completion": ...}                   loss on the completion only
   {"text": "..."}                                      loss on every token
 
+(sft.assistant_only_loss=False and sft.completion_only_loss=False, TRL's options of those names:
+the loss on every token of the first two kinds too.)
+
 ``prompt`` and ``completion`` may each be a string or a list of chat messages (TRL's
 conversational prompt-completion). Messages keep every key (an assistant turn's ``tool_calls``, a
 tool turn's ``name``), and a conversation's ``tools`` column (tool schemas, or their JSON text) and
@@ -154,9 +157,21 @@ def has_generation_markers(tokenizer) -> bool:
   return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
 
 
-def encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], list[int]]:
+def encode_row(tokenizer, row: rows_lib.Row, eos_id: int, *, assistant_only: bool = True,
+               completion_only: bool = True) -> tuple[list[int], list[int]]:
   """A checked row -> (token ids, loss mask), the mask 1 on the tokens SFT trains on. The first
-  token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike."""
+  token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike.
+  ``assistant_only`` (sft.assistant_only_loss) False: a ``messages`` row trains on every token;
+  ``completion_only`` (sft.completion_only_loss) False: a prompt-completion row too."""
+  ids, mask = _encode_row(tokenizer, row, eos_id)
+  kind = row_format(row)
+  if (kind == 'messages' and not assistant_only) or (
+      kind == 'prompt_completion' and not completion_only):
+    mask = [0] + [1] * (len(ids) - 1)
+  return ids, mask
+
+
+def _encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], list[int]]:
   kind = row_format(row)
   if kind == 'text':
     ids = (chat.leading_special_ids(tokenizer, row['text'])
@@ -304,11 +319,14 @@ class SFTDataTask(rows_lib.DataTask):
     super().__init__(train, eval_rows, reward_funcs, shuffle)
     self.sequences: Optional[list[tuple[list[int], list[int]]]] = None
     self.dropped = 0
+    self.held_out_note: Optional[str] = None  # how many rows data.train held out, and why
 
-  def encode(self, tokenizer, eos_id: int, max_length: int, too_long: str) -> None:
+  def encode(self, tokenizer, eos_id: int, max_length: int, too_long: str,
+             assistant_only: bool = True, completion_only: bool = True) -> None:
     kept, sequences = [], []
     for row in self.train:
-      ids, mask = encode_row(tokenizer, row, eos_id)
+      ids, mask = encode_row(tokenizer, row, eos_id, assistant_only=assistant_only,
+                             completion_only=completion_only)
       fitted = fit_length(ids, mask, max_length, too_long, row.where)
       if fitted is not None:
         kept.append(row)
@@ -333,7 +351,8 @@ class SFTDataTask(rows_lib.DataTask):
       return base.Example(prompt=row['text'], answer=None, fields=fields)
     if kind == 'messages':
       messages = row['messages']
-      last = max(i for i, m in enumerate(messages) if m['role'] == 'assistant' and m['content'])
+      last = max(i for i, m in enumerate(messages)
+                 if m['role'] == 'assistant' and (m['content'] or m.get('tool_calls')))
       prompt, reply = messages[:last], messages[last]['content']
     else:
       prompt, completion = row['prompt'], row['completion']

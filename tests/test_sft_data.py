@@ -422,3 +422,63 @@ def test_tool_calls_and_the_tools_column_reach_the_template_as_trl_passes_them(t
 def test_bad_template_columns_are_one_error_naming_the_row(column, value, message):
   with pytest.raises(ConfigError, match=rf'^d.jsonl:1: {message}'):
     _row(messages=CONVERSATIONS[0], **{column: value})
+
+
+def test_without_data_eval_rows_are_held_out_only_to_be_asked_and_scored(tmp_path, capsys):
+  """TRL's SFTTrainer trains on every row of train_dataset. Without data.eval a share of the rows
+  is held out for the held-out evaluation, so only rows it can ask (a prompt: text rows have
+  none) and only when a reward function can score them; said in one line. Before, 10% of any
+  rows (text included) were held out with no word, text rows never evaluated, and the
+  evaluation reported accuracy 0.000 with nothing to score."""
+  from jaxrl_ga import data as data_lib  # pylint: disable=g-import-not-at-top
+  rows = ([{'text': f'document {i}.'} for i in range(10)]
+          + [{'prompt': f'What is {i}+1?', 'completion': str(i + 1)} for i in range(20)])
+  path = tmp_path / 'rows.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  cfg = _sft_cfg(path)
+  task = data_lib.build_task(cfg, reward_funcs=[])
+  assert len(task.train) == 30 and not task.eval_rows
+  assert task.held_out_note.startswith('[sft] data.train: 0 of 30 rows held out')
+  task = data_lib.build_task(cfg, reward_funcs=['final_answer'])
+  held = [r for r in rows if r not in [dict(t) for t in task.train]]
+  assert len(task.eval_rows) == 2 == len(held)  # round(0.1 * 20) of the 20 prompt rows
+  assert all('prompt' in r for r in held) and len(task.train) == 28
+  assert task.held_out_note.startswith(
+      '[sft] data.train: 2 of 30 rows held out for the held-out evaluation '
+      '(data.eval_fraction=0.1)')
+  # No reward: the line is on the console, and the evaluation says n/a, not an accuracy of 0.
+  summary = api.run(api.make_config(cfg, **{'sft.num_steps': 1}), str(tmp_path / 'wd'))
+  out = capsys.readouterr().out
+  assert summary.get('eval/accuracy_after') is None
+  assert 'held-out accuracy after SFT: n/a' in out and '[sft] data.train: 0 of 30 rows' in out
+
+
+def test_trls_loss_mask_options_train_on_every_token():
+  """TRL 1.16's assistant_only_loss=False (its default) trains a conversation on every token,
+  and completion_only_loss=False a prompt-completion row on its prompt too: the labels are the
+  input ids, every token but the first predicted. The ids do not change, and a text row is the
+  same either way. Through the run's config: the encoded rows of build_context."""
+  tok = _tokenizer()
+  rows = [_row(messages=CONVERSATIONS[1]),
+          _row(prompt=[{'role': 'user', 'content': 'What is 2+3?'}],
+               completion=[{'role': 'assistant', 'content': '5'}]),
+          _row(prompt='What is 2+3?', completion='5'), _row(text='abc')]
+  for row in rows:
+    ids, mask = sft_data.encode_row(tok, row, EOS)
+    all_ids, all_mask = sft_data.encode_row(tok, row, EOS, assistant_only=False,
+                                            completion_only=False)
+    assert all_ids == ids and all_mask == [0] + [1] * (len(ids) - 1)
+    assert (mask == all_mask) == ('text' in row)  # the defaults mask the prompt, text aside
+  only = lambda **kw: [sft_data.encode_row(tok, r, EOS, **kw)[1] for r in rows]
+  assert only(assistant_only=False)[1:] == only()[1:]  # each option its own rows' kind
+  assert only(completion_only=False)[0] == only()[0]
+
+
+def test_the_loss_mask_options_reach_the_encoded_rows(tmp_path):
+  path = tmp_path / 'rows.jsonl'
+  path.write_text(json.dumps(GOOD) + '\n')
+  for value in (True, False):
+    ctx, _ = api.build_context(_sft_cfg(path, **{'sft.assistant_only_loss': value,
+                                                 'data.eval': str(path)}), str(tmp_path / str(value)))
+    ids, mask = ctx.task.sequences[0]
+    assert (mask == [0] + [1] * (len(ids) - 1)) == (not value)

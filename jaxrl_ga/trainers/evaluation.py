@@ -135,6 +135,8 @@ class Evaluator:
         np.concatenate([sums, counts], 1)[rows], rows, bs, ctx.mesh)]), 1).sum(0)
     size = max(len(self.examples), 1)
     results: dict[str, Any] = {'accuracy': float(total[0]) / size}
+    if not self.examples or (getattr(ctx.task, 'name', '') == 'data' and self.marked is None):
+      results['accuracy'] = None  # nothing asked, or no reward marks correctness: n/a, not 0
     if sums is not None:
       f = len(self._names)
       for i, name in enumerate(self._names):

@@ -97,6 +97,8 @@ class SFTStage(stage.Stage):
 
   def run(self, ctx: context.RunContext, params) -> tuple[Any, dict[str, Any]]:
     cfg = ctx.cfg.sft  # sft.max_length=0: the one chosen from the data (api.build_context)
+    if getattr(ctx.task, 'held_out_note', None):
+      print(ctx.task.held_out_note, flush=True)
     # sft.micro_batch_size is checked against the mesh before anything is built (validate).
     part = context.TrainedPart(ctx, params)  # LoRA: the adapters train, the base is frozen
     b, seed, k = cfg.micro_batch_size, ctx.cfg.seed, cfg.grad_accum_steps
