@@ -264,7 +264,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
     # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
     task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length or sys.maxsize,
-                cfg.sft.too_long)
+                cfg.sft.too_long, cfg.sft.assistant_only_loss, cfg.sft.completion_only_loss)
     if task.dropped and jax.process_index() == 0:
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='

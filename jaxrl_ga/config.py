@@ -861,6 +861,10 @@ class SFTConfig:
     too_long: a data.train row over max_length: 'error' (naming it), 'drop' (left out, counted)
       or 'truncate' (its first max_length tokens).
     eval_before: a held-out evaluation before the first step too (eval/accuracy_before_sft).
+    assistant_only_loss: your data's ``messages`` rows: the loss on the assistant turns only
+      (True) or on every token of the conversation (False, TRL 1.16's default of the same name).
+    completion_only_loss: your data's ``prompt``/``completion`` rows: the loss on the completion
+      only (True, TRL's default for such rows) or on the prompt too (False).
   """
   num_steps: int = 200
   micro_batch_size: int = 64
@@ -875,6 +879,8 @@ class SFTConfig:
   packing: bool = False
   too_long: str = 'error'
   eval_before: bool = False
+  assistant_only_loss: bool = True
+  completion_only_loss: bool = True
 
   def __post_init__(self):
     _positive_int(self, 'num_steps', 'micro_batch_size', 'grad_accum_steps', 'log_every',

@@ -144,7 +144,9 @@ LATER_STAGE_SETTINGS = ('sync_ref_model', 'ref_model_sync_steps', 'ref_model_mix
                         'loss.objective', 'loss.sapo_temperature_pos', 'loss.sapo_temperature_neg',
                         'loss.vespo_k_pos', 'loss.vespo_lambda_pos', 'loss.vespo_k_neg',
                         'loss.vespo_lambda_neg', 'loss.top_entropy_quantile',
-                        'loss.use_bias_correction_kl', 'advantage.multi_objective_aggregation')
+                        'loss.use_bias_correction_kl', 'advantage.multi_objective_aggregation',
+                        # sft: TRL's loss-mask options (jaxrl_ga.sft_data)
+                        'assistant_only_loss', 'completion_only_loss')
 
 
 def _drop_later_defaults(stage_cfg: dict, defaults: dict) -> None:
