@@ -319,6 +319,21 @@ def test_cli_rejects_invalid_config_before_compiling(tmp_path):
   assert not (tmp_path / 'checkpoints').exists()
 
 
+def test_a_grpo_group_of_one_completion_is_refused_before_compiling(tmp_path):
+  """G = 1: every advantage is the reward minus itself, 0, so loss and gradient are 0 for the
+  whole run (it ran to the end, rc 0). TRL 1.16 refuses num_generations < 2; so does the run,
+  before anything compiles. SFT-only runs keep the setting unread."""
+  import smoke_configs  # pylint: disable=import-outside-toplevel
+  cfg = smoke_configs.smoke('grpo_arith', **{'grpo.schedule.num_generations': 1})
+  with pytest.raises(ConfigError, match=r'^grpo.schedule.num_generations=1: a group of one '
+                                        r'completion has advantage 0'):
+    api.run(cfg, str(tmp_path / 'wd'))
+  assert not (tmp_path / 'wd' / 'checkpoints').exists()
+  sft = smoke_configs.smoke('sft_arith', **{'grpo.schedule.num_generations': 1,
+                                            'sft.num_steps': 1})
+  assert not api.run(sft, str(tmp_path / 'sft'))['stopped_early']
+
+
 def test_run_config_names_unknown_settings():
   with pytest.raises(ConfigError, match=r'grpo\.schedule\.grad_acum_steps'):
     from_mapping(RunConfig, {'grpo': {'schedule': {'grad_acum_steps': 3}}})

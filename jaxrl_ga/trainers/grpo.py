@@ -86,6 +86,11 @@ class GRPOStage(stage.Stage):
   announces_chosen_lengths = False  # the first rollout's prompt line says it
 
   def validate(self, cfg: RunConfig, dp: int) -> None:
+    g = cfg.grpo.schedule.num_generations
+    if g < 2:  # ScheduleConfig allows 1: SFT's and DPO's schedules, the learner benchmarks'
+      raise ConfigError(f'grpo.schedule.num_generations={g}: a group of one completion has '
+                        f'advantage 0 (its reward minus its group\'s mean), so GRPO would train '
+                        f'nothing; use 2 or more (TRL\'s num_generations must be >= 2 too).')
     schedule.validate(cfg.grpo.schedule, dp)
     if cfg.grpo.sync_ref_model and cfg.model.lora.rank:
       raise ConfigError(f'grpo.sync_ref_model=True with model.lora.rank={cfg.model.lora.rank}: '
