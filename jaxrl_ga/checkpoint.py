@@ -135,6 +135,11 @@ def _stored_form(leaf) -> tuple[tuple[int, ...], np.dtype]:
   return tuple(leaf.shape), np.dtype(leaf.dtype)
 
 
+# Words of orbax-checkpoint 0.12's ValueError when the restore target's tree differs from the
+# stored one (StandardRestore).
+_ORBAX_TREE_MISMATCH = 'tree structures do not match'
+
+
 def _structure_errors(stored_tree, abstract_state) -> list[str]:
   stored, current = _flat(stored_tree), _flat(abstract_state)
   errors = [f'{k}: in the checkpoint, not in the current state' for k in stored
@@ -324,8 +329,18 @@ class Checkpointer:
           f'checkpoint {where} does not match the state to restore:\n  '
           + '\n  '.join(errors[:20]) + (f'\n  ... {len(errors) - 20} more' if errors[20:] else '')
           + f'\nThe config fingerprints match: the code builds another state than it saved. {fix}')
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(without if older else abstract_state)))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(without if older else abstract_state)))
+    except ValueError as e:
+      # orbax's check of the whole tree: the arrays match (above), nodes without arrays differ
+      # (e.g. an optimizer state of another version): a mismatch, not an unreadable file.
+      if _ORBAX_TREE_MISMATCH not in str(e):
+        raise
+      raise CheckpointMismatchError(
+          f'checkpoint {where} does not match the state to restore: its arrays do, but not the '
+          f'tree around them (nodes that hold no array). The config fingerprints match: the code '
+          f'builds another state than it saved (another version of jaxrl_ga?). {fix}') from None
     logging.info('Restored checkpoint step %d from %s.', step, self.directory)
     state = restored['state']
     if older:

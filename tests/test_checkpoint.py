@@ -201,6 +201,25 @@ def test_another_state_structure_is_refused(tmp_path):
       ck.restore_latest(no_sharding)
 
 
+def test_a_tree_that_differs_only_where_no_array_is_a_mismatch_not_unreadable(tmp_path):
+  """The same arrays under a differently shaped tree (an optimizer state whose empty node is
+  wrapped, as optax.adamw(mask=...) wraps it): orbax refuses to restore. Before, that was taken
+  for an unreadable file: the checkpoint was moved aside as <step>.unreadable and the run told
+  to start over. It is a mismatch (the code's state, not the file): refused, the checkpoint left
+  in place."""
+  import optax  # pylint: disable=import-outside-toplevel
+  state = {'w': jnp.ones(3), 'opt': (optax.EmptyState(), jnp.zeros(2))}
+  other = {'w': jnp.ones(3), 'opt': (optax.MaskedState(inner_state=optax.EmptyState()),
+                                     jnp.zeros(2))}
+  with checkpoint.Checkpointer(tmp_path) as ck:
+    ck.save(1, state)
+    ck.wait()
+    with pytest.raises(checkpoint.CheckpointMismatchError, match='not the tree around them'):
+      ck.restore_latest(_abstract(other))
+    assert checkpoint.all_steps(str(tmp_path)) == [1]
+    np.testing.assert_array_equal(ck.restore_latest(_abstract(state))[0]['w'], 1.0)
+
+
 def _run_child(tmp_path, body, **popen_kwargs):
   script = tmp_path / 'child.py'
   script.write_text(textwrap.dedent('''
