@@ -91,6 +91,8 @@ def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequenc
       raise ConfigError(f'{name}: no such file; give an existing .jsonl, .json, .csv or '
                         f'.parquet file.')
     data = fileio.path(path).read_bytes()
+    if data.startswith(_BOM):  # Excel's "CSV UTF-8", Notepad's: not part of the first column
+      data = data[len(_BOM):]
     if path.endswith('.parquet'):
       return _parquet_rows(data, source, what)
     text = _utf8(data, source, what)
@@ -128,6 +130,25 @@ def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequenc
                       f'({_first_line(e)}); check the id and split, or give a local file.'
                       ) from None
   return _from_datasets_object(loaded, split, what, name=source)
+
+
+_BOM = '\ufeff'.encode('utf-8')
+
+
+def same_rows(train_source, eval_source, split: str, eval_split: str) -> bool:
+  """Whether data.eval would read data.train's own rows: the same file, or the same
+  ``save_to_disk`` directory of one dataset (whose rows have no split to tell them apart), or
+  the same split of a saved DatasetDict or hub dataset."""
+  if not (isinstance(train_source, str) and isinstance(eval_source, str)):
+    return False
+  if os.path.expanduser(train_source) != os.path.expanduser(eval_source):
+    return False
+  path = os.path.expanduser(train_source)
+  if path.endswith(FILE_SUFFIXES):
+    return True
+  if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'dataset_dict.json')):
+    return True
+  return split == eval_split
 
 
 def _first_line(e: Exception) -> str:
@@ -205,9 +226,22 @@ def _json_rows(text: str, source: str, what: str) -> list[Row]:
 
 
 def _csv_rows(text: str, source: str, what: str) -> list[Row]:
+  """The rows of a CSV text with a header line; every cell a string (no type is guessed). A
+  header with an empty or repeated name, or a row with more or fewer cells than the header, is a
+  ConfigError naming the line (pandas, so datasets, refuses such a file too)."""
   reader = csv.DictReader(io.StringIO(text, newline=''))
+  names = reader.fieldnames or []
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if any(not n.strip() for n in names) or repeated:
+    raise ConfigError(f'{what}={source}:1: the header has '
+                      + (f'a repeated column name {repeated[0]!r}' if repeated
+                         else 'an empty column name') + '; give each column its own name.')
   rows = []
   for r in reader:
+    if None in r or None in r.values():  # DictReader's restkey / restval: a ragged row
+      cells = sum(v is not None for k, v in r.items() if k is not None) + len(r.get(None, ()))
+      raise ConfigError(f'{what}={source}:{reader.line_num}: {cells} cell(s), the header has '
+                        f'{len(names)}; give every row one cell per column.')
     rows.append(_row(r, f'{what}={source}:{reader.line_num}', what))
   return rows
 
@@ -242,14 +276,21 @@ def _from_datasets_object(obj, split: str, what: str, name: str = '') -> list[Ro
 def parse_columns(columns) -> dict[str, str]:
   """``'question:prompt,solution:answer'`` (or a mapping) -> {'question': 'prompt', ...}."""
   if isinstance(columns, Mapping):
-    return dict(columns)
-  out = {}
-  for item in filter(None, (p.strip() for p in (columns or '').split(','))):
-    src, colon, dst = item.partition(':')
-    if not colon or not src.strip() or not dst.strip():
-      raise ConfigError(f'data.columns: {item!r} is not "source:target" (e.g. '
-                        f'data.columns=question:prompt).')
-    out[src.strip()] = dst.strip()
+    out = dict(columns)
+  else:
+    out = {}
+    for item in filter(None, (p.strip() for p in (columns or '').split(','))):
+      src, colon, dst = item.partition(':')
+      if not colon or not src.strip() or not dst.strip():
+        raise ConfigError(f'data.columns: {item!r} is not "source:target" (e.g. '
+                          f'data.columns=question:prompt).')
+      out[src.strip()] = dst.strip()
+  targets = list(out.values())
+  twice = sorted({t for t in targets if targets.count(t) > 1})
+  if twice:  # one would silently win, by the file's column order (datasets refuses it too)
+    sources = [s for s, t in out.items() if t == twice[0]]
+    raise ConfigError(f'data.columns: {" and ".join(map(repr, sources))} are both renamed to '
+                      f'{twice[0]!r}; rename one column to each name.')
   return out
 
 

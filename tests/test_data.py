@@ -552,3 +552,60 @@ def test_trainer_arguments_become_the_run_config():
   assert api.make_config(cfg) == cfg  # a RunConfig round-trips
   with pytest.raises(ConfigError, match=r'grpo\.num_stepz'):
     api.make_config(None, **{'grpo.num_stepz': 1})
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+  """Excel's "CSV UTF-8" (and Notepad's UTF-8) starts the file with a BOM. datasets reads the
+  first column by its name; before, jaxrl_ga named it '\\ufeffanswer', so no reward saw an
+  'answer' and every completion went unscored (a .jsonl with a BOM was refused)."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  bom = '\ufeff'.encode('utf-8')
+  csv_path, jsonl_path = tmp_path / 'd.csv', tmp_path / 'd.jsonl'
+  csv_path.write_bytes(bom + b'answer,prompt\n2,1+1?\n3,1+2?\n')
+  jsonl_path.write_bytes(bom + b'{"answer": "2", "prompt": "1+1?"}\n')
+  want = datasets.load_dataset('csv', data_files=str(csv_path), split='train').column_names
+  assert want == ['answer', 'prompt']
+  assert [sorted(r) for r in rows_lib.read_rows(str(csv_path))] == [want, want]
+  assert [dict(r) for r in rows_lib.read_rows(str(jsonl_path))] == [
+      {'answer': '2', 'prompt': '1+1?'}]
+
+
+@pytest.mark.parametrize('text,message', [
+    ('prompt,answer\nq0,1\nq1\n', ':3: 1 cell(s), the header has 2; give every row one cell'),
+    ('prompt,answer\nq0,1\nq1,2,EXTRA\n', ':3: 3 cell(s), the header has 2'),
+    ('prompt,answer,answer\nq0,1,2\n', ":1: the header has a repeated column name 'answer'"),
+    ('prompt,,answer\nq0,1,2\n', ':1: the header has an empty column name'),
+])
+def test_a_ragged_csv_is_refused_naming_the_line_as_datasets_refuses_it(tmp_path, text, message):
+  """A row with fewer cells than the header got None silently, one with more a None key that
+  crashed the reward fields mid-training; a repeated header name kept the last column only.
+  pandas (datasets' csv reader) refuses the ragged row; here each is one error naming the line."""
+  path = tmp_path / 'd.csv'
+  path.write_text(text)
+  with pytest.raises(ConfigError) as e:
+    rows_lib.read_rows(str(path))
+  assert str(e.value).startswith(f'data.train={path}{message}'), str(e.value)
+
+
+def test_two_columns_renamed_to_one_name_and_eval_rows_that_are_train_rows_are_refused(tmp_path):
+  """data.columns=q:prompt,p:prompt kept whichever column came last in the file (datasets'
+  rename_columns refuses it); data.eval naming data.train's own file (or a saved dataset without
+  splits, whose eval_split was ignored) evaluated the model on its training rows."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  for columns in ('q:prompt,p:prompt', {'q': 'prompt', 'p': 'prompt'}):
+    with pytest.raises(ConfigError, match=r"^data.columns: 'q' and 'p' are both renamed to "
+                                          r"'prompt'"):
+      rows_lib.parse_columns(columns)
+  paths, _ = _write_all(tmp_path, ROWS)
+  for kind in ('jsonl', 'disk'):
+    with pytest.raises(ConfigError, match=r'reads the rows of data.train .* the held-out '
+                                          r'evaluation would score training rows'):
+      data.build_task(_cfg(**{'data.train': paths[kind], 'data.eval': paths[kind],
+                              'grpo.reward_funcs': 'final_answer'}))
+  splits = datasets.DatasetDict({'train': datasets.Dataset.from_list(ROWS[:8]),
+                                 'test': datasets.Dataset.from_list(ROWS[8:])})
+  splits.save_to_disk(str(tmp_path / 'dict'))
+  task = data.build_task(_cfg(**{'data.train': str(tmp_path / 'dict'),
+                                 'data.eval': str(tmp_path / 'dict'),
+                                 'grpo.reward_funcs': 'final_answer'}))
+  assert len(task.eval_rows) == 4 and task.num_train() == 8  # its splits tell them apart
