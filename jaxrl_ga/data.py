@@ -91,9 +91,10 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
       task.reward_functions = lambda *unused_args, **unused_kwargs: list(rewards)
     return task
   if tuple(cfg.stages) == ('sft',):  # SFT rows: messages, prompt+completion or text
-    return _sft_task(cfg, train_source, eval_source, rewards)
+    return _with_digest(_sft_task(cfg, train_source, eval_source, rewards), train_source, spec)
   if 'dpo' in cfg.stages and cfg.dpo.pairs == 'dataset':  # preference rows: jaxrl_ga.preference
-    return preference.build_task(cfg, train_source, eval_source, rewards)
+    return _with_digest(preference.build_task(cfg, train_source, eval_source, rewards),
+                        train_source, spec)
   if 'sft' in cfg.stages or 'dpo' in cfg.stages:
     raise ConfigError(f'stages={",".join(cfg.stages)}: data.train rows train GRPO (stages=grpo), '
                       f'SFT alone (stages=sft) or DPO alone with dpo.pairs=dataset (stages=dpo).')
@@ -120,6 +121,13 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
                       f'schedule.')
   task = DataTask(train, eval_rows, rewards, shuffle=spec.shuffle, owns=owns)
   task.first_epoch(cfg.seed)  # bad rows are refused before anything compiles
+  return _with_digest(task, train_source, spec)
+
+
+def _with_digest(task, train_source, spec):
+  """``task`` with ``data_digest``, what its rows are read from (``rows.source_digest``): a
+  stage's checkpoints keep it, and a resume on other rows is refused (stage.check_resume)."""
+  task.data_digest = rows_lib.source_digest(train_source, spec.train_split)
   return task
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections.abc
 import csv
+import hashlib
 import io
 import json
 import os
@@ -149,6 +150,32 @@ def same_rows(train_source, eval_source, split: str, eval_split: str) -> bool:
   if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'dataset_dict.json')):
     return True
   return split == eval_split
+
+
+def source_digest(source, split: str = 'train') -> Optional[str]:
+  """A digest of what ``open_rows(source, split)`` reads, to tell a resumed run that its rows
+  changed: sha256 of a file's bytes or of a list's JSON; of a saved directory or a hub id,
+  ``datasets``' own fingerprint of the files it loads (memory-mapped, or from its cache). None
+  for a ``datasets`` object given in Python (a transform's fingerprint may be random: a resume
+  would be refused for nothing) and where none is known."""
+  if isinstance(source, (list, tuple)):
+    text = json.dumps(list(source), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode('utf-8')).hexdigest()
+  if not isinstance(source, str):
+    return None
+  path = os.path.expanduser(source)
+  if path.endswith(FILE_SUFFIXES):
+    return hashlib.sha256(fileio.path(path).read_bytes()).hexdigest()
+  try:
+    # lazy: optional dependency (datasets); open_rows has read the source with it already
+    import datasets  # pylint: disable=g-import-not-at-top
+    loaded = (datasets.load_from_disk(path) if os.path.isdir(path)
+              else datasets.load_dataset(path, split=split))
+  except Exception:  # pylint: disable=broad-except  (open_rows said why, if it could not)
+    return None
+  if isinstance(loaded, Mapping):
+    loaded = loaded.get(split)
+  return getattr(loaded, '_fingerprint', None)
 
 
 def _first_line(e: Exception) -> str:

@@ -609,3 +609,31 @@ def test_two_columns_renamed_to_one_name_and_eval_rows_that_are_train_rows_are_r
                                  'data.eval': str(tmp_path / 'dict'),
                                  'grpo.reward_funcs': 'final_answer'}))
   assert len(task.eval_rows) == 4 and task.num_train() == 8  # its splits tell them apart
+
+
+def test_a_resume_on_other_rows_is_refused_before_anything_runs(tmp_path):
+  """The data order and the held-out split are functions of the rows: a run resumed after rows
+  were added to (or changed in) data.train would not continue as it began, and went on without a
+  word. The stage's checkpoint keeps a digest of the file; a resume on other bytes is one error
+  line, on the same bytes it goes on."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  rows = _user_rows(15, 'train')
+  path = tmp_path / 'train.jsonl'
+  text = ''.join(json.dumps(r, ensure_ascii=False) + '\n' for r in rows)
+  path.write_text(text, encoding='utf-8')
+  cfg = api.make_config(load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke'),
+                        **{**_OVERRIDES, 'data.train': str(path), 'grpo.completions_every': 0,
+                           'checkpoint.every_steps': 1, 'grpo.reward_funcs': 'final_answer'})
+  api.run(cfg, str(tmp_path / 'wd'))
+  ckpts = tmp_path / 'wd' / 'checkpoints' / 'grpo'
+  steps = checkpoint.all_steps(str(ckpts))
+  shutil.rmtree(ckpts / str(steps[-1]))  # as if stopped after the first optimizer step
+  path.write_text(text + json.dumps(rows[0]) + '\n', encoding='utf-8')
+  with pytest.raises(ConfigError, match=r'^data.train: its rows differ from those the grpo '
+                                        r'checkpoint in .* was training on'):
+    api.run(cfg, str(tmp_path / 'wd'))
+  assert checkpoint.all_steps(str(ckpts)) == steps[:-1]
+  path.write_text(text, encoding='utf-8')
+  assert not api.run(cfg, str(tmp_path / 'wd'))['stopped_early']

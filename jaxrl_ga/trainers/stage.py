@@ -180,7 +180,11 @@ def restore(ctx, ckpt, stage: str, state, k: int,
   restored = ckpt.restore_latest(abstract, added)
   if restored is None:
     ctx.writer.drop_after(stage, 0, 0)
-    return state, fresh_meta()
+    meta = fresh_meta()
+    digest = getattr(ctx.task, 'data_digest', None)
+    if digest:  # the rows this stage trains on; check_resume refuses other rows
+      meta['data_digest'] = digest
+    return state, meta
   meta = restored[1]
   if not meta['done']:
     print(f'[{stage}] resumed at micro-step {meta["micro_step"]} (optimizer step '
@@ -211,12 +215,14 @@ def check_resume(ctx, stages: Sequence[Stage]) -> None:
   (``stages``: the run's, in order).
 
   Raises ConfigError (one line naming each changed setting, old and new value) if a checkpoint
-  was written with settings that change what its state means, if an unfinished stage has
+  was written with settings that change what its state means, or while data.train held other
+  rows (``rows.source_digest``; an unfinished stage only), if an unfinished stage has
   trained past its num_steps, or if a finished stage's num_steps was raised after a later stage
   started from its result.
   """
   cfg = ctx.cfg
   records = {}
+  digest = getattr(ctx.task, 'data_digest', None)
   for stage in cfg.stages:
     ckpt = ctx.checkpointer(stage)
     try:
@@ -227,6 +233,13 @@ def check_resume(ctx, stages: Sequence[Stage]) -> None:
           ckpt.check_fingerprint(step, fingerprint)
         except checkpoint.CheckpointMismatchError as e:
           raise ConfigError(str(e)) from None
+        if digest and meta.get('data_digest', digest) != digest and not meta['done']:
+          raise ConfigError(
+              f'data.train: its rows differ from those the {stage} checkpoint in {ctx.workdir} '
+              f'was training on (another content, rows added or removed): the data order and '
+              f'the held-out split depend on them, so the run would not continue as it began. '
+              f'Restore the data, or start a fresh --workdir (model.hf_path may be an export '
+              f'of this one, python -m jaxrl_ga.export).')
         records[stage] = meta
     finally:
       ckpt.close()
