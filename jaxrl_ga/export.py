@@ -86,13 +86,17 @@ def _read_checkpoint(checkpoint_dir: str, tokenizer_path: str | None = None):
   step = steps[-1] if step is None else step
   if step not in steps:
     raise FileNotFoundError(f'no step {step} in {path}; available steps: {steps}.')
-  state, _, fingerprint = checkpoint.Checkpointer(path, read_only=True).restore_raw(step)
+  state, meta, fingerprint = checkpoint.Checkpointer(path, read_only=True).restore_raw(step)
   if 'model' not in fingerprint:
     raise ValueError(f'{path}/{step} holds no model config in its fingerprint; was it written '
                      f'by jaxrl_ga.main?')
   cfg = policy.model_config_from_dict(fingerprint['model'])
   params = state['learner']['params'] if 'learner' in state else state['params']
   if cfg.lora.rank:  # the adapters only: on the base weights the run started from
+    source = fingerprint.get('model_source')
+    if source and meta.get('base_digest') and policy.weights_digest(source) != meta['base_digest']:
+      raise ValueError(policy.BASE_CHANGED.format(source=source, where=f'{path}/{step}',
+                                                     use='merged'))
     params = tfm.combine(base_params(cfg, fingerprint), params)
   tokenizer = None
   tok_path = tokenizer_path or os.path.join(os.path.dirname(os.path.dirname(path)), 'tokenizer')

@@ -104,9 +104,7 @@ def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequenc
     return _csv_rows(text, source, what)
   if os.path.isdir(path):
     try:
-      # lazy: optional dependency (datasets)
-      import datasets  # pylint: disable=g-import-not-at-top
-      loaded = datasets.load_from_disk(path)
+      loaded = _datasets().load_from_disk(path)
     except ImportError:
       raise ConfigError(f'{name}: reading a directory needs the datasets package (pip install '
                         f'datasets).') from None
@@ -119,8 +117,7 @@ def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequenc
     raise ConfigError(f'{name}: no such file or directory; give a .jsonl, .json, .csv or '
                       f'.parquet file, a datasets.save_to_disk directory or a hub dataset id.')
   try:
-    # lazy: optional dependency (datasets)
-    import datasets  # pylint: disable=g-import-not-at-top
+    datasets = _datasets()
   except ImportError:
     raise ConfigError(f'{name}: a hub dataset needs the datasets package (pip install '
                       f'datasets), or give a local file.') from None
@@ -166,9 +163,8 @@ def source_digest(source, split: str = 'train') -> Optional[str]:
   path = os.path.expanduser(source)
   if path.endswith(FILE_SUFFIXES):
     return hashlib.sha256(fileio.path(path).read_bytes()).hexdigest()
-  try:
-    # lazy: optional dependency (datasets); open_rows has read the source with it already
-    import datasets  # pylint: disable=g-import-not-at-top
+  try:  # open_rows has read the source with datasets already
+    datasets = _datasets()
     loaded = (datasets.load_from_disk(path) if os.path.isdir(path)
               else datasets.load_dataset(path, split=split))
   except Exception:  # pylint: disable=broad-except  (open_rows said why, if it could not)
@@ -176,6 +172,13 @@ def source_digest(source, split: str = 'train') -> Optional[str]:
   if isinstance(loaded, Mapping):
     loaded = loaded.get(split)
   return getattr(loaded, '_fingerprint', None)
+
+
+def _datasets():
+  """The datasets package (ImportError when it is not installed)."""
+  # lazy: optional dependency (datasets)
+  import datasets  # pylint: disable=g-import-not-at-top
+  return datasets
 
 
 def _first_line(e: Exception) -> str:

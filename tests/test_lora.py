@@ -327,3 +327,38 @@ def test_bfloat16_compute_keeps_the_adapters_scale_and_the_samplers_adapters():
   unfolded, _ = model.decode(tok, cache.per_layer(), model.unstacked_layers())
   sampler, _ = model.decode(tok, cache.per_layer(), model.decode_layers())
   np.testing.assert_array_equal(np.asarray(sampler, np.float32), np.asarray(unfolded, np.float32))
+
+
+@pytest.mark.slow
+def test_a_changed_base_is_refused_at_resume_and_export(tmp_path):
+  """A LoRA checkpoint holds the adapters only; a resume and an export read the base again from
+  model.hf_path. With those weights changed since (one tensor scaled by 1.05, as a new revision
+  or a file replaced in place would), the export merged the adapters into other weights with no
+  word (logits off by 0.2 in helper 41's repro). The checkpoint keeps a digest of the base
+  (policy.weights_digest): both refuse, and the same bytes again export."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import smoke_configs  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api, checkpoint, export  # pylint: disable=g-import-not-at-top
+  model = tmp_path / 'model'
+  shutil.copytree(FIXTURE, model)
+  cfg = smoke_configs.smoke('sft_arith', **{
+      'model.hf_path': str(model), 'model.lora.rank': 4, 'sft.num_steps': 2,
+      'checkpoint.every_steps': 1})
+  api.run(cfg, str(tmp_path / 'wd'))
+  ckpts = tmp_path / 'wd' / 'checkpoints' / 'sft'
+  steps = checkpoint.all_steps(str(ckpts))
+  shutil.rmtree(ckpts / str(steps[-1]))  # as if stopped after the first step
+  weights = model / 'model.safetensors'
+  original = weights.read_bytes()
+  tensors = safetensors.numpy.load_file(weights)
+  name = 'model.layers.1.mlp.down_proj.weight'
+  tensors[name] = tensors[name] * np.float32(1.05)
+  safetensors.numpy.save_file(tensors, weights, metadata={'format': 'pt'})
+  with pytest.raises(ValueError, match=r'the base weights at .* differ from those the LoRA '
+                                       r'adapters of .* were trained on'):
+    export.export_checkpoint(str(tmp_path / 'wd'), str(tmp_path / 'hf'))
+  with pytest.raises(ConfigError, match=r'^the base weights at model.hf_path=.* differ'):
+    api.run(cfg, str(tmp_path / 'wd'))
+  weights.write_bytes(original)
+  export.export_checkpoint(str(tmp_path / 'wd'), str(tmp_path / 'hf'))
+  assert (tmp_path / 'hf' / 'model.safetensors').exists()

@@ -99,6 +99,11 @@ def _gguf_module():
   return gguf
 
 
+def tensors(path: str) -> list:
+  """The GGUF file's tensors (gguf's ReaderTensor: name, data_offset, n_bytes, ...)."""
+  return list(_reader(path).tensors)
+
+
 @functools.lru_cache(maxsize=2)
 def _reader(path: str):
   gguf = _gguf_module()

@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import re
+import struct
 from typing import Any, Callable, Optional, Union
 
 from absl import logging
@@ -263,6 +264,22 @@ def _local_dir(path_or_id: Union[str, os.PathLike]) -> str:
 
 
 local_dir = _local_dir  # public: jaxrl_ga.reward_model reads a checkpoint's files from it
+
+
+def weight_file_paths(model_dir: str) -> list[str]:
+  """The safetensors files of a local checkpoint dir, sorted."""
+  return sorted(set(_weight_files(model_dir).values()))
+
+
+def tensor_spans(file: str) -> tuple[str, list[tuple[int, int]], int]:
+  """(file, [(start, end) byte offsets of each tensor's data, by name], the header's length in
+  bytes) of a safetensors file, from its header alone (8 bytes of length, then JSON)."""
+  with open(file, 'rb') as f:
+    (n,) = struct.unpack('<Q', f.read(8))
+    header = json.loads(f.read(n))
+  spans = [(8 + n + header[k]['data_offsets'][0], 8 + n + header[k]['data_offsets'][1])
+           for k in sorted(header) if k != '__metadata__']
+  return file, spans, 8 + n
 
 
 def tensor_shape(model_dir: str, name: str) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from typing import Callable, Optional, Union
 
@@ -33,6 +34,39 @@ def load_model(source: Union[str, os.PathLike], *, dtype: str = 'float32',
   ``hf.load_model`` (the arguments are theirs)."""
   loader = gguf.load_model if gguf.is_gguf_source(source) else hf.load_model
   return loader(source, dtype=dtype, param_dtype=param_dtype, shardings_fn=shardings_fn)
+
+
+# A LoRA checkpoint's base (its ``base_digest``, ``weights_digest``) is not the one at its source.
+BASE_CHANGED = ('the base weights at {source} differ from those the LoRA adapters of {where} '
+                'were trained on (another revision, or files replaced in place): the adapters '
+                'would be {use} on other weights. Restore that model, or start a fresh '
+                '--workdir.')
+
+
+def weights_digest(source: Union[str, os.PathLike]) -> str:
+  """A digest of ``source``'s weights that reads a few MB whatever their size: each weight
+  file's size and header (tensor names, dtypes, shapes, offsets), and 4 KB at the start, middle
+  and end of every tensor's bytes. A LoRA run re-reads its frozen base from ``source`` at every
+  resume and export: a base changed since (a hub id's new revision, files replaced in place)
+  shows here. Not a checksum of every byte: a change to a few bytes deep inside one tensor can
+  pass."""
+  if gguf.is_gguf_source(source):
+    path = gguf.resolve(source)
+    spans = [(int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+             for t in gguf.tensors(path)]
+    files = [(path, spans, min((s for s, _ in spans), default=os.path.getsize(path)))]
+  else:
+    files = [hf.tensor_spans(file) for file in hf.weight_file_paths(hf.local_dir(source))]
+  h = hashlib.sha256()
+  for path, spans, header in files:
+    with open(path, 'rb') as f:
+      h.update(f'{os.path.getsize(path)};'.encode())
+      h.update(f.read(header))
+      for start, end in spans:
+        for at in sorted({start, max(start, (start + end) // 2 - 2048), max(start, end - 4096)}):
+          f.seek(at)
+          h.update(f.read(min(4096, end - at)))
+  return h.hexdigest()
 
 
 def load_tokenizer(source: Union[str, os.PathLike]) -> transformers.PreTrainedTokenizerBase:

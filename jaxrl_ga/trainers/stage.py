@@ -36,6 +36,7 @@ from jaxrl_ga import placement
 from jaxrl_ga import schedule
 from jaxrl_ga.config import RunConfig
 from jaxrl_ga.errors import ConfigError
+from jaxrl_ga.models import policy
 from jaxrl_ga.trainers import reporting
 
 
@@ -184,6 +185,9 @@ def restore(ctx, ckpt, stage: str, state, k: int,
     digest = getattr(ctx.task, 'data_digest', None)
     if digest:  # the rows this stage trains on; check_resume refuses other rows
       meta['data_digest'] = digest
+    base = base_digest(ctx.cfg)
+    if base:  # LoRA: the frozen base, read again at every resume and export
+      meta['base_digest'] = base
     return state, meta
   meta = restored[1]
   if not meta['done']:
@@ -192,6 +196,14 @@ def restore(ctx, ckpt, stage: str, state, k: int,
   logging.info('%s: resumed at micro-step %d', stage, meta['micro_step'])
   ctx.writer.drop_after(stage, meta['micro_step'] // k, meta['micro_step'])
   return restored
+
+
+def base_digest(cfg) -> Optional[str]:
+  """Of a LoRA run on model.hf_path: ``policy.weights_digest`` of its frozen base weights,
+  which a resume and an export read again from there (None otherwise)."""
+  if not (cfg.model.lora.rank and cfg.model.hf_path):
+    return None
+  return policy.weights_digest(cfg.model.hf_path)
 
 
 def trains_on(stage: str, meta: dict[str, Any], num_steps: int, k: int) -> bool:
@@ -223,6 +235,7 @@ def check_resume(ctx, stages: Sequence[Stage]) -> None:
   cfg = ctx.cfg
   records = {}
   digest = getattr(ctx.task, 'data_digest', None)
+  base = None  # base_digest(cfg), read once, when a checkpoint has one to compare
   for stage in cfg.stages:
     ckpt = ctx.checkpointer(stage)
     try:
@@ -240,6 +253,12 @@ def check_resume(ctx, stages: Sequence[Stage]) -> None:
               f'the held-out split depend on them, so the run would not continue as it began. '
               f'Restore the data, or start a fresh --workdir (model.hf_path may be an export '
               f'of this one, python -m jaxrl_ga.export).')
+        if meta.get('base_digest'):
+          base = base or base_digest(cfg)
+          if base and meta['base_digest'] != base:
+            raise ConfigError(policy.BASE_CHANGED.format(
+                source=f'model.hf_path={cfg.model.hf_path}', where=ckpt.directory,
+                use='resumed'))
         records[stage] = meta
     finally:
       ckpt.close()
