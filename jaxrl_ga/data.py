@@ -69,10 +69,10 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
   rewards = rewards_lib.resolve(reward_model.expand(reward_funcs))
   train_source = train_dataset if train_dataset is not None else (spec.train or None)
   eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
-  if rows_lib.same_rows(train_source, eval_source, spec.train_split, spec.eval_split):
-    raise ConfigError(f'data.eval={eval_source} reads the rows of data.train (the same file, or a '
-                      f'saved dataset without splits): the held-out evaluation would score '
-                      f'training rows; give other rows, or leave data.eval empty to hold out '
+  if rows_lib.split_ignored(train_source, eval_source, spec.train_split, spec.eval_split):
+    raise ConfigError(f'data.eval={eval_source} is data.train\'s saved dataset, which has no '
+                      f'splits: data.eval_split={spec.eval_split} would read the training rows; '
+                      f'give other rows, or leave data.eval empty to hold out '
                       f'data.eval_fraction of data.train.')
   if train_source is None and cfg.dpo.pairs == 'dataset' and 'dpo' in cfg.stages:
     raise ConfigError("dpo.pairs=dataset needs data.train (a preference file of prompt, chosen "

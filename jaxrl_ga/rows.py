@@ -133,20 +133,15 @@ def open_rows(source, split: str = 'train', what: str = 'data.train') -> Sequenc
 _BOM = '\ufeff'.encode('utf-8')
 
 
-def same_rows(train_source, eval_source, split: str, eval_split: str) -> bool:
-  """Whether data.eval would read data.train's own rows: the same file, or the same
-  ``save_to_disk`` directory of one dataset (whose rows have no split to tell them apart), or
-  the same split of a saved DatasetDict or hub dataset."""
-  if not (isinstance(train_source, str) and isinstance(eval_source, str)):
-    return False
-  if os.path.expanduser(train_source) != os.path.expanduser(eval_source):
+def split_ignored(train_source, eval_source, split: str, eval_split: str) -> bool:
+  """Whether data.eval names data.train's own ``save_to_disk`` directory of one dataset with
+  another split than data.train's: the directory has no splits, so both would read the same
+  rows (the same file, or the same split, named twice is the user's explicit choice)."""
+  if not (isinstance(train_source, str) and isinstance(eval_source, str)) or split == eval_split:
     return False
   path = os.path.expanduser(train_source)
-  if path.endswith(FILE_SUFFIXES):
-    return True
-  if os.path.isdir(path) and not os.path.exists(os.path.join(path, 'dataset_dict.json')):
-    return True
-  return split == eval_split
+  return (path == os.path.expanduser(eval_source) and os.path.isdir(path)
+          and not os.path.exists(os.path.join(path, 'dataset_dict.json')))
 
 
 def source_digest(source, split: str = 'train') -> Optional[str]:

@@ -587,21 +587,24 @@ def test_a_ragged_csv_is_refused_naming_the_line_as_datasets_refuses_it(tmp_path
   assert str(e.value).startswith(f'data.train={path}{message}'), str(e.value)
 
 
-def test_two_columns_renamed_to_one_name_and_eval_rows_that_are_train_rows_are_refused(tmp_path):
+def test_two_columns_renamed_to_one_name_and_a_split_that_is_ignored_are_refused(tmp_path):
   """data.columns=q:prompt,p:prompt kept whichever column came last in the file (datasets'
-  rename_columns refuses it); data.eval naming data.train's own file (or a saved dataset without
-  splits, whose eval_split was ignored) evaluated the model on its training rows."""
+  rename_columns refuses it); data.eval naming data.train's own saved dataset without splits,
+  whose data.eval_split was ignored, evaluated the model on its training rows. The same file
+  given twice is the user's explicit choice (TRL allows eval_dataset=train_dataset)."""
   import datasets  # pylint: disable=g-import-not-at-top
   for columns in ('q:prompt,p:prompt', {'q': 'prompt', 'p': 'prompt'}):
     with pytest.raises(ConfigError, match=r"^data.columns: 'q' and 'p' are both renamed to "
                                           r"'prompt'"):
       rows_lib.parse_columns(columns)
   paths, _ = _write_all(tmp_path, ROWS)
-  for kind in ('jsonl', 'disk'):
-    with pytest.raises(ConfigError, match=r'reads the rows of data.train .* the held-out '
-                                          r'evaluation would score training rows'):
-      data.build_task(_cfg(**{'data.train': paths[kind], 'data.eval': paths[kind],
-                              'grpo.reward_funcs': 'final_answer'}))
+  same = lambda kind: data.build_task(_cfg(**{'data.train': paths[kind],
+                                              'data.eval': paths[kind],
+                                              'grpo.reward_funcs': 'final_answer'}))
+  with pytest.raises(ConfigError, match=r"is data.train's saved dataset, which has no splits: "
+                                        r"data.eval_split=test would read the training rows"):
+    same('disk')
+  assert len(same('jsonl').eval_rows) == len(ROWS)
   splits = datasets.DatasetDict({'train': datasets.Dataset.from_list(ROWS[:8]),
                                  'test': datasets.Dataset.from_list(ROWS[8:])})
   splits.save_to_disk(str(tmp_path / 'dict'))
