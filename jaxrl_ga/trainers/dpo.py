@@ -188,20 +188,28 @@ def reference_policy_fingerprint(ctx: context.RunContext, cfg: DPOConfig) -> str
   one."""
   if cfg.ref_model:
     return ''
-  stages = ctx.cfg.stages[:ctx.cfg.stages.index('dpo')] if 'dpo' in ctx.cfg.stages else ()
   model = {k: v for k, v in ctx.fingerprint('dpo').items()
            if k in ('model', 'model_source', 'seed')}
-  described = {'model': model, 'stages': [ctx.fingerprint(name) for name in stages]}
-  return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+  return _hash({'model': model, 'stages': _stage_fingerprints(ctx, through_dpo=False)})
 
 
 def sampled_pairs_fingerprint(ctx: context.RunContext, cfg: DPOConfig) -> str:
   """What the sampled pairs (``dpo_pairs.npz``) are a function of: every DPO setting (lengths
   included), the stage's checkpoint fingerprint (seed, model, task, data) and those of the stages
   before it (the policy the pairs are sampled from), as a hash."""
-  stages = ctx.cfg.stages[:ctx.cfg.stages.index('dpo') + 1] if 'dpo' in ctx.cfg.stages else ()
-  described = {'dpo': dataclasses.asdict(cfg),
-               'stages': [ctx.fingerprint(name) for name in stages]}
+  return _hash({'dpo': dataclasses.asdict(cfg),
+                'stages': _stage_fingerprints(ctx, through_dpo=True)})
+
+
+def _stage_fingerprints(ctx: context.RunContext, through_dpo: bool) -> list[dict]:
+  """The checkpoint fingerprints of the run's stages before DPO (and DPO's own)."""
+  stages = ctx.cfg.stages
+  if 'dpo' not in stages:
+    return []
+  return [ctx.fingerprint(name) for name in stages[:stages.index('dpo') + through_dpo]]
+
+
+def _hash(described: dict) -> str:
   return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
