@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -63,6 +64,11 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointUnreadableError(RuntimeError):
   """No checkpoint of a directory can be read."""
+
+
+class CheckpointCorruptError(ValueError):
+  """A checkpoint's arrays read back other bits than were saved (its files changed on disk). A
+  run's restore_latest sets such a checkpoint aside and uses the one before."""
 
 
 class CheckpointWriteError(fileio.WriteError):
@@ -133,6 +139,107 @@ def _stored_form(leaf) -> tuple[tuple[int, ...], np.dtype]:
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     leaf = jax.eval_shape(jax.random.key_data, leaf)
   return tuple(leaf.shape), np.dtype(leaf.dtype)
+
+
+def _words(u: Any, xp) -> Any:
+  """A leaf's bits as uint32 words (``xp``: numpy or jax.numpy): 1- and 2-byte elements widened,
+  8-byte ones as two words along a new last axis."""
+  size = np.dtype(u.dtype).itemsize
+  if u.dtype == np.bool_:
+    u = u.astype(np.uint8)
+  bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[size]
+  if xp is np:
+    u = np.ascontiguousarray(u).view(bits).reshape(u.shape + ((2,) if size == 8 else ()))
+  else:
+    u = jax.lax.bitcast_convert_type(u, bits)
+  return u.astype(np.uint32)
+
+
+def _position_weights(shape: tuple[int, ...]) -> jax.Array:
+  """2 * (row-major index) + 1 mod 2**32 for every element of ``shape``: odd, so that any change
+  of one word changes the weighted sum; built from per-axis iotas (no reshape of a sharded
+  array)."""
+  index = jnp.zeros(shape, np.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(np.uint32, shape, axis) * np.uint32(stride % 2**32)
+    stride *= shape[axis]
+  return index * np.uint32(2) + np.uint32(1)
+
+
+def _leaf_sums(u: Any, xp) -> tuple[Any, Any]:
+  """(sum of the words, position-weighted sum of the words), both mod 2**32; in numpy by
+  chunks of the flat words, so that a large leaf needs no full-size temporary."""
+  w = _words(u, xp)
+  if xp is not np:
+    return (jnp.sum(w, dtype=np.uint32),
+            jnp.sum(w * _position_weights(w.shape), dtype=np.uint32))
+  flat, chunk = w.reshape(-1), 1 << 22
+  total, weighted = np.zeros((), np.uint32), np.zeros((), np.uint32)  # arrays wrap silently
+  for start in range(0, flat.size, chunk):
+    part = flat[start:start + chunk]
+    index = (np.arange(part.size, dtype=np.uint64) + start).astype(np.uint32)
+    total += np.sum(part, dtype=np.uint32)
+    weighted += np.sum(part * (index * np.uint32(2) + np.uint32(1)), dtype=np.uint32)
+  return total, weighted
+
+
+@jax.jit
+def _device_sums(leaves: list) -> list:
+  return [jnp.stack(_leaf_sums(u, jnp)) for u in leaves]
+
+
+def _devices_key(x: jax.Array) -> tuple[int, ...]:
+  return tuple(sorted(d.id for d in x.sharding.device_set))
+
+
+def checksums(tree: Any, on_host: bool = False) -> dict[str, str]:
+  """{dotted leaf path: 'xxxxxxxx-yyyyyyyy'}: two 32-bit sums of each leaf's bits (the plain sum
+  of its 32-bit words, and the sum weighted by each word's odd position weight). Any one flipped
+  bit changes both, and a moved or swapped block changes the second. Computed where the arrays
+  are (jax.Arrays, sharded or not, in one jitted program whose sums are the same on any
+  sharding; numpy arrays on the host), so the same bits give the same strings whether a
+  checkpoint is saved from devices or read to the host (``restore_raw``). Other leaves (Python
+  numbers, which orbax may read back as another type) have none. on_host: every leaf on the
+  host, nothing compiled (export's raw read)."""
+  flat = {k: (jax.random.key_data(v) if isinstance(v, jax.Array)
+              and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+          for k, v in _flat(tree).items()}
+  if on_host:
+    flat = {k: np.asarray(jax.device_get(v)) if isinstance(v, jax.Array) else v
+            for k, v in flat.items()}
+  sums = {}
+  groups = itertools.groupby(sorted((k for k, v in flat.items() if isinstance(v, jax.Array)),
+                                    key=lambda k: _devices_key(flat[k])),
+                             key=lambda k: _devices_key(flat[k]))
+  for _, keys in groups:  # one program per set of devices (jit takes no mix of them)
+    keys = list(keys)
+    sums.update(zip(keys, jax.device_get(_device_sums([flat[k] for k in keys]))))
+  for k, v in flat.items():
+    if k not in sums and isinstance(v, (np.ndarray, np.generic)):
+      sums[k] = _leaf_sums(np.asarray(v), np)
+  return {k: f'{int(a):08x}-{int(b):08x}' for k, (a, b) in sorted(sums.items())}
+
+
+def _check_checksums(where: str, stored: Optional[dict], state: Any,
+                     on_host: bool = False) -> None:
+  """Raises CheckpointCorruptError naming the leaves whose bits differ from those saved
+  (``stored``: the checkpoint's ``checksums``; None for checkpoints written before them)."""
+  if not stored:
+    return
+  try:
+    now = checksums(state, on_host)
+  except Exception as e:  # pylint: disable=broad-except
+    # a failure to compute them is not a sign of a bad checkpoint: it must not be set aside
+    logging.warning('checkpoint %s: its checksums could not be verified (%s: %s)', where,
+                    type(e).__name__, str(e).splitlines()[0][:200] if str(e) else '')
+    return
+  bad = sorted(k for k in stored if k in now and now[k] != stored[k])
+  if bad:
+    raise CheckpointCorruptError(
+        f'checkpoint {where}: {len(bad)} array(s) read back other bits than were saved '
+        f'({", ".join(bad[:5])}{", ..." if bad[5:] else ""}); its files changed on disk. Use '
+        f'another step (a run sets this one aside and resumes from the one before).')
 
 
 # Words of orbax-checkpoint 0.12's ValueError when the restore target's tree differs from the
@@ -267,7 +374,8 @@ class Checkpointer:
         return False
       raise ValueError(f'cannot save step {step} in {self.directory}: it holds a newer step '
                        f'{latest}. Steps must increase within a run directory.')
-    record = _to_json({'fingerprint': self.fingerprint, 'meta': meta or {}}, 'meta')
+    record = _to_json({'fingerprint': self.fingerprint, 'meta': meta or {},
+                       'checksums': checksums(state)}, 'meta')
     self.wait()  # a failure of the save before this one is reported as that step's
     self._writing = step
     with self._write_errors():
@@ -315,7 +423,9 @@ class Checkpointer:
     step = int(step)
     where = f'{self.directory}/{step}'
     fix = _FIX.format(directory=self.directory)
-    fingerprint, meta = self.read_record(step)
+    record = self._record(step)
+    fingerprint, meta, stored_sums = (record.get('fingerprint', {}), record.get('meta', {}),
+                                      record.get('checksums'))
     self.check_fingerprint(step, fingerprint)
     stored_tree = self._manager.item_metadata(step)['state'].tree
     errors = _structure_errors(stored_tree, abstract_state)
@@ -341,8 +451,9 @@ class Checkpointer:
           f'checkpoint {where} does not match the state to restore: its arrays do, but not the '
           f'tree around them (nodes that hold no array). The config fingerprints match: the code '
           f'builds another state than it saved (another version of jaxrl_ga?). {fix}') from None
-    logging.info('Restored checkpoint step %d from %s.', step, self.directory)
     state = restored['state']
+    _check_checksums(where, stored_sums, state)
+    logging.info('Restored checkpoint step %d from %s.', step, self.directory)
     if older:
       state, line = older[0].fill(state, meta, abstract_state)
       print(f'checkpoint {where} was written before {older[0].leaf} existed: {line}', flush=True)
@@ -353,20 +464,23 @@ class Checkpointer:
 
     For tools that do not rebuild the training state (e.g. export); loads every array.
     """
-    self.wait()
-    record = self._manager.restore(int(step), args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))
+    record = self._record(step)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))
-    return (restored['state'], record['meta'].get('meta', {}),
-            record['meta'].get('fingerprint', {}))
+    _check_checksums(f'{self.directory}/{int(step)}', record.get('checksums'), restored['state'],
+                     on_host=True)
+    return restored['state'], record.get('meta', {}), record.get('fingerprint', {})
 
   def read_record(self, step: int) -> tuple[dict, dict]:
     """(fingerprint, meta) of checkpoint ``step``: its JSON only, no array is read."""
+    record = self._record(step)
+    return record.get('fingerprint', {}), record.get('meta', {})
+
+  def _record(self, step: int) -> dict:
+    """Checkpoint ``step``'s JSON: fingerprint, meta and (since they exist) checksums."""
     self.wait()
-    record = self._manager.restore(int(step), args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))
-    return record['meta'].get('fingerprint', {}), record['meta'].get('meta', {})
+    return self._manager.restore(int(step), args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))['meta']
 
   def check_fingerprint(self, step: int, stored: dict) -> None:
     """Raises CheckpointMismatchError (one line per differing setting) if ``stored``, the
