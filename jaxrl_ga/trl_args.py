@@ -6,12 +6,15 @@ to one dotted setting (TRL_GRPO_ARGS), its value converted where TRL's spelling 
 none at all, is a ConfigError naming it. ``loss_type`` goes to ``grpo.loss.loss_type``, which
 sets the (objective, aggregation) pair it means (config.TRL_LOSS_TYPES). TRL's
 ``use_bias_correction_kl`` default (True) is not applied: only the names given are mapped.
+``entropy_coef`` > 0 maps only with a token-mean aggregation and ``top_entropy_quantile`` 1,
+where this project's bonus is TRL's (:func:`_check_entropy_coef`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from jaxrl_ga import config
 from jaxrl_ga.errors import ConfigError
 
 # TRL 1.16 GRPOConfig (and its transformers TrainingArguments) name -> our dotted setting.
@@ -99,7 +102,37 @@ def trl_overrides(trl_args: Mapping[str, Any]) -> dict[str, Any]:
     out[setting], source[setting] = value, name
   if 'epsilon' in trl_args and trl_args.get('epsilon_high') is None:
     out['grpo.loss.epsilon_high'] = trl_args['epsilon']
+  _check_entropy_coef(trl_args)
   return out
+
+
+# The aggregations whose entropy bonus is TRL 1.16's (its token mean of H): the window's token
+# mean (dapo, cispo, vespo) and the micro-batch's (bnpo).
+_TOKEN_MEAN_AGGREGATIONS = ('token', 'microbatch_token')
+
+
+def _check_entropy_coef(trl_args: Mapping[str, Any]) -> None:
+  """entropy_coef maps 1:1 only where this project's bonus (aggregated as the policy term,
+  docs/design.md) is TRL 1.16's (the token mean of H over the tokens the policy term acts on,
+  whatever the loss type): a token-mean aggregation and top_entropy_quantile 1. Elsewhere it is
+  a ConfigError, as a name without a 1:1 setting is."""
+  coef = trl_args.get('entropy_coef') or 0
+  if not (isinstance(coef, (int, float)) and coef > 0):
+    return
+  loss_type = trl_args.get('loss_type', 'dapo')  # TRL 1.16's default
+  aggregation = config.TRL_LOSS_TYPES.get(loss_type, (None, 'token'))[1]
+  rho = trl_args.get('top_entropy_quantile', 1.0)
+  if aggregation in _TOKEN_MEAN_AGGREGATIONS and rho == 1:
+    return
+  why = (f'loss_type={loss_type!r} (this project\'s bonus follows its {aggregation!r} '
+         f'normalizer)' if aggregation not in _TOKEN_MEAN_AGGREGATIONS else
+         f'top_entropy_quantile={rho!r} (this project\'s bonus is over every token\'s count)')
+  raise ConfigError(
+      f'trl_args: entropy_coef={coef!r} has no 1:1 setting with {why}: TRL 1.16 adds the token '
+      f'mean of the entropy whatever the loss type, this project aggregates the bonus as the '
+      f'policy term (docs/design.md). Use loss_type dapo, bnpo, cispo or vespo with '
+      f'top_entropy_quantile=1, or set grpo.loss.entropy_coef as a run setting, on this '
+      f'project\'s scale.')
 
 
 def _hashable(value: Any) -> bool:

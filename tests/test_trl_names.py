@@ -105,11 +105,34 @@ def test_trls_older_top_k_none_is_disabled():
     # no warmup at all.
     ({'warmup_steps': 0.2}, r"^trl_args: warmup_steps=0.2 is a ratio of max_steps in "
                             r"transformers 5; give the number of steps"),
+    # TRL 1.16's bonus is the token mean of H whatever the loss type (its _compute_loss); ours
+    # follows the policy term's normalizer: no 1:1 setting for these.
+    ({'entropy_coef': 0.1, 'loss_type': 'grpo'},
+     r"^trl_args: entropy_coef=0.1 has no 1:1 setting with loss_type='grpo' \(this project's "
+     r"bonus follows its 'sequence' normalizer\)"),
+    ({'entropy_coef': 0.1, 'loss_type': 'dr_grpo'}, r"loss_type='dr_grpo'"),
+    ({'entropy_coef': 0.1, 'loss_type': 'luspo'}, r"loss_type='luspo'"),
+    ({'entropy_coef': 0.1, 'loss_type': 'sapo'}, r"loss_type='sapo'"),
+    ({'entropy_coef': 0.1, 'top_entropy_quantile': 0.5},
+     r"entropy_coef=0.1 has no 1:1 setting with top_entropy_quantile=0.5"),
 ])
 def test_unmapped_or_bad_trl_args_are_one_line(trl, message):
   with pytest.raises(ConfigError, match=message) as e:
     api.make_config(trl_args=trl)
   assert '\n' not in str(e.value)
+
+
+def test_entropy_coef_maps_where_the_bonus_is_trls_token_mean():
+  """The token-mean aggregations keep TRL's bonus (losses.grpo_loss: -c H per token, summed
+  and divided by the window's or micro-batch's token count, TRL's mean of H)."""
+  for loss_type in ('dapo', 'bnpo', 'cispo', 'vespo', None):
+    trl = {'entropy_coef': 0.1, 'top_entropy_quantile': 1.0}
+    if loss_type:
+      trl['loss_type'] = loss_type
+    if loss_type == 'cispo':
+      trl['epsilon_high'] = 5.0
+    assert api.make_config(trl_args=trl).grpo.loss.entropy_coef == 0.1
+  assert api.make_config(trl_args={'entropy_coef': 0.0, 'loss_type': 'grpo'}).grpo.loss.entropy_coef == 0
 
 
 def test_trl_args_of_a_run_without_a_grpo_stage_are_refused_not_ignored():
