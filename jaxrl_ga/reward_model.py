@@ -20,7 +20,9 @@ source's last path component (``/ckpt/my_rm`` -> ``my_rm``; ``pkg:<package>``: t
 
 What it computes is TRL's (``GRPOTrainer._calculate_rewards``): the texts are prompt + completion,
 or, for chat prompts, the reward model's own chat template over prompt + [the completion as an
-assistant message] (``apply_chat_template(..., tokenize=False)``); its tokenizer encodes them with
+assistant message] (``apply_chat_template(..., tokenize=False)``; in a tool or environment
+episode the episode's ``completions_messages`` instead: every assistant turn, tool call and tool
+result, TRL's conversational completion); its tokenizer encodes them with
 ``add_special_tokens=False``, right-padded, not truncated, with eos as the pad token when it has
 none; the reward is logit 0 (``logits[:, 0]``) read at the last token that is not the pad token
 (HF's ``*ForSequenceClassification`` pooling: the rightmost position whose id differs from
@@ -209,16 +211,21 @@ class RewardModel:
         out_shardings=sharding.batch_sharding(mesh, 1)))
     return self._loaded
 
-  def texts(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[str]:
-    """TRL's inputs: the chat template over prompt + [assistant completion] for chat prompts,
-    else prompt + completion."""
-    if prompts and isinstance(prompts[0], (list, tuple)):
+  def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+    """TRL's inputs: the chat template over prompt + the completion's messages for chat prompts
+    (a completion given as text is one assistant message; an episode's, its
+    ``completions_messages``: every assistant turn, tool call and tool result), else prompt +
+    completion."""
+    chat = [isinstance(c, (list, tuple)) for c in completions]
+    if (prompts and isinstance(prompts[0], (list, tuple))) or any(chat):
       if not getattr(self.tokenizer, 'chat_template', None):
         raise ValueError(f'the prompts are chat messages but the reward model {self.source}\'s '
                          f'tokenizer has no chat template; give one that has.')
+      as_messages = lambda x: ([{'role': 'user', 'content': x}] if isinstance(x, str)
+                               else [dict(m) for m in x])
       return [self.tokenizer.apply_chat_template(
-          list(p) + [{'role': 'assistant', 'content': c}], tokenize=False)
-              for p, c in zip(prompts, completions, strict=True)]
+          as_messages(p) + (as_messages(c) if is_chat else [{'role': 'assistant', 'content': c}]),
+          tokenize=False) for p, c, is_chat in zip(prompts, completions, chat, strict=True)]
     return [p + c for p, c in zip(prompts, completions, strict=True)]
 
   def score(self, texts: Sequence[str]) -> np.ndarray:
@@ -243,9 +250,13 @@ class RewardModel:
       out.append(np.asarray(values)[:len(chunk)])
     return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
 
-  def __call__(self, prompts, completions, **unused_columns) -> list[float]:
+  def __call__(self, prompts, completions, completions_messages=None,
+               **unused_columns) -> list[float]:
+    """The rewards of ``completions``; in a tool or environment episode, of the whole
+    completion (``completions_messages``), as TRL 1.16 scores its conversational completions."""
     del unused_columns
-    return [float(v) for v in self.score(self.texts(prompts, completions))]
+    scored = completions if completions_messages is None else completions_messages
+    return [float(v) for v in self.score(self.texts(prompts, scored))]
 
 
 def _name(source: str) -> str:

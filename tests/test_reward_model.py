@@ -53,6 +53,34 @@ def test_rewards_equal_transformers_sequence_classifier_logits(name):
   _check_against_transformers(rm, name)
 
 
+def _episode(result: str) -> list[dict]:
+  """A tool episode's completion as messages (the ``completions_messages`` column): a call,
+  its result, the final answer."""
+  call = {'type': 'function', 'function': {'name': 'multiply', 'arguments': {'a': 3, 'b': 4}}}
+  return [{'role': 'assistant', 'content': '', 'tool_calls': [call]},
+          {'role': 'tool', 'name': 'multiply', 'content': result},
+          {'role': 'assistant', 'content': 'So 3*4 is 12.'}]
+
+
+def test_an_episode_is_scored_whole_as_trl_scores_a_conversational_completion():
+  """TRL 1.16 renders prompt + the whole completion (assistant turns, tool calls and tool
+  results) through the reward model's chat template (``_calculate_rewards``); with an episode's
+  ``completions_messages`` the reward model scored the final turn alone, so two episodes that
+  differ only in what a tool returned got the same reward. The reference text is transformers'
+  own rendering of the conversation."""
+  rm = reward_model.RewardModel(helpers.fixture_dir('llama_reward_tiny'))
+  prompt = [{'role': 'user', 'content': 'What is 3*4?'}]
+  episodes = [_episode('12'), _episode('7')]
+  got = rm([prompt, prompt], ['So 3*4 is 12.'] * 2, completions_messages=episodes)
+  want = rm.score([rm.tokenizer.apply_chat_template(prompt + e, tokenize=False)
+                   for e in episodes])
+  np.testing.assert_array_equal(got, want)
+  assert got[0] != got[1]
+  # A string prompt in an episode is one user message, as the episode asked it.
+  np.testing.assert_array_equal(
+      rm(['What is 3*4?'], ['So 3*4 is 12.'], completions_messages=episodes[:1]), want[:1])
+
+
 def _permute(w, n_head):
   """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute``: each head's q/k rows from HF's
   rotate-half order to interleaved pairs."""
