@@ -142,13 +142,22 @@ def _values(r: WeightedReward, prompts: Sequence[Any], completions: Sequence[str
     raise RewardError(f'reward function {r.name!r} raised {type(e).__name__}: {e}') from e
   try:
     values = list(values)
-    arr = np.asarray([np.nan if v is None else v for v in values], np.float32).reshape(-1)
-  except (TypeError, ValueError) as e:
-    raise RewardError(f'reward function {r.name!r} returned non-numeric values: {e}; return '
-                      f'one float (or None) per completion.') from None
-  if arr.shape != (n,):
-    raise RewardError(f'reward function {r.name!r} returned {arr.size} values for {n} '
+  except TypeError:
+    raise RewardError(f'reward function {r.name!r} returned {type(values).__name__}, not a '
+                      f'sequence; return one float (or None) per completion.') from None
+  if len(values) != n:
+    raise RewardError(f'reward function {r.name!r} returned {len(values)} values for {n} '
                       f'completions; return one float (or None) per completion.')
+  # One number (or None) each, as TRL 1.16's torch.tensor(values) takes them: a nested list or
+  # a numeric string is refused there, not flattened or parsed.
+  odd = next((i for i, v in enumerate(values) if not (
+      v is None or isinstance(v, (int, float, np.integer, np.floating, np.bool_))
+      or (isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in 'biuf'))), None)
+  if odd is not None:
+    raise RewardError(f'reward function {r.name!r} returned {values[odd]!r} '
+                      f'({type(values[odd]).__name__}) for completion {odd}; return one float '
+                      f'(or None) per completion.')
+  arr = np.asarray([np.nan if v is None else float(v) for v in values], np.float32)
   none = np.array([v is None for v in values], bool)  # bool also when there are none
   bad = np.flatnonzero(~np.isfinite(arr) & ~none)
   if bad.size:
@@ -211,7 +220,7 @@ class RewardLog:
     self.metrics.setdefault(str(name), []).append(float(value))
 
   def log_extra(self, column: str, values: Sequence[Any]) -> None:
-    self.extra[str(column)] = list(values)
+    self.extra.setdefault(str(column), []).extend(values)  # TRL's: appended to the column
 
   def means(self) -> dict[str, float]:
     return {k: float(np.mean(v)) for k, v in self.metrics.items()}
@@ -318,6 +327,53 @@ def _nanstd(x: np.ndarray, axis=None, keepdims: bool = False) -> np.ndarray:
   return np.where(count > 1, np.sqrt(np.maximum(var, 0.0)), np.nan)
 
 
+def _normalized_sum(r: np.ndarray, weights: Sequence[float], num_generations: int,
+                    eps: float) -> np.ndarray:
+  """[N, F] rewards -> [N]: each function's rewards normalized within each group, weighted and
+  summed (NaN counts nowhere; NaN where no function applies): GDPO's per-function step."""
+  grouped = r.reshape(-1, num_generations, r.shape[1])  # [groups, G, F]
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # all-NaN slices: NaN, as in torch
+    mean_k = np.nanmean(grouped, axis=1, keepdims=True)
+  std_k = (_nanstd(grouped, axis=1, keepdims=True) if num_generations > 1
+           else np.zeros_like(mean_k))
+  normalized = ((grouped - mean_k) / (std_k + eps)).reshape(r.shape)  # [N, F]
+  total = np.nansum(normalized * np.asarray(weights, np.float64)[None], axis=1)  # [N]
+  total[np.isnan(r).all(axis=1)] = np.nan  # unscorable: in no statistic, advantage 0
+  return total
+
+
+def reward_statistics(per_function: np.ndarray, weights: Sequence[float], names: Sequence[str],
+                      num_generations: int, scale_rewards: str, multi_objective_aggregation: str,
+                      eps: float = 1e-4) -> dict[str, float]:
+  """TRL 1.16's logged reward spreads (``_generate_and_score_completions``), from [N, F] rewards
+  (NaN: None): ``reward/std`` (TRL's ``reward_std``: the sample std of the weighted totals, the
+  unscorable left out), ``reward/<name>/std`` (``rewards/<name>/std``, each function's where it
+  applies) and ``reward/frac_zero_std`` (``frac_reward_zero_std``: the share of completions whose
+  advantage's std, the group's, or the rollout's with scale_rewards='batch' or
+  normalize_then_sum, is 0 within torch.isclose's 1e-8)."""
+  r = np.asarray(per_function, np.float64)
+  unscored = unscorable(r)
+  if multi_objective_aggregation == 'normalize_then_sum':
+    spread = _normalized_sum(r, weights, num_generations, eps)
+    std = np.full(len(r), _nanstd(spread) if r.shape[0] > 1 else 0.0)
+  else:
+    spread = np.where(unscored, np.nan, np.nansum(r * np.asarray(weights, np.float64), axis=1))
+    if scale_rewards == 'batch':
+      std = np.full(len(r), _nanstd(spread) if r.shape[0] > 1 else 0.0)
+    elif num_generations > 1:
+      std = np.repeat(_nanstd(spread.reshape(-1, num_generations), axis=1), num_generations)
+    else:
+      std = np.zeros(len(r))
+  totals = np.where(unscored, np.nan, np.nansum(r * np.asarray(weights, np.float64), axis=1))
+  out = {'reward/std': float(_nanstd(totals)),
+         'reward/frac_zero_std': float(np.mean(np.abs(std) <= 1e-8)) if len(r) else float('nan')}
+  for i, name in enumerate(names):
+    if not np.isnan(r[:, i]).all():
+      out[f'reward/{name}/std'] = float(_nanstd(r[:, i]))
+  return out
+
+
 def normalize_then_sum_advantages(per_function: np.ndarray, weights: Sequence[float],
                                   num_generations: int, eps: float = 1e-4) -> np.ndarray:
   """Advantages of several reward functions by GDPO's decoupled normalization (arXiv 2601.05242;
@@ -339,15 +395,7 @@ def normalize_then_sum_advantages(per_function: np.ndarray, weights: Sequence[fl
   if r.ndim != 2 or r.shape[0] % num_generations or r.shape[1] != len(weights):
     raise ValueError(f'{r.shape} rewards do not form groups of num_generations='
                      f'{num_generations} for {len(weights)} functions.')
-  grouped = r.reshape(-1, num_generations, r.shape[1])  # [groups, G, F]
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', RuntimeWarning)  # all-NaN slices: NaN, as in torch
-    mean_k = np.nanmean(grouped, axis=1, keepdims=True)
-  std_k = (_nanstd(grouped, axis=1, keepdims=True) if num_generations > 1
-           else np.zeros_like(mean_k))
-  normalized = ((grouped - mean_k) / (std_k + eps)).reshape(r.shape)  # [N, F]
-  total = np.nansum(normalized * np.asarray(weights, np.float64)[None], axis=1)  # [N]
-  total[np.isnan(r).all(axis=1)] = np.nan  # unscorable: in no statistic, advantage 0
+  total = _normalized_sum(r, weights, num_generations, eps)
   std = _nanstd(total) if total.size > 1 else np.float64(0.0)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', RuntimeWarning)

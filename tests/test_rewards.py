@@ -61,6 +61,27 @@ def test_wrong_length_names_the_function():
     R.compute_rewards([R.WeightedReward('short', lambda p, c: [0.0])], ['a', 'b'], ['x', 'y'])
 
 
+@pytest.mark.parametrize('values, shown', [
+    ([[1.0], [0.0]], r"\[1.0\] \(list\) for completion 0"),  # TRL: a shape mismatch
+    (np.zeros((2, 1)), r"array\(\[0.\]\) \(ndarray\) for completion 0"),
+    (['1', '0.5'], r"'1' \(str\) for completion 0"),  # TRL: torch.tensor refuses strings
+    ([[1.0, 0.0]], r"1 values for 2 completions"),  # TRL: "returned 1 rewards"
+    (3.0, r"float, not a sequence"),
+])
+def test_a_value_that_is_not_one_number_per_completion_is_refused_as_trl_refuses_it(values,
+                                                                                    shown):
+  """TRL 1.16 makes torch.tensor(values, dtype=float32) of a function's result: a nested list,
+  a column array or numeric strings fail there. They were flattened or parsed here, so a
+  function returning one list per completion trained without a word."""
+  with pytest.raises(R.RewardError, match=rf"^reward function 'odd' returned {shown}"):
+    R.compute_rewards([R.WeightedReward('odd', lambda p, c: values)], ['a', 'b'], ['x', 'y'])
+  # What TRL takes, taken: numpy scalars, ints, bools, 0-d arrays and None.
+  total, _ = R.compute_rewards(
+      [R.WeightedReward('ok', lambda p, c: [np.float64(0.5), True]),
+       R.WeightedReward('ok2', lambda p, c: (np.array(2.0), None))], ['a', 'b'], ['x', 'y'])
+  np.testing.assert_array_equal(total, [2.5, 1.0])
+
+
 def test_scale_rewards_name_is_validated():
   with pytest.raises(ConfigError, match='advantage.scale_rewards'):
     AdvantageConfig(scale_rewards='std')
@@ -178,6 +199,22 @@ def test_trl_style_reward_functions_get_what_trl_passes():
   assert seen['completion_ids'] == [[5, 6], [7]] and seen['trainer_state'].global_step == 3
   assert log.means() == {'len/mean': 1.5} and log.extra == {'len': [1, 2]}
   assert total.tolist() == pytest.approx([-1 + 0.3 + 1, -2.0])
+
+
+def test_log_extra_appends_as_trl_does():
+  """TRL 1.16's log_extra extends the column (``_pending_extra_logs[column].extend``): a
+  function that logs one row at a time fills it row by row; it was replaced, so the column held
+  the last call's values."""
+  log = R.RewardLog()
+
+  def per_row(completions, log_extra, **unused):
+    for c in completions:
+      log_extra('chars', [len(c)])
+    return [0.0] * len(completions)
+
+  R.compute_rewards([R.WeightedReward('per_row', per_row)], ['p'] * 3, ['a', 'bb', 'ccc'],
+                    keywords=R.trl_keywords([[1]] * 3, R.TrainerState(), log))
+  assert log.extra == {'chars': [1, 2, 3]}
 
 
 @pytest.mark.parametrize('funcs', ['final_answer=nan', 'final_answer=inf',

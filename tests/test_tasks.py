@@ -75,6 +75,10 @@ def test_example_fields_hold_answer_and_pickle():
   cols = reward_fields([Example('a', '1', {'k': 'x'}), Example('b', '2', {'k': 'y'})], 2)
   assert cols == {'answer': ['1', '1', '2', '2'], 'k': ['x', 'x', 'y', 'y']}
   assert reward_fields([]) == {}
+  # TRL 1.16 leaves a data row's completion and completion_ids out of the reward keywords
+  # (_calculate_rewards): completion_ids is its own keyword, the ids of the sampled completion.
+  cols = reward_fields([Example('a', '1', {'completion': 'ref', 'completion_ids': [1], 'k': 0})])
+  assert cols == {'answer': ['1'], 'k': [0]}
 
 
 # -- arithmetic -----------------------------------------------------------------------------------

@@ -445,3 +445,66 @@ def test_learner_cispo_with_top_entropy_and_bias_kl_is_exact():
   for o in outs:
     np.testing.assert_allclose(o['loss'], o['ref_loss'], rtol=1e-5, atol=1e-7)
     assert 0 < o['cispo_clip_ratio'] < 1
+
+
+def trl_reward_statistics(per_fn, weights, g, scale, aggregation):
+  """TRL 1.16's logged reward spreads (_generate_and_score_completions), loops: reward_std (the
+  weighted totals, unscorable rows out), rewards/<k>/std, frac_reward_zero_std (the share of rows
+  whose std_rewards, group or batch, torch.isclose(., 0): |std| <= 1e-8; NaN is not close)."""
+  n, f = per_fn.shape
+
+  def nanstd(v):
+    v = [x for x in v if not np.isnan(x)]
+    if len(v) < 2:
+      return np.nan
+    m = sum(v) / len(v)
+    return (sum((x - m)**2 for x in v) / (len(v) - 1))**0.5
+
+  totals = [np.nan if np.isnan(row).all() else sum(w * x for w, x in zip(weights, row)
+                                                  if not np.isnan(x)) for row in per_fn]
+  if aggregation == 'normalize_then_sum':
+    summed = np.zeros(n)
+    for k in range(f):
+      for start in range(0, n, g):
+        col = per_fn[start:start + g, k]
+        valid = [x for x in col if not np.isnan(x)]
+        mean = sum(valid) / len(valid) if valid else np.nan
+        std = nanstd(col) if g > 1 else 0.0
+        for i in range(g):
+          v = (col[i] - mean) / (std + 1e-4) * weights[k]
+          summed[start + i] += 0.0 if np.isnan(v) else v
+    summed[np.isnan(per_fn).all(1)] = np.nan
+    stds = [nanstd(summed)] * n
+  elif scale == 'batch':
+    stds = [nanstd(totals)] * n
+  else:
+    stds = [nanstd(totals[(i // g) * g:(i // g) * g + g]) for i in range(n)]
+  out = {'reward/std': nanstd(totals),
+         'reward/frac_zero_std': sum(1.0 for s in stds if abs(s) <= 1e-8) / n}
+  for k, name in enumerate(['a', 'b']):
+    out[f'reward/{name}/std'] = nanstd(per_fn[:, k])
+  return out
+
+
+@pytest.mark.parametrize('scale, aggregation', [
+    ('group', 'sum_then_normalize'), ('batch', 'sum_then_normalize'),
+    ('none', 'sum_then_normalize'), ('group', 'normalize_then_sum')])
+def test_logged_reward_spreads_equal_trls(scale, aggregation):
+  """reward/std was the population std (ddof 0) where TRL logs the sample std; TRL's
+  rewards/<name>/std and frac_reward_zero_std were not logged. A group of equal rewards (std 0),
+  one with a single scored completion (std NaN, not 0) and an unscorable completion."""
+  rng = np.random.default_rng(5)
+  g = 4
+  per_fn = np.stack([rng.integers(0, 2, 16).astype(np.float64), rng.normal(0, 2, 16)], 1)
+  per_fn[0:4] = [[1.0, 0.5]] * 4  # equal totals: std 0
+  per_fn[5, 1] = np.nan  # one function does not apply
+  per_fn[7] = np.nan  # unscorable
+  per_fn[8:11] = np.nan  # one scored completion in the group
+  weights = [1.0, 0.5]
+  got = rewards_lib.reward_statistics(per_fn, weights, ['a', 'b'], g, scale, aggregation)
+  want = trl_reward_statistics(per_fn, weights, g, scale, aggregation)
+  assert set(got) == set(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-9, err_msg=k)
+  if aggregation == 'sum_then_normalize' and scale != 'batch':
+    assert got['reward/frac_zero_std'] == 0.25  # the equal group's 4 rows of 16

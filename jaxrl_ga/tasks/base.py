@@ -47,13 +47,21 @@ class Example:
     object.__setattr__(self, 'fields', fields)  # a plain dict, so that examples pickle
 
 
+# Data columns TRL 1.16's _calculate_rewards does not pass to the reward functions (besides
+# ``prompt``, which is never a field).
+NOT_REWARD_COLUMNS = frozenset({'completion', 'completion_ids'})
+
+
 def reward_fields(examples: Sequence[Example], num_generations: int = 1
                   ) -> dict[str, list[Any]]:
   """The reward-function columns of a batch: each example's fields repeated per completion.
 
-  Completions are assumed grouped by prompt (G consecutive completions per example).
+  Completions are assumed grouped by prompt (G consecutive completions per example). A
+  ``completion`` or ``completion_ids`` column of the data is not one (TRL 1.16 leaves them out
+  of the reward keywords, as it does ``prompt``: ``completion_ids`` is its own keyword).
   """
-  keys = sorted(set().union(*(ex.fields for ex in examples))) if examples else []
+  keys = sorted(set().union(*(ex.fields for ex in examples)) - NOT_REWARD_COLUMNS
+                ) if examples else []
   return {k: [ex.fields.get(k) for ex in examples for _ in range(num_generations)] for k in keys}
 
 

@@ -528,8 +528,13 @@ class GRPOLoop:
     # [S*B, F] every function's rewards, for advantage.multi_objective_aggregation
     self._rewards_per_function = fields[2:2 + len(names)].reshape(len(names), -1).T
     scored = total[~rewards_lib.unscorable(self._rewards_per_function)]  # as TRL logs them
+    adv_cfg = self.cfg.advantage
+    spreads = rewards_lib.reward_statistics(  # TRL's reward_std, rewards/*/std, frac_*_zero_std
+        self._rewards_per_function, [r.weight for r in self.rewards], names,
+        self.cfg.schedule.num_generations, adv_cfg.scale_rewards,
+        adv_cfg.multi_objective_aggregation)
     return total, {'reward/mean': float(scored.mean()) if scored.size else float('nan'),
-                   'reward/std': float(scored.std()) if scored.size else float('nan'),
+                   **spreads,
                    'reward/accuracy': float(correct.mean()),
                    **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
                       for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()},
