@@ -266,30 +266,38 @@ def test_trl_accumulation_error_at_k3_s2():
 # ---------------------------------------------------------------------------------------------
 
 
-def trl_normalize_then_sum(per_fn, weights, g):
-  """TRL 1.16's normalize_then_sum branch (GRPOTrainer._generate_and_score_completions), loops."""
+def trl_nanstd(v):
+  """trl.trainer.utils.nanstd: Bessel-corrected, NaN under 2 values."""
+  v = [x for x in v if not np.isnan(x)]
+  if len(v) < 2:
+    return np.nan
+  m = sum(v) / len(v)
+  return (sum((x - m)**2 for x in v) / (len(v) - 1))**0.5
+
+
+def trl_normalized_sum(per_fn, weights, g):
+  """normalize_then_sum's first step in TRL 1.16, loops: each function normalized in its group,
+  weighted, summed; NaN where no function applies."""
   n, f = per_fn.shape
-
-  def nanstd(v):  # trl.trainer.utils.nanstd: Bessel-corrected, NaN under 2 values
-    v = [x for x in v if not np.isnan(x)]
-    if len(v) < 2:
-      return np.nan
-    m = sum(v) / len(v)
-    return (sum((x - m)**2 for x in v) / (len(v) - 1))**0.5
-
   summed = np.zeros(n)
   for k in range(f):
     for start in range(0, n, g):
       col = per_fn[start:start + g, k]
       valid = [x for x in col if not np.isnan(x)]
       mean = sum(valid) / len(valid) if valid else np.nan
-      std = nanstd(col) if g > 1 else 0.0
+      std = trl_nanstd(col) if g > 1 else 0.0
       for i in range(g):
         v = (col[i] - mean) / (std + 1e-4) * weights[k]
         summed[start + i] += 0.0 if np.isnan(v) else v
   summed[np.isnan(per_fn).all(1)] = np.nan
+  return summed
+
+
+def trl_normalize_then_sum(per_fn, weights, g):
+  """TRL 1.16's normalize_then_sum branch (GRPOTrainer._generate_and_score_completions), loops."""
+  summed = trl_normalized_sum(per_fn, weights, g)
   valid = summed[~np.isnan(summed)]
-  mean, std = valid.mean(), nanstd(summed)
+  mean, std = valid.mean(), trl_nanstd(summed)
   adv = (summed - mean) / (std + 1e-4)
   return np.where(np.isnan(adv), 0.0, adv)
 
@@ -451,38 +459,19 @@ def trl_reward_statistics(per_fn, weights, g, scale, aggregation):
   """TRL 1.16's logged reward spreads (_generate_and_score_completions), loops: reward_std (the
   weighted totals, unscorable rows out), rewards/<k>/std, frac_reward_zero_std (the share of rows
   whose std_rewards, group or batch, torch.isclose(., 0): |std| <= 1e-8; NaN is not close)."""
-  n, f = per_fn.shape
-
-  def nanstd(v):
-    v = [x for x in v if not np.isnan(x)]
-    if len(v) < 2:
-      return np.nan
-    m = sum(v) / len(v)
-    return (sum((x - m)**2 for x in v) / (len(v) - 1))**0.5
-
+  n = len(per_fn)
   totals = [np.nan if np.isnan(row).all() else sum(w * x for w, x in zip(weights, row)
                                                   if not np.isnan(x)) for row in per_fn]
   if aggregation == 'normalize_then_sum':
-    summed = np.zeros(n)
-    for k in range(f):
-      for start in range(0, n, g):
-        col = per_fn[start:start + g, k]
-        valid = [x for x in col if not np.isnan(x)]
-        mean = sum(valid) / len(valid) if valid else np.nan
-        std = nanstd(col) if g > 1 else 0.0
-        for i in range(g):
-          v = (col[i] - mean) / (std + 1e-4) * weights[k]
-          summed[start + i] += 0.0 if np.isnan(v) else v
-    summed[np.isnan(per_fn).all(1)] = np.nan
-    stds = [nanstd(summed)] * n
+    stds = [trl_nanstd(trl_normalized_sum(per_fn, weights, g))] * n
   elif scale == 'batch':
-    stds = [nanstd(totals)] * n
+    stds = [trl_nanstd(totals)] * n
   else:
-    stds = [nanstd(totals[(i // g) * g:(i // g) * g + g]) for i in range(n)]
-  out = {'reward/std': nanstd(totals),
+    stds = [trl_nanstd(totals[(i // g) * g:(i // g) * g + g]) for i in range(n)]
+  out = {'reward/std': trl_nanstd(totals),
          'reward/frac_zero_std': sum(1.0 for s in stds if abs(s) <= 1e-8) / n}
   for k, name in enumerate(['a', 'b']):
-    out[f'reward/{name}/std'] = nanstd(per_fn[:, k])
+    out[f'reward/{name}/std'] = trl_nanstd(per_fn[:, k])
   return out
 
 
