@@ -462,11 +462,19 @@ class Checkpointer:
   def restore_raw(self, step: int) -> tuple[Any, dict, dict]:
     """(state as stored: nested dicts of host arrays, meta, fingerprint) of checkpoint ``step``.
 
-    For tools that do not rebuild the training state (e.g. export); loads every array.
+    For tools that do not rebuild the training state (e.g. export); loads every array, each
+    onto this process's CPU device whatever the devices that wrote it (a pod slice's checkpoint
+    reads on one host; typed PRNG keys as their raw uint32 data).
     """
     record = self._record(step)
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host)
+        if isinstance(m, ocp.metadata.ArrayMetadata) else m,
+        self._manager.item_metadata(int(step))['state'].tree,
+        is_leaf=lambda m: isinstance(m, ocp.metadata.ArrayMetadata))
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))
+        state=ocp.args.StandardRestore(target)))
     _check_checksums(f'{self.directory}/{int(step)}', record.get('checksums'), restored['state'],
                      on_host=True)
     return restored['state'], record.get('meta', {}), record.get('fingerprint', {})

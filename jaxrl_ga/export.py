@@ -26,6 +26,9 @@ from typing import Optional
 from absl import app
 from absl import flags
 from flax import nnx
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
 import transformers
 
 from jaxrl_ga import checkpoint
@@ -164,16 +167,50 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
 
   The model is written into a new sibling directory that then takes ``out_dir``'s place, so a
   replaced export leaves no stale file (an old shard index would win over the new weights) and
-  an export cut short leaves ``out_dir`` as it was. Files get the umask's permissions.
+  an export cut short leaves ``out_dir`` as it was. Files get the umask's permissions. In a
+  multi-process job every process calls it (each reads the checkpoint) and process 0 alone
+  writes.
   """
   out_dir = os.path.abspath(out_dir)
-  check_out_dir(out_dir, overwrite)
-  if adapter_out:
-    check_out_dir(adapter_out, overwrite)
+
+  def check():
+    check_out_dir(out_dir, overwrite)
+    if adapter_out:
+      check_out_dir(adapter_out, overwrite)
+
+  _on_primary(check)
+  # Every process reads (orbax's restore is collective in a multi-process job); process 0 writes.
   cfg, params, tokenizer, src, fingerprint, generation = _read_checkpoint(checkpoint_dir,
                                                                          tokenizer_path)
   if adapter_out and not cfg.lora.rank:
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
+  _on_primary(lambda: _write(cfg, params, tokenizer, generation, fingerprint, out_dir,
+                             weights_dtype, adapter_out))
+  return src
+
+
+def _on_primary(fn) -> None:
+  """Runs ``fn`` on process 0 alone; in a multi-process job every process then raises if it
+  failed there (process 0 with its error, the others with a line pointing to it), so that none
+  writes twice, replaces process 0's files, or goes on alone."""
+  error = None
+  if jax.process_index() == 0:
+    try:
+      fn()
+    except BaseException as e:  # pylint: disable=broad-except
+      error = e
+  if jax.process_count() > 1:
+    failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if failed and error is None:
+      raise ValueError('the export failed on process 0 (its log has the error).')
+  if error is not None:
+    raise error
+
+
+def _write(cfg, params, tokenizer, generation, fingerprint, out_dir: str,
+           weights_dtype: str | None, adapter_out: str | None) -> None:
+  """The HF directory into a new sibling that then takes ``out_dir``'s place (see
+  ``export_checkpoint``); LoRA: merged, and PEFT's adapter files with ``adapter_out``."""
   if cfg.lora.rank:
     if adapter_out:
       with fileio.writing(adapter_out):
@@ -206,7 +243,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  return src
 
 
 def main(argv):

@@ -8,7 +8,8 @@ pairs of rows share a prompt's forward; sampled completions of variable length) 
 model, through jax.distributed
 with gloo CPU collectives when NUM_PROCESSES > 1. Process 0 writes the final params to
 WORKDIR/params.npz; every process writes the training examples it built (stage, index) to
-WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part.
+WORKDIR/loaded_<PROCESS_ID>.json, so the test can check that each host loads only its part;
+every process then exports the GRPO checkpoint to WORKDIR/hf (jaxrl_ga.export).
 With JAXRL_GA_TEST_DATA=<file.jsonl>: GRPO alone on those rows (jaxrl_ga.data), scored by
 ``length_and_answer``, every completion of process 0's rows logged to completions.jsonl, and the
 file's lines this process parsed (1-based, each time) written to WORKDIR/parsed_<PROCESS_ID>.json.
@@ -38,6 +39,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import checkpoint  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import data  # pylint: disable=g-import-not-at-top
+from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import rows as rows_lib  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
@@ -78,8 +80,12 @@ rows_lib._jsonl_line = _recording_jsonl_line  # pylint: disable=protected-access
 
 def length_and_answer(prompts, completions, answer, **unused):
   """A reward that tells completions apart (a sampled completion's length varies): its length,
-  plus 10 when it holds the row's answer number (tests/test_multihost.py recomputes it)."""
+  plus 10 when it holds the row's answer number (tests/test_multihost.py recomputes it). Called
+  with no completion it raises: the held-out evaluation of a process without a held-out row
+  called it so."""
   del prompts, unused
+  if not completions:  # as a batch-relative reward (max over the call) fails on none
+    raise ValueError('called with no completion')
   return [len(c) + 10.0 * (a.split()[-1] in c) for c, a in zip(completions, answer)]
 
 
@@ -136,6 +142,8 @@ with open(os.path.join(workdir, f'parsed_{pid}.json'), 'w', encoding='utf-8') as
   json.dump(parsed, f)
 ckpt_dir = os.path.join(workdir, 'run', 'checkpoints', 'grpo')
 state, _, _ = checkpoint.Checkpointer(ckpt_dir).restore_raw(checkpoint.latest_step(ckpt_dir))
+if not os.environ.get('JAXRL_GA_TEST_DATA'):  # every process exports, as a script would
+  export.export_checkpoint(ckpt_dir, os.path.join(workdir, 'hf'))
 if jax.process_index() == 0:
   leaves = jax.tree_util.tree_leaves_with_path(state['learner']['params'])
   np.savez(os.path.join(workdir, 'params.npz'),

@@ -13,10 +13,13 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import helpers
+from jaxrl_ga import checkpoint
 
 pytestmark = pytest.mark.slow  # two-process runs: tens of seconds each
 
@@ -132,6 +135,30 @@ def test_two_processes_equal_one_process(tmp_path, data_file):
   assert p0 + p1 == whole
   if data_file:
     _check_data_file_run(tmp_path, rows)
+  else:
+    _check_exports(tmp_path)
+
+
+def _check_exports(tmp_path):
+  """Both processes of the two-process run exported: process 0 wrote it, process 1 neither
+  wrote a second one nor put its own empty staging directory in its place (it did: --out was
+  left empty, rc 0 on both). And the two-process checkpoint reads in this one process of 8
+  devices, as export and sample read it (orbax refused another topology)."""
+  one = safetensors.numpy.load_file(tmp_path / 'one' / 'hf' / 'model.safetensors')
+  two = safetensors.numpy.load_file(tmp_path / 'two' / 'hf' / 'model.safetensors')
+  assert sorted(two) == sorted(one) and len(one) > 5
+  for k in one:
+    np.testing.assert_allclose(two[k], one[k], rtol=0, atol=1e-6)
+  assert not [n for n in os.listdir(tmp_path / 'two') if n.startswith('.')]  # no staging left
+  ckpts = tmp_path / 'two' / 'run' / 'checkpoints' / 'grpo'
+  state, _, _ = checkpoint.Checkpointer(ckpts, read_only=True).restore_raw(
+      checkpoint.latest_step(ckpts))
+  params = np.load(tmp_path / 'two' / 'params.npz')
+  got = {jax.tree_util.keystr(p): np.asarray(v)
+         for p, v in jax.tree_util.tree_leaves_with_path(state['learner']['params'])}
+  assert sorted(got) == sorted(params.files)
+  for k in params.files:
+    np.testing.assert_array_equal(got[k], params[k])
 
 
 def test_a_reward_error_on_one_host_stops_every_host(tmp_path):

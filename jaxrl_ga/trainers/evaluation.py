@@ -84,10 +84,14 @@ class Evaluator:
       n = min(bs, len(self.examples) - start)
       chunk = [self.examples[start + (r if r < n else 0)] for r in rows]  # fixed shape
       valid = np.asarray(rows) < n
-      extra = prompts = None  # the episodes' reward columns and prompts of the real rows
+      # The rows scored: the real ones; on a process that holds none (several processes, few
+      # held-out rows), its first padding row, scored and dropped, so that no reward or metric is
+      # ever called with no completion (a one-process run never does that).
+      pick = valid if valid.any() else np.arange(len(rows)) == 0
+      extra = prompts = None  # the episodes' reward columns and prompts of the picked rows
       if with_episodes is not None:
         texts, extra, chunk_calls, prompts = self._run_episodes(with_episodes, params, chunk,
-                                                                valid)
+                                                                pick, valid)
         calls += chunk_calls
       else:
         tokens, mask = placement.place_rows(text.left_pad(
@@ -97,21 +101,22 @@ class Evaluator:
                              np.float32(1.0))
         out_tokens, out_mask = (placement.local_part(x)[1] for x in (out.tokens, out.mask))
         texts = text.decode_completions(ctx.tokenizer, out_tokens, out_mask)
-        extra = {'completion_ids': [out_tokens[r][out_mask[r] > 0] for r in np.flatnonzero(valid)]}
+        extra = {'completion_ids': [out_tokens[r][out_mask[r] > 0] for r in np.flatnonzero(pick)]}
       if not self.rewards and self.metric is None:
         correct[rows] += [float(v and ctx.task.is_correct(e, t))
                           for v, e, t in zip(valid, chunk, texts)]
         continue
       if error is not None:
         continue  # generation is collective: this process keeps taking part, scoring nothing
-      try:  # only the real rows are scored (the functions never see the padding rows)
-        real = self._scores([e for e, v in zip(chunk, valid) if v],
-                            [t for t, v in zip(texts, valid) if v], extra, prompts)  # [n, F]
+      try:  # the picked rows are scored (a padding row's scores are dropped)
+        real = self._scores([e for e, p in zip(chunk, pick) if p],
+                            [t for t, p in zip(texts, pick) if p], extra, prompts)  # [n, F]
       except rewards_lib.RewardError as e:
         error = e
         continue
       scores = np.full((len(rows), real.shape[1]), np.nan)
-      scores[valid] = real
+      if valid.any():
+        scores[valid] = real
       if sums is None:
         sums = np.zeros((bs, scores.shape[1]), np.float64)
         counts = np.zeros((bs, scores.shape[1]), np.float64)
@@ -147,11 +152,11 @@ class Evaluator:
       results['tools/calls_per_episode'] = calls / size
     return results
 
-  def _run_episodes(self, with_episodes, params, chunk, valid
+  def _run_episodes(self, with_episodes, params, chunk, pick, valid
                     ) -> tuple[list[str], dict[str, list], int]:
     """The chunk's greedy episodes (one process). -> (each row's final assistant turn's text,
-    the real rows' episode columns of the rewards, their tool calls, their prompts as the
-    rewards get them: ``Episodes.reward_prompts``)."""
+    the picked rows' episode columns of the rewards, the real (``valid``) rows' tool calls, the
+    picked rows' prompts as the rewards get them: ``Episodes.reward_prompts``)."""
     ctx, bs = self.ctx, self.batch_size
     runner, make_interaction = with_episodes
     interaction = make_interaction(chunk)
@@ -163,11 +168,12 @@ class Evaluator:
     for r in range(len(chunk)):  # a turn cut at the length limit was never submitted
       interaction.finish(r, episodes.model_turns(out_tokens[r], model[r]))
     texts = [interaction.final_text(r) for r in range(len(chunk))]
-    real = np.flatnonzero(valid)
+    real = np.flatnonzero(pick)
     extra = {k: [v[r] for r in real] for k, v in interaction.reward_fields().items()}
     done = placement.local_part(result.completions.mask)[1]
     extra['completion_ids'] = [out_tokens[r][done[r] > 0] for r in real]
-    calls = sum(m['role'] == 'tool' for r in real for m in interaction.completion_messages(r))
+    calls = sum(m['role'] == 'tool' for r in np.flatnonzero(valid)
+                for m in interaction.completion_messages(r))
     prompts = (interaction.reward_prompts() if hasattr(interaction, 'reward_prompts')
                else [e.prompt for e in chunk])
     return texts, extra, int(calls), [prompts[r] for r in real]
@@ -177,8 +183,7 @@ class Evaluator:
     columns (an episode's), one entry per completion; ``prompts``: the rewards' prompts where
     they are not the examples' (an episode's, with its environment's reset text)."""
     prompts = [e.prompt for e in examples] if prompts is None else prompts
-    # No rows here (on one of several processes): the functions still get every column, empty.
-    fields = task_base.reward_fields(examples or self.examples[:1], 1 if examples else 0)
+    fields = task_base.reward_fields(examples)
     fields = {**fields, **(extra or {})}
     ids = fields.pop('completion_ids', [[] for _ in texts])
     keywords = rewards_lib.trl_keywords(ids, self.trainer_state)  # log_* go nowhere here
