@@ -18,7 +18,8 @@ another process does not count as the holder).
   creation is tried again. tests/test_workdir_safety.py races two processes through gcsfs against
   a Cloud Storage emulator on 127.0.0.1.
 - Several processes (jax.distributed): process 0 decides and broadcasts its decision, so every
-  process of the job stops, or goes on, together.
+  process of the job stops, or goes on, together; then every process must see a probe file that
+  process 0 writes into the workdir (``_check_shared``), or all stop with one line.
 """
 
 from __future__ import annotations
@@ -224,7 +225,47 @@ def acquire_for_job(workdir: str) -> Optional[WorkdirLock]:
       error = ConfigError(got.decode('utf-8', 'replace'))
   if error is not None:
     raise error
+  if jax.process_count() > 1:
+    try:
+      _check_shared(workdir)
+    except ConfigError:
+      if lock is not None:
+        lock.release()
+      raise
   return lock
+
+
+_PROBE_WAIT_S = 5.0  # how long a process looks for process 0's probe file
+
+
+def _check_shared(workdir: str) -> None:
+  """Every process of the job must see the workdir process 0 writes (orbax writes one checkpoint
+  cooperatively into it; in per-host directories the first save waits forever): process 0 writes
+  a probe file of a new name (no cache has seen it: an NFS client looks it up afresh), every
+  process looks for it, and all raise the same ConfigError naming those that did not see it."""
+  token = np.frombuffer(os.urandom(8), np.uint8)
+  token = np.asarray(multihost_utils.broadcast_one_to_all(token)).tobytes().hex()
+  probe = fileio.join(workdir, f'.shared-probe-{token}')
+  if jax.process_index() == 0:
+    fileio.write_text(probe, 'a probe of jaxrl_ga: every process of the job must see it\n')
+  multihost_utils.sync_global_devices('jaxrl_ga_workdir_probe')
+  deadline = time.time() + _PROBE_WAIT_S
+  seen = fileio.exists(probe)
+  while not seen and time.time() < deadline:
+    time.sleep(0.5)
+    seen = fileio.exists(probe)
+  seen_by = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1)
+  if jax.process_index() == 0:
+    try:
+      fileio.path(probe).unlink()
+    except OSError:
+      pass
+  blind = [int(i) for i in np.flatnonzero(seen_by == 0)]
+  if blind:
+    raise ConfigError(
+        f'--workdir={workdir} is not shared by every process of the job: process(es) {blind} do '
+        f'not see the file process 0 wrote there. Give a bucket path (gs://...) or a directory '
+        f'every host mounts at the same path (docs/scaling.md).')
 
 
 @contextlib.contextmanager

@@ -208,3 +208,21 @@ def test_sigterm_to_one_host_stops_every_host_at_the_same_step(tmp_path):
   assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
   steps = os.listdir(tmp_path / 'run' / 'checkpoints' / 'grpo')
   assert steps == stopped[0], steps
+
+
+def test_a_workdir_not_shared_by_every_host_is_refused_at_start(tmp_path):
+  """Per-host workdirs (each process its own directory): orbax's first cooperative save waited
+  forever, with no message. Both processes now stop at the start with the same line."""
+  port = _free_port()
+  procs = [_start(i, 2, port, tmp_path / f'host{i}', 4) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    _kill_left(procs)
+  for p, out in zip(procs, outs):
+    assert p.returncode != 0, out[-3000:]
+    assert re.search(r'--workdir=\S+/host\d/run is not shared by every process of the job: '
+                     r'process\(es\) \[1\] do not see the file process 0 wrote there', out), (
+                         out[-3000:])
+    assert 'checkpoint' not in os.listdir(tmp_path / 'host0' / 'run')
+  assert not [n for n in os.listdir(tmp_path / 'host0' / 'run') if n.startswith('.shared')]
