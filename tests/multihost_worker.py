@@ -83,7 +83,8 @@ def length_and_answer(prompts, completions, answer, **unused):
   plus 10 when it holds the row's answer number (tests/test_multihost.py recomputes it). Called
   with no completion it raises: the held-out evaluation of a process without a held-out row
   called it so."""
-  del prompts, unused
+  del prompts
+  unused['log_metric']('test/process_index', float(jax.process_index()))  # each process's
   if not completions:  # as a batch-relative reward (max over the call) fails on none
     raise ValueError('called with no completion')
   return [len(c) + 10.0 * (a.split()[-1] in c) for c, a in zip(completions, answer)]

@@ -123,6 +123,12 @@ def test_two_processes_equal_one_process(tmp_path, data_file):
     return [r['loss'] for r in rows if r['phase'] == 'grpo']
   assert len(losses(tmp_path / 'one')) == 2  # log_every=1: both steps' (the worker)
   np.testing.assert_allclose(losses(tmp_path / 'two'), losses(tmp_path / 'one'), rtol=1e-5)
+  if data_file:  # a reward's log_metric: every process's values averaged (TRL's), not process 0's
+    logged = lambda d: [r['test/process_index'] for r in map(
+        json.loads, open(d / 'run' / 'metrics.jsonl')) if 'test/process_index' in r]
+    assert logged(tmp_path / 'one') and set(logged(tmp_path / 'one')) == {0.0}
+    assert len(logged(tmp_path / 'two')) == len(logged(tmp_path / 'one'))
+    assert set(logged(tmp_path / 'two')) == {0.5}
   # Each host built only its half of the training examples, and together exactly the ones the
   # single process built (SFT rows and GRPO prompts are split by the rows each host's devices hold).
   loaded = lambda d, i: collections.Counter(

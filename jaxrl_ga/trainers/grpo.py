@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from typing import Any, Callable, Optional
 
@@ -538,7 +539,7 @@ class GRPOLoop:
                    'reward/accuracy': float(correct.mean()),
                    **{f'reward/{k}': float(np.nanmean(fields[2 + i]))
                       for i, k in enumerate(names) if not np.isnan(fields[2 + i]).all()},
-                   **log.means(),  # the rewards' log_metric values (this process's)
+                   **_log_metric_means(log),  # averaged over every process's values
                    }, (texts, per_fn, log.extra)
 
   def _log_completions(self, micro_step: int, examples, scored, rewards: np.ndarray,
@@ -589,6 +590,24 @@ class GRPOLoop:
     buffer, state['rollout'], adv_dev = self.engine.reorder(
         self.policy(state), buffer, state['rollout'], adv_dev, jnp.asarray(order, jnp.int32))
     return buffer, adv_dev, adv
+
+
+def _log_metric_means(log: rewards_lib.RewardLog) -> dict[str, float]:
+  """The rewards' ``log_metric`` values of this rollout, each name's mean over the values of
+  every process (TRL 1.16: the union of the names, then each one's gathered sum and count); a
+  name one process never logged counts only the others'."""
+  if jax.process_count() == 1:
+    return log.means()
+  encoded = json.dumps(sorted(log.metrics)).encode('utf-8')
+  width = int(placement.per_process(np.int32(len(encoded))).max())
+  rows = placement.per_process(np.frombuffer(encoded.ljust(width, b' '), np.uint8))
+  names = sorted(set().union(*(json.loads(r.tobytes()) for r in rows)))
+  if not names:
+    return {}
+  stats = np.asarray([[sum(log.metrics.get(n, [])), len(log.metrics.get(n, []))]
+                      for n in names], np.float32)
+  total = placement.per_process(stats).sum(0)  # [names, 2]
+  return {n: float(total[i, 0] / total[i, 1]) for i, n in enumerate(names) if total[i, 1] > 0}
 
 
 def mix_reference(policy, reference, alpha: float):
