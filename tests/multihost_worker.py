@@ -42,6 +42,7 @@ from jaxrl_ga import data  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import export  # pylint: disable=g-import-not-at-top
 from jaxrl_ga import rows as rows_lib  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.config import RunConfig, from_mapping, load_config_file  # pylint: disable=g-import-not-at-top
+from jaxrl_ga.errors import ConfigError  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.tasks import arithmetic  # pylint: disable=g-import-not-at-top
 from jaxrl_ga.trainers import stage  # pylint: disable=g-import-not-at-top
 
@@ -52,6 +53,10 @@ _train_example = arithmetic.ArithmeticTask.train_example
 def _recording_train_example(self, index, seed):
   if seed != stage.LENGTH_CHECK_STREAM:  # the up-front length check reads it on every host
     loaded.append((int(index), int(seed)))
+    # JAXRL_GA_TEST_ROW_FAILS_ON=<process id>: a row of the second rollout that only this
+    # process reads is refused (as a prompt past the up-front checks, too long, would be).
+    if os.environ.get('JAXRL_GA_TEST_ROW_FAILS_ON') == str(pid) and index >= 8:
+      raise ConfigError(f'data row {index} is refused (test, process {pid})')
   return _train_example(self, index, seed)
 
 

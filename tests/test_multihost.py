@@ -192,6 +192,25 @@ def test_a_reward_error_on_one_host_stops_every_host(tmp_path):
   assert 'failed on process(es) [1]' in outs[0], outs[0][-3000:]
 
 
+def test_a_rollout_row_refused_on_one_host_stops_every_host(tmp_path):
+  """A row that only process 1 reads, refused at the second rollout (past the up-front checks):
+  process 0 waited at the next collective until jax's shutdown timeout (5 minutes), then both
+  aborted and process 0 never said why. Both now stop at once, each with one line."""
+  port = _free_port()
+  extra = {'JAXRL_GA_TEST_ROW_FAILS_ON': '1', 'JAXRL_GA_TEST_STAGES': 'grpo'}
+  procs = [_start(i, 2, port, tmp_path, 4, **extra) for i in (0, 1)]
+  try:
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    _kill_left(procs)
+  assert [p.returncode for p in procs] == [1, 1], [o[-2000:] for o in outs]  # the worker's
+  assert re.search(r'ConfigError: the prompts of the rollout at data position 8 failed on '
+                   r'process\(es\) \[1\] \(their error names it\)', outs[0]), outs[0][-3000:]
+  # one of the second rollout's rows that process 1 reads
+  assert re.search(r'ConfigError: data row (8|9|1[0-5]) is refused \(test, process 1\)',
+                   outs[1]), outs[1][-3000:]
+
+
 def test_sigterm_to_one_host_stops_every_host_at_the_same_step(tmp_path):
   """The training loop asks jax's preemption service, with no collective per micro-step; SIGTERM
   to one process stops both at one agreed micro-step, with one checkpoint and status 143."""

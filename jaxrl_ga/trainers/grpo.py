@@ -457,17 +457,29 @@ class GRPOLoop:
     s, b = cfg.schedule.steps_per_generation, cfg.schedule.micro_batch_size
     rows = self.engine.local_rows()  # this process's i of [S, B]
     index = self.engine.prompt_index[:, rows].reshape(-1)  # the prompt of each local row
-    examples = {int(p): ctx.task.train_example(position + int(p), ctx.cfg.seed)
-                for p in np.unique(index)}
-    rows_examples = [examples[int(p)] for p in index]
-    interaction = None if self.make_interaction is None else self.make_interaction(rows_examples)
-    if hasattr(interaction, 'padded_prompts'):
-      tokens, mask = interaction.padded_prompts(cfg.sampling.max_prompt_length, ctx.pad_id)
-      _check_shared_prompts(tokens, mask, self.engine.share_prompts)
-    else:
-      ids = {p: text.encode_prompt(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
-      tokens, mask = text.left_pad([ids[int(p)] for p in index], cfg.sampling.max_prompt_length,
-                                   ctx.pad_id, 'grpo.sampling.max_prompt_length')
+
+    def host_part():
+      examples = {int(p): ctx.task.train_example(position + int(p), ctx.cfg.seed)
+                  for p in np.unique(index)}
+      rows_examples = [examples[int(p)] for p in index]
+      interaction = (None if self.make_interaction is None
+                     else self.make_interaction(rows_examples))
+      if hasattr(interaction, 'padded_prompts'):
+        tokens, mask = interaction.padded_prompts(cfg.sampling.max_prompt_length, ctx.pad_id)
+        _check_shared_prompts(tokens, mask, self.engine.share_prompts)
+      else:
+        ids = {p: text.encode_prompt(ctx.tokenizer, ex.prompt) for p, ex in examples.items()}
+        tokens, mask = text.left_pad([ids[int(p)] for p in index],
+                                     cfg.sampling.max_prompt_length, ctx.pad_id,
+                                     'grpo.sampling.max_prompt_length')
+      return rows_examples, interaction, tokens, mask
+
+    # A row that only this process reads (a bad row past the up-front checks, a prompt too long,
+    # an environment's reset that raises) stops every process, not this one alone while the
+    # others wait at the next collective.
+    rows_examples, interaction, tokens, mask = stage.on_every_process(
+        f'the prompts of the rollout at data position {position} failed', host_part,
+        catch=(Exception,))
     place = lambda x: placement.from_local(
         x.reshape(s, len(rows), -1), rows, (s, b, x.shape[-1]),
         self.engine.prompt_sharding, axis=1)

@@ -144,14 +144,14 @@ def check_rollout_chunk(stage: str, sampling_cfg, n: int, what: str) -> None:
         f'at once ({what}); set it to {" or ".join(map(str, near))}, or 0 (all at once).')
 
 
-def on_every_process(what: str, fn):
-  """``fn()``, whose ConfigError on any process stops every process (the process that found it
-  raises its own line; the others name the processes) instead of leaving them waiting at the
-  first collective. -> what fn returns."""
+def on_every_process(what: str, fn, catch: tuple[type[BaseException], ...] = (ConfigError,)):
+  """``fn()``, whose ConfigError (or other ``catch``) on any process stops every process (the
+  process that found it raises its own error; the others a ConfigError naming the processes)
+  instead of leaving them waiting at the first collective. -> what fn returns."""
   error = out = None
   try:
     out = fn()
-  except ConfigError as e:
+  except catch as e:  # pylint: disable=catching-non-exception
     error = e
   failed = np.flatnonzero(placement.per_process(error is not None)).tolist()
   if error is not None:
