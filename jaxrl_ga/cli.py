@@ -65,8 +65,13 @@ def parse_flags(argv: list[str]) -> list[str]:
     cfg = flags.FLAGS['config'].value if 'config' in flags.FLAGS else None
     if cfg is None:
       fail('--print_config needs --config=<file> (e.g. --config=configs/grpo_arith.py).')
+    try:  # checked and resolved as a run would take them (loss_type -> its pair)
+      resolved = config_lib.to_config_dict(config_lib.from_mapping(config_lib.RunConfig,
+                                                                   cfg.to_dict()))
+    except config_lib.ConfigError as e:
+      fail(str(e))
     try:
-      print(render_settings(cfg), flush=True)
+      print(render_settings(resolved), flush=True)
     except BrokenPipeError:  # e.g. piped into head
       sys.stdout = None
     sys.exit(0)
@@ -191,7 +196,8 @@ def _attribute_docs(cls: type) -> dict[str, str]:
 
 def _one_line(text: str, width: int = 110) -> str:
   text = ' '.join(text.split())
-  sentence = re.split(r'(?<=\.)\s', text, maxsplit=1)[0]
+  # the first sentence: a period ends it, but not one of an abbreviation (e.g., i.e., Eq.)
+  sentence = re.split(r'(?<!\be\.g\.)(?<!\bi\.e\.)(?<!\bEq\.)(?<=\.)\s', text, maxsplit=1)[0]
   return sentence if len(sentence) <= width else sentence[:width - 3].rstrip() + '...'
 
 

@@ -143,6 +143,21 @@ def test_print_config_lists_every_setting_with_value_default_and_meaning():
   assert '[default' not in rows['grpo.loss.beta']  # unchanged settings show their value only
 
 
+def test_print_config_shows_what_a_run_takes_and_refuses_what_it_refuses():
+  """--print_config printed the overrides as given, unchecked: loss_type=cispo showed
+  objective clip (a run trains cispo) and a bad aggregation printed with status 0."""
+  done = _run('jaxrl_ga.main', '--config=configs/grpo_arith.py', '--print_config',
+              '--config.grpo.loss.loss_type=cispo', '--config.grpo.loss.epsilon_high=5.0')
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = {l.split()[0]: l.split()[1] for l in done.stdout.splitlines()[2:]}
+  assert (rows['grpo.loss.objective'], rows['grpo.loss.aggregation']) == ('cispo', 'token')
+  bad = _run('jaxrl_ga.main', '--config=configs/grpo_arith.py', '--print_config',
+             '--config.grpo.loss.aggregation=dapo')
+  assert bad.returncode == 2 and not bad.stdout
+  assert _one_error_line(bad).startswith("error: in grpo.loss: loss.aggregation='dapo' is not a "
+                                         "known value (TRL's 'dapo' is 'token' here)")
+
+
 def test_no_console_line_about_pytorch():
   done = _run('jaxrl_ga.sample', '--model=/nonexistent/dir', '--prompt=hi')
   assert 'PyTorch' not in done.stdout + done.stderr
