@@ -3,7 +3,8 @@ r"""The CPU default: SFT warm start, then GRPO, on 2-digit addition with a tiny 
   python -m jaxrl_ga.main --config=configs/grpo_arith.py --workdir=/tmp/grpo_arith
 
 A tiny Qwen2-architecture model is trained from scratch on a character tokenizer (saved to
-WORKDIR/tokenizer). SFT stops while held-out accuracy is still in the middle; GRPO with
+WORKDIR/tokenizer). SFT stops once greedy accuracy on a probe set of training problems reaches
+40% (sft.target_accuracy), held-out accuracy still in the middle; GRPO with
 exact-match and format rewards then raises it. The schedule is deliberately non-aligned
 (K=3, S=2: a window spans two rollouts), so the static table matters:
   python -m jaxrl_ga.explain --config=configs/grpo_arith.py

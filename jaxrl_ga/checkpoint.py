@@ -25,7 +25,7 @@ checkpoint first.
 
 Multi-host: orbax coordinates processes. Each process writes only its addressable shards; the JSON
 ``meta`` and the directory renames are done by the primary process alone; nothing here writes
-files itself. ``PreemptionGuard.should_stop_at(step)`` makes every process stop (and save) at the
+an array or JSON file itself (it renames and deletes step directories, on the primary process). ``PreemptionGuard.should_stop_at(step)`` makes every process stop (and save) at the
 same step: ask it at the same point of the loop on every process.
 """
 

@@ -219,7 +219,8 @@ class GRPOLossConfig:
   Attributes:
     aggregation: TRL 1.16's loss_type definitions over the window (docs/design.md, "Loss
       peers"): 'token' (dapo), 'sequence' (grpo: mean over every row, one with an all-zero mask
-      too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row) or
+      too), 'constant' (dr_grpo: B * max_completion_length per micro-batch, every row),
+      'sequence_sum' (luspo: each sequence's summed loss over every row) or
       'microbatch_token' (bnpo: normalized per micro-batch; depends on K, kept to demonstrate
       the per-micro-batch normalization bug, docs/design "Why per-micro-batch normalization is
       wrong"). TRL's names of these: ``loss_type``.
@@ -542,14 +543,15 @@ class SamplingConfig:
       the longest prompt of the data (every row of data.train, the held-out set; a built-in
       task: its bound), rounded up to a multiple of 8, measured before anything compiles
       (``api.validate_lengths``; the trainer's first prompt line prints it).
-    max_completion_length: L, generated tokens per completion (also the 'constant' normalizer).
+    max_completion_length: L, generated tokens per completion (GRPO: also the 'constant'
+      normalizer).
     temperature: softmax temperature (> 0).
     top_k: keep the k most likely tokens (0 disables).
     top_p: nucleus sampling mass (1.0 disables).
     rollout_micro_batch_size: completions generated at once, to bound KV-cache memory
       (0 means the whole rollout at once).
-    old_logprob_source: 'recompute' (a learner forward pass, only for the slices the schedule
-      marks) or 'sampler' (the sampler's own log-probs, free with generation). Either way they are
+    old_logprob_source: GRPO: 'recompute' (a learner forward pass, only for the slices the
+      schedule marks) or 'sampler' (the sampler's own log-probs, free with generation). Either way they are
       log-probs under the tempered but untruncated softmax, log_softmax(logits / temperature),
       what the learner computes: top-k / top-p only choose which token is drawn.
     decode_slots: 0 decodes the rollout's rows in batches of rollout_micro_batch_size, each
@@ -682,7 +684,8 @@ class ModelSpec:
       implementation cannot express runs the einsum ('flash' under 'splash'; models/attention.py);
       benchmarks/attention.py compares them. Not in the checkpoint fingerprint (an
       implementation choice): a run may resume with another value.
-    dtype, param_dtype: 'float32' or 'bfloat16' (compute and storage).
+    dtype: 'float32' or 'bfloat16', the compute dtype.
+    param_dtype: 'float32' or 'bfloat16', the storage dtype of the params.
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
   """
   arch: ModelConfig = dataclasses.field(default=FRESH_MODEL, metadata={'flat': True})

