@@ -197,17 +197,19 @@ def checksums(tree: Any, on_host: bool = False) -> dict[str, str]:
   """{dotted leaf path: 'xxxxxxxx-yyyyyyyy'}: two 32-bit sums of each leaf's bits (the plain sum
   of its 32-bit words, and the sum weighted by each word's odd position weight). Any one flipped
   bit changes both, and a moved or swapped block changes the second. Computed where the arrays
-  are (jax.Arrays, sharded or not, in one jitted program whose sums are the same on any
-  sharding; numpy arrays on the host), so the same bits give the same strings whether a
-  checkpoint is saved from devices or read to the host (``restore_raw``). Other leaves (Python
+  are (accelerator or multi-process jax.Arrays, sharded or not, in one jitted program whose sums
+  are the same on any sharding; numpy arrays and a CPU process's arrays on the host), so the
+  same bits give the same strings whether a checkpoint is saved from devices or read to the
+  host (``restore_raw``). Other leaves (Python
   numbers, which orbax may read back as another type) have none. on_host: every leaf on the
   host, nothing compiled (export's raw read)."""
   flat = {k: (jax.random.key_data(v) if isinstance(v, jax.Array)
               and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
           for k, v in _flat(tree).items()}
-  if on_host:
-    flat = {k: np.asarray(jax.device_get(v)) if isinstance(v, jax.Array) else v
-            for k, v in flat.items()}
+  # On the host: what export reads, and what a CPU process holds whole anyway (no compile).
+  flat = {k: np.asarray(jax.device_get(v)) if isinstance(v, jax.Array) and (on_host or (
+      v.is_fully_addressable and all(d.platform == 'cpu' for d in v.sharding.device_set)))
+          else v for k, v in flat.items()}
   sums = {}
   groups = itertools.groupby(sorted((k for k, v in flat.items() if isinstance(v, jax.Array)),
                                     key=lambda k: _devices_key(flat[k])),
@@ -463,13 +465,12 @@ class Checkpointer:
     """(state as stored: nested dicts of host arrays, meta, fingerprint) of checkpoint ``step``.
 
     For tools that do not rebuild the training state (e.g. export); loads every array, each
-    onto this process's CPU device whatever the devices that wrote it (a pod slice's checkpoint
-    reads on one host; typed PRNG keys as their raw uint32 data).
+    as a numpy array of its stored dtype, whatever the devices that wrote it (a pod slice's
+    checkpoint reads on one host; no device memory; typed PRNG keys as their raw uint32 data).
     """
     record = self._record(step)
-    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend='cpu')[0])
-    target = jax.tree.map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host)
+    target = jax.tree.map(  # np.empty: the pages are touched only as orbax fills them
+        lambda m: np.empty(m.shape, m.dtype)
         if isinstance(m, ocp.metadata.ArrayMetadata) else m,
         self._manager.item_metadata(int(step))['state'].tree,
         is_leaf=lambda m: isinstance(m, ocp.metadata.ArrayMetadata))

@@ -376,6 +376,14 @@ def test_checksums_are_the_sums_of_the_bits_on_any_sharding_and_on_the_host(mesh
   assert checkpoint.checksums(on_host) == want
   replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), state)
   assert checkpoint.checksums(replicated) == want
+  # The jitted program that sums an accelerator's (or several processes') arrays where they
+  # are, on these 8 CPU devices: sharded and replicated, the same sums.
+  for tree in (state, replicated):
+    leaves = {k: (jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+                  else v) for k, v in checkpoint._flat(tree).items()}
+    for k, v in leaves.items():
+      [(a, b)] = jax.device_get(checkpoint._device_sums([v]))
+      assert f'{int(a):08x}-{int(b):08x}' == want[k], k
   # One flipped bit anywhere in a leaf changes it; two words swapped change the weighted sum.
   w = np.asarray(state.params['layers'][0]['w'])
   for flat_index, bit in ((0, 0), (77, 31), (127, 12)):

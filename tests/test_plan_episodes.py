@@ -81,7 +81,8 @@ def test_plan_lowers_the_multi_turn_programs_the_trainer_runs(tmp_path):
   trained['evaluation_episodes'] = _first_segment_call(
       progs.eval_episodes, lambda: evaluator._run_episodes(  # pylint: disable=protected-access
           (progs.eval_episodes, lambda chunk: interaction), params,
-          [None] * evaluator.batch_size, np.ones(evaluator.batch_size, bool)))
+          [None] * evaluator.batch_size, np.ones(evaluator.batch_size, bool),
+          np.ones(evaluator.batch_size, bool)))
   planned = plan.lower_grpo(cfg, ctx.model_cfg, list(ctx.mesh.devices.flat), eos_id=ctx.eos_id,
                             pad_id=ctx.pad_id, multi_turn=True,
                             steps=('multi_turn', 'evaluation_episodes'))
