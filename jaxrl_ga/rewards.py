@@ -353,19 +353,16 @@ def reward_statistics(per_function: np.ndarray, weights: Sequence[float], names:
   advantage's std, the group's, or the rollout's with scale_rewards='batch' or
   normalize_then_sum, is 0 within torch.isclose's 1e-8)."""
   r = np.asarray(per_function, np.float64)
-  unscored = unscorable(r)
+  totals = np.where(unscorable(r), np.nan, np.nansum(r * np.asarray(weights, np.float64), axis=1))
   if multi_objective_aggregation == 'normalize_then_sum':
     spread = _normalized_sum(r, weights, num_generations, eps)
     std = np.full(len(r), _nanstd(spread) if r.shape[0] > 1 else 0.0)
+  elif scale_rewards == 'batch':
+    std = np.full(len(r), _nanstd(totals) if r.shape[0] > 1 else 0.0)
+  elif num_generations > 1:
+    std = np.repeat(_nanstd(totals.reshape(-1, num_generations), axis=1), num_generations)
   else:
-    spread = np.where(unscored, np.nan, np.nansum(r * np.asarray(weights, np.float64), axis=1))
-    if scale_rewards == 'batch':
-      std = np.full(len(r), _nanstd(spread) if r.shape[0] > 1 else 0.0)
-    elif num_generations > 1:
-      std = np.repeat(_nanstd(spread.reshape(-1, num_generations), axis=1), num_generations)
-    else:
-      std = np.zeros(len(r))
-  totals = np.where(unscored, np.nan, np.nansum(r * np.asarray(weights, np.float64), axis=1))
+    std = np.zeros(len(r))
   out = {'reward/std': float(_nanstd(totals)),
          'reward/frac_zero_std': float(np.mean(np.abs(std) <= 1e-8)) if len(r) else float('nan')}
   for i, name in enumerate(names):
