@@ -27,8 +27,6 @@ from absl import app
 from absl import flags
 from flax import nnx
 import jax
-from jax.experimental import multihost_utils
-import numpy as np
 import transformers
 
 from jaxrl_ga import checkpoint
@@ -38,6 +36,7 @@ from jaxrl_ga import lora
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
 from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.trainers import stage
 
 
 def _define_flags():
@@ -178,33 +177,23 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, tokenizer_path: str | N
     if adapter_out:
       check_out_dir(adapter_out, overwrite)
 
-  _on_primary(check)
+  _on_primary('checking --out', check)
   # Every process reads (orbax's restore is collective in a multi-process job); process 0 writes.
   cfg, params, tokenizer, src, fingerprint, generation = _read_checkpoint(checkpoint_dir,
                                                                          tokenizer_path)
   if adapter_out and not cfg.lora.rank:
     raise ValueError(f'--adapter_out: {src} is not a LoRA checkpoint (model.lora.rank = 0).')
-  _on_primary(lambda: _write(cfg, params, tokenizer, generation, fingerprint, out_dir,
-                             weights_dtype, adapter_out))
+  _on_primary('the export', lambda: _write(cfg, params, tokenizer, generation, fingerprint,
+                                           out_dir, weights_dtype, adapter_out))
   return src
 
 
-def _on_primary(fn) -> None:
-  """Runs ``fn`` on process 0 alone; in a multi-process job every process then raises if it
-  failed there (process 0 with its error, the others with a line pointing to it), so that none
-  writes twice, replaces process 0's files, or goes on alone."""
-  error = None
-  if jax.process_index() == 0:
-    try:
-      fn()
-    except BaseException as e:  # pylint: disable=broad-except
-      error = e
-  if jax.process_count() > 1:
-    failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-    if failed and error is None:
-      raise ValueError('the export failed on process 0 (its log has the error).')
-  if error is not None:
-    raise error
+def _on_primary(what: str, fn) -> None:
+  """``fn`` on process 0 alone; a failure there stops every process of a multi-process job
+  (``stage.on_every_process``), so that none writes twice, replaces process 0's files, or goes
+  on alone."""
+  stage.on_every_process(what, lambda: fn() if jax.process_index() == 0 else None,
+                         catch=(Exception,))
 
 
 def _write(cfg, params, tokenizer, generation, fingerprint, out_dir: str,
