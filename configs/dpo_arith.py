@@ -13,12 +13,14 @@ Task, model, SFT and eval settings are grpo_arith.py's.
 
 import os
 
-from jaxrl_ga.config import load_config_file
+from jaxrl_ga.config import load_config_file, unknown_config_arg
 
 _BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'grpo_arith.py')
 
 
 def get_config(arg: str = ''):
+  if arg not in ('', 'smoke'):  # this file's name in the error, not its base's
+    raise unknown_config_arg(__file__, arg, ['', 'smoke'])
   c = load_config_file(_BASE, arg)
   c.stages = 'sft,dpo'
   c.dpo.update(num_steps=100, micro_batch_size=32, grad_accum_steps=2, num_prompts=1024,

@@ -9,12 +9,14 @@ of 128, whatever the answer lengths. Task, model and eval settings are grpo_arit
 
 import os
 
-from jaxrl_ga.config import load_config_file
+from jaxrl_ga.config import load_config_file, unknown_config_arg
 
 _BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'grpo_arith.py')
 
 
 def get_config(arg: str = ''):
+  if arg not in ('', 'smoke'):  # this file's name in the error, not its base's
+    raise unknown_config_arg(__file__, arg, ['', 'smoke'])
   c = load_config_file(_BASE, arg)
   c.stages = 'sft'
   c.sft.update(micro_batch_size=64, grad_accum_steps=2)

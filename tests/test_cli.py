@@ -83,6 +83,17 @@ def test_config_file_argument_errors_name_the_known_ones_in_every_program():
   assert lines[1] == lines[0] and lines[2] == lines[0]
 
 
+@pytest.mark.parametrize('name', ['sft_arith', 'dpo_arith'])
+def test_a_config_built_on_another_names_itself_in_its_argument_error(name):
+  """sft_arith.py and dpo_arith.py build on grpo_arith.py: a bad argument names the file the
+  user gave, not its base."""
+  from jaxrl_ga.config import ConfigError, load_config_file  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError) as e:
+    load_config_file(f'configs/{name}.py', 'nosuch')
+  assert str(e.value).startswith(f"{name}.py knows no argument 'nosuch'; its arguments: '', "
+                                 'smoke'), str(e.value)
+
+
 def test_task_options_are_settable_and_an_unknown_one_names_the_valid_ones():
   done = _run('jaxrl_ga.main', '--config=configs/grpo_gsm8k_tpu.py', '--print_config',
               '--config.task.options.source=/data/train.jsonl',
