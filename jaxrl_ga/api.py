@@ -45,6 +45,7 @@ from jaxrl_ga.config import RunConfig, from_mapping, load_config_file, settings_
 from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import policy
+from jaxrl_ga.tasks import chat
 from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import registry
 from jaxrl_ga.trainers import reporting
@@ -247,6 +248,8 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     raise ConfigError(f'model.hf_path={cfg.model.hf_path}: its tokenizer cannot be loaded '
                       f'({first}); give a local model directory, a .gguf file or '
                       f'pkg:<package>.') from None
+  # model.chat_template_kwargs: every rendering of the run's templates passes them.
+  tokenizer = chat.with_template_kwargs(tokenizer, cfg.model.template_kwargs())
   if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import numbers
 import os
@@ -628,6 +629,37 @@ FRESH_MODEL = ModelConfig(vocab_size=0, hidden_size=128, intermediate_size=256,
 _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
+# apply_chat_template's own arguments, which the callers set: not chat-template keyword arguments.
+_TEMPLATE_CALL_ARGS = ('conversation', 'tools', 'documents', 'chat_template',
+                       'add_generation_prompt', 'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length',
+                       'return_tensors', 'return_dict', 'return_assistant_tokens_mask',
+                       'tokenizer_kwargs')
+
+
+def template_kwargs_json(value: Any, setting: str) -> str:
+  """``value`` (a JSON object's text, a mapping, or '' / None for none) as canonical JSON text
+  (sorted keys; '' for none). Anything else is a ConfigError naming ``setting``."""
+  if value is None or value == '':
+    return ''
+  how = f'give a JSON object, e.g. {setting}=\'{{"enable_thinking": false}}\''
+  if isinstance(value, str):
+    try:
+      value = json.loads(value)
+    except ValueError:
+      raise ConfigError(f'{setting}={value!r} is not JSON; {how}.') from None
+  if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+    raise ConfigError(f'{setting}={value!r} is not a JSON object of keyword arguments; {how}.')
+  taken = sorted(set(value) & set(_TEMPLATE_CALL_ARGS))
+  if taken:
+    raise ConfigError(f'{setting}: {", ".join(taken)} {"is" if len(taken) == 1 else "are"} '
+                      f'apply_chat_template\'s own argument(s), which the run sets; give only the '
+                      f'template\'s variables (e.g. enable_thinking).')
+  try:
+    return json.dumps(dict(value), sort_keys=True)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f'{setting}: {e}; {how}.') from None
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class ModelSpec:
   """The run's model (``model.*``): its architecture (``arch``, a ModelConfig), where the policy
@@ -687,6 +719,12 @@ class ModelSpec:
     dtype: 'float32' or 'bfloat16', the compute dtype.
     param_dtype: 'float32' or 'bfloat16', the storage dtype of the params.
     lora: LoRAConfig, ``model.lora.rank`` > 0 trains low-rank adapters only (docs/lora.md).
+    chat_template_kwargs: keyword arguments for every chat-template rendering of the run, as a
+      JSON object (the Python API also takes a dict), e.g. '{"enable_thinking": false}' for
+      Qwen3: GRPO's prompts, tool turns and reward models' texts (TRL 1.16's
+      ``GRPOConfig.chat_template_kwargs``), the held-out evaluation's prompts, and SFT's and
+      DPO's rows, where a row's own ``chat_template_kwargs`` column overrides a key it also
+      sets. '' (default): none. Needs a tokenizer with a chat template.
   """
   arch: ModelConfig = dataclasses.field(default=FRESH_MODEL, metadata={'flat': True})
   hf_path: str = ''
@@ -695,6 +733,7 @@ class ModelSpec:
   scan_layers: bool = True
   share_prompt_prefix: bool = True
   attention: str = 'auto'
+  chat_template_kwargs: str = ''
 
   def __init__(self, arch: Optional[ModelConfig] = None, **settings: Any):
     """``arch`` (default FRESH_MODEL) with the ModelConfig fields among ``settings`` replaced,
@@ -725,6 +764,8 @@ class ModelSpec:
     for name in ('scan_layers', 'share_prompt_prefix'):
       _require(isinstance(getattr(self, name), bool),
                f'{p}{name}={getattr(self, name)!r} must be True or False.')
+    object.__setattr__(self, 'chat_template_kwargs',
+                       template_kwargs_json(self.chat_template_kwargs, f'{p}chat_template_kwargs'))
     if self.logprob_chunk_size == 'auto':
       object.__setattr__(self, 'logprob_chunk_size', AUTO_CHUNK)
     _require(_is_int(self.logprob_chunk_size) and self.logprob_chunk_size >= AUTO_CHUNK,
@@ -743,6 +784,10 @@ class ModelSpec:
         _require(getattr(arch, name) > 0,
                  f'{p}{name}={getattr(arch, name)!r} must be > 0 (default '
                  f'{getattr(ModelConfig, name)!r}).')
+
+  def template_kwargs(self) -> dict[str, Any]:
+    """``chat_template_kwargs`` as a dict ({} when unset)."""
+    return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
   def __getattr__(self, name: str) -> Any:
     """The architecture's fields and properties read through: ``spec.hidden_size``,
@@ -1287,6 +1332,7 @@ def unknown_config_arg(path: str, arg: str, known: Sequence[str]) -> ConfigError
   names = ', '.join(repr(k) if k == '' else k for k in known)
   return ConfigError(f'{os.path.basename(path)} knows no argument {arg!r}; its arguments: '
                      f'{names} (--config={path}:<argument>).')
+
 
 
 def config_dirs() -> list[str]:

@@ -66,7 +66,8 @@ def build_task(cfg, train_dataset=None, eval_dataset=None, reward_funcs=None,
   spec = cfg.data
   if reward_funcs is None:
     reward_funcs = cfg.grpo.reward_funcs
-  rewards = rewards_lib.resolve(reward_model.expand(reward_funcs))
+  rewards = rewards_lib.resolve(reward_model.expand(
+      reward_funcs, chat_template_kwargs=cfg.model.template_kwargs()))
   train_source = train_dataset if train_dataset is not None else (spec.train or None)
   eval_source = eval_dataset if eval_dataset is not None else (spec.eval or None)
   if rows_lib.split_ignored(train_source, eval_source, spec.train_split, spec.eval_split):

@@ -20,7 +20,8 @@ source's last path component (``/ckpt/my_rm`` -> ``my_rm``; ``pkg:<package>``: t
 
 What it computes is TRL's (``GRPOTrainer._calculate_rewards``): the texts are prompt + completion,
 or, for chat prompts, the reward model's own chat template over prompt + [the completion as an
-assistant message] (``apply_chat_template(..., tokenize=False)``; in a tool or environment
+assistant message] (``apply_chat_template(..., tokenize=False)``, with the run's
+``model.chat_template_kwargs`` as TRL passes its ``chat_template_kwargs``; in a tool or environment
 episode the episode's ``completions_messages`` instead: every assistant turn, tool call and tool
 result, TRL's conversational completion); its tokenizer encodes them with
 ``add_special_tokens=False``, right-padded, not truncated, with eos as the pad token when it has
@@ -41,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ from jaxrl_ga.models import families
 from jaxrl_ga.models import gguf
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
+from jaxrl_ga.tasks import chat
 
 MIN_LENGTH = 16  # the smallest token bucket
 
@@ -72,10 +74,12 @@ def is_source(spec: str) -> bool:
   return '/' in s or s.startswith(('.', '~')) or os.path.isdir(os.path.expanduser(s))
 
 
-def expand(reward_funcs, what: str = 'grpo.reward_funcs') -> list:
+def expand(reward_funcs, what: str = 'grpo.reward_funcs',
+           chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list:
   """``reward_funcs`` (``rewards.resolve``'s argument) with each model-source string
   (``is_source``, optionally ``=weight``) replaced by a WeightedReward of its
-  :class:`RewardModel`; everything else as it was, for ``rewards.resolve``."""
+  :class:`RewardModel` (rendering with ``chat_template_kwargs``, the run's
+  ``model.chat_template_kwargs``); everything else as it was, for ``rewards.resolve``."""
   out = []
   for item in rewards_lib.split_specs(reward_funcs):
     if isinstance(item, str) and is_source(item.rpartition('=')[0] or item):
@@ -86,7 +90,7 @@ def expand(reward_funcs, what: str = 'grpo.reward_funcs') -> list:
           source, weight = head, float(tail)
         except ValueError:
           pass  # an '=' inside the path
-      model = RewardModel(source.strip(), setting=what)
+      model = RewardModel(source.strip(), setting=what, chat_template_kwargs=chat_template_kwargs)
       out.append(rewards_lib.WeightedReward(model.__name__, model, weight))
     else:
       out.append(item)
@@ -114,7 +118,8 @@ class RewardModel:
   construction (ConfigError naming ``setting``); the weights at the first call."""
 
   def __init__(self, source: str, *, setting: str = 'grpo.reward_funcs', batch_size: int = 64,
-               dtype: str = 'float32', mesh: Optional[Mesh] = None):
+               dtype: str = 'float32', mesh: Optional[Mesh] = None,
+               chat_template_kwargs: Optional[Mapping[str, Any]] = None):
     self.source, self.setting, self.batch_size = source, setting, batch_size
     self.__name__ = _name(source)
     self._mesh, self._loaded = mesh, None
@@ -142,6 +147,8 @@ class RewardModel:
       first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
       raise ConfigError(f'{setting}={source}: cannot be read as a reward model ({first}); give a '
                         f'sequence-classification model (an HF directory or a GGUF file).') from None
+    if chat_template_kwargs and chat.has_chat_template(self.tokenizer):  # TRL renders with them
+      self.tokenizer = chat.with_template_kwargs(self.tokenizer, chat_template_kwargs)
     if len(head_shape) != 2 or head_shape[1] != cfg.hidden_size or head_shape[0] < 1:
       raise ConfigError(f'{setting}={source}: the score head has shape {tuple(head_shape)}, not '
                         f'[num_labels, {cfg.hidden_size}].')

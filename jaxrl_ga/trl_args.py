@@ -65,6 +65,7 @@ TRL_GRPO_ARGS = {
     'warmup_steps': 'grpo.optimizer.warmup_steps',
     'max_grad_norm': 'grpo.optimizer.max_grad_norm',
     'seed': 'seed',
+    'chat_template_kwargs': 'model.chat_template_kwargs',  # a dict or its JSON text, as TRL's
 }
 
 # TRL's values whose spelling differs from ours: name -> {TRL value: ours}.
@@ -95,6 +96,8 @@ def trl_overrides(trl_args: Mapping[str, Any]) -> dict[str, Any]:
       continue  # TRL's default: epsilon's value (below)
     if name in _VALUES and _hashable(value) and value in _VALUES[name]:
       value = _VALUES[name][value]
+    if name == 'chat_template_kwargs':  # the setting's form: a JSON object's text, '' for none
+      value = config.template_kwargs_json(value, 'trl_args: chat_template_kwargs')
     setting = TRL_GRPO_ARGS[name]
     if setting in out and out[setting] != value:
       raise ConfigError(f'trl_args: {source[setting]}={trl_args[source[setting]]!r} and '

@@ -169,6 +169,15 @@ def test_print_config_shows_what_a_run_takes_and_refuses_what_it_refuses():
                                          "known value (TRL's 'dapo' is 'token' here)")
 
 
+def test_sample_chat_template_kwargs_bad_input_is_one_line():
+  for extra, want in [(['--chat', '--chat_template_kwargs={bad'],
+                       "error: --chat_template_kwargs='{bad' is not JSON; give a JSON object"),
+                      (['--chat_template_kwargs={"enable_thinking": false}'],
+                       'error: --chat_template_kwargs is for the chat template: add --chat.')]:
+    done = _run('jaxrl_ga.sample', '--model=/nonexistent/dir', '--prompt=hi', *extra)
+    assert done.returncode == 2 and _one_error_line(done).startswith(want), done.stderr
+
+
 def test_no_console_line_about_pytorch():
   done = _run('jaxrl_ga.sample', '--model=/nonexistent/dir', '--prompt=hi')
   assert 'PyTorch' not in done.stdout + done.stderr

@@ -640,3 +640,79 @@ def test_a_resume_on_other_rows_is_refused_before_anything_runs(tmp_path):
   assert checkpoint.all_steps(str(ckpts)) == steps[:-1]
   path.write_text(text, encoding='utf-8')
   assert not api.run(cfg, str(tmp_path / 'wd'))['stopped_early']
+
+
+# A template with Qwen3's switch (reduced): enable_thinking=False writes an empty reasoning block
+# after the generation prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+
+
+def _with_template(tmp_path, fixture: str) -> str:
+  """A copy of tests/fixtures/<fixture> whose tokenizer has THINKING_TEMPLATE."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  path = tmp_path / fixture
+  shutil.copytree(helpers.fixture_dir(fixture), path)
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  tok.chat_template = THINKING_TEMPLATE
+  tok.save_pretrained(path)
+  return str(path)
+
+
+def test_chat_template_kwargs_reach_every_rendering_as_trl_passes_them(tmp_path):
+  """model.chat_template_kwargs (TRL's GRPOConfig.chat_template_kwargs; Qwen3's enable_thinking):
+  the run's prompts and a reward model's texts are transformers' apply_chat_template with them;
+  a call's own keyword (a row's chat_template_kwargs column) wins; they are in the checkpoints'
+  fingerprint (unset: left out, as before the setting existed); trl_args maps TRL's dict. Before,
+  there was no such setting: a Qwen3 run always sampled in thinking mode."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga import reward_model  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.config import load_config_file  # pylint: disable=g-import-not-at-top
+  from jaxrl_ga.trainers import text  # pylint: disable=g-import-not-at-top
+  model = _with_template(tmp_path, 'qwen3_tiny')
+  path = tmp_path / 'train.jsonl'
+  path.write_text(''.join(json.dumps({'prompt': f'{i}+1=', 'answer': str(i + 1)}) + '\n'
+                          for i in range(20)), encoding='utf-8')
+  base = load_config_file(os.path.join(ROOT, 'configs', 'grpo_arith.py'), 'smoke')
+  overrides = {**_OVERRIDES, 'data.train': str(path), 'grpo.reward_funcs': 'final_answer',
+               'model.hf_path': model}
+  cfg = api.make_config(base, trl_args={'chat_template_kwargs': {'enable_thinking': False}},
+                        **overrides)
+  assert cfg.model.chat_template_kwargs == '{"enable_thinking": false}'
+  ctx, _ = api.build_context(cfg, str(tmp_path / 'wd'))
+  ref = transformers.AutoTokenizer.from_pretrained(model)
+  render = lambda **kw: ref.apply_chat_template([{'role': 'user', 'content': '3+1='}],
+                                                add_generation_prompt=True, tokenize=False, **kw)
+  assert render(enable_thinking=False) != render()  # the switch changes the prompt
+  assert text.encode_prompt(ctx.tokenizer, '3+1=') == ref(
+      render(enable_thinking=False), add_special_tokens=False)['input_ids']
+  assert ctx.tokenizer.apply_chat_template(  # a call's own value wins
+      [{'role': 'user', 'content': '3+1='}], add_generation_prompt=True, tokenize=False,
+      enable_thinking=True) == render(enable_thinking=True)
+  assert ctx.fingerprint('grpo')['model']['chat_template_kwargs'] == '{"enable_thinking": false}'
+  plain, _ = api.build_context(api.make_config(base, **overrides), str(tmp_path / 'wd2'))
+  assert text.encode_prompt(plain.tokenizer, '3+1=') == ref(render(), add_special_tokens=False)[
+      'input_ids']
+  assert 'chat_template_kwargs' not in plain.fingerprint('grpo')['model']
+
+  rm_path = _with_template(tmp_path, 'qwen2_reward_tiny')
+  rm = reward_model.RewardModel(rm_path, chat_template_kwargs={'enable_thinking': False})
+  rm_ref = transformers.AutoTokenizer.from_pretrained(rm_path)
+  conversation = [{'role': 'user', 'content': '3+1='}, {'role': 'assistant', 'content': '4'}]
+  assert rm.texts([conversation[:1]], ['4']) == [rm_ref.apply_chat_template(
+      conversation, tokenize=False, enable_thinking=False)]
+
+
+@pytest.mark.parametrize('value,message', [
+    ('{bad', r"^model\.chat_template_kwargs='\{bad' is not JSON; give a JSON object"),
+    ('[1]', r'^model\.chat_template_kwargs=\[1\] is not a JSON object of keyword arguments'),
+    ('{"tools": []}', r"^model\.chat_template_kwargs: tools is apply_chat_template's own"),
+])
+def test_bad_chat_template_kwargs_are_one_error_naming_the_setting(value, message):
+  from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=message):
+    api.make_config(None, **{'model.chat_template_kwargs': value})

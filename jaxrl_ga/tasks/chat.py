@@ -10,19 +10,42 @@ Llama's or Gemma's BOS; none for most), as TRL 1.16 tokenizes non-conversational
 (``processing_class(text=...)``): ``leading_special_ids``.
 
   ids = chat.prompt_ids(tokenizer, 'What is 3+4? Answer with the number only.')
+
+A run's ``model.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) reach every rendering
+through the tokenizer the run holds (:func:`with_template_kwargs`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+import functools
+from typing import Any, Mapping, Optional
 
 from jaxrl_ga.errors import ConfigError
 
-__all__ = ['has_chat_template', 'leading_special_ids', 'prompt_ids', 'prompt_text']
+__all__ = ['has_chat_template', 'leading_special_ids', 'prompt_ids', 'prompt_text',
+           'with_template_kwargs']
 
 
 def has_chat_template(tokenizer) -> bool:
   return bool(getattr(tokenizer, 'chat_template', None))
+
+
+def with_template_kwargs(tokenizer, kwargs: Mapping[str, Any],
+                         setting: str = 'model.chat_template_kwargs'):
+  """``tokenizer`` whose ``apply_chat_template`` passes ``kwargs`` to the template on every call
+  (a keyword given to a call wins: a row's own ``chat_template_kwargs``): a shallow copy, the
+  tokenizer given is left as it was. ``kwargs`` empty: ``tokenizer`` itself. A tokenizer without
+  a chat template: ConfigError naming ``setting``."""
+  if not kwargs:
+    return tokenizer
+  if not has_chat_template(tokenizer):
+    raise ConfigError(f'{setting} is set but the tokenizer has no chat template to pass it to; '
+                      f'leave it empty, or give a model whose tokenizer has one.')
+  bound = copy.copy(tokenizer)
+  bound.apply_chat_template = functools.partial(type(tokenizer).apply_chat_template, bound,
+                                                **dict(kwargs))
+  return bound
 
 
 def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:

@@ -121,6 +121,8 @@ class RunContext:
     for name in _LATER_MODEL_FIELDS:  # unset: as before the fields existed (older runs resume)
       if not model.get(name):
         model.pop(name, None)
+    if self.cfg.model.chat_template_kwargs:  # the prompts' tokens; unset: as before it existed
+      model['chat_template_kwargs'] = self.cfg.model.chat_template_kwargs
     return _jsonable({'stage': stage, 'seed': self.cfg.seed, stage: stage_cfg,
                       'model': model,
                       'model_source': self.cfg.model.hf_path,
