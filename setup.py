@@ -7,7 +7,7 @@ setuptools.setup(
     version='0.1.0',
     description=('RL post-training (GRPO, DPO, SFT) of language models in JAX/Flax NNX with '
                  'exact gradient accumulation and minimal old-log-prob recomputation.'),
-    python_requires='>=3.10',
+    python_requires='>=3.11',
     # configs/ (top level in the repository) installs as jaxrl_ga/configs, so that
     # --config=configs/<name>.py works from any directory (jaxrl_ga.config.resolve_config_path).
     packages=setuptools.find_packages(include=['jaxrl_ga', 'jaxrl_ga.*']) + ['jaxrl_ga.configs'],

@@ -69,6 +69,7 @@ _LOG_NAME_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9._-]*$')
 _ENV_KEY_RE = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
 _EXTRAS_RE = re.compile(r'^[A-Za-z0-9_-]+(,[A-Za-z0-9_-]+)*$')
 _PYTHON_RE = re.compile(r'^3\.[0-9]+(\.[0-9]+)?$')
+MIN_PYTHON_MINOR = 11  # setup.py's python_requires: jax 0.10's
 
 
 class LaunchError(Exception):
@@ -114,13 +115,37 @@ def remote_path(path: str) -> str:
   return shlex.quote(path)
 
 
-def _env_exports(env: Sequence[str]) -> list[str]:
+def _env_pairs(env: Sequence[str]) -> list[tuple[str, str]]:
+  """--env items as (KEY, VALUE): KEY=VALUE, or KEY alone for this machine's $KEY (a secret then
+  stays out of the command line and the shell history)."""
   out = []
   for item in env:
     key, sep, value = item.partition('=')
-    if not sep or not _ENV_KEY_RE.match(key):
-      raise LaunchError(f'--env {item!r}: expected KEY=VALUE with KEY a shell variable name.')
-    out.append(f'export {key}={shlex.quote(value)}')
+    if not _ENV_KEY_RE.match(key):
+      raise LaunchError(f'--env {item!r}: expected KEY=VALUE (or KEY, taken from this machine\'s '
+                        f'environment) with KEY a shell variable name.')
+    if not sep:
+      if key not in os.environ:
+        raise LaunchError(f'--env {key}: ${key} is not set here; set it, or give --env '
+                          f'{key}=VALUE.')
+      value = os.environ[key]
+    out.append((key, value))
+  return out
+
+
+def _env_exports(env: Sequence[str]) -> list[str]:
+  return [f'export {key}={shlex.quote(value)}' for key, value in _env_pairs(env)]
+
+
+def masked(argv: Sequence[str], env: Sequence[str]) -> list[str]:
+  """``argv`` with each --env value shown as *** (what is printed: a token must not reach a
+  terminal, a CI log or a shared screen)."""
+  exports = [(f'export {k}={shlex.quote(v)}', f'export {k}=***') for k, v in _env_pairs(env)]
+  out = []
+  for arg in argv:
+    for secret, shown in exports:
+      arg = arg.replace(secret, shown)
+    out.append(arg)
   return out
 
 
@@ -154,22 +179,30 @@ _SETUP_CHECK = ('import socket, jax, jaxrl_ga; '
 
 def run_script(command: str, log_name: str, env: Sequence[str], foreground: bool) -> str:
   """`run`: the user's command, as one quoted word, under bash in ~/jaxrl_ga with the venv active;
-  output to ~/logs/<log_name>.<hostname>.log. Detached (setsid nohup, pid file kept for `stop`)
-  unless ``foreground``."""
+  output appended to ~/logs/<log_name>.<hostname>.log; in a process group of its own whose id is
+  kept in a pid file for `stop`. Detached (setsid nohup) unless ``foreground``; refused while a run
+  of the same log name is alive on the worker."""
   word = shlex.quote(command)
   pre = [f'mkdir -p "{REMOTE_LOGS}"', f'cd "{REMOTE_CODE}"', f'. "{REMOTE_VENV}/bin/activate"']
   parts = [' && '.join(pre) + ' || exit 1'] + _env_exports(env) + [
-      'h=$(hostname)', f'log="{REMOTE_LOGS}/{log_name}.$h.log"']
-  if foreground:
-    parts += [f'{{ bash -c {word} < /dev/null; echo $? > "$log.rc"; }} 2>&1 | tee "$log"',
+      'h=$(hostname)', f'log="{REMOTE_LOGS}/{log_name}.$h.log"',
+      f'pidf="{REMOTE_LOGS}/{log_name}.$h.pid"',
+      # A run of this log name still alive: refused (its pid file, which `stop` reads, and its
+      # log would be taken over).
+      # (A leader that is a zombie, not yet reaped, has ended.)
+      'p=$(cat "$pidf" 2>/dev/null); if [ -n "$p" ] && kill -0 -- "-$p" 2>/dev/null && '
+      '[ "$(ps -o stat= -p "$p" | cut -c1)" != Z ]; then '
+      f'echo "$h: a run with --log-name={log_name} is still running (process group $p); stop '
+      'it first (launch/tpu.py stop) or give another --log-name" >&2; exit 1; fi']
+  # sh records its own pid, which setsid made the id of a new process group (so `stop` can
+  # signal the whole run), then execs bash on the command: pid file and command are passed as
+  # arguments, never re-quoted. The log is appended to: a re-run (a resume) keeps the last one's.
+  launch = f"sh -c 'echo $$ > \"$0\"; exec bash -c \"$1\"' \"$pidf\" {word}"
+  if foreground:  # setsid -w waits and returns the command's status; Ctrl-C here leaves it running
+    parts += [f'{{ setsid -w {launch} < /dev/null; echo $? > "$log.rc"; }} 2>&1 | tee -a "$log"',
               'exit "$(cat "$log.rc")"']
   else:
-    # sh records its own pid, which setsid made the id of a new process group (so `stop` can
-    # signal the whole run), then execs bash on the command: pid file and command are passed as
-    # arguments, never re-quoted.
-    parts += [f'pidf="{REMOTE_LOGS}/{log_name}.$h.pid"',
-              f"setsid nohup sh -c 'echo $$ > \"$0\"; exec bash -c \"$1\"' \"$pidf\" {word} "
-              '> "$log" 2>&1 < /dev/null &',
+    parts += [f'setsid nohup {launch} >> "$log" 2>&1 < /dev/null &',
               'echo "$h: started in the background; log $log"']
   # `a & b` must not become `a &; b`: join with '; ' except after a trailing '&'.
   out = ''
@@ -249,6 +282,11 @@ def setup_commands(args) -> list[list[str]]:
     raise LaunchError(f'--extras={args.extras!r}: expected a comma-separated list like tpu,data.')
   if not _PYTHON_RE.match(args.python):
     raise LaunchError(f'--python={args.python!r}: expected a version like 3.12.')
+  if int(args.python.split('.')[1]) < MIN_PYTHON_MINOR:
+    raise LaunchError(f'--python={args.python}: jax, flax, orbax and transformers need Python '
+                      f'3.{MIN_PYTHON_MINOR} or newer; give e.g. --python=3.12.')
+  if not args.git_url:
+    repo_files(args.repo)  # not a git checkout: the same error as the real run, dry run or not
   if args.git_ref and not args.git_url:
     raise LaunchError('--git-ref needs --git-url.')
   for flag, value in (('--git-url', args.git_url), ('--git-ref', args.git_ref)):
@@ -378,8 +416,16 @@ def _log_name(value: str) -> str:
   raise argparse.ArgumentTypeError(f'{value!r}: use letters, digits, ".", "_" and "-" only')
 
 
+class _OneLineParser(argparse.ArgumentParser):
+  """argparse's errors as one line (``prog: error: message``, status 2), without the usage block:
+  the project's rule for bad input; --help still prints the usage."""
+
+  def error(self, message):
+    self.exit(2, f'{self.prog}: error: {message}\n')
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = _OneLineParser(
       prog='launch/tpu.py', description=__doc__.split('\n\n')[0].strip(),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog='--name/--zone/--project default to $TPU_NAME/$TPU_ZONE/$TPU_PROJECT. '
@@ -397,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
   queued.add_argument('--queued', action='store_true',
                       help='a queued resource (gcloud compute tpus queued-resources)')
   queued.add_argument('--queued-resource-id', help='queued resource id (default: --name)')
-  sub = parser.add_subparsers(dest='subcommand', required=True, metavar='SUBCOMMAND')
+  sub = parser.add_subparsers(dest='subcommand', required=True, metavar='SUBCOMMAND',
+                              parser_class=_OneLineParser)
 
   def add(name, help_, parents=(), worker_default=None):
     p = sub.add_parser(name, help=help_, description=help_, parents=[common, *parents])
@@ -433,8 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
           'active; detached, output to ~/logs/LOG_NAME.<hostname>.log.', worker_default='all')
   p.add_argument('--command', help='the command, one string (or give it after --)')
   p.add_argument('--log-name', type=_log_name, default='run', help='log file stem (default: run)')
-  p.add_argument('--env', action='append', default=[], metavar='KEY=VALUE',
-                 help='export this variable for the command (repeatable)')
+  p.add_argument('--env', action='append', default=[], metavar='KEY[=VALUE]',
+                 help='export this variable for the command (repeatable); KEY alone takes its '
+                 'value from this machine\'s environment. Values are printed as ***')
   p.add_argument('--foreground', action='store_true',
                  help='wait for the command and stream its output (also logged)')
   p.add_argument('argv', nargs=argparse.REMAINDER, help='-- COMMAND ARGS... (instead of '
@@ -514,7 +562,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f'# local: pack the files of {args.repo} listed by `git ls-files --cached --others '
             f'--exclude-standard` into {tarball_path(args.name)}')
     for argv_ in commands:
-      print(shlex.join(argv_))
+      print(shlex.join(masked(argv_, getattr(args, 'env', []))))
     return 0
   gcloud = shutil.which('gcloud')
   if gcloud is None:
@@ -529,7 +577,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       n = pack(args.repo, tarball)
       print(f'# packed {n} files of {args.repo} into {tarball}', file=sys.stderr)
     for argv_ in commands:
-      print('+ ' + shlex.join(argv_), file=sys.stderr, flush=True)
+      print('+ ' + shlex.join(masked(argv_, getattr(args, 'env', []))), file=sys.stderr,
+            flush=True)
       rc = subprocess.run([gcloud, *argv_[1:]], check=False).returncode
       if rc:
         print(f'{parser.prog}: gcloud exited with status {rc}', file=sys.stderr)

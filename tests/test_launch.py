@@ -274,6 +274,10 @@ def test_detached_run_returns_at_once_and_stop_ends_it(gcloud, tmp_path):
     assert _alive(pid)
     assert os.getpgid(pid) == pid  # its own process group, so stop can signal all of it
     assert log.read_text() == 'started\n'
+    # The same log name again while it runs: refused (its pid file and log stay the first run's).
+    again = _as_worker(_script(run_argv), home, timeout=10)
+    assert again.returncode == 1 and 'is still running' in again.stderr, again.stderr
+    assert int(pid_file.read_text()) == pid
     proc = _as_worker(_script(stop_argv), home)
     assert proc.returncode == 0, proc.stderr
     assert f'sent SIGTERM to process group {pid}' in proc.stdout
@@ -281,6 +285,15 @@ def test_detached_run_returns_at_once_and_stop_ends_it(gcloud, tmp_path):
     while _alive(pid) and time.time() < deadline:
       time.sleep(0.05)
     assert not _alive(pid)
+    # Once it has ended a run of that name starts, and its log is appended to (a resume keeps
+    # the first attempt's output).
+    again = _as_worker(_script(run_argv), home, timeout=10)
+    assert again.returncode == 0, again.stderr
+    deadline = time.time() + 5
+    while log.read_text().count('started') < 2 and time.time() < deadline:
+      time.sleep(0.05)
+    assert log.read_text() == 'started\nstarted\n'
+    os.killpg(int(pid_file.read_text()), 9)
   finally:
     if _alive(pid):
       os.kill(pid, 9)
@@ -412,6 +425,9 @@ def test_missing_location_flag(gcloud, launch_inproc, flag, env):
     (['setup', '--git-url=https://h/r.git', '--git-ref=-x'], '--git-ref'),
     (['setup', '--git-ref=main'], '--git-ref needs --git-url'),
     (['setup', '--python=3.12; rm'], '--python'),
+    (['setup', '--python=3.10'], 'need Python 3.11 or newer'),  # the TPU images' own, too old
+    (['setup', '--repo=/', '--dry-run'], 'is not a git checkout'),  # the dry run as the real one
+    (['run', '--env', 'JAXRL_GA_TEST_UNSET_VAR', '--command', 'x'], 'is not set here'),
     (['ckpt-upload', '--src=-rf', '--dest=gs://b/x'], '--src'),
     (['ckpt-download', '--src=gs://b/x', '--dest=gs://c/y'], '--dest'),
     (['status', '--zone', 'us central'], '--zone'),
@@ -422,3 +438,31 @@ def test_bad_inputs_are_rejected(gcloud, launch_inproc, args, fragment):
   assert status == 2
   assert fragment in err
   assert gcloud.calls() == []
+
+
+@pytest.mark.parametrize('args, fragment', [
+    (['run', '--worker=x', '--command=ls'], "argument --worker: 'x': use \"all\" or a worker"),
+    (['stop', '--signal=HUP'], 'argument --signal: invalid choice'),
+    (['create'], 'the following arguments are required: --accelerator-type'),
+])
+def test_argument_errors_are_one_line(gcloud, launch_inproc, args, fragment):
+  """argparse's own errors: one line, status 2, no usage block (before: 5 usage lines)."""
+  status, err = launch_inproc(args[0], *LOC, *args[1:])
+  assert status == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+  assert err.startswith(f'launch/tpu.py {args[0]}: error: ')
+
+
+def test_env_values_are_never_printed_and_a_bare_key_comes_from_here(gcloud, tmp_path):
+  """--env values (tokens) are shown as *** in the dry run and in the commands a run echoes;
+  the worker still gets them. ``--env KEY`` takes this machine's $KEY (out of the shell
+  history). Before, both printed the token in full."""
+  secret, other = 'hf_SECRET123', 's3cr"et \'2'
+  args = ['run', *LOC, '--env', f'HF_TOKEN={secret}', '--env', 'OTHER', '--foreground',
+          '--command', 'echo "$HF_TOKEN|$OTHER"']
+  dry = gcloud.run(*args, '--dry-run', env={'OTHER': other})
+  real = gcloud.run(*args, env={'OTHER': other})
+  for shown in (dry.stdout, real.stderr):
+    assert 'export HF_TOKEN=***;' in shown and 'export OTHER=***;' in shown, shown
+    assert secret not in shown and 's3cr' not in shown
+  proc = _as_worker(_script(gcloud.argvs()[0]), _fake_worker_home(tmp_path))
+  assert proc.stdout == f'{secret}|{other}\n', proc.stderr
