@@ -35,6 +35,9 @@ import time
 from absl import app
 from absl import flags
 
+import machine  # benchmarks/machine.py (no torch or JAX at import)
+from jaxrl_ga import host_memory  # no JAX at import
+
 IMPLS = ('einsum', 'flash', 'xla', 'cudnn', 'pallas')
 _IMPLS = flags.DEFINE_list('impls', list(IMPLS), 'Kernels to run (of ' + ', '.join(IMPLS) + ').')
 _TINY = flags.DEFINE_bool('tiny', False, 'A CPU-sized shape (B=2, 8 + 24 slots, 4/2 heads of 16).')
@@ -55,6 +58,10 @@ TINY = dict(batch=2, prompt=8, prompt_real=5, completion=24, heads=4, kv_heads=2
 
 def main(argv):
   del argv
+  unknown = [name for name in _IMPLS.value if name not in IMPLS]
+  if unknown:
+    raise machine.BadInput(f'--impls: {", ".join(unknown)} not among {", ".join(IMPLS)}.')
+  host_memory.quiet_absent_tpu()  # before JAX starts: an idle libtpu's warnings on a CPU host
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -153,4 +160,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

@@ -41,6 +41,8 @@ import sys
 from absl import app
 from absl import flags
 
+import machine  # benchmarks/machine.py (no torch or JAX at import)
+
 _IMPL = flags.DEFINE_enum('implementation', 'cudnn', ['cudnn', 'xla'],
                           "'xla' checks the script itself on a machine without cuDNN.")
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/cudnn_check.json', 'JSON output.')
@@ -138,4 +140,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  sys.exit(app.run(main))
+  machine.run(main)

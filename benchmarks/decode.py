@@ -103,8 +103,9 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 import transformers
+
+torch = machine.optional_module('torch')  # the peer's side: --help works without it
 
 from jaxrl_ga import api
 from jaxrl_ga import flops
@@ -467,6 +468,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv):
   del argv
+  machine.require(torch=torch)
   torch.set_num_threads(_TORCH_THREADS.value or len(os.sched_getaffinity(0)))
   transformers.logging.set_verbosity_error()
   info = machine_info()
@@ -500,4 +502,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

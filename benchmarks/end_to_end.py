@@ -116,12 +116,12 @@ from typing import Any, Callable, Optional
 
 from absl import app
 from absl import flags
-import datasets
 import jax
 import numpy as np
-import torch
 import transformers
-import trl
+
+# The peer's side: --help and flag errors work without them; main() refuses to run.
+datasets, torch, trl = (machine.optional_module(m) for m in ('datasets', 'torch', 'trl'))
 
 from jaxrl_ga import api
 from jaxrl_ga import flops
@@ -800,6 +800,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main(argv):
   del argv
+  machine.require(datasets=datasets, torch=torch, trl=trl)
   threads = _TORCH_THREADS.value or len(os.sched_getaffinity(0))
   torch.set_num_threads(threads)
   info = machine_info()
@@ -844,4 +845,4 @@ def _jsonable(x):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

@@ -59,8 +59,8 @@ SIDES = ('before', 'after')
 def load_before(root: str):
   path = os.path.join(root, 'jaxrl_ga', 'learner.py')
   if not os.path.isfile(path):
-    raise SystemExit(f'--before_root={root}: no {path}; point it at a checkout of jaxrl_ga '
-                     '(e.g. git worktree add /tmp/before <commit>).')
+    raise machine.BadInput(f'--before_root={root}: no {path}; point it at a checkout of jaxrl_ga '
+                           '(e.g. git worktree add /tmp/before <commit>).')
   spec = importlib.util.spec_from_file_location('learner_before', path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
@@ -77,7 +77,7 @@ def micro_batches(rng: np.random.Generator, k: int, mesh) -> list[dict]:
 def main(argv):
   del argv
   if not _BEFORE.value:
-    raise SystemExit('--before_root is required (a checkout of the "before" commit).')
+    raise machine.BadInput('--before_root is required (a checkout of the "before" commit).')
   before_lib = load_before(_BEFORE.value)
   k = _K.value
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
@@ -140,4 +140,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

@@ -94,6 +94,11 @@ def main(argv):
   del argv
   from jaxrl_ga.models import attention as attn_lib  # pylint: disable=g-import-not-at-top
   rows, skipped = [], []
+  for s in _SETTINGS.value:  # every one checked before the first compile
+    parts = s.split('/')
+    if len(parts) != 3 or not parts[1].lstrip('-').isdigit():
+      raise machine.BadInput(f'--settings: {s!r} is not attention/chunk/remat, e.g. '
+                             f'flash/0/none.')
   for s in _SETTINGS.value:
     attention, chunk, remat = s.split('/')
     if attention not in attn_lib.ATTENTION_IMPLS:
@@ -126,4 +131,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  sys.exit(app.run(main))
+  machine.run(main)

@@ -1,13 +1,15 @@
 """What the benchmark scripts share: the machine facts every JSON records, the machine's roofline
 (matmul peak and weight-streaming bandwidth, measured in the running process; the FLOP counts
 are ``jaxrl_ga.flops``'s), the XLA ops a call
-ran (a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer.
+ran (a jax.profiler trace), random GRPO micro-batches, a blocking timer and the JSON writer, and
+``run``: absl's ``app.run`` with the project's rule for bad input (one ``error:`` line, status 2).
 Imported by the scripts in this directory, which run as ``python benchmarks/NAME.py``."""
 
 import dataclasses
 import datetime
 import glob
 import gzip
+import importlib
 import importlib.metadata
 import json
 import os
@@ -15,9 +17,61 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
+
+
+class BadInput(Exception):
+  """A bad flag value, or a package the benchmark needs that is missing: :func:`run` prints it as
+  one ``error:`` line and exits with status 2, before any work."""
+
+
+def run(main) -> None:
+  """``app.run(main)``, where an unknown or malformed flag, ``app.UsageError`` or
+  :class:`BadInput` is one ``error: ...`` line on stderr and exit status 2 (absl alone prints
+  the usage block and exits 1); ``--help`` works as absl's."""
+  # lazy: this module imports only the standard library at import
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  def refuse(message) -> None:
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(2)
+
+  def parse(argv):
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      refuse(e)
+
+  def body(argv):
+    try:
+      return main(argv)
+    except (BadInput, app.UsageError) as e:
+      refuse(e)
+
+  app.run(body, flags_parser=parse)
+
+
+def optional_module(name: str):
+  """The module ``name``, or None when it is not installed (a peer's package: torch, trl),
+  so that ``--help`` and flag errors work without it; :func:`require` then refuses to run."""
+  try:
+    return importlib.import_module(name)
+  except ImportError:
+    return None
+
+
+def require(**modules) -> None:
+  """BadInput naming the modules (name=module) that :func:`optional_module` did not find."""
+  missing = [name for name, module in modules.items() if module is None]
+  if missing:
+    raise BadInput(f'this benchmark needs {", ".join(missing)} (the peers\' side), not installed '
+                   f'here: pip install -e \'.[bench]\' (torch==2.13.0 for a CPU build), in a '
+                   f'virtualenv of its own.')
+
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

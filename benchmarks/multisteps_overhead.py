@@ -300,6 +300,9 @@ def table(results: list[dict]) -> str:
 
 def main(argv):
   del argv
+  unknown = sorted(set(_SIZES.value) - {'tiny', 'big'})
+  if unknown or not _SIZES.value:
+    raise machine.BadInput(f'--sizes={",".join(_SIZES.value)}: use tiny and/or big.')
   info = machine_info()
   print(json.dumps(info))
   mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
@@ -323,4 +326,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

@@ -22,6 +22,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxrl_ga import host_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 2, 'Local processes.')
 _ITERS = flags.DEFINE_integer('iters', 30, 'Iterations per round.')
@@ -80,6 +81,11 @@ def _free_port() -> int:
 
 def main(argv):
   del argv
+  for name, flag, low in (('num_processes', _NUM_PROCESSES, 2), ('iters', _ITERS, 1),
+                          ('rounds', _ROUNDS, 1), ('size', _SIZE, 1)):
+    if flag.value < low:
+      raise machine.BadInput(f'--{name}={flag.value}: must be >= {low}.')
+  host_memory.quiet_absent_tpu()  # the workers inherit it: an idle libtpu's warnings
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   env['PYTHONPATH'] = machine._REPO  # pylint: disable=protected-access
@@ -107,4 +113,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

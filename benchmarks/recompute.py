@@ -338,4 +338,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

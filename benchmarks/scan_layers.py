@@ -146,4 +146,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

@@ -166,4 +166,4 @@ def next_batch(v, ctx):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

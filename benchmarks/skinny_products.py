@@ -37,7 +37,8 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
+
+torch = machine.optional_module('torch')  # the peer's side: --help works without it
 
 _ROWS = flags.DEFINE_list('rows', ['8', '32'], 'Row counts (the decode batch).')
 _MATRICES = flags.DEFINE_integer('matrices', 60, 'Distinct weight matrices per call.')
@@ -52,6 +53,7 @@ D, F = 576, 1536  # SmolLM2-135M's hidden and MLP sizes
 
 def main(argv):
   del argv
+  machine.require(torch=torch)
   threads = _TORCH_THREADS.value or len(os.sched_getaffinity(0))
   torch.set_num_threads(threads)
   info = machine.machine_info(rounds=_ROUNDS.value, matrices=_MATRICES.value,
@@ -114,4 +116,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

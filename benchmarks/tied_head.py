@@ -96,4 +96,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

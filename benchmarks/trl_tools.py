@@ -182,7 +182,8 @@ def ours(trl_result: dict, tokenizer_dir: str) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--side', choices=('both', 'trl'), default='both')
-  parser.add_argument('--trl_python', default='/work/venvs/trl/bin/python')
+  parser.add_argument('--trl_python', default=sys.executable,
+                      help='a Python with TRL 1.16 and torch (default: this one)')
   parser.add_argument('--tokenizer_dir', default='')
   parser.add_argument('--steps', type=int, default=2)
   parser.add_argument('--out', default='')
@@ -190,6 +191,12 @@ def main() -> None:
   if a.side == 'trl':
     trl_side(a.tokenizer_dir, a.out, a.steps)
     return
+  check = subprocess.run([a.trl_python, '-c', 'import torch, trl'], capture_output=True,
+                         check=False) if os.access(a.trl_python, os.X_OK) else None
+  if check is None or check.returncode:
+    sys.stderr.write(f'error: --trl_python={a.trl_python} cannot import torch and trl; give the '
+                     f'python of a virtualenv with pip install -e \'.[bench]\'.\n')
+    sys.exit(2)
   from jaxrl_ga.models import policy  # pylint: disable=import-outside-toplevel  # lazy: this side
   work = tempfile.mkdtemp(prefix='trl_tools_')
   tokenizer_dir = a.tokenizer_dir or os.path.join(work, 'tokenizer')

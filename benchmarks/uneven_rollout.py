@@ -317,4 +317,4 @@ def step_text(rows: list[dict]) -> str:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  machine.run(main)

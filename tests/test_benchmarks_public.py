@@ -91,3 +91,23 @@ def test_table_benchmarks_build_no_program_themselves():
       found[name] = bad
   assert not found, ('benchmarks that build the trainer\'s programs themselves or read private '
                      f'parts of jaxrl_ga (take them from programs.build_*_programs): {found}')
+
+
+def test_bad_input_to_a_benchmark_is_one_error_line_with_status_2():
+  """machine.run: an unknown flag, and a peer package missing (torch is never in the tests'
+  environment), are one `error:` line and status 2, before any work; before, absl's usage block
+  and status 1, and a torch import traceback even for --help."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  cases = [(['tied_head.py', '--nosuchflag'], "error: Unknown command line flag 'nosuchflag'")]
+  if importlib.util.find_spec('torch') is None:
+    cases.append((['skinny_products.py'], 'error: this benchmark needs torch'))
+  for args, want in cases:
+    done = subprocess.run([sys.executable, os.path.join(REPO, 'benchmarks', args[0]), *args[1:]],
+                          capture_output=True, text=True, timeout=120, check=False,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    assert done.returncode == 2, (args, done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(want), (args, done.stderr[-2000:])
+    assert 'Traceback' not in done.stderr and not done.stdout.strip(), args
