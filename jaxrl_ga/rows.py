@@ -410,11 +410,20 @@ class DataTask(base.Task):
     self.rewards = list(reward_funcs)
     self.shuffle = shuffle
     self._order_key, self._order = None, None
+    # The columns of each split's rows parsed so far (data.build_task parses this process's first
+    # epoch up front): a row without one of them gets None, as a row of TRL's `datasets` does
+    # (a column is every row's), so that reward functions and an environment's reset take the
+    # same keywords for every row. Before, a keyword only some rows had was missing from a batch
+    # of rows without it: a TypeError mid-run where the function required it.
+    self._columns: dict[str, dict[str, None]] = {'train': {}, 'eval': {}}
 
-  @staticmethod
-  def example(row: Mapping[str, Any]) -> base.Example:
-    fields = {k: v for k, v in row.items() if k != 'prompt'}
-    return base.Example(prompt=row['prompt'], answer=None, fields=fields)
+  def example(self, row: Mapping[str, Any], split: str = 'train') -> base.Example:
+    """``row`` as an Example: its prompt, and as fields every column of the split's rows seen so
+    far (None where the row has none)."""
+    columns = self._columns[split]
+    columns.update((k, None) for k in row if k != 'prompt' and k not in columns)
+    return base.Example(prompt=row['prompt'], answer=None,
+                        fields={k: row.get(k) for k in columns})
 
   def train_example(self, index: int, seed: int) -> base.Example:
     return self.example(self.train[self.row_index(index, seed)])
@@ -439,7 +448,9 @@ class DataTask(base.Task):
             if self.owns(p)]
 
   def eval_examples(self) -> list[base.Example]:
-    return [self.example(r) for r in self.eval_rows]
+    for r in self.eval_rows:  # every held-out row's columns first: the set is small and known
+      self._columns['eval'].update((k, None) for k in r if k != 'prompt')
+    return [self.example(r, 'eval') for r in self.eval_rows]
 
   def num_train(self) -> int:
     return len(self.train)

@@ -94,7 +94,7 @@ def test_prompts_chat_messages_and_columns():
   got = data.prepare(data.read_rows(rows), data.parse_columns('question:prompt'), 'data.train')
   assert got[0] == {'prompt': 'q1', 'solution': '#### 3'}
   assert got[1]['prompt'][1] == {'role': 'user', 'content': 'q2'}
-  ex = data.DataTask.example(got[1])
+  ex = data.DataTask(got, []).example(got[1])
   assert ex.fields == {'solution': '4'} and ex.answer is None
   # The plain template of a fresh model renders messages; a string is one user message.
   task = data.DataTask(got, got[:1], [R.WeightedReward('f', R.final_answer)])
@@ -716,3 +716,34 @@ def test_bad_chat_template_kwargs_are_one_error_naming_the_setting(value, messag
   from jaxrl_ga import api  # pylint: disable=g-import-not-at-top
   with pytest.raises(ConfigError, match=message):
     api.make_config(None, **{'model.chat_template_kwargs': value})
+
+
+def test_a_column_only_some_rows_have_is_none_in_the_others_as_in_trls_datasets(tmp_path):
+  """TRL 1.16 reads rows through `datasets`, where a column is every row's (None where a JSON row
+  lacks it), and passes every column to the reward functions and to an environment's reset. Here
+  the fields of each row are the `datasets` row's (the reference: Dataset.from_list), for the
+  training rows once the first epoch is parsed (data.build_task does it up front) and for the
+  held-out rows. Before, a row had only its own keys: a batch without a 'hint' row called a
+  reward requiring `hint` without it (a TypeError mid-run) and reset(**row) likewise."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  rows = [{'prompt': f'{i}+1=', 'answer': str(i + 1),
+           **({'hint': 'add one'} if i % 4 == 0 else {}), **({'level': i} if i == 5 else {})}
+          for i in range(12)]
+  held = [{'prompt': 'x', 'answer': '1'}, {'prompt': 'y', 'answer': '2', 'source': 'web'}]
+
+  def read_as_trl_does(name, table):  # load_dataset('json'): every column in every row
+    path = tmp_path / f'{name}.jsonl'
+    path.write_text(''.join(json.dumps(r) + '\n' for r in table), encoding='utf-8')
+    return datasets.load_dataset('json', data_files=str(path), split='train',
+                                 cache_dir=str(tmp_path / 'cache'))
+
+  task = data.DataTask(data.prepare(data.read_rows(rows), {}, 'data.train'),
+                       data.prepare(data.read_rows(held), {}, 'data.eval'))
+  task.first_epoch(seed=0)
+  strip = lambda r: {k: v for k, v in r.items() if k != 'prompt'}
+  want = {r['prompt']: strip(r) for r in read_as_trl_does('train', rows)}
+  for i in range(12):
+    ex = task.train_example(i, seed=0)
+    assert ex.fields == want[ex.prompt], (ex.prompt, ex.fields)
+  assert [e.fields for e in task.eval_examples()] == [
+      strip(r) for r in read_as_trl_does('eval', held)]
