@@ -77,8 +77,8 @@ def validate_against_mesh(cfg, mesh, meshes=None) -> None:
 LENGTH_CHECK_ROWS = 20000
 
 
-def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_setup=None
-                     ) -> tuple[RunConfig, dict[str, int]]:
+def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_setup=None,
+                     stops: tuple[int, ...] = ()) -> tuple[RunConfig, dict[str, int]]:
   """Before any stage runs: the prompts (a sample of the training stream, the held-out set; of
   your data every row, up to LENGTH_CHECK_ROWS, each process measuring its own and the longest
   taken over all) fit each stage's length settings, and the longest sequence fits
@@ -89,7 +89,8 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_set
   of 0 the same from your rows (``_choose_lengths``; ``Stage.length_limits`` says what each must
   hold). With tools or an environment (``tool_setup``, jaxrl_ga.tools) a prompt is measured as
   its episode's too (``ToolSetup.prompt_ids``: the tools announced, the environment's reset
-  text appended; ``reset`` runs once per measured row). -> (cfg with those lengths, {setting:
+  text appended; ``reset`` runs once per measured row). ``stops``: the ids sampling stops at
+  (``policy.stop_ids``), which reference replies end with. -> (cfg with those lengths, {setting:
   the longest prompt or sequence} of each length chosen so)."""
   held_out = task.eval_examples()
   held_out = held_out[:cfg.eval.num_examples] if cfg.eval.num_examples else held_out
@@ -118,7 +119,7 @@ def validate_lengths(cfg, task, tokenizer, model_cfg, probe: int = 256, tool_set
   prompt_train = int(placement.per_process(longest(train, prompt)).max())
   source = 'data.train/data.eval' if task.name == 'data' else f'task {cfg.task.name!r}'
   measured = stage_lib.Measured(source=source, train=train, prompt_eval=prompt_eval,
-                                prompt_longest=max(prompt_train, prompt_eval))
+                                prompt_longest=max(prompt_train, prompt_eval), stops=tuple(stops))
   cfg, chosen = _choose_lengths(cfg, task, tokenizer, model_cfg, measured)
   needs = []  # (setting, its value, tokens needed)
   positions = []  # (what, positions a sequence of the stage can take)
@@ -254,6 +255,9 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
     raise ConfigError('the tokenizer needs an eos and a pad token; set them in its '
                       'tokenizer_config.json.')
   generation = policy.run_generation_config(cfg.model.hf_path, tokenizer)
+  stops = policy.stop_ids(tokenizer, generation)  # where sampling stops: what replies end with
+  if isinstance(task, preference.PreferenceTask):
+    task.stops = stops
   if tool_setup is not None:
     tool_setup.check_tokenizer(tokenizer)
   fileio.makedirs(workdir)
@@ -266,13 +270,14 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   cfg, attention_line = programs.resolve_attention(cfg, model_cfg, mesh.devices.flat[0])
   if isinstance(task, sft_data.SFTDataTask):  # every row tokenized, its length fitted, once
     # (sft.max_length=0: every row kept; validate_lengths then makes it the longest one's.)
-    task.encode(tokenizer, tokenizer.eos_token_id, cfg.sft.max_length or sys.maxsize,
+    task.encode(tokenizer, stops, cfg.sft.max_length or sys.maxsize,
                 cfg.sft.too_long, cfg.sft.assistant_only_loss, cfg.sft.completion_only_loss)
     if task.dropped and jax.process_index() == 0:
       print(f'[sft] data.train: {task.dropped} of {task.dropped + task.num_train()} rows left '
             f'out: longer than sft.max_length={cfg.sft.max_length} (sft.too_long='
             f'{cfg.sft.too_long}).', flush=True)
-  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg, tool_setup=tool_setup)
+  cfg, chosen_widths = validate_lengths(cfg, task, tokenizer, model_cfg, tool_setup=tool_setup,
+                                        stops=stops)
   for setting, longest in chosen_widths.items():
     stage = registry.get(setting.split('.')[0])
     if jax.process_index() == 0 and stage.announces_chosen_lengths:
@@ -287,7 +292,7 @@ def build_context(cfg: RunConfig, workdir: str, train_dataset=None, eval_dataset
   shardings_on = {id(m): sharding.param_shardings(shapes, axes, m) for m in meshes.values()}
   ctx = context.RunContext(cfg=cfg, workdir=workdir, mesh=mesh, task=task, tokenizer=tokenizer,
                           model_cfg=model_cfg, graphdef=graphdef,
-                          stop_ids=policy.stop_ids(tokenizer, generation),
+                          stop_ids=stops,
                           param_shardings=shardings_on[id(mesh)],
                           writer=None, eval_metric=metric,
                           widths_from_data=chosen_widths, tool_setup=tool_setup, own_meshes={

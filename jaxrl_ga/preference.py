@@ -13,7 +13,10 @@ Other columns go to the held-out evaluation's rewards (``grpo.reward_funcs``) as
 ``data.columns`` renames columns first. With a chat template every part is a conversation (a
 string prompt is one user message, a string reply one assistant message): the prompt is the
 template with the generation prompt, a reply the text the template writes after it for the whole
-conversation (TRL's DPO preprocessing), an eos added when it has none. Without a template the
+conversation (TRL's DPO preprocessing), an eos added only when it holds no id sampling stops at
+(``PreferenceTask.stops``: a template that ends turns with no token, such as a fresh model's plain
+one; TRL adds none to conversational rows: Gemma 3's reply ends ``<end_of_turn>\n``, not
+``<eos>``). Without a template the
 strings are used as they are (the prompt after the tokenizer's leading special tokens, a base
 model's BOS, as TRL tokenizes text), each reply followed by the eos unless it ends with one.
 
@@ -151,26 +154,29 @@ class PreferenceTask(rows_lib.DataTask):
     self.fingerprint = ''
     self.dropped = self.truncated = 0
     self.cached: Optional[tuple[str, dict[str, np.ndarray]]] = None  # load_cache: (path, pairs)
+    # The ids sampling stops at, the tokenizer's eos first (policy.stop_ids; api.build_context
+    # sets them before the rows are measured or encoded); (): the tokenizer's eos alone.
+    self.stops: tuple[int, ...] = ()
 
   def longest_pair(self, tokenizer, cfg) -> int:
     """Tokens of the longest pair, prompt (within ``cfg.max_prompt_length`` when > 0) plus its
     longer reply: what ``dpo.max_length=0`` becomes (api.validate_lengths)."""
-    eos, cap = int(tokenizer.eos_token_id), cfg.max_prompt_length or float('inf')
+    stops, cap = self.stops or int(tokenizer.eos_token_id), cfg.max_prompt_length or float('inf')
     return max(min(len(p), cap) + max(len(c), len(r))
-               for p, c, r in (encode_row(tokenizer, pref, eos) for pref in self.preferences))
+               for p, c, r in (encode_row(tokenizer, pref, stops) for pref in self.preferences))
 
   def encode(self, tokenizer, cfg) -> None:
     """Tokenizes every row and checks it against ``cfg`` (DPOConfig): fills ``pairs`` (the
     right-padded chosen_*/rejected_* rows of ``text.right_padded_rows``), ``fingerprint``,
     ``dropped`` and ``truncated``. Bad rows: ConfigError naming the row."""
-    eos = int(tokenizer.eos_token_id)
+    stops = self.stops or int(tokenizer.eos_token_id)
     limit = min(cfg.max_prompt_length or cfg.max_length - 1, cfg.max_length - 1)
     setting = ('dpo.max_prompt_length' if 0 < cfg.max_prompt_length < cfg.max_length
                else 'dpo.max_length - 1')
     prompts, replies = [], {'chosen': [], 'rejected': []}
     self.dropped = self.truncated = 0
     for pref in self.preferences:
-      prompt, chosen, rejected = encode_row(tokenizer, pref, eos)
+      prompt, chosen, rejected = encode_row(tokenizer, pref, stops)
       if len(prompt) > limit:
         if cfg.long_prompts == 'error':
           raise ConfigError(f'{pref.where}: a prompt of {len(prompt)} tokens, over {setting}='
@@ -197,8 +203,12 @@ class PreferenceTask(rows_lib.DataTask):
     self.cached = None  # a cache read for other pairs is read (and checked) again
 
 
-def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], list[int], list[int]]:
-  """(prompt, chosen, rejected) token ids of a row (see the module docstring)."""
+def encode_row(tokenizer, pref: Preference, stops: Union[int, Sequence[int]]
+               ) -> tuple[list[int], list[int], list[int]]:
+  """(prompt, chosen, rejected) token ids of a row (see the module docstring). ``stops``: the
+  tokenizer's eos, or the ids sampling stops at, eos first (``policy.stop_ids``)."""
+  stops = text.stop_tuple(stops)
+  eos_id = stops[0]
   if chat.has_chat_template(tokenizer):  # rendered as sft_data renders a conversation
     prompt = _as_messages(pref.prompt, 'user')
     kwargs = sft_data.render_kwargs(pref.fields)  # the row's tools and chat_template_kwargs
@@ -212,7 +222,7 @@ def encode_row(tokenizer, pref: Preference, eos_id: int) -> tuple[list[int], lis
                           f'start of the {column} conversation, so the reply cannot be split off; '
                           f'give the prompt in a "prompt" column, or string replies.')
       ids = text.encode(tokenizer, full[len(prompt_text):])
-      replies.append(ids if eos_id in ids else ids + [eos_id])
+      replies.append(ids if set(ids) & set(stops) else ids + [eos_id])
     return text.encode(tokenizer, prompt_text), replies[0], replies[1]
   if not isinstance(pref.prompt, str):
     raise ConfigError(f'{pref.where}: chat messages, but the tokenizer has no chat template; give '

@@ -17,9 +17,12 @@ tool turn's ``name``), and a conversation's ``tools`` column (tool schemas, or t
 as TRL's SFTTrainer passes them. Strings follow the library's rule for prompts
 (``trainers.text.encode_prompt``): a string prompt is one user message through the chat template
 when the tokenizer has one (else the raw text after the tokenizer's leading special tokens, a
-base model's BOS: ``chat.leading_special_ids``), and a string completion (or ``text``, which
-starts with those tokens too) is followed by the tokenizer's eos (unless it ends with it, as
-TRL), as the built-in tasks' SFT targets are. Conversations end as the template renders them.
+base model's BOS: ``chat.leading_special_ids``). A string completion after a templated prompt is
+the assistant turn the template writes, up to the token that ends it where sampling stops (Gemma
+3's ``<end_of_turn>``, ChatML's ``<|im_end|>``; ``trainers.text.encode_reply``); after a raw
+prompt, or through a template that ends turns with no such token, it and ``text`` (which starts
+with those tokens too) are followed by the tokenizer's eos (unless they end with it, as TRL), as
+the built-in tasks' SFT targets are. Conversations end as the template renders them.
 
 What is assistant text is the chat template's decision:
   - a template with generation markers (``{% generation %} ... {% endgeneration %}``): the tokens
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from jaxrl_ga import rows as rows_lib
 from jaxrl_ga.errors import ConfigError
@@ -157,13 +160,16 @@ def has_generation_markers(tokenizer) -> bool:
   return isinstance(template, str) and bool(_GENERATION_MARKER.search(template))
 
 
-def encode_row(tokenizer, row: rows_lib.Row, eos_id: int, *, assistant_only: bool = True,
-               completion_only: bool = True) -> tuple[list[int], list[int]]:
+def encode_row(tokenizer, row: rows_lib.Row, stops: Union[int, Sequence[int]], *,
+               assistant_only: bool = True, completion_only: bool = True
+               ) -> tuple[list[int], list[int]]:
   """A checked row -> (token ids, loss mask), the mask 1 on the tokens SFT trains on. The first
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike.
+  ``stops``: the tokenizer's eos, or the ids sampling stops at, eos first (``policy.stop_ids``;
+  ``text.encode_reply``).
   ``assistant_only`` (sft.assistant_only_loss) False: a ``messages`` row trains on every token;
   ``completion_only`` (sft.completion_only_loss) False: a prompt-completion row too."""
-  ids, mask = _encode_row(tokenizer, row, eos_id)
+  ids, mask = _encode_row(tokenizer, row, text.stop_tuple(stops))
   kind = row_format(row)
   if (kind == 'messages' and not assistant_only) or (
       kind == 'prompt_completion' and not completion_only):
@@ -171,15 +177,16 @@ def encode_row(tokenizer, row: rows_lib.Row, eos_id: int, *, assistant_only: boo
   return ids, mask
 
 
-def _encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], list[int]]:
+def _encode_row(tokenizer, row: rows_lib.Row, stops: tuple[int, ...]
+                ) -> tuple[list[int], list[int]]:
   kind = row_format(row)
   if kind == 'text':
     ids = (chat.leading_special_ids(tokenizer, row['text'])
-           + text.encode_ending(tokenizer, row['text'], eos_id))
+           + text.encode_ending(tokenizer, row['text'], stops[0]))
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
-    return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], eos_id)
+    return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], stops)
   _need_template(tokenizer, row.where)
   kwargs = render_kwargs(row)
   if kind == 'prompt_completion':
@@ -207,13 +214,14 @@ def _encode_row(tokenizer, row: rows_lib.Row, eos_id: int) -> tuple[list[int], l
   return _checked(ids, [0] + mask[1:], row.where)
 
 
-def prompt_completion_ids(tokenizer, prompt, completion: str, eos_id: int
+def prompt_completion_ids(tokenizer, prompt, completion: str, stops: Union[int, Sequence[int]]
                           ) -> tuple[list[int], list[int]]:
-  """prompt (through ``encode_prompt``) + completion + eos (``text.encode_ending``: none added
-  after a completion that ends with it), the loss on completion and eos: the
-  SFT sequence of a built-in task's example and of a string prompt-completion row."""
+  """prompt (through ``encode_prompt``) + the completion as its reply (``text.encode_reply``:
+  through the chat template, the assistant turn up to the token it ends with; else the
+  completion and the eos, none added after a completion that ends with it), the loss on the
+  reply: the SFT sequence of a built-in task's example and of a string prompt-completion row."""
   head = text.encode_prompt(tokenizer, prompt)
-  tail = text.encode_ending(tokenizer, completion, eos_id)
+  tail = text.encode_reply(tokenizer, prompt, completion, stops)
   return head + tail, [0] * len(head) + [1] * len(tail)
 
 
@@ -321,11 +329,11 @@ class SFTDataTask(rows_lib.DataTask):
     self.dropped = 0
     self.held_out_note: Optional[str] = None  # how many rows data.train held out, and why
 
-  def encode(self, tokenizer, eos_id: int, max_length: int, too_long: str,
+  def encode(self, tokenizer, stops: Union[int, Sequence[int]], max_length: int, too_long: str,
              assistant_only: bool = True, completion_only: bool = True) -> None:
     kept, sequences = [], []
     for row in self.train:
-      ids, mask = encode_row(tokenizer, row, eos_id, assistant_only=assistant_only,
+      ids, mask = encode_row(tokenizer, row, stops, assistant_only=assistant_only,
                              completion_only=completion_only)
       fitted = fit_length(ids, mask, max_length, too_long, row.where)
       if fitted is not None:

@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 from jaxrl_ga import sharding
-from jaxrl_ga.config import RunConfig
+from jaxrl_ga.config import MeshConfig, RunConfig
 from jaxrl_ga.models import families
 from jaxrl_ga.models import hf
 from jaxrl_ga.models import transformer as tfm
@@ -117,3 +117,20 @@ def test_the_fingerprint_of_a_model_without_family_settings_is_as_before_they_ex
   gemma = fingerprint_model(_config(families.FAMILIES['gemma3']))
   assert set(gemma) == before | set(families.FAMILIES['gemma3'].settings)
   assert gemma['layer_types'] == ['sliding_attention', 'full_attention']
+
+
+@pytest.mark.parametrize('name', list(families.FAMILIES))
+def test_a_fresh_models_norms_start_at_scale_one(name):
+  """A model built from the model.* fields: every RMSNorm starts as the plain normalization,
+  scale 1, as transformers initializes each family (Llama's weight ones, Gemma's (1 + w) weight
+  zeros: Gemma3RMSNorm). Before, Gemma's final norm started at w = 1, a scale of 2."""
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
+  cfg = _config(families.FAMILIES[name])
+  mesh = sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+  _, params, _ = sharding.init_params(cfg, seed=0, mesh=mesh)
+  want = 0.0 if families.FAMILIES[name].norm_plus_one else 1.0
+  norms = {'/'.join(map(str, k)): np.asarray(v) for k, v in
+           traverse_util.flatten_dict(jax.device_get(params)).items() if 'norm' in str(k[-1])}
+  assert 'final_norm' in norms and len(norms) > 1, sorted(norms)
+  for path, value in norms.items():
+    assert np.all(value == want), (path, value.ravel()[:4])

@@ -592,3 +592,67 @@ def test_tool_calls_reasoning_and_the_tools_column_reach_the_template():
   assert tok.decode(got[1]) == render(prompt + chosen, False)[len(head):] + eos
   assert tok.decode(got[1]) == f'<think>use add</think>Let me add.<call>add</call>\n{eos}'
   assert tok.decode(got[2]) == f'It is 6.\n{eos}'
+
+
+# Gemma 3's template, reduced: turns end with <end_of_turn> and a newline, not with the eos; the
+# assistant's role is 'model'; contents are trimmed.
+GEMMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma_like_tokenizer():
+  """A character tokenizer with Gemma 3's turn tokens and template; -> (tokenizer, the ids its
+  model's sampling stops at: the eos, then <end_of_turn>, as Gemma 3's generation config)."""
+  tok = tokenizer_lib.build_char_tokenizer(data.BASE_ALPHABET)
+  tok.add_special_tokens({'additional_special_tokens': ['<start_of_turn>', '<end_of_turn>']})
+  tok.chat_template = GEMMA_LIKE_TEMPLATE
+  return tok, (tok.eos_token_id, tok.convert_tokens_to_ids('<end_of_turn>'))
+
+
+def test_a_conversational_reply_ends_as_the_template_ends_it_without_an_added_eos():
+  """TRL 1.16's DPO adds no eos to conversational rows: a reply is the text the template writes
+  after the prompt (Gemma 3's ends '<end_of_turn>\\n'). The reference is transformers' render of
+  the conversation minus the prompt's. Before, the tokenizer's <eos> was appended after Gemma's
+  turn end, a token TRL's pair does not have."""
+  tok, stops = gemma_like_tokenizer()
+  prompt = [{'role': 'user', 'content': 'What is 2+2?'}]
+  row = data.Row(prompt=prompt, chosen=[{'role': 'assistant', 'content': 'It is 4.'}],
+                 rejected=[{'role': 'assistant', 'content': 'It is 5.'}])
+  row.where = 'pref.jsonl:1'
+  head = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+  _, chosen, rejected = preference.encode_row(tok, preference.parse(row, {}), stops)
+  for got, reply in ((chosen, row['chosen']), (rejected, row['rejected'])):
+    whole = tok.apply_chat_template(prompt + reply, tokenize=False)
+    assert whole.startswith(head) and whole.endswith('<end_of_turn>\n')
+    assert got == tok(whole[len(head):], add_special_tokens=False)['input_ids']
+    assert tok.eos_token_id not in got
+
+
+def test_a_string_sft_reply_through_the_template_ends_with_the_turns_end_token():
+  """A string completion after a templated prompt (a built-in task's SFT target, a string
+  prompt-completion row, DPO's reference_as_chosen) is trained as the template's assistant turn,
+  up to the token sampling stops at: Gemma 3's '<end_of_turn>', as the sampled replies end and as
+  TRL's SFTTrainer trains the same example as a conversation (its trailing newline, after the
+  stop, aside). Before: the raw completion and <eos>, a terminator Gemma's template never
+  writes, and in DPO's reference_as_chosen pairs a last token the sampled rejected replies never
+  had."""
+  from jaxrl_ga import sft_data  # pylint: disable=import-outside-toplevel
+  from jaxrl_ga.trainers import text  # pylint: disable=import-outside-toplevel
+  tok, stops = gemma_like_tokenizer()
+  user = [{'role': 'user', 'content': 'What is 2+2?'}]
+  head = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+  whole = tok.apply_chat_template(user + [{'role': 'assistant', 'content': ' 4'}], tokenize=False)
+  want = tok(whole[len(head):].removesuffix('\n'), add_special_tokens=False)['input_ids']
+  assert tok.decode(want) == '4<end_of_turn>'
+  row = data.Row(prompt='What is 2+2?', completion=' 4')
+  row.where = 'sft.jsonl:1'
+  ids, mask = sft_data.encode_row(tok, sft_data.check_row(row), stops)
+  assert ids == tok(head, add_special_tokens=False)['input_ids'] + want
+  assert [i for i, m in zip(ids, mask) if m] == want
+  assert text.encode_reply(tok, 'What is 2+2?', ' 4', stops) == want
+  # Without a template, or one whose turns end in no stop id: the completion and the eos.
+  tok.chat_template = None
+  assert text.encode_reply(tok, 'What is 2+2?', ' 4', stops) == tok(
+      ' 4' + tok.eos_token, add_special_tokens=False)['input_ids']

@@ -567,7 +567,9 @@ class Transformer(nnx.Module):
         nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt),
         logical_axes=('vocab', 'embed'))
     self.layers = DecoderStack(cfg, rngs=rngs)
-    self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), pdt), logical_axes=('norm',))
+    # (1 + w) norms start at w = 0 as the layers' (and HF's Gemma init); before, 1: a scale of 2.
+    self.final_norm = nnx.Param(jnp.full((cfg.hidden_size,), 0.0 if cfg.family.norm_plus_one
+                                         else 1.0, pdt), logical_axes=('norm',))
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Param(
           nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt),

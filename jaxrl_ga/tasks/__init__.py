@@ -2,7 +2,7 @@
 
   task = tasks.get_task('arithmetic', num_digits=2, operations='+')
   example = task.train_example(index=0, seed=0)    # Example(prompt='37+45=', answer='82', ...)
-  task.sft_completion(example)                     # '28' (reversed digits; the trainer adds eos)
+  task.sft_completion(example)                     # '28' (reversed digits; the trainer ends it)
   task.reward_functions()                          # [WeightedReward('correct', ...), ('format')]
 """
 

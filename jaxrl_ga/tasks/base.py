@@ -2,7 +2,9 @@
 
 All host-side Python. A trainer draws ``train_example(index, seed)`` for data positions
 ``index = 0, 1, 2, ...`` (so that resuming at a position needs no replay), tokenizes
-``example.prompt``, and for SFT appends ``sft_completion(example)`` and the tokenizer's eos. For
+``example.prompt``, and for SFT appends ``sft_completion(example)`` as its reply (the eos after
+it, or through a chat template the assistant turn up to its end token:
+``trainers.text.encode_reply``). For
 GRPO it decodes the sampled completions (special tokens dropped) and calls
 ``rewards.compute_rewards(task.reward_functions(), prompts, completions,
 reward_fields(examples, num_generations))``.

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 
 from jaxrl_ga.errors import ConfigError
 
-__all__ = ['has_chat_template', 'leading_special_ids', 'prompt_ids', 'prompt_text',
+__all__ = ['has_chat_template', 'leading_special_ids', 'prompt_ids', 'prompt_text', 'templated',
            'with_template_kwargs']
 
 
@@ -53,7 +53,7 @@ def prompt_text(tokenizer, text, chat: Optional[bool] = None) -> str:
   tokenizer has one). ``text`` may also be a list of chat messages (``{'role', 'content'}``,
   TRL's conversational prompt), which needs a chat template (without one: ConfigError)."""
   messages = None if isinstance(text, str) else list(text)
-  if not _templated(tokenizer, text, chat):
+  if not templated(tokenizer, text, chat):
     return text
   if not has_chat_template(tokenizer):
     raise ConfigError('a chat prompt (a list of messages, or chat=True) but the tokenizer has no '
@@ -66,11 +66,11 @@ def prompt_ids(tokenizer, text, chat: Optional[bool] = None) -> list[int]:
   """Token ids of ``prompt_text(tokenizer, text, chat)``: through the template, no special
   tokens beyond those it writes; raw text after ``leading_special_ids``."""
   ids = list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=False)['input_ids'])
-  return ids if _templated(tokenizer, text, chat) else leading_special_ids(tokenizer, text,
+  return ids if templated(tokenizer, text, chat) else leading_special_ids(tokenizer, text,
                                                                             ids) + ids
 
 
-def _templated(tokenizer, text, chat: Optional[bool]) -> bool:
+def templated(tokenizer, text, chat: Optional[bool] = None) -> bool:
   """Whether the prompt goes through the chat template (``chat``; default: when the tokenizer
   has one, or the prompt is a list of messages)."""
   return chat if chat is not None else (has_chat_template(tokenizer) or

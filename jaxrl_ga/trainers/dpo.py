@@ -68,7 +68,10 @@ def build_pairs(ctx: context.RunContext, cfg: DPOConfig, params, progs) -> dict[
         else:
           bad = row if bad is None else bad
       if good is None and bad is not None and cfg.reference_as_chosen:
-        good = text.encode(ctx.tokenizer, ctx.task.sft_completion(ex)) + [ctx.eos_id]
+        # ended as the template ends a turn, as the sampled rejected replies end (Gemma 3:
+        # <end_of_turn>, not <eos>: a pair differing in its last token teaches that token)
+        good = text.encode_reply(ctx.tokenizer, ex.prompt, ctx.task.sft_completion(ex),
+                                 ctx.generation_stops)
       if good is not None and bad is not None:
         chosen.append(good)
         rejected.append(bad)

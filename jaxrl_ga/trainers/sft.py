@@ -17,19 +17,18 @@ from jaxrl_ga.trainers import context
 from jaxrl_ga.trainers import evaluation
 from jaxrl_ga.trainers import reporting
 from jaxrl_ga.trainers import stage
-from jaxrl_ga.trainers import text
 
 
 def example_sequence(ctx: context.RunContext, index: int, seed: int, max_length: int
                      ) -> tuple[list[int], list[int]]:
   """(token ids, loss mask) of the training example at data position ``index``: a row of your
   data (``sft_data.SFTDataTask``, encoded once), or a built-in task's prompt + reference
-  completion + eos with the loss on the completion and the eos."""
+  completion as its reply (``sft_data.prompt_completion_ids``), the loss on the reply."""
   if isinstance(ctx.task, sft_data.SFTDataTask):
     return ctx.task.train_sequence(index, seed)
   ex = ctx.task.train_example(index, seed)
   ids, mask = sft_data.prompt_completion_ids(ctx.tokenizer, ex.prompt,
-                                             ctx.task.sft_completion(ex), ctx.eos_id)
+                                             ctx.task.sft_completion(ex), ctx.generation_stops)
   if len(ids) > max_length:
     raise ConfigError(f'a sequence of {len(ids)} tokens (prompt + completion) exceeds '
                       f'sft.max_length={max_length}; raise sft.max_length.')
@@ -75,14 +74,16 @@ class SFTStage(stage.Stage):
         cfg.sft, max_length=stage.rounded_up(needed, room))), {'sft.max_length': needed}
 
   def length_limits(self, cfg, task, tokenizer, measured):
-    """Every example (prompt + completion + eos) and held-out prompt fits sft.max_length, and
-    a held-out prompt with its greedy completion the model's positions."""
+    """Every example (prompt + its reply, as example_sequence encodes it) and held-out prompt
+    fits sft.max_length, and a held-out prompt with its greedy completion the model's
+    positions."""
     if isinstance(task, sft_data.SFTDataTask):
       example = task.longest()
     else:
-      example = max((len(text.encode_prompt(tokenizer, e.prompt)
-                         + text.encode(tokenizer, task.sft_completion(e)))
-                     for e in measured.train), default=0) + 1  # + eos
+      stops = measured.stops or int(tokenizer.eos_token_id)
+      example = max((len(sft_data.prompt_completion_ids(tokenizer, e.prompt,
+                                                         task.sft_completion(e), stops)[0])
+                     for e in measured.train), default=0)
     return ([('sft.max_length', cfg.sft.max_length, max(example, measured.prompt_eval))],
             [('sft.max_length + eval.max_completion_length',
               cfg.sft.max_length + cfg.eval.max_completion_length)])

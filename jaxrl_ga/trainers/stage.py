@@ -49,6 +49,9 @@ class Measured:
   train: list  # the training examples measured (none where the stage's data checks its own)
   prompt_eval: int  # tokens of the longest held-out prompt
   prompt_longest: int  # tokens of the longest prompt measured, training and held-out
+  # The ids sampling stops at, the tokenizer's eos first (policy.stop_ids), which a reference
+  # reply ends with (text.encode_reply); (): the tokenizer's eos alone.
+  stops: tuple[int, ...] = ()
 
 
 class Stage:

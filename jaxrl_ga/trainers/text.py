@@ -3,7 +3,7 @@ generation, right-padded (and packed) rows for SFT and DPO, and completions deco
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -24,6 +24,38 @@ def encode_ending(tokenizer, text: str, eos_id: int) -> list[int]:
   dpo_trainer.py, ``add_eos``), so a row is never trained on EOS -> EOS."""
   ids = encode(tokenizer, text)
   return ids if ids and ids[-1] == eos_id else ids + [eos_id]
+
+
+def stop_tuple(stops: Union[int, Sequence[int]]) -> tuple[int, ...]:
+  """``stops`` as a tuple: an int is the tokenizer's eos alone; a sequence is the tokenizer's eos
+  first, then the generation config's other eos ids (``policy.stop_ids``)."""
+  return (int(stops),) if isinstance(stops, (int, np.integer)) else tuple(int(s) for s in stops)
+
+
+def encode_reply(tokenizer, prompt, completion: str, stops: Union[int, Sequence[int]]
+                 ) -> list[int]:
+  """A string completion's ids as the reply to ``prompt`` (SFT's and DPO's reference replies).
+
+  Where the prompt goes through the chat template (``chat.templated``): the assistant turn the
+  template writes after the prompt (``completion`` as one assistant message; the template may
+  add around it, e.g. Qwen3's empty reasoning block) up to and including the first of ``stops``
+  in it: the token the model ends its turn with, where sampling stops (Gemma 3's
+  ``<end_of_turn>``, not the tokenizer's ``<eos>``; ChatML's ``<|im_end|>``, the eos). Otherwise
+  (no template, a template that writes no stop id, or one that renders the prompt differently
+  inside the conversation): :func:`encode_ending`, the completion and the eos (``stops[0]``)."""
+  stops = stop_tuple(stops)
+  if chat.templated(tokenizer, prompt):
+    messages = ([{'role': 'user', 'content': prompt}] if isinstance(prompt, str)
+                else [dict(m) for m in prompt])
+    head = chat.prompt_text(tokenizer, prompt)
+    whole = tokenizer.apply_chat_template(
+        messages + [{'role': 'assistant', 'content': completion}], tokenize=False)
+    if whole.startswith(head):
+      ids = encode(tokenizer, whole[len(head):])
+      end = next((i for i, t in enumerate(ids) if t in stops), None)
+      if end is not None:
+        return ids[:end + 1]
+  return encode_ending(tokenizer, completion, stops[0])
 
 
 def encode_prompt(tokenizer, text) -> list[int]:
