@@ -824,6 +824,17 @@ class Episodes:
     # The template's own text for the turns, however it writes their content (Llama 3.1's
     # ``| tojson`` escapes quotes and newlines), as TRL takes it.
     suffix = full[len(prefix):] if full.startswith(prefix) else None
+    if suffix is None and eos and eos in prefix and full != bare:
+      # A template that rewrites the earlier assistant turn once a turn follows it (Qwen3 drops
+      # its empty reasoning block): the tool turns start after as many eos as the prefix holds,
+      # the text TRL 1.16 takes from its prefix-preserving training template.
+      at = -len(eos)
+      for _ in range(prefix.count(eos)):
+        at = full.find(eos, at + len(eos))
+        if at < 0:
+          break
+      if at >= 0:
+        suffix = full[at + len(eos):]
     if suffix is None or full == bare:
       # The template drops tool turns: ChatML's, as Qwen2.5's tokens write a tool turn.
       suffix = '\n' + ''.join(f'<|im_start|>tool\n{m["content"]}<|im_end|>\n'

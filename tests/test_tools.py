@@ -766,3 +766,45 @@ def test_llamas_bare_json_calls_are_read_and_an_unreadable_format_refused(tok):
   message = str(e.value)
   assert '\n' not in message and '[CALL tool_name_a8f3e2b1' in message
   assert 'tokenizer.response_schema' in message and '<tool_call>' in message
+
+
+# Qwen3's template, reduced: the last assistant turn is written with its (empty) reasoning block,
+# an earlier one without it, so a turn that follows rewrites it; tool
+# results go back as a user turn in <tool_response> tags; enable_thinking=False closes the
+# reasoning in the generation prompt.
+QWEN3_LIKE_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+    "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize('thinking', [True, False])
+def test_a_template_that_rewrites_the_earlier_turn_gets_its_own_tool_turns(tok, thinking):
+  """Qwen3's template writes a tool result as a user turn in <tool_response> tags, and drops the
+  calling turn's empty reasoning block once a turn follows it, so its render of the call is no
+  prefix of the render with the result. TRL 1.16 then takes the tool turns from its
+  prefix-preserving training template; the reference is that text, written out from the
+  template above. Before, such a template fell back to ChatML's `tool` role, a format Qwen3
+  never sees, and with enable_thinking=False the next turn started without the closed
+  reasoning block."""
+  import copy  # pylint: disable=import-outside-toplevel  # lazy: this test only
+  from jaxrl_ga.tasks import chat  # pylint: disable=import-outside-toplevel
+  model_tok = copy.deepcopy(tok)
+  model_tok.chat_template = QWEN3_LIKE_TEMPLATE
+  if not thinking:
+    model_tok = chat.with_template_kwargs(model_tok, {'enable_thinking': False})
+  ep = _setup(tools=[multiply]).episodes(model_tok, [Example('q', None)])
+  got = ep.submit(0, _turn(model_tok, _call('multiply', a=6, b=7))).result(5)
+  want = ('\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n'
+          '<|im_start|>assistant\n' + ('' if thinking else '<think>\n\n</think>\n\n'))
+  assert model_tok.decode(got.tolist()) == want
+  assert got.tolist() == model_tok(want, add_special_tokens=False)['input_ids']
