@@ -167,10 +167,17 @@ def encode_row(tokenizer, row: rows_lib.Row, stops: Union[int, Sequence[int]], *
   token's mask is 0 (nothing predicts it), so that packed and unpacked rows count alike.
   ``stops``: the tokenizer's eos, or the ids sampling stops at, eos first (``policy.stop_ids``;
   ``text.encode_reply``).
-  ``assistant_only`` (sft.assistant_only_loss) False: a ``messages`` row trains on every token;
-  ``completion_only`` (sft.completion_only_loss) False: a prompt-completion row too."""
-  ids, mask = _encode_row(tokenizer, row, text.stop_tuple(stops))
+  ``assistant_only`` (sft.assistant_only_loss) False: a ``messages`` row trains on every token
+  of the whole conversation's render, as TRL tokenizes it (no assistant text to find: a
+  template that rewrites earlier turns, Qwen3's, is fine then); ``completion_only``
+  (sft.completion_only_loss) False: a prompt-completion row trains on every token too."""
   kind = row_format(row)
+  if kind == 'messages' and not assistant_only:
+    _need_template(tokenizer, row.where)
+    ids = text.encode(tokenizer, render(tokenizer, row['messages'], False, row.where,
+                                        **render_kwargs(row)))
+    return ids, [0] + [1] * (len(ids) - 1)
+  ids, mask = _encode_row(tokenizer, row, text.stop_tuple(stops))
   if (kind == 'messages' and not assistant_only) or (
       kind == 'prompt_completion' and not completion_only):
     mask = [0] + [1] * (len(ids) - 1)
@@ -185,7 +192,10 @@ def _encode_row(tokenizer, row: rows_lib.Row, stops: tuple[int, ...]
            + text.encode_ending(tokenizer, row['text'], stops[0]))
     return ids, [0] + [1] * (len(ids) - 1)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
-      row['prompt'], str):  # the built-in tasks' rule (trainers.sft)
+      row['prompt'], str):  # the built-in tasks' rule (trainers.sft), with the row's own columns
+    kwargs = render_kwargs(row)
+    if kwargs and chat.has_chat_template(tokenizer):
+      tokenizer = chat.with_template_kwargs(tokenizer, kwargs, f'{row.where}: chat_template_kwargs')
     return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], stops)
   _need_template(tokenizer, row.where)
   kwargs = render_kwargs(row)

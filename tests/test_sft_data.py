@@ -414,6 +414,42 @@ def test_tool_calls_and_the_tools_column_reach_the_template_as_trl_passes_them(t
   assert _trained_text(tok, ids, mask) == '42<|end|>\n'
 
 
+def test_a_string_rows_own_template_columns_reach_the_template():
+  """A string prompt-completion row goes through the template as one user message (the
+  library's rule): its own chat_template_kwargs and tools columns reach that render, as they do
+  for message rows and DPO rows. The reference is transformers' render with them. Before, both
+  columns were dropped for string rows: a row's enable_thinking=False trained in thinking mode."""
+  tok = _tokenizer(TOOLS_TEMPLATE)
+  row = _row(prompt='What is 6*7?', completion='42', tools=[TOOL_SCHEMA],
+             chat_template_kwargs={'enable_thinking': False})
+  ids, mask = sft_data.encode_row(tok, row, EOS)
+  head = tok.apply_chat_template([{'role': 'user', 'content': 'What is 6*7?'}],
+                                 add_generation_prompt=True, tokenize=False, tools=[TOOL_SCHEMA],
+                                 enable_thinking=False)
+  assert head.startswith('/no_think\n<|system|>\ntools: multiply')
+  n = len(tok(head, add_special_tokens=False)['input_ids'])
+  assert ids[:n] == tok(head, add_special_tokens=False)['input_ids'] and not any(mask[:n])
+
+
+def test_without_assistant_only_loss_a_rewriting_template_trains_the_whole_render():
+  """sft.assistant_only_loss=False trains every token of the conversation as the template
+  renders it whole (TRL 1.16's tokenization), so a template that rewrites earlier turns (Qwen3's
+  drops their reasoning blocks: here, the last assistant turn alone gets one) is fine; with
+  assistant_only_loss its assistant text cannot be found and the row is refused, as before.
+  Before, the row was refused either way."""
+  tok = _tokenizer("{% for m in messages %}<|{{ m.role }}|>\n{% if m.role == 'assistant' and "
+                   "loop.last %}<think></think>{% endif %}{{ m.content }}<|end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+  messages = [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'},
+              {'role': 'user', 'content': 'c'}, {'role': 'assistant', 'content': 'd'}]
+  ids, mask = sft_data.encode_row(tok, _row(messages=messages), EOS, assistant_only=False)
+  assert ids == tok(tok.apply_chat_template(messages, tokenize=False),
+                    add_special_tokens=False)['input_ids']
+  assert mask == [0] + [1] * (len(ids) - 1)
+  with pytest.raises(ConfigError, match='renders an earlier part of this conversation'):
+    sft_data.encode_row(tok, _row(messages=messages), EOS)
+
+
 @pytest.mark.parametrize('column,value,message', [
     ('tools', 'not json', r'"tools" must be a list of tool schemas'),
     ('tools', {'name': 'f'}, r'"tools" must be a list of tool schemas'),
