@@ -16,9 +16,9 @@ template with the generation prompt, a reply the text the template writes after 
 conversation (TRL's DPO preprocessing), an eos added only when it holds no id sampling stops at
 (``PreferenceTask.stops``: a template that ends turns with no token, such as a fresh model's plain
 one; TRL adds none to conversational rows: Gemma 3's reply ends ``<end_of_turn>\n``, not
-``<eos>``). Without a template the
-strings are used as they are (the prompt after the tokenizer's leading special tokens, a base
-model's BOS, as TRL tokenizes text), each reply followed by the eos unless it ends with one.
+``<eos>``). Without a template the strings are used as they are (the prompt after the tokenizer's
+leading special tokens, a base model's BOS, as TRL tokenizes text), each reply followed by the
+eos unless it ends with one.
 
 Lengths: a prompt longer than ``dpo.max_prompt_length`` (0: ``dpo.max_length - 1``) is an error
 naming its row, dropped (counted) or truncated on ``dpo.truncation_side``
