@@ -178,8 +178,7 @@ def encode_row(tokenizer, row: rows_lib.Row, stops: Union[int, Sequence[int]], *
                                         **render_kwargs(row)))
     return ids, [0] + [1] * (len(ids) - 1)
   ids, mask = _encode_row(tokenizer, row, text.stop_tuple(stops))
-  if (kind == 'messages' and not assistant_only) or (
-      kind == 'prompt_completion' and not completion_only):
+  if kind == 'prompt_completion' and not completion_only:
     mask = [0] + [1] * (len(ids) - 1)
   return ids, mask
 
@@ -191,14 +190,13 @@ def _encode_row(tokenizer, row: rows_lib.Row, stops: tuple[int, ...]
     ids = (chat.leading_special_ids(tokenizer, row['text'])
            + text.encode_ending(tokenizer, row['text'], stops[0]))
     return ids, [0] + [1] * (len(ids) - 1)
+  kwargs = render_kwargs(row)
   if kind == 'prompt_completion' and isinstance(row['completion'], str) and isinstance(
       row['prompt'], str):  # the built-in tasks' rule (trainers.sft), with the row's own columns
-    kwargs = render_kwargs(row)
     if kwargs and chat.has_chat_template(tokenizer):
-      tokenizer = chat.with_template_kwargs(tokenizer, kwargs, f'{row.where}: chat_template_kwargs')
+      tokenizer = chat.with_template_kwargs(tokenizer, kwargs)
     return prompt_completion_ids(tokenizer, row['prompt'], row['completion'], stops)
   _need_template(tokenizer, row.where)
-  kwargs = render_kwargs(row)
   if kind == 'prompt_completion':
     prompt = row['prompt']
     prompt = [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else prompt
