@@ -25,8 +25,9 @@ checkpoint first.
 
 Multi-host: orbax coordinates processes. Each process writes only its addressable shards; the JSON
 ``meta`` and the directory renames are done by the primary process alone; nothing here writes
-an array or JSON file itself (it renames and deletes step directories, on the primary process). ``PreemptionGuard.should_stop_at(step)`` makes every process stop (and save) at the
-same step: ask it at the same point of the loop on every process.
+an array or JSON file itself (it renames and deletes step directories, on the primary process).
+``PreemptionGuard.should_stop_at(step)`` makes every process stop (and save) at the same step:
+ask it at the same point of the loop on every process.
 """
 
 from __future__ import annotations
@@ -200,9 +201,8 @@ def checksums(tree: Any, on_host: bool = False) -> dict[str, str]:
   are (accelerator or multi-process jax.Arrays, sharded or not, in one jitted program whose sums
   are the same on any sharding; numpy arrays and a CPU process's arrays on the host), so the
   same bits give the same strings whether a checkpoint is saved from devices or read to the
-  host (``restore_raw``). Other leaves (Python
-  numbers, which orbax may read back as another type) have none. on_host: every leaf on the
-  host, nothing compiled (export's raw read)."""
+  host (``restore_raw``). Other leaves (Python numbers, which orbax may read back as another
+  type) have none. on_host: every leaf on the host, nothing compiled (export's raw read)."""
   flat = {k: (jax.random.key_data(v) if isinstance(v, jax.Array)
               and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
           for k, v in _flat(tree).items()}

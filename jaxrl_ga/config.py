@@ -552,9 +552,10 @@ class SamplingConfig:
     rollout_micro_batch_size: completions generated at once, to bound KV-cache memory
       (0 means the whole rollout at once).
     old_logprob_source: GRPO: 'recompute' (a learner forward pass, only for the slices the
-      schedule marks) or 'sampler' (the sampler's own log-probs, free with generation). Either way they are
-      log-probs under the tempered but untruncated softmax, log_softmax(logits / temperature),
-      what the learner computes: top-k / top-p only choose which token is drawn.
+      schedule marks) or 'sampler' (the sampler's own log-probs, free with generation). Either
+      way they are log-probs under the tempered but untruncated softmax,
+      log_softmax(logits / temperature), what the learner computes: top-k / top-p only choose
+      which token is drawn.
     decode_slots: 0 decodes the rollout's rows in batches of rollout_micro_batch_size, each
       until its longest row finishes; > 0 decodes them in a pool of this many slots, a slot
       taking the next row as soon as its row finishes (``jaxrl_ga.sampling``, "Slot pool"): the
@@ -631,9 +632,9 @@ _ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 # apply_chat_template's own arguments, which the callers set: not chat-template keyword arguments.
 _TEMPLATE_CALL_ARGS = ('conversation', 'tools', 'documents', 'chat_template',
-                       'add_generation_prompt', 'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length',
-                       'return_tensors', 'return_dict', 'return_assistant_tokens_mask',
-                       'tokenizer_kwargs')
+                       'add_generation_prompt', 'continue_final_message', 'tokenize', 'padding',
+                       'truncation', 'max_length', 'return_tensors', 'return_dict',
+                       'return_assistant_tokens_mask', 'tokenizer_kwargs')
 
 
 def template_kwargs_json(value: Any, setting: str) -> str:
@@ -1332,7 +1333,6 @@ def unknown_config_arg(path: str, arg: str, known: Sequence[str]) -> ConfigError
   names = ', '.join(repr(k) if k == '' else k for k in known)
   return ConfigError(f'{os.path.basename(path)} knows no argument {arg!r}; its arguments: '
                      f'{names} (--config={path}:<argument>).')
-
 
 
 def config_dirs() -> list[str]:

@@ -68,8 +68,8 @@ A step fits when its peak is at most (1 - --headroom) of the chip's HBM (default
 when one does not, the tool prints the knobs that lower memory and exits with status 1. A bad
 flag or config prints one ``error:`` line and exits with status 2.
 
-This module is the command line and imports no JAX: ``run()`` defaults ``JAX_PLATFORMS`` to cpu first,
-then the library, ``jaxrl_ga.planning``, is imported (``plan.lower_grpo``, ``plan.plan``, ...
+This module is the command line and imports no JAX: ``run()`` defaults ``JAX_PLATFORMS`` to cpu
+first, then the library, ``jaxrl_ga.planning``, is imported (``plan.lower_grpo``, ``plan.plan``, ...
 are its functions).
 """
 

@@ -21,9 +21,9 @@ source's last path component (``/ckpt/my_rm`` -> ``my_rm``; ``pkg:<package>``: t
 What it computes is TRL's (``GRPOTrainer._calculate_rewards``): the texts are prompt + completion,
 or, for chat prompts, the reward model's own chat template over prompt + [the completion as an
 assistant message] (``apply_chat_template(..., tokenize=False)``, with the run's
-``model.chat_template_kwargs`` as TRL passes its ``chat_template_kwargs``; in a tool or environment
-episode the episode's ``completions_messages`` instead: every assistant turn, tool call and tool
-result, TRL's conversational completion); its tokenizer encodes them with
+``model.chat_template_kwargs`` as TRL passes its ``chat_template_kwargs``; in a tool or
+environment episode the episode's ``completions_messages`` instead: every assistant turn, tool
+call and tool result, TRL's conversational completion); its tokenizer encodes them with
 ``add_special_tokens=False``, right-padded, not truncated, with eos as the pad token when it has
 none; the reward is logit 0 (``logits[:, 0]``) read at the last token that is not the pad token
 (HF's ``*ForSequenceClassification`` pooling: the rightmost position whose id differs from
